@@ -1,0 +1,184 @@
+"""The attention-backend interface.
+
+A backend turns one step's common page-table metadata into whatever its kernels need
+(:meth:`AttentionBackend.build_metadata`, once per step, shared by all layers), writes the step's new
+history K/V into the paged cache (:meth:`AttentionBackend.append_kv`) and computes attention
+(:meth:`AttentionBackend.attend`) for two kinds of query rows:
+
+- **new history rows**: causal over the request's paged history, which already includes them;
+- **candidate rows**: over the request's whole paged history plus themselves, never over other
+  candidates. Candidate K/V are never written into pages.
+
+Rows of the flat batch are grouped by request: request ``b`` owns rows
+``query_start_loc[b]:query_start_loc[b + 1]``, first its ``num_history_rows[b]`` new history rows,
+then its ``num_candidate_rows[b]`` candidate rows.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import torch
+
+AttentionKind = Literal["hstu", "softmax"]
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What the model asks of attention; a backend says whether it can serve it.
+
+    Attributes:
+        kind: ``"hstu"`` (``silu(alpha * q.k) / scaling_seqlen``, no softmax) or ``"softmax"``.
+        num_heads: query and KV heads (no grouped-query attention).
+        head_dim: features per head, shared by q, k and v.
+        page_size: tokens per KV page.
+        dtype: dtype of q/k/v and of the paged cache.
+        device_type: ``"cpu"`` or ``"cuda"``.
+        alpha: scale applied to ``q.k`` (``1/sqrt(head_dim)`` by default in the model).
+        scaling_seqlen: the fixed HSTU normaliser (a configured constant, never the batch's length).
+    """
+
+    kind: AttentionKind
+    num_heads: int
+    head_dim: int
+    page_size: int
+    dtype: torch.dtype
+    device_type: str
+    alpha: float
+    scaling_seqlen: int
+
+
+@dataclass(frozen=True)
+class BackendSupport:
+    """What a backend can serve. ``None`` for ``head_dims``/``page_sizes`` means any value."""
+
+    devices: frozenset[str]
+    dtypes: frozenset[torch.dtype]
+    kinds: frozenset[str]
+    head_dims: frozenset[int] | None = None
+    page_sizes: frozenset[int] | None = None
+
+    def reasons_unsupported(self, spec: AttentionSpec) -> list[str]:
+        """Every reason this support set cannot serve ``spec`` (empty when it can)."""
+        reasons = []
+        if spec.device_type not in self.devices:
+            reasons.append(f"device {spec.device_type!r} not in {sorted(self.devices)}")
+        if spec.dtype not in self.dtypes:
+            reasons.append(f"dtype {spec.dtype} not in {sorted(str(d) for d in self.dtypes)}")
+        if spec.kind not in self.kinds:
+            reasons.append(f"attention kind {spec.kind!r} not in {sorted(self.kinds)}")
+        if self.head_dims is not None and spec.head_dim not in self.head_dims:
+            reasons.append(f"head_dim {spec.head_dim} not in {sorted(self.head_dims)}")
+        if self.page_sizes is not None and spec.page_size not in self.page_sizes:
+            reasons.append(f"page_size {spec.page_size} not in {sorted(self.page_sizes)}")
+        return reasons
+
+
+@dataclass
+class PagedBatchMetadata:
+    """One step's page tables and row layout, built once by the model runner, shared by all layers.
+
+    All tensors live on the model's device; index tensors are int32. ``B`` is the number of requests in
+    the step, ``T`` the number of query rows, ``N`` the number of new history rows (``N <= T``).
+    The page table describes each request's history *after* this step's append.
+
+    Attributes:
+        query_start_loc: ``[B + 1]`` row offsets of each request in the flat batch.
+        num_history_rows: ``[B]`` new history rows of each request (appended to its pages).
+        num_candidate_rows: ``[B]`` candidate rows of each request.
+        kv_indptr: ``[B + 1]`` CSR offsets into ``kv_indices``.
+        kv_indices: ``[num_pages_in_batch]`` physical page ids.
+        kv_last_page_len: ``[B]`` valid tokens in each request's last page (0 if it has no page).
+        kv_seq_lens: ``[B]`` history tokens in pages after the append.
+        append_batch_indices: ``[N]`` request index of each new history row.
+        append_positions: ``[N]`` position of each new history row in its request's history.
+        history_rows: ``[N]`` flat row index of each new history row.
+        candidate_rows: ``[T - N]`` flat row index of each candidate row.
+        candidate_batch_indices: ``[T - N]`` request index of each candidate row.
+        page_size: tokens per page.
+        max_query_len: largest per-request row count (host int).
+        max_kv_len: largest ``kv_seq_lens`` entry (host int).
+        max_pages: largest per-request page count (host int).
+    """
+
+    query_start_loc: torch.Tensor
+    num_history_rows: torch.Tensor
+    num_candidate_rows: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    kv_seq_lens: torch.Tensor
+    append_batch_indices: torch.Tensor
+    append_positions: torch.Tensor
+    history_rows: torch.Tensor
+    candidate_rows: torch.Tensor
+    candidate_batch_indices: torch.Tensor
+    page_size: int
+    max_query_len: int
+    max_kv_len: int
+    max_pages: int
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.kv_last_page_len)
+
+
+class AttentionBackend(abc.ABC):
+    """Base class of every attention backend. Subclasses set ``name`` and ``support``.
+
+    Instances are created once per engine with the model's :class:`AttentionSpec`.
+    """
+
+    name: ClassVar[str]
+    support: ClassVar[BackendSupport]
+    #: Relative speed used by ``attention_backend="auto"`` (higher wins among usable backends).
+    priority: ClassVar[int] = 0
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        reasons = self.reasons_unsupported(spec)
+        if reasons:
+            raise ValueError(f"attention backend {self.name!r} cannot serve this model: " + "; ".join(reasons))
+        self.spec = spec
+
+    @classmethod
+    def reasons_unsupported(cls, spec: AttentionSpec) -> list[str]:
+        """Every reason this backend cannot serve ``spec``; override to add runtime checks
+        (a missing package, an unsupported GPU)."""
+        return cls.support.reasons_unsupported(spec)
+
+    def build_metadata(self, common: PagedBatchMetadata) -> Any:
+        """Derive the backend's own per-step metadata from ``common`` (called once per step)."""
+        return common
+
+    @abc.abstractmethod
+    def append_kv(
+        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: Any
+    ) -> None:
+        """Write new history rows' K/V into their pages.
+
+        Args:
+            kv_cache: one layer's cache ``[num_pages, 2, page_size, H, D]`` (NHD), written in place.
+            key: ``[N, H, D]`` K of the new history rows, in ``history_rows`` order.
+            value: ``[N, H, D]`` V of the new history rows.
+            metadata: what :meth:`build_metadata` returned for this step.
+        """
+
+    @abc.abstractmethod
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: Any
+    ) -> torch.Tensor:
+        """Attention for every row of the flat batch (after :meth:`append_kv` for this layer).
+
+        Args:
+            q, k, v: ``[T, H, D]`` projections of all rows (history and candidates); candidates' own
+                k/v are read from here, history k/v from ``kv_cache``.
+            kv_cache: one layer's cache ``[num_pages, 2, page_size, H, D]``.
+            metadata: what :meth:`build_metadata` returned for this step.
+
+        Returns:
+            ``[T, H, D]`` attention output in ``q``'s dtype. For ``hstu`` it is
+            ``sum_j silu(alpha q.k_j) / scaling_seqlen * v_j`` over the row's allowed keys.
+        """

@@ -1,0 +1,114 @@
+"""``torch_ref``: pure-torch attention over the paged cache; runs anywhere, and is the oracle.
+
+Per step it pads the batch to ``[B, max_query_len]`` query rows and ``[B, max_pages * page_size]``
+history keys gathered through a padded block table, so a step is a handful of batched tensor ops with
+no Python loop over requests, tokens or pages. Memory is ``O(B * H * max_query_len * max_kv_len)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from .base import AttentionBackend, BackendSupport, PagedBatchMetadata
+from .paged import append_paged_kv_cache, padded_block_table
+
+
+@dataclass
+class TorchRefMetadata:
+    """Padded views of one step's batch (``P = max_query_len``).
+
+    Attributes:
+        common: the common metadata it was built from.
+        block_table: int64 ``[B, max_pages]`` physical pages, 0-padded.
+        row_index: int64 ``[B, P]`` flat row of each padded query slot (0 for padding).
+        row_valid: bool ``[B, P]``.
+        key_limit: int64 ``[B, P]`` number of leading history keys each slot may see.
+        is_candidate: bool ``[B, P]``; candidates also attend to their own k/v.
+    """
+
+    common: PagedBatchMetadata
+    block_table: torch.Tensor
+    row_index: torch.Tensor
+    row_valid: torch.Tensor
+    key_limit: torch.Tensor
+    is_candidate: torch.Tensor
+
+
+class TorchRefBackend(AttentionBackend):
+    """Reference HSTU and softmax attention in plain torch (CPU and CUDA, any float dtype)."""
+
+    name: ClassVar[str] = "torch_ref"
+    support: ClassVar[BackendSupport] = BackendSupport(
+        devices=frozenset({"cpu", "cuda"}),
+        dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64}),
+        kinds=frozenset({"hstu", "softmax"}),
+    )
+    priority: ClassVar[int] = 0
+
+    def build_metadata(self, common: PagedBatchMetadata) -> TorchRefMetadata:
+        device = common.query_start_loc.device
+        starts = common.query_start_loc[:-1].long()
+        num_rows = (common.query_start_loc[1:] - common.query_start_loc[:-1]).long()
+        num_hist = common.num_history_rows.long()
+        slot = torch.arange(common.max_query_len, device=device)[None, :]
+        row_valid = slot < num_rows[:, None]
+        row_index = torch.where(row_valid, starts[:, None] + slot, 0)
+        seq_lens = common.kv_seq_lens.long()[:, None]
+        is_candidate = row_valid & (slot >= num_hist[:, None])
+        # A new history row in slot s sits at position seq_len - num_hist + s and sees keys up to it.
+        hist_limit = seq_lens - num_hist[:, None] + slot + 1
+        key_limit = torch.where(is_candidate, seq_lens, torch.where(row_valid, hist_limit, 0))
+        block_table = padded_block_table(common.kv_indptr, common.kv_indices, common.max_pages)
+        return TorchRefMetadata(common, block_table, row_index, row_valid, key_limit, is_candidate)
+
+    def append_kv(
+        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: TorchRefMetadata
+    ) -> None:
+        c = metadata.common
+        append_paged_kv_cache(
+            key, value, c.append_batch_indices, c.append_positions, kv_cache,
+            c.kv_indices, c.kv_indptr, c.kv_last_page_len,
+        )
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+        metadata: TorchRefMetadata,
+    ) -> torch.Tensor:
+        m = metadata
+        batch = m.row_index.shape[0]
+        heads, dim = q.shape[1], q.shape[2]
+        compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        pages = kv_cache[m.block_table]  # [B, max_pages, 2, page_size, H, D]
+        hist_k = pages[:, :, 0].reshape(batch, -1, heads, dim).to(compute)
+        hist_v = pages[:, :, 1].reshape(batch, -1, heads, dim).to(compute)
+        rows = m.row_index
+        q_pad = q[rows].to(compute)  # [B, P, H, D]
+        self_k, self_v = k[rows].to(compute), v[rows].to(compute)
+
+        alpha = self.spec.alpha
+        logits = torch.einsum("bphd,bkhd->bhpk", q_pad, hist_k) * alpha  # [B, H, P, K]
+        self_logit = (q_pad * self_k).sum(-1).transpose(1, 2)[..., None] * alpha  # [B, H, P, 1]
+        key_pos = torch.arange(hist_k.shape[1], device=q.device)
+        allowed = (key_pos[None, None, :] < m.key_limit[:, :, None])[:, None]  # [B, 1, P, K]
+        self_allowed = m.is_candidate[:, None, :, None]  # [B, 1, P, 1]
+
+        if self.spec.kind == "hstu":
+            inv_n = 1.0 / self.spec.scaling_seqlen
+            weights = torch.where(allowed, F.silu(logits), 0.0) * inv_n
+            self_weight = torch.where(self_allowed, F.silu(self_logit), 0.0) * inv_n
+        else:
+            all_logits = torch.cat([logits, self_logit], dim=-1)
+            all_allowed = torch.cat([allowed, self_allowed], dim=-1)
+            probs = torch.softmax(all_logits.masked_fill(~all_allowed, float("-inf")), dim=-1)
+            probs = torch.nan_to_num(probs, nan=0.0)  # rows with no key at all (padding)
+            weights, self_weight = probs[..., :-1], probs[..., -1:]
+
+        out = torch.einsum("bhpk,bkhd->bphd", weights, hist_v)
+        out = out + self_weight.squeeze(-1).transpose(1, 2)[..., None] * self_v
+        result = torch.empty_like(q)
+        result[rows[m.row_valid]] = out[m.row_valid].to(q.dtype)
+        return result

@@ -1,0 +1,31 @@
+"""gr-engine: a serving engine for generative recommendation (HSTU) models.
+
+Each user's KV cache persists across visits in a paged pool, so a returning user's long history is
+never re-encoded. Start with :class:`GREngine` and :class:`EngineConfig`.
+"""
+
+from .config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, load_config
+from .engine import GREngine
+from .metrics import EngineStats
+from .models import HSTUModel
+from .outputs import GenerateOutput, RankOutput, StepTimings
+from .request import GenerateParams, GenerateRequest, RankRequest
+from .validation import RequestError
+
+__all__ = [
+    "CacheConfig",
+    "EngineConfig",
+    "EngineStats",
+    "GREngine",
+    "GenerateOutput",
+    "GenerateParams",
+    "GenerateRequest",
+    "HSTUModel",
+    "ModelConfig",
+    "RankOutput",
+    "RankRequest",
+    "RequestError",
+    "SchedulerConfig",
+    "StepTimings",
+    "load_config",
+]

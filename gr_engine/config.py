@@ -1,0 +1,168 @@
+"""Typed engine configuration: model, cache, scheduler and engine settings.
+
+Configs are ``msgspec.Struct``s with documented defaults. :func:`load_config` reads a JSON or TOML
+file and applies ``section.key=value`` overrides (the CLI's ``--set``); every value is type-checked.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import torch
+
+from cache_engine.config import CacheConfig
+from scheduler.config import SchedulerConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DTypeName = Literal["float32", "bfloat16", "float16"]
+
+__all__ = [
+    "CacheConfig",
+    "EngineConfig",
+    "ModelConfig",
+    "SchedulerConfig",
+    "load_config",
+]
+
+
+class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The cache-consistent HSTU ranking model (DESIGN.md section 4).
+
+    Attributes:
+        num_items: item vocabulary size; item ids are ``0 .. num_items - 1``.
+        num_actions: action vocabulary size (e.g. a bitmask of engagement signals); ids
+            ``0 .. num_actions - 1``. Candidates use an extra learned "candidate" action.
+        d_model: embedding and residual width.
+        num_layers: HSTU layers.
+        num_heads: attention heads.
+        head_dim: features per head (q, k, v and u).
+        max_history_len: longest history accepted (events); also the number of position embeddings.
+        max_candidates: most candidates per request.
+        num_tasks: ranking head outputs per candidate (e.g. click, like, long-view).
+        ranking_hidden: hidden width of the ranking MLP.
+        scaling_seqlen: the fixed attention normaliser ``N`` in ``silu(alpha q.k) / N``; defaults to
+            ``max_history_len``. Never the batch's length, so scores do not depend on batch-mates.
+        attn_alpha: scale of ``q.k``; defaults to ``1 / sqrt(head_dim)``.
+        concat_ua: output projection over ``[u, attn, u * LN(attn)]`` instead of ``u * LN(attn)``.
+        dtype: parameter, activation and KV dtype.
+        seed: seed of the random initialisation (used when no weights file is given).
+    """
+
+    num_items: int = 1000
+    num_actions: int = 16
+    d_model: int = 64
+    num_layers: int = 2
+    num_heads: int = 2
+    head_dim: int = 32
+    max_history_len: int = 4096
+    max_candidates: int = 128
+    num_tasks: int = 3
+    ranking_hidden: int = 128
+    scaling_seqlen: int | None = None
+    attn_alpha: float | None = None
+    concat_ua: bool = False
+    dtype: DTypeName = "float32"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_items", "num_actions", "d_model", "num_layers", "num_heads", "head_dim",
+                     "max_history_len", "max_candidates", "num_tasks", "ranking_hidden"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.scaling_seqlen is not None and self.scaling_seqlen <= 0:
+            raise ValueError(f"model.scaling_seqlen must be positive, got {self.scaling_seqlen}")
+
+    @property
+    def normaliser(self) -> int:
+        return self.scaling_seqlen if self.scaling_seqlen is not None else self.max_history_len
+
+    @property
+    def alpha(self) -> float:
+        return self.attn_alpha if self.attn_alpha is not None else self.head_dim**-0.5
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Everything the engine needs.
+
+    Attributes:
+        model: the model's shape and numerics.
+        cache: KV cache mode and pool size.
+        scheduler: batch size and token budget per step.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"`` (CUDA when available).
+        attention_backend: a registered backend name, or ``"auto"`` for the fastest usable one.
+        weights_path: a safetensors file written by ``HSTUModel.save``; ``None`` initialises randomly
+            from ``model.seed``.
+    """
+
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    device: str = "cpu"
+    attention_backend: str = "torch_ref"
+    weights_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.scheduler.max_num_batched_tokens <= self.model.max_candidates:
+            raise ValueError(
+                f"scheduler.max_num_batched_tokens ({self.scheduler.max_num_batched_tokens}) must exceed "
+                f"model.max_candidates ({self.model.max_candidates}) so a request's candidates fit in a step"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``"a.b=value"`` overrides to a nested dict (values parsed as JSON, else kept as strings)."""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r} is not of the form section.key=value")
+        *parents, leaf = key.strip().split(".")
+        node = data
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r}: {part!r} is not a section")
+        node[leaf] = _parse_value(value.strip())
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> EngineConfig:
+    """Build an :class:`EngineConfig` from an optional JSON/TOML file and ``key=value`` overrides.
+
+    Raises:
+        ValueError: unreadable file, unknown key, wrong type or invalid value (the message says which).
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        raw = path.read_bytes()
+        try:
+            data = tomllib.loads(raw.decode()) if path.suffix == ".toml" else json.loads(raw)
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot parse config file {path}: {exc}") from exc
+    data = apply_overrides(data, list(overrides or []))
+    try:
+        return msgspec.convert(data, EngineConfig)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid config: {exc}") from exc

@@ -1,0 +1,219 @@
+"""``GREngine``: the public entry point (vLLM ``LLM.generate`` conventions).
+
+``rank`` and ``generate`` take a list of requests and return one output per request, in input order;
+a bad request gets an output whose ``error`` says why, and its batch-mates are served. For streaming
+use, ``add_request`` + ``step`` expose the engine loop directly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from attention_backends import AttentionSpec, BackendRegistry
+from cache_engine import KVCacheManager, page_prefix_hashes
+from scheduler import RequestState, ScheduledChunk, Scheduler
+
+from .config import EngineConfig
+from .metrics import EngineStats
+from .model_runner import ChunkResult, ModelRunner, RequestPayload
+from .models import HSTUModel
+from .outputs import GenerateOutput, RankOutput, StepTimings
+from .request import GenerateParams, GenerateRequest, RankRequest
+from .validation import RequestError, validate_request
+
+logger = logging.getLogger(__name__)
+
+Output = RankOutput | GenerateOutput
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` -> CUDA when available, else CPU; anything else as given (checked)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+class GREngine:
+    """A serving engine for HSTU ranking with per-user KV caches that persist across visits.
+
+    Args:
+        config: the engine configuration.
+        model: an already built model (else one is built from ``config.model`` and
+            ``config.weights_path``); it is moved to the configured device and dtype.
+        backends: where attention backends are looked up (default: built-ins plus entry points).
+    """
+
+    def __init__(self, config: EngineConfig, *, model: HSTUModel | None = None,
+                 backends: BackendRegistry | None = None) -> None:
+        self.config = config
+        mc = config.model
+        self.device = resolve_device(config.device)
+        if model is None:
+            model = HSTUModel(mc)
+            if config.weights_path is not None:
+                model.load(config.weights_path)
+        self.model = model.to(device=self.device, dtype=mc.torch_dtype).eval()
+        spec = AttentionSpec(
+            kind="hstu", num_heads=mc.num_heads, head_dim=mc.head_dim, page_size=config.cache.page_size,
+            dtype=mc.torch_dtype, device_type=self.device.type, alpha=mc.alpha,
+            scaling_seqlen=mc.normaliser,
+        )
+        self.backend = (backends or BackendRegistry()).create(config.attention_backend, spec)
+        self.kv = KVCacheManager(config.cache, mc.num_layers, mc.num_heads, mc.head_dim, mc.torch_dtype,
+                                 self.device)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.runner = ModelRunner(self.model, self.backend, self.kv, self.device)
+        self.stats = EngineStats()
+        self._seq = itertools.count()
+        self._in_flight: set[str] = set()
+        self._undelivered: list[Output] = []
+
+    # ------------------------------------------------------------------ streaming API
+    def add_request(self, request: RankRequest | GenerateRequest,
+                    params: GenerateParams | None = None) -> int:
+        """Queue a request; ranking if ``params`` is ``None``, else retrieval with ``params``.
+
+        Returns:
+            The request's sequence number (arrival order).
+
+        Raises:
+            RequestError: the request is invalid or its ``request_id`` is already in flight.
+        """
+        arrays = validate_request(request, self.config, ranking=params is None)
+        if request.request_id in self._in_flight:
+            raise RequestError(f"request_id {request.request_id!r} is already in flight")
+        n = arrays.num_history
+        state = RequestState(
+            seq_id=next(self._seq), user_id=request.user_id, num_history=n,
+            num_candidates=len(arrays.candidate_item_ids), reuse_limit=n if params is None else n - 1,
+            token_hashes=page_prefix_hashes(arrays.item_ids, arrays.action_ids, arrays.timestamps,
+                                            self.config.cache.page_size),
+            payload=RequestPayload(request, arrays, params, time.perf_counter()),
+        )
+        self._in_flight.add(request.request_id)
+        self.scheduler.add(state)
+        return state.seq_id
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[Output]:
+        """Run one engine step; return the outputs of requests that finished (or failed) in it."""
+        outputs = self._undelivered + [out for _, out in self._step()]
+        self._undelivered = []
+        return outputs
+
+    # ------------------------------------------------------------------ batch API
+    def rank(self, requests: Sequence[RankRequest], use_tqdm: bool = True) -> list[RankOutput]:
+        """Score every request's candidates; outputs in input order (failed ones carry ``error``)."""
+        return self._run(requests, None, use_tqdm, "Ranking")
+
+    def generate(self, requests: Sequence[GenerateRequest], params: GenerateParams | None = None,
+                 use_tqdm: bool = True) -> list[GenerateOutput]:
+        """Retrieve the ``params.top_k`` most likely next items for each request's user, in input order.
+        Ranking requests are accepted too (their candidates are ignored)."""
+        return self._run(requests, params or GenerateParams(), use_tqdm, "Retrieving")
+
+    # ------------------------------------------------------------------ internals
+    def _run(self, requests: Sequence[Any], params: GenerateParams | None, use_tqdm: bool,
+             desc: str) -> list[Any]:
+        results: list[Any] = [None] * len(requests)
+        index: dict[int, int] = {}
+        failed_type = RankOutput if params is None else GenerateOutput
+        for i, request in enumerate(requests):
+            try:
+                index[self.add_request(request, params)] = i
+            except RequestError as exc:
+                results[i] = failed_type(request_id=str(getattr(request, "request_id", "")),
+                                         user_id=_safe_user(request), error=str(exc))
+        with tqdm(total=len(requests), desc=desc, disable=not use_tqdm, unit="req") as bar:
+            bar.update(len(requests) - len(index))
+            while index:
+                for state, output in self._step():
+                    slot = index.pop(state.seq_id, None)
+                    if slot is None:
+                        self._undelivered.append(output)  # added earlier through add_request
+                    else:
+                        results[slot] = output
+                        bar.update(1)
+        return results
+
+    def _step(self) -> list[tuple[RequestState, Output]]:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        done = [(state, self._output(state, None, error=reason)) for state, reason in plan.failed]
+        chunks = plan.chunks
+        if not chunks:
+            return done
+        phases = {"schedule": time.perf_counter() - t0 - plan.prepare_s}
+        try:
+            results = self._execute(chunks, phases, plan.prepare_s)
+        except Exception as exc:  # never crash the caller: this step's requests fail, others go on
+            logger.exception("engine step failed")
+            for chunk in chunks:
+                self.scheduler.abort(chunk.request)
+                done.append((chunk.request, self._output(chunk.request, None,
+                                                         error=f"engine step failed: {exc!r}")))
+            return done
+        t = time.perf_counter()
+        finished = {id(state) for state in self.scheduler.complete(chunks)}
+        phases["commit"] = time.perf_counter() - t
+        self.stats.record_step(phases, sum(c.num_tokens for c in chunks))
+        for chunk, result in zip(chunks, results, strict=True):
+            state = chunk.request
+            for name, seconds in phases.items():
+                state.timings[name] = state.timings.get(name, 0.0) + seconds
+            if id(state) in finished:
+                done.append((state, self._output(state, result)))
+        return done
+
+    def _execute(self, chunks: list[ScheduledChunk], phases: dict[str, float],
+                 prepare_s: float) -> list[ChunkResult]:
+        t = time.perf_counter()
+        meta = self.runner.prepare(chunks)
+        phases["prepare"] = prepare_s + time.perf_counter() - t
+        phases["onload"] = 0.0  # no host tier in these modes
+        t = time.perf_counter()
+        tokens = self.runner.strip(chunks)
+        phases["strip"] = time.perf_counter() - t
+        t = time.perf_counter()
+        states = self.runner.forward(tokens, meta)
+        phases["forward"] = time.perf_counter() - t
+        t = time.perf_counter()
+        results = self.runner.score(chunks, meta, states)
+        phases["score"] = time.perf_counter() - t
+        return results
+
+    def _output(self, state: RequestState, result: ChunkResult | None, error: str | None = None) -> Output:
+        payload: RequestPayload = state.payload
+        self._in_flight.discard(payload.request.request_id)
+        ok = error is None
+        fields = dict(
+            request_id=payload.request.request_id, user_id=state.user_id,
+            num_gpu_cached_tokens=state.num_reused if ok else 0,
+            num_computed_tokens=state.num_history - state.num_reused if ok else 0,
+            timings=StepTimings(**state.timings), latency_s=time.perf_counter() - payload.arrival_s,
+            error=error,
+        )
+        if ok:
+            self.stats.record_request(state.num_history, state.num_reused)
+        if payload.params is None:
+            scores = result.logits.tolist() if ok else []
+            return RankOutput(scores=scores, **fields)
+        return GenerateOutput(item_ids=result.item_ids if ok else [], scores=result.scores if ok else [],
+                              **fields)
+
+
+def _safe_user(request: Any) -> int | str | None:
+    user = getattr(request, "user_id", None)
+    return user if isinstance(user, (int, str)) and not isinstance(user, bool) else None

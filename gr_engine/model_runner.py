@@ -1,0 +1,186 @@
+"""Turns one scheduled step into tensors, runs the model over the paged cache, and scores.
+
+Per step (DESIGN.md section 3): :meth:`ModelRunner.prepare` builds the page-table metadata shared by
+all layers, :meth:`ModelRunner.strip` builds the model input from the uncached history suffix plus the
+candidates, :meth:`ModelRunner.forward` runs the layers (each appends its new history K/V into the
+user's pages, then attends), and :meth:`ModelRunner.score` applies the heads. Host-side work is numpy
+over whole arrays; each of ``prepare`` and ``strip`` makes one host-to-device copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from attention_backends import AttentionBackend, PagedBatchMetadata
+from cache_engine import KVCacheManager
+from scheduler import ScheduledChunk
+
+from .models import HSTUModel
+from .request import GenerateParams
+from .validation import RequestArrays
+
+
+@dataclass(eq=False)
+class RequestPayload:
+    """The engine's data for one request (``RequestState.payload``).
+
+    Attributes:
+        request: the user's request object.
+        arrays: its validated fields.
+        params: retrieval settings for ``generate`` requests; ``None`` for ranking.
+        arrival_s: ``time.perf_counter()`` at arrival.
+    """
+
+    request: Any
+    arrays: RequestArrays
+    params: GenerateParams | None
+    arrival_s: float
+
+
+@dataclass
+class StepTokens:
+    """Model input of one step: int32 ``[T]`` tensors on the model device."""
+
+    item_ids: torch.Tensor
+    action_ids: torch.Tensor
+    positions: torch.Tensor
+
+
+@dataclass
+class StepMetadata:
+    """``common``: the page tables and row layout; ``backend``: the backend's own view of it;
+    ``retrieval_rows``: int64 ``[R]`` rows of the last history token of each finishing retrieval
+    request, whose chunk indices are ``retrieval_chunks``."""
+
+    common: PagedBatchMetadata
+    backend: Any
+    retrieval_rows: torch.Tensor
+    retrieval_chunks: list[int]
+
+
+@dataclass
+class ChunkResult:
+    """A finishing request's result: ranking ``logits [c, num_tasks]`` or retrieval ``(items, scores)``."""
+
+    logits: torch.Tensor | None = None
+    item_ids: list[int] | None = None
+    scores: list[float] | None = None
+
+
+def _segments(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For segment lengths ``counts [B]``: each element's segment ``[sum]`` and offset inside it."""
+    owner = np.repeat(np.arange(len(counts)), counts)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    return owner, np.arange(int(counts.sum())) - starts[owner]
+
+
+def _to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """Copy int arrays to ``device`` as int32 in one transfer."""
+    sizes = [len(a) for a in arrays.values()]
+    flat = torch.from_numpy(np.concatenate(list(arrays.values())).astype(np.int32)).to(device)
+    return dict(zip(arrays, torch.split(flat, sizes), strict=True))
+
+
+class ModelRunner:
+    """Executes scheduled steps of :class:`HSTUModel` over the :class:`KVCacheManager`'s pages."""
+
+    def __init__(self, model: HSTUModel, backend: AttentionBackend, kv: KVCacheManager,
+                 device: torch.device) -> None:
+        self.model = model
+        self.backend = backend
+        self.kv = kv
+        self.device = device
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> StepMetadata:
+        """Page tables (after this step's append) and row layout of the step."""
+        start = np.array([c.start for c in chunks], dtype=np.int64)
+        hist = np.array([c.num_history_rows for c in chunks], dtype=np.int64)
+        cand = np.array([c.num_candidate_rows for c in chunks], dtype=np.int64)
+        seq_lens = start + hist
+        rows = hist + cand
+        qsl = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+        indptr, indices, last = self.kv.page_table([c.request.user_id for c in chunks], seq_lens)
+        hist_owner, hist_within = _segments(hist)
+        cand_owner, cand_within = _segments(cand)
+        retrieval = [i for i, c in enumerate(chunks) if c.final and c.request.payload.params is not None]
+        t = _to_device({
+            "qsl": qsl, "hist": hist, "cand": cand, "indptr": indptr, "indices": indices,
+            "last": last, "seq_lens": seq_lens, "append_batch": hist_owner,
+            "append_pos": start[hist_owner] + hist_within, "hist_rows": qsl[hist_owner] + hist_within,
+            "cand_rows": qsl[cand_owner] + hist[cand_owner] + cand_within, "cand_batch": cand_owner,
+            "retrieval_rows": qsl[retrieval] + hist[retrieval] - 1,
+        }, self.device)
+        pages = indptr[1:] - indptr[:-1]
+        common = PagedBatchMetadata(
+            query_start_loc=t["qsl"], num_history_rows=t["hist"], num_candidate_rows=t["cand"],
+            kv_indptr=t["indptr"], kv_indices=t["indices"], kv_last_page_len=t["last"],
+            kv_seq_lens=t["seq_lens"], append_batch_indices=t["append_batch"],
+            append_positions=t["append_pos"], history_rows=t["hist_rows"], candidate_rows=t["cand_rows"],
+            candidate_batch_indices=t["cand_batch"], page_size=self.kv.page_size,
+            max_query_len=int(rows.max(initial=0)), max_kv_len=int(seq_lens.max(initial=0)),
+            max_pages=int(pages.max(initial=0)),
+        )
+        return StepMetadata(common, self.backend.build_metadata(common), t["retrieval_rows"].long(), retrieval)
+
+    def strip(self, chunks: list[ScheduledChunk]) -> StepTokens:
+        """Model input: each request's uncached history ``[start, end)``, then its candidates if final."""
+        items, actions, positions = [], [], []
+        for chunk in chunks:
+            arrays: RequestArrays = chunk.request.payload.arrays
+            s, e, c = chunk.start, chunk.end, chunk.num_candidate_rows
+            items += [arrays.item_ids[s:e], arrays.candidate_item_ids[:c]]
+            actions += [arrays.action_ids[s:e], np.full(c, self.model.candidate_action)]
+            positions += [np.arange(s, e), np.full(c, arrays.num_history)]
+        t = _to_device({"items": np.concatenate(items), "actions": np.concatenate(actions),
+                        "positions": np.concatenate(positions)}, self.device)
+        return StepTokens(t["items"], t["actions"], t["positions"])
+
+    @torch.no_grad()
+    def forward(self, tokens: StepTokens, meta: StepMetadata) -> torch.Tensor:
+        """Run all layers; returns final states ``[T, d_model]``. Appends new history K/V to pages."""
+        history_rows = meta.common.history_rows.long()
+
+        def attend_in(layer_cache: torch.Tensor):
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                self.backend.append_kv(layer_cache, k[history_rows], v[history_rows], meta.backend)
+                return self.backend.attend(q, k, v, layer_cache, meta.backend)
+            return attend
+
+        x = self.model.embed(tokens.item_ids, tokens.action_ids, tokens.positions)
+        return self.model.encode(x, [attend_in(layer) for layer in self.kv.kv_cache])
+
+    @torch.no_grad()
+    def score(self, chunks: list[ScheduledChunk], meta: StepMetadata, states: torch.Tensor) -> list[ChunkResult]:
+        """Heads for the requests that finish this step; one :class:`ChunkResult` per chunk."""
+        results = [ChunkResult() for _ in chunks]
+        cand_rows = meta.common.candidate_rows.long()
+        if len(cand_rows):
+            logits = self.model.rank_logits(states[cand_rows]).float().cpu()
+            counts = [c.num_candidate_rows for c in chunks]
+            for result, part in zip(results, torch.split(logits, counts), strict=True):
+                result.logits = part
+        if meta.retrieval_chunks:
+            self._retrieve(chunks, meta, states, results)
+        return results
+
+    def _retrieve(self, chunks: list[ScheduledChunk], meta: StepMetadata, states: torch.Tensor,
+                  results: list[ChunkResult]) -> None:
+        scores = self.model.retrieval_scores(states[meta.retrieval_rows]).float()
+        payloads = [chunks[i].request.payload for i in meta.retrieval_chunks]
+        excluded = [(b, p.arrays.item_ids) for b, p in enumerate(payloads) if p.params.exclude_history]
+        if excluded:
+            rows = np.concatenate([np.full(len(ids), b) for b, ids in excluded])
+            cols = np.concatenate([ids for _, ids in excluded])
+            scores[torch.from_numpy(rows).to(scores.device), torch.from_numpy(cols).to(scores.device)] = (
+                float("-inf"))
+        k = min(max(p.params.top_k for p in payloads), scores.shape[1])
+        top_scores, top_items = (t.cpu() for t in scores.topk(k, dim=1))
+        for b, (i, p) in enumerate(zip(meta.retrieval_chunks, payloads, strict=True)):
+            keep = top_scores[b, : p.params.top_k]
+            finite = torch.isfinite(keep)
+            results[i].item_ids = top_items[b, : p.params.top_k][finite].tolist()
+            results[i].scores = keep[finite].tolist()

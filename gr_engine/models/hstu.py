@@ -1,0 +1,167 @@
+"""The cache-consistent HSTU ranking model (DESIGN.md section 4).
+
+Cache consistency: a history token's input is ``item_emb + action_emb + pos_emb[i]`` with ``i`` its
+forward position, and history attends causally only to history, so its K/V at every layer depend only
+on the tokens before it (prefix invariance). The attention normaliser is the configured
+``scaling_seqlen``, so a request's scores do not depend on its batch-mates (batch invariance).
+Candidates sit at position ``n`` (the history length) with a learned "candidate" action; each attends
+to the whole history and itself only.
+
+The model never sees the KV storage: each layer gets an ``attend(q, k, v)`` callable from the model
+runner (paged, through an attention backend) or from :meth:`HSTUModel.forward_reference` (dense).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ..config import ModelConfig
+
+AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``attend(q, k, v) -> out``: all ``[T, H, D]``."""
+
+
+class HSTULayer(nn.Module):
+    """``u,v,q,k = silu(Linear(LN(x)))``; ``x + Linear(u * LN(attn(q, k, v)))``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = config.num_heads, config.head_dim
+        width = config.num_heads * config.head_dim
+        self.concat_ua = config.concat_ua
+        self.input_norm = nn.LayerNorm(config.d_model, eps=1e-6)
+        self.uvqk = nn.Linear(config.d_model, 4 * width)
+        self.attn_norm = nn.LayerNorm(width, eps=1e-6)
+        self.output = nn.Linear(3 * width if config.concat_ua else width, config.d_model)
+
+    def forward(self, x: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+        """Args: ``x`` ``[T, d_model]``. Returns ``[T, d_model]``."""
+        rows = x.shape[0]
+        width = self.num_heads * self.head_dim
+        u, v, q, k = F.silu(self.uvqk(self.input_norm(x))).split(width, dim=-1)
+        shape = (rows, self.num_heads, self.head_dim)
+        attn = attend(q.reshape(shape), k.reshape(shape), v.reshape(shape)).reshape(rows, width)
+        normed = self.attn_norm(attn)
+        y = torch.cat([u, attn, u * normed], dim=-1) if self.concat_ua else u * normed
+        return x + self.output(y)
+
+
+class HSTUModel(nn.Module):
+    """Embeddings, ``num_layers`` HSTU layers, a multi-task ranking head and a retrieval head."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        d = config.d_model
+        self.item_embedding = nn.Embedding(config.num_items, d)
+        self.action_embedding = nn.Embedding(config.num_actions + 1, d)  # last row: candidates
+        self.position_embedding = nn.Embedding(config.max_history_len + 1, d)
+        self.layers = nn.ModuleList(HSTULayer(config) for _ in range(config.num_layers))
+        self.final_norm = nn.LayerNorm(d, eps=1e-6)
+        self.ranking_head = nn.Sequential(
+            nn.Linear(d, config.ranking_hidden), nn.SiLU(), nn.Linear(config.ranking_hidden, config.num_tasks)
+        )
+        self.reset_parameters(config.seed)
+
+    @property
+    def candidate_action(self) -> int:
+        return self.config.num_actions
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """Deterministic random init from ``seed`` (independent of torch's global RNG)."""
+        gen = torch.Generator().manual_seed(seed)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                fan_in = module.weight.shape[1]
+                module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * fan_in**-0.5)
+                module.bias.copy_(torch.randn(module.bias.shape, generator=gen) * 0.02)
+            elif isinstance(module, nn.Embedding):
+                module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * 0.5)
+            elif isinstance(module, nn.LayerNorm):
+                module.weight.copy_(1.0 + 0.1 * torch.randn(module.weight.shape, generator=gen))
+                module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=gen))
+
+    # ------------------------------------------------------------------ building blocks
+    def embed(self, item_ids: torch.Tensor, action_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token inputs. Args: int64 ``[T]`` each. Returns ``[T, d_model]``."""
+        return (self.item_embedding(item_ids) + self.action_embedding(action_ids)
+                + self.position_embedding(positions))
+
+    def encode(self, x: torch.Tensor, attends: Sequence[AttendFn]) -> torch.Tensor:
+        """Run the layers (layer ``l`` uses ``attends[l]``) and the final norm. ``[T, d]`` -> ``[T, d]``."""
+        for layer, attend in zip(self.layers, attends, strict=True):
+            x = layer(x, attend)
+        return self.final_norm(x)
+
+    def rank_logits(self, candidate_states: torch.Tensor) -> torch.Tensor:
+        """Ranking head. ``[C, d]`` final states of candidates -> ``[C, num_tasks]`` logits."""
+        return self.ranking_head(candidate_states)
+
+    def retrieval_scores(self, history_states: torch.Tensor) -> torch.Tensor:
+        """Retrieval head. ``[B, d]`` final state of each user's last event -> ``[B, num_items]``."""
+        return history_states @ self.item_embedding.weight.T
+
+    # ------------------------------------------------------------------ oracle
+    @torch.no_grad()
+    def forward_reference(
+        self, item_ids: torch.Tensor, action_ids: torch.Tensor, candidate_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One request, whole sequence, dense attention, no cache: the oracle for tests.
+
+        Args:
+            item_ids, action_ids: int64 ``[n]`` history.
+            candidate_ids: int64 ``[c]`` (may be empty).
+
+        Returns:
+            ``(logits [c, num_tasks], last_history_state [d] or None when n == 0)``.
+        """
+        n, c = len(item_ids), len(candidate_ids)
+        device = self.item_embedding.weight.device
+        items = torch.cat([item_ids, candidate_ids]).to(device)
+        actions = torch.cat([action_ids, torch.full((c,), self.candidate_action)]).to(device)
+        positions = torch.cat([torch.arange(n), torch.full((c,), n)]).to(device)
+        idx = torch.arange(n + c, device=device)
+        history_key = idx[None, :] < n
+        mask = (history_key & (idx[None, :] <= idx[:, None])) | (idx[None, :] == idx[:, None])
+        alpha, inv_n = self.config.alpha, 1.0 / self.config.normaliser
+
+        def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            logits = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * alpha
+            weights = torch.where(mask, F.silu(logits), 0.0) * inv_n
+            return torch.einsum("hqk,khd->qhd", weights, v.float()).to(q.dtype)
+
+        states = self.encode(self.embed(items, actions, positions), [dense] * len(self.layers))
+        return self.rank_logits(states[n:]), (states[n - 1] if n else None)
+
+    # ------------------------------------------------------------------ weights
+    def save(self, path: str | Path) -> None:
+        """Write the weights (and the model config, as metadata) to a safetensors file."""
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        config = json.dumps({f: getattr(self.config, f) for f in self.config.__struct_fields__})
+        save_file(tensors, str(path), metadata={"gr_engine.model_config": config})
+
+    def load(self, path: str | Path) -> None:
+        """Read weights written by :meth:`save`; shapes must match this model's config.
+
+        Raises:
+            ValueError: missing, unexpected or wrongly shaped tensors (the message lists them).
+        """
+        tensors = load_file(str(path))
+        own = self.state_dict()
+        missing = sorted(set(own) - set(tensors))
+        unexpected = sorted(set(tensors) - set(own))
+        wrong = sorted(k for k in set(own) & set(tensors) if own[k].shape != tensors[k].shape)
+        if missing or unexpected or wrong:
+            raise ValueError(
+                f"weights in {path} do not fit this model config: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}"
+            )
+        self.load_state_dict(tensors)

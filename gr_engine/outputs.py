@@ -1,0 +1,72 @@
+"""What the engine returns, one output per request, in the order the requests were given."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class StepTimings(msgspec.Struct, kw_only=True):
+    """Seconds spent in each phase of the engine steps that served a request (DESIGN.md section 3),
+    summed over those steps. Each step's phases are shared by all requests in it."""
+
+    schedule: float = 0.0
+    prepare: float = 0.0
+    onload: float = 0.0
+    strip: float = 0.0
+    forward: float = 0.0
+    score: float = 0.0
+    commit: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(msgspec.structs.astuple(self))
+
+
+class _OutputBase(msgspec.Struct, kw_only=True):
+    """Fields common to every output.
+
+    Attributes:
+        request_id, user_id: copied from the request.
+        num_gpu_cached_tokens: history tokens whose KV was served from GPU pages.
+        num_host_cached_tokens: history tokens whose KV was loaded from host memory.
+        num_computed_tokens: history tokens encoded by this request.
+        timings: per-phase seconds of the steps that served the request.
+        latency_s: seconds from arrival to completion.
+        error: why the request failed (then the result fields are empty); ``None`` on success.
+    """
+
+    request_id: str
+    user_id: int | str | None = None
+    num_gpu_cached_tokens: int = 0
+    num_host_cached_tokens: int = 0
+    num_computed_tokens: int = 0
+    timings: StepTimings = msgspec.field(default_factory=StepTimings)
+    latency_s: float = 0.0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class RankOutput(_OutputBase, kw_only=True):
+    """Scores of a ranking request.
+
+    Attributes:
+        scores: ``[num_candidates][num_tasks]`` logits (apply a sigmoid for probabilities), in candidate
+            order; empty on error.
+    """
+
+    scores: list[list[float]] = msgspec.field(default_factory=list)
+
+
+class GenerateOutput(_OutputBase, kw_only=True):
+    """Retrieval result.
+
+    Attributes:
+        item_ids: the ``top_k`` retrieved items, best first; empty on error.
+        scores: their retrieval scores (dot products with the user's last history state).
+    """
+
+    item_ids: list[int] = msgspec.field(default_factory=list)
+    scores: list[float] = msgspec.field(default_factory=list)

@@ -1,0 +1,116 @@
+"""Checking requests before they reach the engine; every problem gets a clear message."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .config import EngineConfig
+from .request import GenerateRequest, RankRequest
+
+
+class RequestError(ValueError):
+    """A request that cannot be served; the message says why. Only that request fails."""
+
+
+@dataclass
+class RequestArrays:
+    """A validated request's fields as int64 numpy arrays.
+
+    Attributes:
+        item_ids, action_ids, timestamps: ``[n]`` history events.
+        candidate_item_ids: ``[c]`` (empty for retrieval requests).
+    """
+
+    item_ids: np.ndarray
+    action_ids: np.ndarray
+    timestamps: np.ndarray
+    candidate_item_ids: np.ndarray
+
+    @property
+    def num_history(self) -> int:
+        return len(self.item_ids)
+
+
+def _int_array(name: str, value: Any) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        array = value
+    elif isinstance(value, (list, tuple)):
+        if len(value) == 0:
+            return np.zeros(0, dtype=np.int64)
+        try:
+            array = np.asarray(value)
+        except (ValueError, TypeError) as exc:
+            raise RequestError(f"{name} must be a flat list of integers ({exc})") from None
+    else:
+        raise RequestError(f"{name} must be a list of integers, got {type(value).__name__}")
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        what = f"{array.ndim}-D array" if array.ndim != 1 else f"elements of type {array.dtype}"
+        raise RequestError(f"{name} must be a flat list of integers, got {what}")
+    return array.astype(np.int64, copy=False)
+
+
+def _check_range(name: str, array: np.ndarray, upper: int, what: str) -> None:
+    if len(array) and (array.min() < 0 or array.max() >= upper):
+        bad = array[(array < 0) | (array >= upper)][0]
+        raise RequestError(f"{name} contains {bad}, outside the {what} [0, {upper})")
+
+
+def validate_request(request: Any, config: EngineConfig, *, ranking: bool) -> RequestArrays:
+    """Check one request against the model and cache limits.
+
+    Args:
+        request: a :class:`RankRequest` (``ranking=True``), or a :class:`GenerateRequest` or
+            :class:`RankRequest` whose candidates are ignored (``ranking=False``).
+        config: the engine's configuration.
+        ranking: whether candidates are required and scored.
+
+    Raises:
+        RequestError: what is wrong with the request.
+    """
+    wanted = RankRequest if ranking else GenerateRequest
+    if not isinstance(request, wanted):
+        raise RequestError(f"expected a {wanted.__name__}, got {type(request).__name__}")
+    if not isinstance(request.request_id, str):
+        raise RequestError(f"request_id must be a string, got {type(request.request_id).__name__}")
+    if isinstance(request.user_id, bool) or not isinstance(request.user_id, (int, str)):
+        raise RequestError(f"user_id must be an int or a string, got {type(request.user_id).__name__}")
+    model = config.model
+    items = _int_array("item_ids", request.item_ids)
+    actions = _int_array("action_ids", request.action_ids)
+    times = _int_array("timestamps", request.timestamps)
+    if not len(items) == len(actions) == len(times):
+        raise RequestError(
+            f"history fields differ in length: item_ids {len(items)}, action_ids {len(actions)}, "
+            f"timestamps {len(times)}"
+        )
+    n = len(items)
+    if n > model.max_history_len:
+        raise RequestError(f"history of {n} events exceeds model.max_history_len ({model.max_history_len})")
+    if not ranking and n == 0:
+        raise RequestError("retrieval needs at least one history event")
+    pages = -(-n // config.cache.page_size)
+    if pages > config.cache.num_gpu_pages:
+        raise RequestError(
+            f"history of {n} events needs {pages} KV pages but cache.num_gpu_pages is "
+            f"{config.cache.num_gpu_pages}"
+        )
+    _check_range("item_ids", items, model.num_items, "item vocabulary")
+    _check_range("action_ids", actions, model.num_actions, "action vocabulary")
+    if n > 1 and bool((np.diff(times) < 0).any()):
+        at = int(np.argmax(np.diff(times) < 0)) + 1
+        raise RequestError(f"timestamps go backwards at event {at} ({times[at - 1]} -> {times[at]})")
+
+    candidates = np.zeros(0, dtype=np.int64)
+    if ranking:
+        candidates = _int_array("candidate_item_ids", request.candidate_item_ids)
+        if len(candidates) == 0:
+            raise RequestError("candidate_item_ids is empty: nothing to rank")
+        if len(candidates) > model.max_candidates:
+            raise RequestError(
+                f"{len(candidates)} candidates exceed model.max_candidates ({model.max_candidates})"
+            )
+        _check_range("candidate_item_ids", candidates, model.num_items, "item vocabulary")
+    return RequestArrays(items, actions, times, candidates)

@@ -1,0 +1,85 @@
+"""What the scheduler knows of a request, and what it hands to the model runner each step."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+    FAILED = 3
+
+
+@dataclass(eq=False)
+class RequestState:
+    """One request's progress through the engine.
+
+    Attributes:
+        seq_id: arrival order (unique, increasing).
+        user_id: whose history this is.
+        num_history: history events ``n`` (one token each).
+        num_candidates: candidate rows computed with the final chunk (0 for retrieval-only requests).
+        reuse_limit: at most this many cached history tokens may be reused (``n`` or ``n - 1``).
+        token_hashes: uint64 ``[n]`` page-prefix hashes of the history (cache validation).
+        payload: the engine's own data for the request (arrays, the original request).
+        num_reused: history tokens served from cache (set at admission).
+        num_done: history tokens whose K/V are in the user's pages.
+        timings: seconds spent per engine phase on this request's steps.
+    """
+
+    seq_id: int
+    user_id: Hashable
+    num_history: int
+    num_candidates: int
+    reuse_limit: int
+    token_hashes: np.ndarray
+    payload: Any = None
+    status: RequestStatus = RequestStatus.WAITING
+    num_reused: int = 0
+    num_done: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ScheduledChunk:
+    """Work for one request in one step: history positions ``[start, end)`` and, if ``final``, the
+    candidates (after which the request is finished)."""
+
+    request: RequestState
+    start: int
+    end: int
+    final: bool
+
+    @property
+    def num_history_rows(self) -> int:
+        return self.end - self.start
+
+    @property
+    def num_candidate_rows(self) -> int:
+        return self.request.num_candidates if self.final else 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_history_rows + self.num_candidate_rows
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan.
+
+    Attributes:
+        chunks: the work of this step, one entry per request (at most one per user).
+        failed: requests that can never be served, with the reason; already removed.
+        prepare_s: seconds spent in the KV cache manager (lookup, validation, allocation, eviction).
+    """
+
+    chunks: list[ScheduledChunk]
+    failed: list[tuple[RequestState, str]]
+    prepare_s: float

@@ -1,0 +1,140 @@
+"""Which requests run in the next step.
+
+Rules: at most ``max_num_seqs`` requests and ``max_num_batched_tokens`` computed tokens per step; at
+most one request per user per step, and a user's requests run one after another in arrival order
+(the next one reuses what the previous one cached); across users, first come first served. Requests
+already running (a cold user's history being encoded in chunks) go first. A request is admitted only
+once the cache has pages for its whole history, so a running request never waits for pages.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Hashable
+from typing import Protocol
+
+import numpy as np
+
+from .config import SchedulerConfig
+from .request_state import RequestState, RequestStatus, ScheduledChunk, SchedulerOutput
+
+
+class KVAllocator(Protocol):
+    """What the scheduler needs from the KV cache (implemented by ``cache_engine.KVCacheManager``)."""
+
+    def acquire(self, user_id: Hashable, token_hashes: np.ndarray, reuse_limit: int) -> int | None: ...
+
+    def commit(self, user_id: Hashable, num_tokens: int, token_hashes: np.ndarray) -> None: ...
+
+    def release(self, user_id: Hashable) -> None: ...
+
+    def why_no_room(self, num_tokens: int) -> str | None: ...
+
+
+class Scheduler:
+    """First-come-first-served, per-user ordered, token-budgeted batching with chunked prefill."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVAllocator) -> None:
+        self.config = config
+        self.kv = kv
+        self._queues: dict[Hashable, deque[RequestState]] = {}  # per-user waiting requests
+        self._ready: list[tuple[int, Hashable]] = []  # heap of (head seq_id, user) of idle users
+        self.running: list[RequestState] = []  # admitted, in admission order
+
+    @property
+    def num_unfinished(self) -> int:
+        return sum(len(q) for q in self._queues.values()) + len(self.running)
+
+    def add(self, request: RequestState) -> None:
+        queue = self._queues.setdefault(request.user_id, deque())
+        queue.append(request)
+        if len(queue) == 1 and not self._is_running(request.user_id):
+            heapq.heappush(self._ready, (request.seq_id, request.user_id))
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        failed: list[tuple[RequestState, str]] = []
+        for request in self.running:
+            if len(chunks) == self.config.max_num_seqs or budget <= 0:
+                break
+            chunk = self._next_chunk(request, budget)
+            if chunk is not None:
+                chunks.append(chunk)
+                budget -= chunk.num_tokens
+
+        prepare_s = 0.0
+        while self._ready and len(chunks) < self.config.max_num_seqs and budget > 0:
+            _, user_id = self._ready[0]
+            request = self._queues[user_id][0]
+            t0 = time.perf_counter()
+            reused = self.kv.acquire(user_id, request.token_hashes, request.reuse_limit)
+            prepare_s += time.perf_counter() - t0
+            if reused is None:
+                reason = None if self.running else self.kv.why_no_room(request.num_history)
+                if reason is None:
+                    break  # wait for running requests to release pages
+                self._pop_waiting(user_id, admitted=False)
+                request.status = RequestStatus.FAILED
+                failed.append((request, reason))
+                continue
+            self._pop_waiting(user_id, admitted=True)
+            request.status = RequestStatus.RUNNING
+            request.num_reused = request.num_done = reused
+            self.running.append(request)
+            chunk = self._next_chunk(request, budget)
+            if chunk is not None:
+                chunks.append(chunk)
+                budget -= chunk.num_tokens
+        return SchedulerOutput(chunks, failed, prepare_s)
+
+    def complete(self, chunks: list[ScheduledChunk]) -> list[RequestState]:
+        """Record that ``chunks`` ran; return the requests that finished."""
+        finished = []
+        for chunk in chunks:
+            request = chunk.request
+            if chunk.end > request.num_done:
+                self.kv.commit(request.user_id, chunk.end, request.token_hashes)
+                request.num_done = chunk.end
+            if chunk.final:
+                request.status = RequestStatus.FINISHED
+                self._retire(request)
+                finished.append(request)
+        return finished
+
+    def abort(self, request: RequestState) -> None:
+        """Drop a running request (its step failed); the user's next request may proceed."""
+        request.status = RequestStatus.FAILED
+        self._retire(request)
+
+    # ------------------------------------------------------------------ internals
+    def _next_chunk(self, request: RequestState, budget: int) -> ScheduledChunk | None:
+        remaining = request.num_history - request.num_done
+        if remaining + request.num_candidates <= budget:
+            return ScheduledChunk(request, request.num_done, request.num_history, final=True)
+        if remaining == 0:
+            return None  # only the candidates are left and they need a larger share of a step
+        return ScheduledChunk(request, request.num_done, request.num_done + min(remaining, budget), False)
+
+    def _is_running(self, user_id: Hashable) -> bool:
+        return any(r.user_id == user_id for r in self.running)
+
+    def _pop_waiting(self, user_id: Hashable, admitted: bool) -> None:
+        """Take the user's head request off the waiting structures; if it was not admitted (it
+        failed), the user's next request becomes ready."""
+        heapq.heappop(self._ready)
+        queue = self._queues[user_id]
+        queue.popleft()
+        if not queue:
+            del self._queues[user_id]
+        elif not admitted:
+            heapq.heappush(self._ready, (queue[0].seq_id, user_id))
+
+    def _retire(self, request: RequestState) -> None:
+        self.running.remove(request)
+        self.kv.release(request.user_id)
+        queue = self._queues.get(request.user_id)
+        if queue:
+            heapq.heappush(self._ready, (queue[0].seq_id, request.user_id))

@@ -20,6 +20,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+import numpy as np
 import torch
 
 AttentionKind = Literal["hstu", "softmax"]
@@ -124,6 +125,61 @@ class PagedBatchMetadata:
     @property
     def num_requests(self) -> int:
         return len(self.kv_last_page_len)
+
+    @classmethod
+    def from_layout(
+        cls,
+        history_start: np.ndarray,
+        num_history_rows: np.ndarray,
+        num_candidate_rows: np.ndarray,
+        kv_indptr: np.ndarray,
+        kv_indices: np.ndarray,
+        page_size: int,
+        device: torch.device | str,
+    ) -> PagedBatchMetadata:
+        """Build the metadata from host arrays with one host-to-device copy.
+
+        Args:
+            history_start: int ``[B]`` history tokens already in pages before this step.
+            num_history_rows: int ``[B]`` new history rows (appended this step).
+            num_candidate_rows: int ``[B]`` candidate rows.
+            kv_indptr: int ``[B + 1]`` CSR offsets of the pages covering
+                ``history_start + num_history_rows`` tokens.
+            kv_indices: int ``[kv_indptr[-1]]`` physical page ids.
+            page_size: tokens per page.
+            device: where the tensors go.
+        """
+        start = np.asarray(history_start, dtype=np.int64)
+        hist = np.asarray(num_history_rows, dtype=np.int64)
+        cand = np.asarray(num_candidate_rows, dtype=np.int64)
+        indptr = np.asarray(kv_indptr, dtype=np.int64)
+        seq_lens = start + hist
+        pages = indptr[1:] - indptr[:-1]
+        last = np.where(pages > 0, seq_lens - (pages - 1) * page_size, 0)
+        rows = hist + cand
+        qsl = np.concatenate([[0], np.cumsum(rows)])
+        hist_owner, hist_within = _segments(hist)
+        cand_owner, cand_within = _segments(cand)
+        arrays = {
+            "query_start_loc": qsl, "num_history_rows": hist, "num_candidate_rows": cand,
+            "kv_indptr": indptr, "kv_indices": np.asarray(kv_indices, dtype=np.int64),
+            "kv_last_page_len": last, "kv_seq_lens": seq_lens, "append_batch_indices": hist_owner,
+            "append_positions": start[hist_owner] + hist_within, "history_rows": qsl[hist_owner] + hist_within,
+            "candidate_rows": qsl[cand_owner] + hist[cand_owner] + cand_within,
+            "candidate_batch_indices": cand_owner,
+        }
+        sizes = [len(a) for a in arrays.values()]
+        flat = torch.from_numpy(np.concatenate(list(arrays.values())).astype(np.int32)).to(device)
+        tensors = dict(zip(arrays, torch.split(flat, sizes), strict=True))
+        return cls(**tensors, page_size=page_size, max_query_len=int(rows.max(initial=0)),
+                   max_kv_len=int(seq_lens.max(initial=0)), max_pages=int(pages.max(initial=0)))
+
+
+def _segments(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For segment lengths ``counts [B]``: each element's segment index and its offset inside it."""
+    owner = np.repeat(np.arange(len(counts)), counts)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    return owner, np.arange(int(counts.sum())) - starts[owner]
 
 
 class AttentionBackend(abc.ABC):

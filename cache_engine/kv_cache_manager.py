@@ -129,8 +129,9 @@ class KVCacheManager:
     def commit(self, user_id: Hashable, num_tokens: int, token_hashes: np.ndarray) -> None:
         """The user's pages now hold the first ``num_tokens`` history tokens of the running request."""
         record = self.users[user_id]
-        if not record.locked or num_tokens > len(record.pages) * self.page_size:
-            raise RuntimeError(f"commit of {num_tokens} tokens for user {user_id!r} without pages")
+        if not record.locked or not record.num_tokens <= num_tokens <= len(record.pages) * self.page_size:
+            raise RuntimeError(f"commit of {num_tokens} tokens for user {user_id!r}: not locked, shrinking "
+                               f"from {record.num_tokens}, or beyond its {len(record.pages)} pages")
         first = record.num_tokens // self.page_size
         last = self.pages_for(num_tokens)
         ends = np.minimum((np.arange(first, last) + 1) * self.page_size, num_tokens) - 1

@@ -71,13 +71,6 @@ class ChunkResult:
     scores: list[float] | None = None
 
 
-def _segments(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For segment lengths ``counts [B]``: each element's segment ``[sum]`` and offset inside it."""
-    owner = np.repeat(np.arange(len(counts)), counts)
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-    return owner, np.arange(int(counts.sum())) - starts[owner]
-
-
 def _to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
     """Copy int arrays to ``device`` as int32 in one transfer."""
     sizes = [len(a) for a in arrays.values()]
@@ -100,31 +93,13 @@ class ModelRunner:
         start = np.array([c.start for c in chunks], dtype=np.int64)
         hist = np.array([c.num_history_rows for c in chunks], dtype=np.int64)
         cand = np.array([c.num_candidate_rows for c in chunks], dtype=np.int64)
-        seq_lens = start + hist
-        rows = hist + cand
-        qsl = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
-        indptr, indices, last = self.kv.page_table([c.request.user_id for c in chunks], seq_lens)
-        hist_owner, hist_within = _segments(hist)
-        cand_owner, cand_within = _segments(cand)
+        indptr, indices, _ = self.kv.page_table([c.request.user_id for c in chunks], start + hist)
+        common = PagedBatchMetadata.from_layout(start, hist, cand, indptr, indices, self.kv.page_size,
+                                                self.device)
         retrieval = [i for i, c in enumerate(chunks) if c.final and c.request.payload.params is not None]
-        t = _to_device({
-            "qsl": qsl, "hist": hist, "cand": cand, "indptr": indptr, "indices": indices,
-            "last": last, "seq_lens": seq_lens, "append_batch": hist_owner,
-            "append_pos": start[hist_owner] + hist_within, "hist_rows": qsl[hist_owner] + hist_within,
-            "cand_rows": qsl[cand_owner] + hist[cand_owner] + cand_within, "cand_batch": cand_owner,
-            "retrieval_rows": qsl[retrieval] + hist[retrieval] - 1,
-        }, self.device)
-        pages = indptr[1:] - indptr[:-1]
-        common = PagedBatchMetadata(
-            query_start_loc=t["qsl"], num_history_rows=t["hist"], num_candidate_rows=t["cand"],
-            kv_indptr=t["indptr"], kv_indices=t["indices"], kv_last_page_len=t["last"],
-            kv_seq_lens=t["seq_lens"], append_batch_indices=t["append_batch"],
-            append_positions=t["append_pos"], history_rows=t["hist_rows"], candidate_rows=t["cand_rows"],
-            candidate_batch_indices=t["cand_batch"], page_size=self.kv.page_size,
-            max_query_len=int(rows.max(initial=0)), max_kv_len=int(seq_lens.max(initial=0)),
-            max_pages=int(pages.max(initial=0)),
-        )
-        return StepMetadata(common, self.backend.build_metadata(common), t["retrieval_rows"].long(), retrieval)
+        rows = np.cumsum(hist + cand)[retrieval] - cand[retrieval] - 1  # last history row of each
+        retrieval_rows = torch.from_numpy(rows.astype(np.int64)).to(self.device)
+        return StepMetadata(common, self.backend.build_metadata(common), retrieval_rows, retrieval)
 
     def strip(self, chunks: list[ScheduledChunk]) -> StepTokens:
         """Model input: each request's uncached history ``[start, end)``, then its candidates if final."""

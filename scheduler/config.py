@@ -11,12 +11,15 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     Attributes:
         max_num_seqs: most requests in one step (the batch size).
         max_num_batched_tokens: most tokens computed in one step: uncached history tokens plus
-            candidates. A cold user's long history is encoded over several steps (chunked prefill) so
-            it never stalls a batch; must exceed the model's ``max_candidates``.
+            candidates; must exceed the model's ``max_candidates``.
+        max_chunk_tokens: most history tokens one request may encode in one step; a cold user's long
+            history is encoded over several steps (chunked prefill) and leaves the rest of each step
+            to other users. ``None``: half of ``max_num_batched_tokens``.
     """
 
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 8192
+    max_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -25,3 +28,12 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(
                 f"scheduler.max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
             )
+        if self.max_chunk_tokens is not None and self.max_chunk_tokens <= 0:
+            raise ValueError(f"scheduler.max_chunk_tokens must be positive, got {self.max_chunk_tokens}")
+
+    @property
+    def chunk_tokens(self) -> int:
+        """The effective per-request history-token cap of one step."""
+        if self.max_chunk_tokens is not None:
+            return self.max_chunk_tokens
+        return max(1, self.max_num_batched_tokens // 2)

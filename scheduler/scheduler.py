@@ -112,11 +112,13 @@ class Scheduler:
     # ------------------------------------------------------------------ internals
     def _next_chunk(self, request: RequestState, budget: int) -> ScheduledChunk | None:
         remaining = request.num_history - request.num_done
-        if remaining + request.num_candidates <= budget:
+        cap = self.config.chunk_tokens
+        if remaining <= cap and remaining + request.num_candidates <= budget:
             return ScheduledChunk(request, request.num_done, request.num_history, final=True)
         if remaining == 0:
             return None  # only the candidates are left and they need a larger share of a step
-        return ScheduledChunk(request, request.num_done, request.num_done + min(remaining, budget), False)
+        take = min(remaining, budget, cap)
+        return ScheduledChunk(request, request.num_done, request.num_done + take, final=False)
 
     def _is_running(self, user_id: Hashable) -> bool:
         return any(r.user_id == user_id for r in self.running)

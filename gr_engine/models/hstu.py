@@ -125,8 +125,8 @@ class HSTUModel(nn.Module):
         """
         n, c = len(item_ids), len(candidate_ids)
         device = self.item_embedding.weight.device
-        items = torch.cat([item_ids, candidate_ids]).to(device)
-        actions = torch.cat([action_ids, torch.full((c,), self.candidate_action)]).to(device)
+        items = torch.cat([item_ids.long(), candidate_ids.long()]).to(device)
+        actions = torch.cat([action_ids.long(), torch.full((c,), self.candidate_action)]).to(device)
         positions = torch.cat([torch.arange(n), torch.full((c,), n)]).to(device)
         idx = torch.arange(n + c, device=device)
         history_key = idx[None, :] < n

@@ -1,0 +1,89 @@
+"""Reading requests from and writing outputs to JSONL and Parquet files (offline batch ranking).
+
+A file holds one request per line (JSONL) or row (Parquet) with the fields of
+:class:`~gr_engine.request.RankRequest`. A malformed row does not stop the job: it becomes an output
+whose ``error`` says what is wrong, in its place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from .outputs import RankOutput
+from .request import RankRequest
+
+FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
+
+
+def file_format(path: str | Path) -> str:
+    """``"jsonl"`` or ``"parquet"`` from the file extension (``ValueError`` otherwise)."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in FORMATS:
+        raise ValueError(f"cannot tell the format of {path}: use one of {', '.join(sorted(FORMATS))}")
+    return FORMATS[suffix]
+
+
+def _pyarrow():
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError as exc:  # pragma: no cover - depends on the installation
+        raise ImportError("Parquet files need pyarrow: pip install 'gr-engine[io]'") from exc
+    return pyarrow
+
+
+def _read_rows(path: Path) -> list[Any]:
+    if file_format(path) == "parquet":
+        return _pyarrow().parquet.read_table(path).to_pylist()
+    rows: list[Any] = []
+    with path.open("rb") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(msgspec.json.decode(line))
+            except msgspec.DecodeError as exc:
+                rows.append(ValueError(f"line {number} is not valid JSON: {exc}"))
+    return rows
+
+
+def read_requests(path: str | Path) -> list[RankRequest | RankOutput]:
+    """Parse a request file; rows that are not valid requests come back as failed :class:`RankOutput`s.
+
+    Args:
+        path: a ``.jsonl``/``.json``/``.ndjson`` or ``.parquet`` file.
+    """
+    parsed: list[RankRequest | RankOutput] = []
+    for number, row in enumerate(_read_rows(Path(path)), start=1):
+        if isinstance(row, Exception):
+            parsed.append(RankOutput(request_id=f"row-{number}", error=str(row)))
+            continue
+        try:
+            parsed.append(msgspec.convert(row, RankRequest))
+        except msgspec.ValidationError as exc:
+            request_id = row.get("request_id") if isinstance(row, dict) else None
+            parsed.append(RankOutput(
+                request_id=str(request_id) if request_id is not None else f"row-{number}",
+                error=f"invalid request: {exc}",
+            ))
+    return parsed
+
+
+def write_outputs(path: str | Path, outputs: list[RankOutput]) -> None:
+    """Write outputs as JSONL (one object per line) or Parquet, by ``path``'s extension."""
+    path = Path(path)
+    rows = msgspec.to_builtins(outputs)
+    if file_format(path) == "jsonl":
+        encoder = msgspec.json.Encoder()
+        with path.open("wb") as f:
+            for row in rows:
+                f.write(encoder.encode(row) + b"\n")
+        return
+    pa = _pyarrow()
+    if len({type(r["user_id"]) for r in rows if r["user_id"] is not None}) > 1:
+        for r in rows:  # a Parquet column has one type: mixed int/str user ids become strings
+            r["user_id"] = None if r["user_id"] is None else str(r["user_id"])
+    pa.parquet.write_table(pa.Table.from_pylist(rows), path)

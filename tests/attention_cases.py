@@ -1,0 +1,90 @@
+"""Random paged attention batches and a dense float64 oracle, for testing any attention backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from attention_backends import PagedBatchMetadata
+
+
+@dataclass
+class AttentionCase:
+    """A batch whose history K/V (``dense_k[b]``, ``dense_v[b]``: ``[seq_len_b, H, D]``) is partly in
+    shuffled pages (the cached prefix) and partly in the new rows of ``k``/``v``."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    kv_cache: torch.Tensor
+    metadata: PagedBatchMetadata
+    cached: list[int]
+    new: list[int]
+    candidates: list[int]
+    dense_k: list[torch.Tensor]
+    dense_v: list[torch.Tensor]
+
+
+def build_case(cached: list[int], new: list[int], candidates: list[int], *, heads: int = 2, dim: int = 8,
+               page_size: int = 4, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               seed: int = 0) -> AttentionCase:
+    gen = torch.Generator().manual_seed(seed)
+    seq = [c + n for c, n in zip(cached, new)]
+    pages = [-(-s // page_size) for s in seq]
+    total = sum(pages) + 3
+    perm = torch.randperm(total, generator=gen)
+    indptr = np.concatenate([[0], np.cumsum(pages)])
+    indices = perm[: indptr[-1]].numpy()
+    kv_cache = torch.randn(total, 2, page_size, heads, dim, generator=gen)  # garbage outside histories
+    dense_k = [torch.randn(s, heads, dim, generator=gen) for s in seq]
+    dense_v = [torch.randn(s, heads, dim, generator=gen) for s in seq]
+    q_rows, k_rows, v_rows = [], [], []
+    for b, (c, n, m) in enumerate(zip(cached, new, candidates)):
+        for j in range(c):  # the cached prefix is already in pages
+            page = indices[indptr[b] + j // page_size]
+            kv_cache[page, 0, j % page_size] = dense_k[b][j]
+            kv_cache[page, 1, j % page_size] = dense_v[b][j]
+        q_rows.append(torch.randn(n + m, heads, dim, generator=gen))
+        k_rows += [dense_k[b][c:], torch.randn(m, heads, dim, generator=gen)]
+        v_rows += [dense_v[b][c:], torch.randn(m, heads, dim, generator=gen)]
+    to = {"dtype": dtype, "device": device}
+    meta = PagedBatchMetadata.from_layout(np.array(cached), np.array(new), np.array(candidates), indptr,
+                                          indices, page_size, device)
+    return AttentionCase(torch.cat(q_rows).to(**to), torch.cat(k_rows).to(**to), torch.cat(v_rows).to(**to),
+                         kv_cache.to(**to), meta, cached, new, candidates, dense_k, dense_v)
+
+
+def reference_attention(case: AttentionCase, alpha: float, scaling_seqlen: int, kind: str = "hstu") -> torch.Tensor:
+    """Dense float64 attention of every row of ``case`` (history causal, candidates see history + self)."""
+    q, k, v = (t.double().cpu() for t in (case.q, case.k, case.v))
+    out, row = [], 0
+    for b, (c, n, m) in enumerate(zip(case.cached, case.new, case.candidates)):
+        hk, hv = case.dense_k[b].to(case.q.dtype).double(), case.dense_v[b].to(case.q.dtype).double()
+        for i in range(n + m):
+            qi = q[row + i]
+            if i < n:
+                keys, values = hk[: c + i + 1], hv[: c + i + 1]
+            else:
+                keys = torch.cat([hk, k[row + i][None]])
+                values = torch.cat([hv, v[row + i][None]])
+            logits = torch.einsum("hd,khd->hk", qi, keys) * alpha
+            weights = F.silu(logits) / scaling_seqlen if kind == "hstu" else torch.softmax(logits, dim=-1)
+            out.append(torch.einsum("hk,khd->hd", weights, values))
+        row += n + m
+    return torch.stack(out) if out else q.new_zeros(0, *q.shape[1:])
+
+
+def check_cache_holds_history(case: AttentionCase) -> None:
+    """After append_kv, every history token's K/V sits in its page."""
+    m = case.metadata
+    indptr, indices = m.kv_indptr.cpu().numpy(), m.kv_indices.cpu().numpy()
+    page_size = m.page_size
+    cache = case.kv_cache.cpu()
+    for b, s in enumerate(np.asarray(case.cached) + np.asarray(case.new)):
+        for j in range(s):
+            page = indices[indptr[b] + j // page_size]
+            assert torch.equal(cache[page, 0, j % page_size], case.dense_k[b][j].to(cache.dtype))
+            assert torch.equal(cache[page, 1, j % page_size], case.dense_v[b][j].to(cache.dtype))

@@ -1,0 +1,129 @@
+"""The strongest check: caching never changes a score.
+
+Random streams of returning users (new events between visits, occasional rewritten history, replayed
+older visits) run through ``gpu_only`` and ``unlimited`` engines with pools small enough to evict every
+few steps; every score must equal the ``recompute`` engine's within 1e-5 (float32, CPU).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gr_engine import GenerateParams, GREngine
+from gr_engine.synthetic import synthetic_requests
+from tests.conftest import tiny_config, with_cache
+
+
+def stream(config, num_users, visits, seed, rewrite_prob=0.05, replay_prob=0.05):
+    requests = synthetic_requests(config.model, num_users, visits, first_history=(0, 120), new_events=(0, 24),
+                                  num_candidates=(1, 12), rewrite_prob=rewrite_prob, seed=seed)
+    rng = np.random.default_rng(seed)
+    seen: dict = {}
+    out = []
+    for i, r in enumerate(requests):  # occasionally replay an older visit of the user (a shorter history)
+        if r.user_id in seen and rng.random() < replay_prob:
+            old = seen[r.user_id]
+            out.append(msgspec.structs.replace(old, request_id=f"{old.request_id}-replay{i}"))
+        seen.setdefault(r.user_id, r)
+        out.append(r)
+    return out
+
+
+def max_diff(a, b) -> float:
+    assert len(a) == len(b)
+    worst = 0.0
+    for x, y in zip(a, b):
+        assert x.error is None and y.error is None, (x.error, y.error)
+        assert x.request_id == y.request_id
+        worst = max(worst, float(np.abs(np.asarray(x.scores) - np.asarray(y.scores)).max()))
+    return worst
+
+
+@pytest.fixture(scope="module")
+def long_stream():
+    """~2,500 requests from 40 returning users, and their scores under recompute."""
+    config = tiny_config(max_num_seqs=4, max_num_batched_tokens=96)
+    requests = stream(config, num_users=40, visits=60, seed=7)
+    return config, requests, GREngine(with_cache(config, mode="recompute")).rank(requests, use_tqdm=False)
+
+
+@pytest.mark.parametrize("mode,pages", [("gpu_only", 160), ("gpu_only", 400), ("unlimited", 4000)])
+def test_cached_modes_equal_recompute_over_thousands_of_requests(long_stream, mode, pages):
+    config, requests, expected = long_stream
+    assert len(requests) > 2000
+    engine = GREngine(with_cache(config, mode=mode, num_gpu_pages=pages))
+    # Split the stream over several rank() calls: the cache persists across calls, as across visits.
+    outputs = []
+    for part in np.array_split(np.arange(len(requests)), 5):
+        outputs += engine.rank([requests[i] for i in part], use_tqdm=False)
+    assert max_diff(outputs, expected) <= 1e-5
+    kv = engine.kv.stats
+    assert kv.truncated_tokens > 0  # rewritten or replayed histories were detected
+    if mode == "gpu_only":
+        assert kv.evicted_users > engine.stats.num_steps // 5  # an eviction every few steps
+        assert engine.stats.total_hit_ratio > (0.03 if pages == 160 else 0.1)
+    else:
+        assert kv.evicted_users == 0 and engine.stats.total_hit_ratio > 0.85
+    engine.kv.check_invariants()
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), page_size=st.sampled_from([1, 3, 4, 8]),
+       max_num_seqs=st.integers(1, 6), budget=st.integers(13, 80), slack=st.integers(0, 80))
+def test_random_configurations_equal_recompute(seed, page_size, max_num_seqs, budget, slack):
+    config = tiny_config(page_size=page_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                         max_history_len=160)
+    requests = stream(config, num_users=6, visits=8, seed=seed, rewrite_prob=0.1, replay_prob=0.1)
+    min_pages = -(-160 // page_size)
+    expected = GREngine(with_cache(config, mode="recompute", num_gpu_pages=min_pages)).rank(requests, use_tqdm=False)
+    engine = GREngine(with_cache(config, mode="gpu_only", num_gpu_pages=min_pages + slack))
+    assert max_diff(engine.rank(requests, use_tqdm=False), expected) <= 1e-5
+    engine.kv.check_invariants()
+
+
+def test_generate_equals_recompute():
+    config = tiny_config(max_num_seqs=4)
+    requests = [r for r in stream(config, 20, 10, seed=3) if len(r.item_ids) > 0]
+    params = GenerateParams(top_k=7)
+    expected = GREngine(with_cache(config, mode="recompute")).generate(requests, params, use_tqdm=False)
+    engine = GREngine(with_cache(config, num_gpu_pages=300))
+    outputs = engine.generate(requests, params, use_tqdm=False)
+    for out, ref, req in zip(outputs, expected, requests):
+        assert out.error is None and out.item_ids == ref.item_ids and len(out.item_ids) == 7
+        np.testing.assert_allclose(out.scores, ref.scores, atol=1e-5, rtol=0)
+        assert not set(out.item_ids) & set(req.item_ids)  # exclude_history
+    assert engine.stats.gpu_hit_ratio > 0.3
+
+
+def test_corrupted_cache_is_caught_by_the_differential_check():
+    """Negative control: if cached KV were wrong, the comparison with recompute would fail."""
+    config = tiny_config()
+    requests = stream(config, 4, 3, seed=1, rewrite_prob=0, replay_prob=0)
+    requests = [r for r in requests if len(r.item_ids) > 8]
+    first, later = requests[:4], requests[4:]
+    engine = GREngine(config)
+    engine.rank(first, use_tqdm=False)
+    engine.kv.kv_cache.add_(0.01)  # tamper with every cached page
+    expected = GREngine(with_cache(config, mode="recompute")).rank(later, use_tqdm=False)
+    with pytest.raises(AssertionError):
+        assert max_diff(engine.rank(later, use_tqdm=False), expected) <= 1e-5
+
+
+def test_streaming_api_matches_batch_api():
+    config = tiny_config()
+    requests = stream(config, 8, 5, seed=11)
+    expected = GREngine(config).rank(requests, use_tqdm=False)
+    engine = GREngine(config)
+    outputs = {}
+    for r in requests:
+        engine.add_request(r)
+        for out in engine.step():
+            outputs[out.request_id] = out
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    assert max_diff([outputs[r.request_id] for r in requests], expected) <= 1e-5

@@ -1,0 +1,179 @@
+"""KV cache manager: reuse, prefix validation, LRU eviction, locking and allocator invariants."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cache_engine import CacheConfig, KVCacheManager, LRUIndex, page_prefix_hashes
+
+
+def manager(mode="gpu_only", pages=16, page_size=4) -> KVCacheManager:
+    return KVCacheManager(CacheConfig(mode=mode, page_size=page_size, num_gpu_pages=pages), num_layers=1,
+                          num_heads=1, head_dim=2, dtype=torch.float32, device="cpu")
+
+
+def history(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 100, n), rng.integers(0, 4, n), np.arange(n)
+
+
+def hashes(items, actions, times, page_size=4):
+    return page_prefix_hashes(np.asarray(items), np.asarray(actions), np.asarray(times), page_size)
+
+
+def serve(kv, user, h, reuse_limit=None):
+    """One whole request: acquire, commit everything, release; returns the reused token count."""
+    reused = kv.acquire(user, h, len(h) if reuse_limit is None else reuse_limit)
+    assert reused is not None
+    kv.commit(user, len(h), h)
+    kv.release(user)
+    return reused
+
+
+def test_lru_index_order():
+    lru = LRUIndex()
+    for key in "abc":
+        lru.touch(key)
+    lru.touch("a")
+    assert list(lru) == ["b", "c", "a"] and lru.oldest() == "b"
+    lru.remove("c")
+    assert lru.pop_oldest() == "b" and list(lru) == ["a"] and len(lru) == 1
+
+
+def test_prefix_hashes_are_per_page_prefixes():
+    items, actions, times = history(10)
+    h = hashes(items, actions, times)
+    other = items.copy()
+    other[5] += 1  # changes page 1 (tokens 4..7) only
+    h2 = hashes(other, actions, times)
+    assert np.array_equal(h[:5], h2[:5]) and np.array_equal(h[8:], h2[8:])
+    assert not np.any(h[5:8] == h2[5:8])
+    times2 = times.copy()
+    times2[9] += 1
+    assert hashes(items, actions, times2)[9] != h[9]
+
+
+def test_returning_user_reuses_cache():
+    kv = manager()
+    items, actions, times = history(30)
+    assert serve(kv, "u", hashes(items[:10], actions[:10], times[:10])) == 0
+    assert serve(kv, "u", hashes(items[:23], actions[:23], times[:23])) == 10
+    assert serve(kv, "u", hashes(items, actions, times)) == 23
+    assert serve(kv, "u", hashes(items, actions, times), reuse_limit=29) == 29  # retrieval recomputes the last
+    kv.check_invariants()
+
+
+def test_changed_history_is_cut_back_to_matching_pages():
+    kv = manager()
+    items, actions, times = history(22)
+    serve(kv, "u", hashes(items, actions, times))
+    changed = items.copy()
+    changed[9] += 1  # inside page 2 (tokens 8..11)
+    assert serve(kv, "u", hashes(changed, actions, times)) == 8
+    assert kv.stats.truncated_tokens == 14
+    # A shorter history ending mid-page can only reuse the pages it fully verifies.
+    assert serve(kv, "u", hashes(changed[:14], actions[:14], times[:14])) == 12
+    kv.check_invariants()
+
+
+def test_lru_evicts_least_recent_unlocked_user():
+    kv = manager(pages=6)
+    h = hashes(*history(8))  # 2 pages each
+    serve(kv, "a", h)
+    serve(kv, "b", h)
+    serve(kv, "c", h)
+    serve(kv, "a", h)  # a becomes most recent
+    assert serve(kv, "d", h) == 0
+    assert set(kv.users) == {"a", "c", "d"} and kv.stats.evicted_users == 1
+    kv.check_invariants()
+
+
+def test_locked_users_are_never_evicted():
+    kv = manager(pages=4)
+    h = hashes(*history(8))
+    assert kv.acquire("a", h, 8) == 0  # a holds 2 pages, locked
+    serve(kv, "b", h)
+    assert kv.acquire("c", h, 8) == 0  # evicts b (unlocked), never a
+    assert "b" not in kv.users and kv.users["a"].locked
+    assert kv.acquire("d", h, 8) is None  # only locked users remain: wait, change nothing
+    kv.check_invariants()
+    kv.release("c")  # released without commit: nothing cached
+    assert "c" not in kv.users
+    kv.check_invariants()
+
+
+def test_recompute_mode_keeps_nothing():
+    kv = manager(mode="recompute")
+    h = hashes(*history(9))
+    serve(kv, "u", h)
+    assert serve(kv, "u", h) == 0 and not kv.users and kv.pool.num_free == 16
+
+
+def test_unlimited_mode_never_evicts():
+    kv = manager(mode="unlimited", pages=4)
+    h = hashes(*history(8))
+    serve(kv, "a", h)
+    serve(kv, "b", h)
+    assert kv.acquire("c", h, 8) is None
+    assert "unlimited mode ran out" in kv.why_no_room(8)
+    assert "needs 5 KV pages" in manager(pages=4).why_no_room(20)
+
+
+def test_page_table_csr():
+    kv = manager()
+    h = hashes(*history(10))
+    serve(kv, "a", h)
+    serve(kv, "b", h[:3])
+    indptr, indices, last = kv.page_table(["b", "a", "a"], [3, 10, 5])
+    assert indptr.tolist() == [0, 1, 4, 6]
+    assert indices.tolist() == kv.users["b"].pages + kv.users["a"].pages + kv.users["a"].pages[:2]
+    assert last.tolist() == [3, 2, 1]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_invariants_after_long_random_run(seed):
+    """Thousands of random acquire/commit/release operations: no page owned twice, none leaked, and
+    every reuse is a prefix of the request's history that equals what was committed for that user."""
+    rng = np.random.default_rng(seed)
+    kv = manager(pages=40, page_size=4)
+    streams = {u: history(150, seed=100 * seed + u) for u in range(12)}
+    committed: dict[int, np.ndarray] = {}  # per user: the events whose K/V the cache holds
+    running: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
+    for _ in range(3000):
+        user = int(rng.integers(0, 12))
+        if user in running:
+            events, h, reused = running.pop(user)
+            if rng.random() < 0.8:  # the whole history, or a chunk of it (the request then fails)
+                m = len(h) if rng.random() < 0.7 else int(rng.integers(reused, len(h) + 1))
+                kv.commit(user, m, h)
+                committed[user] = events[:m]
+            kv.release(user)
+        else:
+            n = min(150, kv.cached_tokens(user) + int(rng.integers(0, 30)))
+            events = np.stack([a[:n] for a in streams[user]], axis=1).copy()
+            if rng.random() < 0.1 and n:
+                events[rng.integers(0, n), 0] += 1
+            h = hashes(events[:, 0], events[:, 1], events[:, 2])
+            before = committed.get(user, events[:0]) if user in kv.users else events[:0]
+            reused = kv.acquire(user, h, n)
+            if reused is None:
+                continue
+            assert reused <= min(len(before), n)
+            assert np.array_equal(before[:reused], events[:reused]), "reused KV of different events"
+            committed[user] = events[:reused]
+            running[user] = (events, h, reused)
+        kv.check_invariants()
+    assert kv.stats.evicted_users > 0 and kv.stats.truncated_tokens > 0
+
+
+def test_commit_cannot_shrink_or_overflow():
+    kv = manager()
+    h = hashes(*history(9))
+    serve(kv, "u", h[:6])
+    kv.acquire("u", h, 9)
+    with pytest.raises(RuntimeError):
+        kv.commit("u", 5, h)
+    with pytest.raises(RuntimeError):
+        kv.commit("u", 13, h)

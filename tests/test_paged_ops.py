@@ -1,0 +1,85 @@
+"""The pure-torch paged ops follow FlashInfer's semantics exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention_backends.paged import (
+    append_paged_kv_cache,
+    get_batch_indices_positions,
+    get_seq_lens,
+    padded_block_table,
+)
+
+
+def test_batch_indices_positions_docstring_example():
+    # FlashInfer's documented example for get_batch_indices_positions.
+    append_indptr = torch.tensor([0, 1, 3, 6, 10], dtype=torch.int32)
+    seq_lens = torch.tensor([5, 5, 5, 5], dtype=torch.int32)
+    batch, pos = get_batch_indices_positions(append_indptr, seq_lens, 10)
+    assert batch.tolist() == [0, 1, 1, 2, 2, 2, 3, 3, 3, 3]
+    assert pos.tolist() == [4, 3, 4, 2, 3, 4, 1, 2, 3, 4]
+
+
+def test_canonical_append_case():
+    """FlashInfer's test_append_paged_kv_cache: lengths 45/8/25/22, page size 16."""
+    page_size, heads, dim = 16, 2, 8
+    lens = [45, 8, 25, 22]
+    kv_indptr = torch.tensor([0, 3, 4, 6, 8], dtype=torch.int32)
+    kv_indices = torch.arange(8, dtype=torch.int32)
+    kv_last_page_len = torch.tensor([13, 8, 9, 6], dtype=torch.int32)
+    seq_lens = get_seq_lens(kv_indptr, kv_last_page_len, page_size)
+    assert seq_lens.tolist() == lens
+    nnz = sum(lens)
+    append_indptr = torch.tensor([0, 45, 53, 78, 100], dtype=torch.int32)
+    key = torch.randn(nnz, heads, dim)
+    value = torch.randn(nnz, heads, dim)
+    cache = torch.zeros(8, 2, page_size, heads, dim)
+    batch, pos = get_batch_indices_positions(append_indptr, seq_lens, nnz)
+    append_paged_kv_cache(key, value, batch, pos, cache, kv_indices, kv_indptr, kv_last_page_len)
+    # The per-token check of FlashInfer's test: token j of request b lives at page kv_indices[...].
+    row = 0
+    for b, n in enumerate(lens):
+        for j in range(n):
+            page = kv_indices[kv_indptr[b] + j // page_size]
+            assert torch.equal(cache[page, 0, j % page_size], key[row])
+            assert torch.equal(cache[page, 1, j % page_size], value[row])
+            row += 1
+    # Unused slots of the last pages stay untouched.
+    assert cache[2, :, 13:].abs().sum() == 0 and cache[7, :, 6:].abs().sum() == 0
+
+
+def test_append_into_shuffled_pages_and_partial_append():
+    page_size = 4
+    kv_indptr = torch.tensor([0, 2, 5], dtype=torch.int32)
+    kv_indices = torch.tensor([7, 2, 0, 5, 3], dtype=torch.int32)
+    kv_last = torch.tensor([3, 1], dtype=torch.int32)  # lengths 7 and 9
+    seq_lens = get_seq_lens(kv_indptr, kv_last, page_size)
+    append_indptr = torch.tensor([0, 2, 5], dtype=torch.int32)  # last 2 of req 0, last 3 of req 1
+    batch, pos = get_batch_indices_positions(append_indptr, seq_lens, 5)
+    assert pos.tolist() == [5, 6, 6, 7, 8]
+    cache = torch.zeros(8, 2, page_size, 1, 1)
+    key = torch.arange(1, 6, dtype=torch.float32).view(5, 1, 1)
+    append_paged_kv_cache(key, -key, batch, pos, cache, kv_indices, kv_indptr, kv_last)
+    assert cache[2, 0, 1].item() == 1 and cache[2, 0, 2].item() == 2  # req 0 positions 5, 6 -> page 2
+    assert cache[5, 0, 2].item() == 3 and cache[5, 0, 3].item() == 4  # req 1 positions 6, 7 -> page 5
+    assert cache[3, 0, 0].item() == 5 and cache[3, 1, 0].item() == -5
+
+
+def test_append_out_of_bounds_raises():
+    kv_indptr = torch.tensor([0, 1], dtype=torch.int32)
+    kv_indices = torch.tensor([0], dtype=torch.int32)
+    kv_last = torch.tensor([2], dtype=torch.int32)
+    cache = torch.zeros(2, 2, 4, 1, 1)
+    with pytest.raises(IndexError):
+        append_paged_kv_cache(torch.ones(1, 1, 1), torch.ones(1, 1, 1), torch.tensor([0], dtype=torch.int32),
+                              torch.tensor([2], dtype=torch.int32), cache, kv_indices, kv_indptr, kv_last)
+
+
+def test_padded_block_table():
+    kv_indptr = torch.tensor([0, 2, 2, 5], dtype=torch.int32)
+    kv_indices = torch.tensor([4, 1, 6, 0, 3], dtype=torch.int32)
+    table = padded_block_table(kv_indptr, kv_indices, 3)
+    assert table.tolist() == [[4, 1, 0], [0, 0, 0], [6, 0, 3]]
+    assert padded_block_table(torch.zeros(3, dtype=torch.int32), kv_indices[:0], 0).shape == (2, 0)

@@ -1,0 +1,113 @@
+"""Every bad request gets a clear error of its own; its batch-mates are served."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gr_engine import GenerateRequest, GREngine, RankRequest, RequestError
+from tests.conftest import tiny_config
+
+
+def good(**changes) -> RankRequest:
+    fields = dict(request_id="ok", user_id=1, item_ids=[1, 2, 3], action_ids=[0, 1, 2],
+                  timestamps=[10, 10, 20], candidate_item_ids=[4, 5])
+    fields.update(changes)
+    return RankRequest(**fields)
+
+
+BAD = {
+    "unequal_lengths": (dict(action_ids=[0, 1]), "differ in length"),
+    "item_out_of_vocab": (dict(item_ids=[1, 2, 200]), "item_ids contains 200"),
+    "negative_item": (dict(item_ids=[1, -2, 3]), "item_ids contains -2"),
+    "action_out_of_vocab": (dict(action_ids=[0, 1, 8]), "action_ids contains 8"),
+    "candidate_out_of_vocab": (dict(candidate_item_ids=[4, 999]), "candidate_item_ids contains 999"),
+    "negative_candidate": (dict(candidate_item_ids=[-1]), "candidate_item_ids contains -1"),
+    "no_candidates": (dict(candidate_item_ids=[]), "nothing to rank"),
+    "too_many_candidates": (dict(candidate_item_ids=list(range(13))), "exceed model.max_candidates"),
+    "history_too_long": (dict(item_ids=[1] * 257, action_ids=[0] * 257, timestamps=list(range(257))),
+                         "exceeds model.max_history_len"),
+    "timestamps_backwards": (dict(timestamps=[10, 30, 20]), "timestamps go backwards at event 2"),
+    "float_ids": (dict(item_ids=[1.0, 2.5, 3.0]), "item_ids must be a flat list of integers"),
+    "string_ids": (dict(candidate_item_ids=["a", "b"]), "candidate_item_ids must be a flat list of integers"),
+    "nested_ids": (dict(item_ids=[[1], [2], [3]]), "flat list of integers"),
+    "ids_not_a_list": (dict(item_ids=7), "item_ids must be a list of integers, got int"),
+    "bool_ids": (dict(action_ids=[True, False, True]), "flat list of integers"),
+    "user_id_wrong_type": (dict(user_id=1.5), "user_id must be an int or a string"),
+    "request_id_wrong_type": (dict(request_id=3), "request_id must be a string"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_request_rejected_with_clear_error(name):
+    changes, message = BAD[name]
+    engine = GREngine(tiny_config())
+    with pytest.raises(RequestError, match=message):
+        engine.add_request(good(**changes))
+    [output] = engine.rank([good(**changes)], use_tqdm=False)
+    assert output.error is not None and message.split()[0] in output.error
+    assert output.scores == []
+
+
+def test_not_a_request_object():
+    engine = GREngine(tiny_config())
+    [output] = engine.rank([{"request_id": "x"}], use_tqdm=False)
+    assert "expected a RankRequest, got dict" in output.error
+
+
+def test_history_larger_than_cache_is_rejected():
+    engine = GREngine(tiny_config(num_gpu_pages=8, page_size=4))  # room for 32 tokens
+    n = 40
+    [output] = engine.rank([good(item_ids=[1] * n, action_ids=[0] * n, timestamps=list(range(n)))],
+                           use_tqdm=False)
+    assert "needs 10 KV pages but cache.num_gpu_pages is 8" in output.error
+
+
+def test_retrieval_needs_history():
+    engine = GREngine(tiny_config())
+    [output] = engine.generate([GenerateRequest(request_id="g", user_id=1, item_ids=[], action_ids=[],
+                                                timestamps=[])], use_tqdm=False)
+    assert "at least one history event" in output.error
+
+
+def test_duplicate_in_flight_request_id():
+    engine = GREngine(tiny_config())
+    engine.add_request(good())
+    with pytest.raises(RequestError, match="already in flight"):
+        engine.add_request(good())
+
+
+def test_bad_requests_inside_a_batch_fail_alone():
+    rng = np.random.default_rng(0)
+    requests, expected_bad = [], set()
+    for i in range(24):
+        if i % 4 == 1:
+            name = sorted(BAD)[i % len(BAD)]
+            requests.append(good(request_id=f"r{i}", user_id=i % 5, **BAD[name][0]))
+            expected_bad.add(i)
+        else:
+            n = int(rng.integers(0, 60))
+            requests.append(good(request_id=f"r{i}", user_id=i % 5, item_ids=rng.integers(0, 200, n).tolist(),
+                                 action_ids=rng.integers(0, 8, n).tolist(), timestamps=list(range(n)),
+                                 candidate_item_ids=rng.integers(0, 200, 3).tolist()))
+    engine = GREngine(tiny_config())
+    outputs = engine.rank(requests, use_tqdm=False)
+    assert [o.request_id for o in outputs] == [r.request_id for r in requests]
+    for i, (request, output) in enumerate(zip(requests, outputs)):
+        if i in expected_bad:
+            assert output.error, i
+            continue
+        assert output.error is None and output.request_id == request.request_id
+        # Each good request's scores equal those of the same request served on its own.
+        alone = GREngine(tiny_config(mode="recompute")).rank([request], use_tqdm=False)[0]
+        np.testing.assert_allclose(output.scores, alone.scores, atol=1e-5, rtol=0)
+
+
+def test_numpy_arrays_are_accepted():
+    engine = GREngine(tiny_config())
+    request = good(item_ids=np.array([1, 2, 3]), action_ids=np.array([0, 1, 2], dtype=np.int32),
+                   timestamps=np.array([1, 2, 3]), candidate_item_ids=np.array([4, 5]))
+    [output] = engine.rank([request], use_tqdm=False)
+    [expected] = engine.rank([good(request_id="again", user_id=2, timestamps=[1, 2, 3])], use_tqdm=False)
+    assert output.error is None
+    np.testing.assert_allclose(output.scores, expected.scores, atol=1e-6)

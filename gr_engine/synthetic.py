@@ -57,7 +57,8 @@ def synthetic_requests(
         for visit, cut in enumerate(cuts):
             if visit and cut and rng.random() < rewrite_prob:
                 items[rng.integers(0, cut)] = rng.integers(0, model.num_items)
-            c = int(rng.integers(num_candidates[0], min(num_candidates[1], model.max_candidates) + 1))
+            most = min(num_candidates[1], model.max_candidates)
+            c = int(rng.integers(min(num_candidates[0], most), most + 1))
             visits.append(RankRequest(
                 request_id=f"u{user}-v{visit}", user_id=user, item_ids=items[:cut].tolist(),
                 action_ids=actions[:cut].tolist(), timestamps=times[:cut].tolist(),

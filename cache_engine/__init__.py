@@ -1,18 +1,28 @@
-"""Where KV lives: the GPU page pool, per-user block tables and the eviction policy."""
+"""Where KV lives: the GPU page pool, the host chunk tier, per-user records and eviction policies."""
 
 from .config import CacheConfig, CacheMode
-from .kv_cache_manager import CacheStats, KVCacheManager, UserRecord
+from .host_store import HostChunkStore
+from .host_tier import HostTier
+from .kv_cache_manager import KVCacheManager
 from .lru import LRUIndex
 from .page_pool import PagePool
 from .prefix_hash import page_prefix_hashes
+from .records import CacheHit, CacheStats, UserRecord
+from .transfer import OffloadJob, OnloadJob, TransferEngine
 
 __all__ = [
     "CacheConfig",
+    "CacheHit",
     "CacheMode",
     "CacheStats",
+    "HostChunkStore",
+    "HostTier",
     "KVCacheManager",
     "LRUIndex",
+    "OffloadJob",
+    "OnloadJob",
     "PagePool",
+    "TransferEngine",
     "UserRecord",
     "page_prefix_hashes",
 ]

@@ -6,7 +6,7 @@ from typing import Literal
 
 import msgspec
 
-CacheMode = Literal["recompute", "gpu_only", "unlimited"]
+CacheMode = Literal["recompute", "gpu_only", "hierarchical", "unlimited"]
 
 
 class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -16,20 +16,44 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         mode: ``recompute``: nothing is reused (every request encodes its whole history; pages are
             scratch space freed when the request finishes). ``gpu_only``: each user's KV stays in GPU
             pages across visits; when pages run out the least recently used unlocked users are evicted
-            (their KV is lost and recomputed on their next visit). ``unlimited``: like ``gpu_only`` but
-            nothing is ever evicted; the pool must be large enough for everyone (the ideal to measure
-            against); a request that cannot get pages fails with a clear error.
+            and their KV is lost. ``hierarchical``: like ``gpu_only``, but every user's KV is also
+            persisted in host-memory chunks, so an evicted user is loaded back instead of recomputed.
+            ``unlimited``: nothing is ever evicted; the pool must be large enough for everyone (the
+            ideal to measure against); a request that cannot get pages fails with a clear error.
         page_size: tokens per KV page (FlashInfer's ``page_size``).
         num_gpu_pages: pages in the GPU pool. Each page holds
             ``num_layers * 2 * page_size * num_heads * head_dim`` values.
+        chunk_tokens: tokens per host chunk (a multiple of ``page_size``); a user's history is
+            persisted to host one chunk at a time as it fills.
+        host_budget_bytes: size of the host chunk pool (``hierarchical`` only). Pinned on CUDA; pinned
+            in the background so start-up does not wait for it.
+        host_segment_bytes: the host pool is allocated (and pinned) in segments of about this size.
+        max_pending_offloads: most chunks whose device-to-host copy may be in flight (admission
+            control: further full chunks wait for a later step).
+        persist_tails: before GPU pages of a user are reclaimed, also persist the un-persisted tail
+            (less than a chunk), so eviction loses nothing. ``False`` reproduces MTServe, which loses it.
     """
 
-    mode: CacheMode = "gpu_only"
+    mode: CacheMode = "hierarchical"
     page_size: int = 32
     num_gpu_pages: int = 4096
+    chunk_tokens: int = 1024
+    host_budget_bytes: int = 2**33
+    host_segment_bytes: int = 2**28
+    max_pending_offloads: int = 64
+    persist_tails: bool = True
 
     def __post_init__(self) -> None:
-        if self.page_size <= 0:
-            raise ValueError(f"cache.page_size must be positive, got {self.page_size}")
-        if self.num_gpu_pages <= 0:
-            raise ValueError(f"cache.num_gpu_pages must be positive, got {self.num_gpu_pages}")
+        for name in ("page_size", "num_gpu_pages", "chunk_tokens", "host_segment_bytes", "max_pending_offloads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"cache.{name} must be positive, got {getattr(self, name)}")
+        if self.host_budget_bytes < 0:
+            raise ValueError(f"cache.host_budget_bytes must be >= 0, got {self.host_budget_bytes}")
+        if self.chunk_tokens % self.page_size:
+            raise ValueError(
+                f"cache.chunk_tokens ({self.chunk_tokens}) must be a multiple of cache.page_size ({self.page_size})"
+            )
+
+    @property
+    def chunk_pages(self) -> int:
+        return self.chunk_tokens // self.page_size

@@ -1,78 +1,58 @@
-"""Per-user persistent KV: which pages hold whose history, and what to evict.
+"""Per-user persistent KV: which pages (and host chunks) hold whose history, and what to evict.
 
-A user's record persists across requests: its pages (in logical order), how many history tokens they
-hold, one prefix hash per page, and whether a running request has it locked. The life of a request:
+A user's record persists across requests (see :class:`~cache_engine.records.UserRecord`). The life of
+a request:
 
 1. :meth:`KVCacheManager.acquire` verifies the cached prefix against the request's history (a record
    whose history no longer matches is cut back to the longest matching page prefix: stale KV is never
-   served), locks the record, and gives it pages for the request's whole history, evicting least
-   recently used unlocked users when needed (zero-copy: only metadata changes). It changes nothing and
-   returns ``None`` when the pages cannot be found now.
-2. :meth:`KVCacheManager.commit` records that the pages now hold more tokens (after each step).
+   served), locks the record, and gives it pages for the whole history, evicting least recently used
+   unlocked users when needed (zero-copy: only metadata changes; in ``hierarchical`` mode their
+   un-persisted tail is copied to host first). A user whose history is on host only gets it planned
+   for onload. ``None`` means the pages cannot be found now (nothing was changed).
+2. :meth:`KVCacheManager.commit` records that the pages now hold more tokens (after each step) and, in
+   ``hierarchical`` mode, queues chunks that became full for offload.
 3. :meth:`KVCacheManager.release` unlocks the record (``recompute`` mode drops it).
+
+Each engine step calls :meth:`begin_step` (apply finished transfers), then :meth:`launch_onloads`
+before the forward pass, and :meth:`end_step` after it (start offloads).
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from .config import CacheConfig
+from .host_store import HostChunkStore
+from .host_tier import HostTier
 from .lru import LRUIndex
 from .page_pool import PagePool
-
-
-@dataclass(eq=False)
-class UserRecord:
-    """One user's cached history.
-
-    Attributes:
-        pages: physical page ids in logical order (may exceed what ``num_tokens`` needs while a request
-            that will fill them is running).
-        num_tokens: history tokens whose K/V the pages hold.
-        page_hashes: uint64 ``[ceil(num_tokens / page_size)]``; entry ``k`` hashes the tokens held in page
-            ``k`` (see :mod:`cache_engine.prefix_hash`).
-        locked: a running request owns the record; it cannot be evicted.
-    """
-
-    pages: list[int] = field(default_factory=list)
-    num_tokens: int = 0
-    page_hashes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
-    locked: bool = False
-
-
-@dataclass
-class CacheStats:
-    """Counters since the engine started."""
-
-    evicted_users: int = 0
-    evicted_tokens: int = 0
-    truncated_tokens: int = 0
+from .records import CacheHit, CacheStats, UserRecord
+from .transfer import TransferEngine
 
 
 class KVCacheManager:
-    """The GPU page pool plus per-user records, under one of the modes of :class:`CacheConfig`."""
+    """The GPU page pool, the host chunk tier and per-user records, under a :class:`CacheConfig` mode."""
 
-    def __init__(
-        self,
-        config: CacheConfig,
-        num_layers: int,
-        num_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
+    def __init__(self, config: CacheConfig, num_layers: int, num_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
         self.config = config
         self.page_size = config.page_size
-        self.pool = PagePool(num_layers, config.num_gpu_pages, config.page_size, num_heads, head_dim,
-                             dtype, device)
+        device = torch.device(device)
+        self.pool = PagePool(num_layers, config.num_gpu_pages, config.page_size, num_heads, head_dim, dtype, device)
         self.users: dict[Hashable, UserRecord] = {}
-        self._lru = LRUIndex()  # unlocked users that hold pages, evictable in this order
+        self._lru = LRUIndex()  # unlocked users that hold pages, least recently used first
         self._evictable_pages = 0  # pages held by users in the LRU
         self.stats = CacheStats()
+        self.host: HostTier | None = None
+        if config.mode == "hierarchical":
+            slot_shape = (num_layers, config.chunk_pages, 2, config.page_size, num_heads, head_dim)
+            slot_bytes = int(np.prod(slot_shape)) * dtype.itemsize
+            store = HostChunkStore(config.host_budget_bytes // slot_bytes, slot_shape, dtype,
+                                   config.host_segment_bytes // slot_bytes, pin=device.type == "cuda")
+            self.host = HostTier(config, store, TransferEngine(device), self.pool.kv, self.users, self.stats)
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -82,8 +62,31 @@ class KVCacheManager:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    # ------------------------------------------------------------------ step hooks
+    def begin_step(self) -> None:
+        """Apply transfers that finished since the last step."""
+        if self.host is not None:
+            self.host.poll()
+
+    def launch_onloads(self) -> list[torch.cuda.Event | None]:
+        """Start this step's onloads; entry ``l`` is what layer ``l`` must wait for (``None``: nothing)."""
+        if self.host is None:
+            return [None] * self.pool.kv.shape[0]
+        return self.host.launch_onloads()
+
+    def end_step(self) -> None:
+        """Start offloads of chunks that became full (within the admission cap)."""
+        if self.host is not None:
+            self.host.launch_offloads()
+
+    def close(self) -> None:
+        """Finish all transfers and stop background work."""
+        if self.host is not None:
+            self.host.poll(wait=True)
+            self.host.store.close()
+
     # ------------------------------------------------------------------ request lifecycle
-    def acquire(self, user_id: Hashable, token_hashes: np.ndarray, reuse_limit: int) -> int | None:
+    def acquire(self, user_id: Hashable, token_hashes: np.ndarray, reuse_limit: int) -> CacheHit | None:
         """Lock ``user_id``'s record for a request and give it pages for the whole history.
 
         Args:
@@ -94,20 +97,23 @@ class KVCacheManager:
                 last history token must be recomputed for its output).
 
         Returns:
-            The number of leading history tokens whose cached K/V the request reuses, or ``None`` if
-            the pages cannot be found now (nothing was changed).
+            How many leading history tokens are reused from GPU pages and from host chunks, or
+            ``None`` if the pages cannot be found now (nothing was changed).
         """
         n = len(token_hashes)
         record = self.users.get(user_id)
         if record is not None and record.locked:
             raise RuntimeError(f"user {user_id!r} already has a running request")
-        reuse = 0
+        gpu = host = 0
         if record is not None and self.config.mode != "recompute":
             reuse = min(self._verified_prefix(record, token_hashes), reuse_limit)
+            gpu = min(reuse, record.num_tokens)
+            if not record.pages and self.host is not None:
+                host = min(reuse, record.host_tokens)
         held = len(record.pages) if record is not None else 0
         deficit = self.pages_for(n) - held
         if deficit > self.pool.num_free:
-            reclaimable = self._evictable_pages if self.config.mode == "gpu_only" else 0
+            reclaimable = self._evictable_pages if self.config.mode in ("gpu_only", "hierarchical") else 0
             if record is not None and user_id in self._lru:
                 reclaimable -= held
             if deficit > self.pool.num_free + reclaimable:
@@ -116,15 +122,19 @@ class KVCacheManager:
         if record is None:
             record = self.users[user_id] = UserRecord()
         self._lock(user_id, record)
-        if reuse < record.num_tokens:
-            self._truncate(record, reuse, token_hashes)
+        self._cut(user_id, record, gpu + host, token_hashes)
         if deficit > 0:
             self._evict_until_free(deficit)
             record.pages.extend(self.pool.allocate(deficit))
         elif deficit < 0:
             self.pool.free(record.pages[deficit:])
             del record.pages[deficit:]
-        return reuse
+        if host:
+            self.host.plan_onload(record, host)
+            record.num_tokens = host
+        if self.host is not None and (record.host_slots or host):
+            self.host.lru.touch(user_id)
+        return CacheHit(gpu, host)
 
     def commit(self, user_id: Hashable, num_tokens: int, token_hashes: np.ndarray) -> None:
         """The user's pages now hold the first ``num_tokens`` history tokens of the running request."""
@@ -133,10 +143,11 @@ class KVCacheManager:
             raise RuntimeError(f"commit of {num_tokens} tokens for user {user_id!r}: not locked, shrinking "
                                f"from {record.num_tokens}, or beyond its {len(record.pages)} pages")
         first = record.num_tokens // self.page_size
-        last = self.pages_for(num_tokens)
-        ends = np.minimum((np.arange(first, last) + 1) * self.page_size, num_tokens) - 1
+        ends = np.minimum((np.arange(first, self.pages_for(num_tokens)) + 1) * self.page_size, num_tokens) - 1
         record.page_hashes = np.concatenate([record.page_hashes[:first], token_hashes[ends]])
-        record.num_tokens = num_tokens
+        record.num_tokens = record.hashed_tokens = num_tokens
+        if self.host is not None:
+            self.host.queue_full_chunks(user_id, record)
 
     def release(self, user_id: Hashable) -> None:
         """Unlock the record after its request finished (or failed); keep it for the next visit."""
@@ -146,11 +157,11 @@ class KVCacheManager:
         if keep < len(record.pages):
             self.pool.free(record.pages[keep:])
             del record.pages[keep:]
-        if keep == 0:
+        if record.pages:
+            self._lru.touch(user_id)
+            self._evictable_pages += len(record.pages)
+        elif not record.host_slots:
             del self.users[user_id]
-            return
-        self._lru.touch(user_id)
-        self._evictable_pages += len(record.pages)
 
     def why_no_room(self, num_tokens: int) -> str | None:
         """Why a history of ``num_tokens`` can never get pages while nothing else runs, or ``None``
@@ -161,36 +172,32 @@ class KVCacheManager:
                     f"{self.pool.num_pages}; raise cache.num_gpu_pages")
         if self.config.mode == "unlimited" and need > self.pool.num_free:
             return (f"unlimited mode ran out of KV pages ({need} needed, {self.pool.num_free} free, "
-                    "and this mode never evicts); raise cache.num_gpu_pages or use gpu_only")
+                    "and this mode never evicts); raise cache.num_gpu_pages or use hierarchical")
         return None
 
     # ------------------------------------------------------------------ metadata
-    def page_table(
-        self, user_ids: Sequence[Hashable], seq_lens: Sequence[int]
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def page_table(self, user_ids: Sequence[Hashable], seq_lens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """CSR page table of the first ``seq_lens[b]`` tokens of each user's pages.
 
         Returns:
-            ``(kv_indptr [B + 1], kv_indices [nnz], kv_last_page_len [B])``, int32 numpy arrays with
-            FlashInfer's semantics (``kv_last_page_len`` is 0 for an empty history).
+            ``(kv_indptr [B + 1], kv_indices [nnz])``, int32, FlashInfer semantics.
         """
-        lens = np.asarray(seq_lens, dtype=np.int64)
-        counts = -(-lens // self.page_size)
-        indptr = np.zeros(len(lens) + 1, dtype=np.int32)
+        counts = -(-np.asarray(seq_lens, dtype=np.int64) // self.page_size)
+        indptr = np.zeros(len(counts) + 1, dtype=np.int32)
         np.cumsum(counts, out=indptr[1:])
-        indices = np.fromiter(
-            (p for uid, c in zip(user_ids, counts) for p in self.users[uid].pages[:c]),
-            dtype=np.int32, count=int(indptr[-1]),
-        )
-        last = np.where(counts > 0, lens - (counts - 1) * self.page_size, 0).astype(np.int32)
-        return indptr, indices, last
+        indices = np.fromiter((p for uid, c in zip(user_ids, counts) for p in self.users[uid].pages[:c]),
+                              dtype=np.int32, count=int(indptr[-1]))
+        return indptr, indices
 
     def cached_tokens(self, user_id: Hashable) -> int:
+        """History tokens of the user the cache can serve (GPU, or host when not on the GPU)."""
         record = self.users.get(user_id)
-        return 0 if record is None else record.num_tokens
+        if record is None:
+            return 0
+        return record.num_tokens if record.pages else record.host_tokens
 
     def check_invariants(self) -> None:
-        """Raise ``AssertionError`` if any page is owned twice, leaked, or a counter is off."""
+        """Raise ``AssertionError`` if a page or slot is owned twice or leaked, or a counter is off."""
         owned = [p for r in self.users.values() for p in r.pages]
         free = self.pool.free_page_ids()
         assert len(owned) == len(set(owned)), "a page is owned by two users"
@@ -198,32 +205,41 @@ class KVCacheManager:
         assert len(owned) + len(free) == self.pool.num_pages, "a page leaked"
         assert self._evictable_pages == sum(len(self.users[u].pages) for u in self._lru)
         for uid, r in self.users.items():
-            assert (uid in self._lru) != r.locked, f"user {uid!r}: LRU membership disagrees with lock"
-            assert len(r.page_hashes) == self.pages_for(r.num_tokens)
+            assert (uid in self._lru) == (bool(r.pages) and not r.locked), f"user {uid!r}: LRU disagrees"
+            assert len(r.page_hashes) == self.pages_for(r.hashed_tokens)
+            assert r.num_tokens <= r.hashed_tokens and r.host_tokens <= r.hashed_tokens
             assert r.locked or len(r.pages) == self.pages_for(r.num_tokens)
+            assert len(r.host_slots) == -(-r.host_tokens // self.config.chunk_tokens)
+        if self.host is not None:
+            self.host.check_slots()
 
     # ------------------------------------------------------------------ internals
     def _verified_prefix(self, record: UserRecord, token_hashes: np.ndarray) -> int:
-        """Cached tokens of ``record`` whose pages match the request's history, page by page."""
+        """Known tokens of ``record`` whose pages match the request's history, page by page."""
         num_pages = len(record.page_hashes)
         if num_pages == 0:
             return 0
-        ends = np.minimum((np.arange(num_pages) + 1) * self.page_size, record.num_tokens)
+        ends = np.minimum((np.arange(num_pages) + 1) * self.page_size, record.hashed_tokens)
         n = len(token_hashes)
-        verifiable = ends <= n
         probe = token_hashes[np.minimum(ends, max(n, 1)) - 1] if n else np.zeros(num_pages, np.uint64)
-        ok = verifiable & (probe == record.page_hashes)
+        ok = (ends <= n) & (probe == record.page_hashes)
         good = num_pages if ok.all() else int(np.argmin(ok))
         return int(ends[good - 1]) if good else 0
 
-    def _truncate(self, record: UserRecord, num_tokens: int, token_hashes: np.ndarray) -> None:
+    def _cut(self, user_id: Hashable, record: UserRecord, num_tokens: int, token_hashes: np.ndarray) -> None:
         """Cut ``record`` back to its first ``num_tokens`` tokens (verified against ``token_hashes``)."""
-        self.stats.truncated_tokens += record.num_tokens - num_tokens
-        keep = self.pages_for(num_tokens)
-        record.page_hashes = record.page_hashes[:keep].copy()
-        if num_tokens % self.page_size:
-            record.page_hashes[-1] = token_hashes[num_tokens - 1]
-        record.num_tokens = num_tokens
+        if num_tokens < max(record.num_tokens, record.host_tokens):
+            self.stats.truncated_tokens += max(record.num_tokens, record.host_tokens) - num_tokens
+        if num_tokens < record.hashed_tokens:
+            record.generation += 1  # transfers in flight beyond the cut are now stale
+            keep = self.pages_for(num_tokens)
+            record.page_hashes = record.page_hashes[:keep].copy()
+            if num_tokens % self.page_size:
+                record.page_hashes[-1] = token_hashes[num_tokens - 1]
+            record.hashed_tokens = num_tokens
+        record.num_tokens = min(record.num_tokens, num_tokens)
+        if self.host is not None:
+            self.host.cut(user_id, record, num_tokens)
 
     def _lock(self, user_id: Hashable, record: UserRecord) -> None:
         if user_id in self._lru:
@@ -233,9 +249,25 @@ class KVCacheManager:
 
     def _evict_until_free(self, count: int) -> None:
         while self.pool.num_free < count:
-            victim = self._lru.pop_oldest()
-            record = self.users.pop(victim)
-            self._evictable_pages -= len(record.pages)
-            self.pool.free(record.pages)
-            self.stats.evicted_users += 1
-            self.stats.evicted_tokens += record.num_tokens
+            victim = next((u for u in self._lru if not self.users[u].readers), None)
+            if victim is None:  # only users whose pages are still being gathered: let that finish
+                self.host.poll(wait=True)
+                continue
+            self._evict(victim)
+
+    def _evict(self, user_id: Hashable) -> None:
+        record = self.users[user_id]
+        self._lru.remove(user_id)
+        self._evictable_pages -= len(record.pages)
+        persisting = False
+        if self.host is not None and self.config.persist_tails:
+            persisting = self.host.persist_all(user_id, record)
+        elif self.host is not None:
+            self.stats.lost_tokens += record.num_tokens - record.host_tokens
+        self.pool.free(record.pages)
+        self.stats.evicted_users += 1
+        self.stats.evicted_tokens += record.num_tokens
+        record.pages = []
+        record.num_tokens = 0
+        if not record.host_slots and not persisting:
+            del self.users[user_id]

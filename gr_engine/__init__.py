@@ -6,7 +6,7 @@ never re-encoded. Start with :class:`GREngine` and :class:`EngineConfig`.
 
 from .config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, load_config
 from .engine import GREngine
-from .metrics import EngineStats
+from .metrics import EngineStats, StepMetrics
 from .models import HSTUModel
 from .outputs import GenerateOutput, RankOutput, StepTimings
 from .request import GenerateParams, GenerateRequest, RankRequest
@@ -26,6 +26,7 @@ __all__ = [
     "RankRequest",
     "RequestError",
     "SchedulerConfig",
+    "StepMetrics",
     "StepTimings",
     "load_config",
 ]

@@ -1,7 +1,8 @@
 """``gr-engine demo``: returning users served by each cache mode, on CPU, with a tiny random model.
 
-The same request stream runs under ``recompute``, ``gpu_only`` (a pool too small for everyone, so
-users are evicted) and ``unlimited``; the table shows time per request, speedup over recompute, the
+The same request stream runs under ``recompute``, ``gpu_only`` (a GPU pool too small for everyone, so
+users are evicted and recomputed), ``hierarchical`` (the same GPU pool, plus host chunks that keep
+evicted users) and ``unlimited``; the table shows time per request, speedup over recompute, the
 history-token hit ratio and the largest score difference from recompute (caching must not change
 scores).
 """
@@ -36,7 +37,7 @@ def demo_config() -> EngineConfig:
     """A tiny float32 model on CPU, sized so the demo finishes in seconds."""
     model = ModelConfig(num_items=5000, num_actions=16, d_model=64, num_layers=2, num_heads=2, head_dim=32,
                         max_history_len=2048, max_candidates=64, num_tasks=3, seed=0)
-    return EngineConfig(model=model, cache=CacheConfig(page_size=32, num_gpu_pages=4096),
+    return EngineConfig(model=model, cache=CacheConfig(page_size=32, num_gpu_pages=4096, host_budget_bytes=2**29),
                         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048), device="cpu")
 
 
@@ -48,7 +49,8 @@ def run_demo(config: EngineConfig | None = None, num_users: int = 32, visits_per
     Args:
         config: base configuration (default :func:`demo_config`); its cache mode is overridden.
         num_users, visits_per_user, seed: the synthetic stream (:func:`synthetic_requests`).
-        gpu_only_pages: GPU pool pages in ``gpu_only`` mode; default: room for about half the users.
+        gpu_only_pages: GPU pool pages in ``gpu_only`` and ``hierarchical`` modes; default: room for about
+            half the users.
         echo: where lines are printed.
     """
     config = config or demo_config()
@@ -58,7 +60,7 @@ def run_demo(config: EngineConfig | None = None, num_users: int = 32, visits_per
     pages_per_user = -(-longest // config.cache.page_size)
     if gpu_only_pages is None:
         gpu_only_pages = max(pages_per_user * config.scheduler.max_num_seqs, pages_per_user * num_users // 2)
-    pools = {"recompute": config.cache.num_gpu_pages, "gpu_only": gpu_only_pages,
+    pools = {"recompute": config.cache.num_gpu_pages, "gpu_only": gpu_only_pages, "hierarchical": gpu_only_pages,
              "unlimited": max(config.cache.num_gpu_pages, pages_per_user * (num_users + 1))}
     echo(f"demo: {num_users} users x {visits_per_user} visits = {len(requests)} requests, "
          f"model d={config.model.d_model} L={config.model.num_layers}, device={config.device}")
@@ -80,9 +82,9 @@ def run_demo(config: EngineConfig | None = None, num_users: int = 32, visits_per
         results.append(ModeResult(mode, seconds, 1e3 * seconds / len(requests), engine.stats.total_hit_ratio,
                                   engine.kv.stats.evicted_users, float(np.abs(scores - reference).max())))
     base = results[0].seconds
-    echo(f"{'mode':<10} {'pages':>6} {'ms/request':>11} {'speedup':>8} {'token hit':>10} {'evicted':>8} "
+    echo(f"{'mode':<12} {'pages':>6} {'ms/request':>11} {'speedup':>8} {'token hit':>10} {'evicted':>8} "
          f"{'max|diff|':>10}")
     for r in results:
-        echo(f"{r.mode:<10} {pools[r.mode]:>6} {r.ms_per_request:>11.2f} {base / r.seconds:>7.2f}x "
+        echo(f"{r.mode:<12} {pools[r.mode]:>6} {r.ms_per_request:>11.2f} {base / r.seconds:>7.2f}x "
              f"{r.hit_ratio:>9.1%} {r.evicted_users:>8} {r.max_abs_diff:>10.1e}")
     return results

@@ -21,7 +21,7 @@ from cache_engine import KVCacheManager, page_prefix_hashes
 from scheduler import RequestState, ScheduledChunk, Scheduler
 
 from .config import EngineConfig
-from .metrics import EngineStats
+from .metrics import EngineStats, StepMetrics
 from .model_runner import ChunkResult, ModelRunner, RequestPayload
 from .models import HSTUModel
 from .outputs import GenerateOutput, RankOutput, StepTimings
@@ -148,16 +148,29 @@ class GREngine:
                         bar.update(1)
         return results
 
+    def close(self) -> None:
+        """Finish in-flight transfers and stop background work (the engine stays usable)."""
+        self.kv.close()
+
+    def __enter__(self) -> GREngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _step(self) -> list[tuple[RequestState, Output]]:
         t0 = time.perf_counter()
+        self.kv.begin_step()
+        poll_s = time.perf_counter() - t0
         plan = self.scheduler.schedule()
         done = [(state, self._output(state, None, error=reason)) for state, reason in plan.failed]
         chunks = plan.chunks
         if not chunks:
             return done
-        phases = {"schedule": time.perf_counter() - t0 - plan.prepare_s}
+        phases = {"schedule": time.perf_counter() - t0 - plan.prepare_s - poll_s}
+        transferred = (self.kv.stats.onloaded_bytes, self.kv.stats.offloaded_bytes)
         try:
-            results = self._execute(chunks, phases, plan.prepare_s)
+            results = self._execute(chunks, phases, plan.prepare_s + poll_s)
         except Exception as exc:  # never crash the caller: this step's requests fail, others go on
             logger.exception("engine step failed")
             for chunk in chunks:
@@ -167,8 +180,16 @@ class GREngine:
             return done
         t = time.perf_counter()
         finished = {id(state) for state in self.scheduler.complete(chunks)}
+        self.kv.end_step()
         phases["commit"] = time.perf_counter() - t
-        self.stats.record_step(phases, sum(c.num_tokens for c in chunks))
+        self.stats.record_step(StepMetrics(
+            num_requests=len(chunks), num_tokens=sum(c.num_tokens for c in chunks),
+            gpu_hit_tokens=sum(r.num_gpu_hits for r in plan.admitted),
+            host_hit_tokens=sum(r.num_host_hits for r in plan.admitted),
+            history_tokens=sum(r.num_history for r in plan.admitted),
+            onloaded_bytes=self.kv.stats.onloaded_bytes - transferred[0],
+            offloaded_bytes=self.kv.stats.offloaded_bytes - transferred[1], phases=phases,
+        ))
         for chunk, result in zip(chunks, results, strict=True):
             state = chunk.request
             for name, seconds in phases.items():
@@ -182,12 +203,14 @@ class GREngine:
         t = time.perf_counter()
         meta = self.runner.prepare(chunks)
         phases["prepare"] = prepare_s + time.perf_counter() - t
-        phases["onload"] = 0.0  # no host tier in these modes
+        t = time.perf_counter()
+        layer_ready = self.kv.launch_onloads()
+        phases["onload"] = time.perf_counter() - t
         t = time.perf_counter()
         tokens = self.runner.strip(chunks)
         phases["strip"] = time.perf_counter() - t
         t = time.perf_counter()
-        states = self.runner.forward(tokens, meta)
+        states = self.runner.forward(tokens, meta, layer_ready)
         phases["forward"] = time.perf_counter() - t
         t = time.perf_counter()
         results = self.runner.score(chunks, meta, states)
@@ -200,13 +223,14 @@ class GREngine:
         ok = error is None
         fields = dict(
             request_id=payload.request.request_id, user_id=state.user_id,
-            num_gpu_cached_tokens=state.num_reused if ok else 0,
+            num_gpu_cached_tokens=state.num_gpu_hits if ok else 0,
+            num_host_cached_tokens=state.num_host_hits if ok else 0,
             num_computed_tokens=state.num_history - state.num_reused if ok else 0,
             timings=StepTimings(**state.timings), latency_s=time.perf_counter() - payload.arrival_s,
             error=error,
         )
         if ok:
-            self.stats.record_request(state.num_history, state.num_reused)
+            self.stats.record_request(state.num_history, state.num_gpu_hits, state.num_host_hits)
         if payload.params is None:
             scores = result.logits.tolist() if ok else []
             return RankOutput(scores=scores, **fields)

@@ -1,13 +1,49 @@
-"""Engine-wide counters: token hit ratios and time per phase of the step."""
+"""Engine metrics: per-step records and totals since start (token hit ratios, transfers, phase times)."""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+
+PHASES = ("schedule", "prepare", "onload", "strip", "forward", "score", "commit")
+
+
+@dataclass
+class StepMetrics:
+    """One engine step.
+
+    Attributes:
+        num_requests: requests in the step.
+        num_tokens: tokens computed (uncached history + candidates).
+        history_tokens: history tokens of the requests admitted in this step.
+        gpu_hit_tokens: of those, tokens served from GPU pages.
+        host_hit_tokens: of those, tokens loaded from host chunks.
+        onloaded_bytes: bytes copied host -> GPU for this step.
+        offloaded_bytes: bytes whose GPU -> host copy started in this step.
+        phases: seconds per phase (:data:`PHASES`) on the host's clock.
+    """
+
+    num_requests: int
+    num_tokens: int
+    history_tokens: int
+    gpu_hit_tokens: int
+    host_hit_tokens: int
+    onloaded_bytes: int
+    offloaded_bytes: int
+    phases: dict[str, float]
+
+    @property
+    def gpu_hit_ratio(self) -> float:
+        return self.gpu_hit_tokens / self.history_tokens if self.history_tokens else 0.0
+
+    @property
+    def total_hit_ratio(self) -> float:
+        return (self.gpu_hit_tokens + self.host_hit_tokens) / self.history_tokens if self.history_tokens else 0.0
 
 
 @dataclass
 class EngineStats:
-    """Totals since the engine started.
+    """Totals since the engine started, and the most recent steps.
 
     Attributes:
         num_steps: engine steps that ran the model.
@@ -16,7 +52,9 @@ class EngineStats:
         history_tokens: history tokens of finished requests.
         gpu_hit_tokens: of those, tokens served from GPU pages.
         host_hit_tokens: of those, tokens loaded from host memory.
-        phase_seconds: seconds per step phase (schedule, prepare, onload, strip, forward, score, commit).
+        onloaded_bytes, offloaded_bytes: host <-> GPU KV traffic.
+        phase_seconds: seconds per step phase (:data:`PHASES`).
+        recent_steps: the last ``maxlen`` :class:`StepMetrics`.
     """
 
     num_steps: int = 0
@@ -25,13 +63,19 @@ class EngineStats:
     history_tokens: int = 0
     gpu_hit_tokens: int = 0
     host_hit_tokens: int = 0
-    phase_seconds: dict[str, float] = field(default_factory=dict)
+    onloaded_bytes: int = 0
+    offloaded_bytes: int = 0
+    phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    recent_steps: deque[StepMetrics] = field(default_factory=lambda: deque(maxlen=4096))
 
-    def record_step(self, phases: dict[str, float], num_tokens: int) -> None:
+    def record_step(self, step: StepMetrics) -> None:
         self.num_steps += 1
-        self.num_computed_step_tokens += num_tokens
-        for name, seconds in phases.items():
+        self.num_computed_step_tokens += step.num_tokens
+        self.onloaded_bytes += step.onloaded_bytes
+        self.offloaded_bytes += step.offloaded_bytes
+        for name, seconds in step.phases.items():
             self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + seconds
+        self.recent_steps.append(step)
 
     def record_request(self, history_tokens: int, gpu_hits: int, host_hits: int = 0) -> None:
         self.num_requests += 1

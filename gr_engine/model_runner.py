@@ -93,7 +93,7 @@ class ModelRunner:
         start = np.array([c.start for c in chunks], dtype=np.int64)
         hist = np.array([c.num_history_rows for c in chunks], dtype=np.int64)
         cand = np.array([c.num_candidate_rows for c in chunks], dtype=np.int64)
-        indptr, indices, _ = self.kv.page_table([c.request.user_id for c in chunks], start + hist)
+        indptr, indices = self.kv.page_table([c.request.user_id for c in chunks], start + hist)
         common = PagedBatchMetadata.from_layout(start, hist, cand, indptr, indices, self.kv.page_size,
                                                 self.device)
         retrieval = [i for i, c in enumerate(chunks) if c.final and c.request.payload.params is not None]
@@ -115,18 +115,27 @@ class ModelRunner:
         return StepTokens(t["items"], t["actions"], t["positions"])
 
     @torch.no_grad()
-    def forward(self, tokens: StepTokens, meta: StepMetadata) -> torch.Tensor:
-        """Run all layers; returns final states ``[T, d_model]``. Appends new history K/V to pages."""
+    def forward(self, tokens: StepTokens, meta: StepMetadata,
+                layer_ready: list[torch.cuda.Event | None]) -> torch.Tensor:
+        """Run all layers; returns final states ``[T, d_model]``. Appends new history K/V to pages.
+
+        Args:
+            layer_ready: per layer, an event the layer's attention must wait for (its pages are being
+                loaded from host), or ``None``.
+        """
         history_rows = meta.common.history_rows.long()
 
-        def attend_in(layer_cache: torch.Tensor):
+        def attend_in(layer_cache: torch.Tensor, ready: torch.cuda.Event | None):
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                if ready is not None:
+                    torch.cuda.current_stream(q.device).wait_event(ready)
                 self.backend.append_kv(layer_cache, k[history_rows], v[history_rows], meta.backend)
                 return self.backend.attend(q, k, v, layer_cache, meta.backend)
             return attend
 
         x = self.model.embed(tokens.item_ids, tokens.action_ids, tokens.positions)
-        return self.model.encode(x, [attend_in(layer) for layer in self.kv.kv_cache])
+        return self.model.encode(x, [attend_in(layer, ready)
+                                     for layer, ready in zip(self.kv.kv_cache, layer_ready, strict=True)])
 
     @torch.no_grad()
     def score(self, chunks: list[ScheduledChunk], meta: StepMetadata, states: torch.Tensor) -> list[ChunkResult]:

@@ -29,7 +29,8 @@ class RequestState:
         reuse_limit: at most this many cached history tokens may be reused (``n`` or ``n - 1``).
         token_hashes: uint64 ``[n]`` page-prefix hashes of the history (cache validation).
         payload: the engine's own data for the request (arrays, the original request).
-        num_reused: history tokens served from cache (set at admission).
+        num_gpu_hits: history tokens served from GPU pages (set at admission).
+        num_host_hits: history tokens loaded from host chunks (set at admission).
         num_done: history tokens whose K/V are in the user's pages.
         timings: seconds spent per engine phase on this request's steps.
     """
@@ -42,9 +43,15 @@ class RequestState:
     token_hashes: np.ndarray
     payload: Any = None
     status: RequestStatus = RequestStatus.WAITING
-    num_reused: int = 0
+    num_gpu_hits: int = 0
+    num_host_hits: int = 0
     num_done: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_reused(self) -> int:
+        """History tokens not recomputed."""
+        return self.num_gpu_hits + self.num_host_hits
 
 
 @dataclass
@@ -76,10 +83,12 @@ class SchedulerOutput:
 
     Attributes:
         chunks: the work of this step, one entry per request (at most one per user).
+        admitted: requests that started this step (their cache hits were just decided).
         failed: requests that can never be served, with the reason; already removed.
         prepare_s: seconds spent in the KV cache manager (lookup, validation, allocation, eviction).
     """
 
     chunks: list[ScheduledChunk]
+    admitted: list[RequestState]
     failed: list[tuple[RequestState, str]]
     prepare_s: float

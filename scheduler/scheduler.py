@@ -24,13 +24,17 @@ from .request_state import RequestState, RequestStatus, ScheduledChunk, Schedule
 class KVAllocator(Protocol):
     """What the scheduler needs from the KV cache (implemented by ``cache_engine.KVCacheManager``)."""
 
-    def acquire(self, user_id: Hashable, token_hashes: np.ndarray, reuse_limit: int) -> int | None: ...
+    def acquire(self, user_id: Hashable, token_hashes: np.ndarray, reuse_limit: int) -> tuple[int, int] | None:
+        """Lock the user and find pages for the whole history; ``(gpu_hits, host_hits)`` or ``None``."""
 
-    def commit(self, user_id: Hashable, num_tokens: int, token_hashes: np.ndarray) -> None: ...
+    def commit(self, user_id: Hashable, num_tokens: int, token_hashes: np.ndarray) -> None:
+        """The user's pages now hold ``num_tokens`` history tokens."""
 
-    def release(self, user_id: Hashable) -> None: ...
+    def release(self, user_id: Hashable) -> None:
+        """The user's request is over."""
 
-    def why_no_room(self, num_tokens: int) -> str | None: ...
+    def why_no_room(self, num_tokens: int) -> str | None:
+        """Why ``num_tokens`` can never get pages (``None``: waiting may help)."""
 
 
 class Scheduler:
@@ -66,13 +70,14 @@ class Scheduler:
                 budget -= chunk.num_tokens
 
         prepare_s = 0.0
+        admitted: list[RequestState] = []
         while self._ready and len(chunks) < self.config.max_num_seqs and budget > 0:
             _, user_id = self._ready[0]
             request = self._queues[user_id][0]
             t0 = time.perf_counter()
-            reused = self.kv.acquire(user_id, request.token_hashes, request.reuse_limit)
+            hit = self.kv.acquire(user_id, request.token_hashes, request.reuse_limit)
             prepare_s += time.perf_counter() - t0
-            if reused is None:
+            if hit is None:
                 reason = None if self.running else self.kv.why_no_room(request.num_history)
                 if reason is None:
                     break  # wait for running requests to release pages
@@ -82,13 +87,15 @@ class Scheduler:
                 continue
             self._pop_waiting(user_id, admitted=True)
             request.status = RequestStatus.RUNNING
-            request.num_reused = request.num_done = reused
+            request.num_gpu_hits, request.num_host_hits = hit
+            request.num_done = request.num_reused
             self.running.append(request)
+            admitted.append(request)
             chunk = self._next_chunk(request, budget)
             if chunk is not None:
                 chunks.append(chunk)
                 budget -= chunk.num_tokens
-        return SchedulerOutput(chunks, failed, prepare_s)
+        return SchedulerOutput(chunks, admitted, failed, prepare_s)
 
     def complete(self, chunks: list[ScheduledChunk]) -> list[RequestState]:
         """Record that ``chunks`` ran; return the requests that finished."""

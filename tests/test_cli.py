@@ -99,7 +99,8 @@ def test_demo_shows_hits_and_equal_scores():
     results = run_demo(tiny_config(num_gpu_pages=400, max_num_batched_tokens=200), num_users=6,
                        visits_per_user=4, echo=lines.append)
     by_mode = {r.mode: r for r in results}
-    assert set(by_mode) == {"recompute", "gpu_only", "unlimited"}
+    assert set(by_mode) == {"recompute", "gpu_only", "hierarchical", "unlimited"}
     assert by_mode["recompute"].hit_ratio == 0 and by_mode["unlimited"].hit_ratio > 0.5
+    assert by_mode["hierarchical"].hit_ratio >= by_mode["gpu_only"].hit_ratio
     assert all(r.max_abs_diff <= 1e-5 for r in results)
     assert any("speedup" in line for line in lines)

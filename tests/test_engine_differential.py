@@ -51,11 +51,15 @@ def long_stream():
     return config, requests, GREngine(with_cache(config, mode="recompute")).rank(requests, use_tqdm=False)
 
 
-@pytest.mark.parametrize("mode,pages", [("gpu_only", 160), ("gpu_only", 400), ("unlimited", 4000)])
-def test_cached_modes_equal_recompute_over_thousands_of_requests(long_stream, mode, pages):
-    config, requests, expected = long_stream
+@pytest.mark.parametrize("mode,pages,host_chunks", [
+    ("gpu_only", 160, 0), ("gpu_only", 400, 0), ("hierarchical", 160, 24), ("hierarchical", 160, 800),
+    ("unlimited", 4000, 0),
+])
+def test_cached_modes_equal_recompute_over_thousands_of_requests(long_stream, mode, pages, host_chunks):
+    _, requests, expected = long_stream
     assert len(requests) > 2000
-    engine = GREngine(with_cache(config, mode=mode, num_gpu_pages=pages))
+    engine = GREngine(with_cache(tiny_config(max_num_seqs=4, max_num_batched_tokens=96, host_chunks=host_chunks),
+                                 mode=mode, num_gpu_pages=pages))
     # Split the stream over several rank() calls: the cache persists across calls, as across visits.
     outputs = []
     for part in np.array_split(np.arange(len(requests)), 5):
@@ -66,21 +70,33 @@ def test_cached_modes_equal_recompute_over_thousands_of_requests(long_stream, mo
     if mode == "gpu_only":
         assert kv.evicted_users > engine.stats.num_steps // 5  # an eviction every few steps
         assert engine.stats.total_hit_ratio > (0.03 if pages == 160 else 0.1)
+    elif mode == "hierarchical":  # GPU eviction, onload and (with the small pool) host eviction
+        assert kv.evicted_users > engine.stats.num_steps // 5 and kv.onloaded_tokens > 0
+        assert sum(o.num_host_cached_tokens for o in outputs) == kv.onloaded_tokens
+        assert engine.stats.host_hit_tokens == kv.onloaded_tokens
+        if host_chunks == 24:
+            assert kv.host_evicted_users > engine.stats.num_steps // 20
+        else:
+            assert engine.stats.total_hit_ratio > 0.8 > 0.3 > engine.stats.gpu_hit_ratio
     else:
         assert kv.evicted_users == 0 and engine.stats.total_hit_ratio > 0.85
     engine.kv.check_invariants()
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), page_size=st.sampled_from([1, 3, 4, 8]),
-       max_num_seqs=st.integers(1, 6), budget=st.integers(13, 80), slack=st.integers(0, 80))
-def test_random_configurations_equal_recompute(seed, page_size, max_num_seqs, budget, slack):
+       max_num_seqs=st.integers(1, 6), budget=st.integers(13, 80), slack=st.integers(0, 80),
+       mode=st.sampled_from(["gpu_only", "hierarchical"]), chunk_pages=st.integers(1, 5),
+       host_chunks=st.integers(0, 40), max_pending=st.integers(1, 4), persist_tails=st.booleans())
+def test_random_configurations_equal_recompute(seed, page_size, max_num_seqs, budget, slack, mode, chunk_pages,
+                                               host_chunks, max_pending, persist_tails):
     config = tiny_config(page_size=page_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                         max_history_len=160)
+                         max_history_len=160, chunk_pages=chunk_pages, host_chunks=host_chunks)
     requests = stream(config, num_users=6, visits=8, seed=seed, rewrite_prob=0.1, replay_prob=0.1)
     min_pages = -(-160 // page_size)
     expected = GREngine(with_cache(config, mode="recompute", num_gpu_pages=min_pages)).rank(requests, use_tqdm=False)
-    engine = GREngine(with_cache(config, mode="gpu_only", num_gpu_pages=min_pages + slack))
+    engine = GREngine(with_cache(config, mode=mode, num_gpu_pages=min_pages + slack,
+                                 max_pending_offloads=max_pending, persist_tails=persist_tails))
     assert max_diff(engine.rank(requests, use_tqdm=False), expected) <= 1e-5
     engine.kv.check_invariants()
 

@@ -25,11 +25,11 @@ def hashes(items, actions, times, page_size=4):
 
 def serve(kv, user, h, reuse_limit=None):
     """One whole request: acquire, commit everything, release; returns the reused token count."""
-    reused = kv.acquire(user, h, len(h) if reuse_limit is None else reuse_limit)
-    assert reused is not None
+    hit = kv.acquire(user, h, len(h) if reuse_limit is None else reuse_limit)
+    assert hit is not None
     kv.commit(user, len(h), h)
     kv.release(user)
-    return reused
+    return hit.total
 
 
 def test_lru_index_order():
@@ -93,9 +93,9 @@ def test_lru_evicts_least_recent_unlocked_user():
 def test_locked_users_are_never_evicted():
     kv = manager(pages=4)
     h = hashes(*history(8))
-    assert kv.acquire("a", h, 8) == 0  # a holds 2 pages, locked
+    assert kv.acquire("a", h, 8).total == 0  # a holds 2 pages, locked
     serve(kv, "b", h)
-    assert kv.acquire("c", h, 8) == 0  # evicts b (unlocked), never a
+    assert kv.acquire("c", h, 8).total == 0  # evicts b (unlocked), never a
     assert "b" not in kv.users and kv.users["a"].locked
     assert kv.acquire("d", h, 8) is None  # only locked users remain: wait, change nothing
     kv.check_invariants()
@@ -126,10 +126,9 @@ def test_page_table_csr():
     h = hashes(*history(10))
     serve(kv, "a", h)
     serve(kv, "b", h[:3])
-    indptr, indices, last = kv.page_table(["b", "a", "a"], [3, 10, 5])
+    indptr, indices = kv.page_table(["b", "a", "a"], [3, 10, 5])
     assert indptr.tolist() == [0, 1, 4, 6]
     assert indices.tolist() == kv.users["b"].pages + kv.users["a"].pages + kv.users["a"].pages[:2]
-    assert last.tolist() == [3, 2, 1]
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -157,9 +156,10 @@ def test_invariants_after_long_random_run(seed):
                 events[rng.integers(0, n), 0] += 1
             h = hashes(events[:, 0], events[:, 1], events[:, 2])
             before = committed.get(user, events[:0]) if user in kv.users else events[:0]
-            reused = kv.acquire(user, h, n)
-            if reused is None:
+            hit = kv.acquire(user, h, n)
+            if hit is None:
                 continue
+            reused = hit.total
             assert reused <= min(len(before), n)
             assert np.array_equal(before[:reused], events[:reused]), "reused KV of different events"
             committed[user] = events[:reused]

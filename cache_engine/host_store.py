@@ -1,0 +1,108 @@
+"""The host tier's memory: fixed-size chunk slots in a (pinned) host pool.
+
+A slot holds one chunk of one user's history for all layers, laid out like the GPU pool's pages:
+``[num_layers, chunk_pages, 2, page_size, H, D]``, so layer ``l`` of a chunk is one contiguous block
+(one DMA per layer and chunk). The pool is allocated in segments. With ``pin=True`` (CUDA) a
+background thread allocates pinned segments one after another and the store adopts them as they
+arrive, so start-up never waits for the whole pool (pinning costs ~0.7 s per GiB). Until a segment
+arrives its slots simply do not exist yet: users who cannot be persisted are recomputed later.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+
+
+class HostChunkStore:
+    """Chunk slots with an O(1) free list; slots appear as their segments are allocated.
+
+    Args:
+        num_slots: slots in the whole pool (may be 0).
+        slot_shape: ``(num_layers, chunk_pages, 2, page_size, H, D)``.
+        dtype: KV dtype.
+        segment_slots: slots per segment.
+        pin: pin the memory (for asynchronous DMA); segments are then allocated in the background.
+    """
+
+    def __init__(self, num_slots: int, slot_shape: tuple[int, ...], dtype: torch.dtype, segment_slots: int,
+                 pin: bool) -> None:
+        self.num_slots = num_slots
+        self.slot_shape = slot_shape
+        self.dtype = dtype
+        self.segment_slots = max(1, segment_slots)
+        self._segments: list[torch.Tensor] = []
+        self._free: list[int] = []
+        self._ready: queue.Queue[torch.Tensor] = queue.Queue()
+        self._stop = threading.Event()
+        sizes = [min(self.segment_slots, num_slots - s) for s in range(0, num_slots, self.segment_slots)]
+        if pin:
+            self._thread = threading.Thread(target=self._allocate, args=(sizes, True), daemon=True,
+                                            name="gr-engine-host-pool")
+            self._thread.start()
+        else:
+            self._thread = None
+            self._allocate(sizes, False)
+            self.adopt_ready_segments()
+
+    @property
+    def slot_bytes(self) -> int:
+        count = 1
+        for s in self.slot_shape:
+            count *= s
+        return count * self.dtype.itemsize
+
+    @property
+    def num_allocated(self) -> int:
+        """Slots whose memory exists (grows while the background allocation runs)."""
+        return sum(len(s) for s in self._segments)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def adopt_ready_segments(self) -> int:
+        """Make the slots of segments allocated since the last call available; returns how many."""
+        added = 0
+        while True:
+            try:
+                segment = self._ready.get_nowait()
+            except queue.Empty:
+                return added
+            base = self.num_allocated
+            self._segments.append(segment)
+            self._free.extend(range(base + len(segment) - 1, base - 1, -1))
+            added += len(segment)
+
+    def wait_until_allocated(self, timeout: float | None = None) -> None:
+        """Block until the whole pool exists (tests and benchmarks; the engine never calls this)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.adopt_ready_segments()
+
+    def allocate(self) -> int | None:
+        """A free slot id, or ``None`` when none is free."""
+        return self._free.pop() if self._free else None
+
+    def free(self, slots: list[int]) -> None:
+        self._free.extend(slots)
+
+    def slot(self, slot_id: int) -> torch.Tensor:
+        """The slot's memory, ``[num_layers, chunk_pages, 2, page_size, H, D]``."""
+        segment = self._segments[slot_id // self.segment_slots]
+        return segment[slot_id % self.segment_slots]
+
+    def free_slot_ids(self) -> list[int]:
+        return list(self._free)
+
+    def close(self) -> None:
+        """Stop the background allocation (idempotent)."""
+        self._stop.set()
+
+    def _allocate(self, sizes: list[int], pin: bool) -> None:
+        for size in sizes:
+            if self._stop.is_set():
+                return
+            self._ready.put(torch.empty((size, *self.slot_shape), dtype=self.dtype, pin_memory=pin))

@@ -56,8 +56,11 @@ class HostTier:
         self.lru = LRUIndex()  # users with host data, least recently used first
         self._queue: deque[tuple[Hashable, int, int]] = deque()  # (user, generation, chunk) to offload
         self._pending: set[tuple[Hashable, int, int]] = set()  # queued or in flight
-        self._in_flight: deque[tuple[OffloadHandle, list[_Persist], list[Hashable]]] = deque()
+        # (handle, chunk copies, records whose pages the copy still reads)
+        self._in_flight: deque[tuple[OffloadHandle, list[_Persist], list[UserRecord]]] = deque()
         self._onloads: deque[tuple[list[torch.cuda.Event | None], list[int]]] = deque()
+        self._batch: list[_Persist] = []  # chunk copies decided this step, launched by flush()
+        self._batch_jobs: list[OffloadJob] = []
         self._planned: list[OnloadJob] = []
         self._planned_slots: list[int] = []
         self._busy: dict[int, int] = {}  # slot -> onloads in flight reading it
@@ -65,7 +68,7 @@ class HostTier:
 
     @property
     def pending_chunks(self) -> int:
-        return sum(len(entries) for _, entries, _ in self._in_flight)
+        return sum(len(entries) for _, entries, _ in self._in_flight) + len(self._batch)
 
     # ------------------------------------------------------------------ completions
     def poll(self, wait: bool = False) -> None:
@@ -75,9 +78,8 @@ class HostTier:
             if readers and (wait or handle.gather_done()):
                 if wait and handle.gathered is not None:
                     handle.gathered.synchronize()
-                for user in readers:
-                    if user in self.users:
-                        self.users[user].readers -= 1
+                for record in readers:
+                    record.readers -= 1
                 readers.clear()
         while self._in_flight and (wait or self._in_flight[0][0].copy_done()):
             handle, entries, _ = self._in_flight.popleft()
@@ -143,11 +145,13 @@ class HostTier:
                 break
             persists.append(_Persist(user, generation, chunk, end, slot))
         self.stats.deferred_offloads += len(self._queue)  # chunk-steps spent waiting for admission
-        self._launch(persists)
+        self._add(persists)
+        self.flush()
 
     def persist_all(self, user: Hashable, record: UserRecord) -> bool:
-        """Persist everything of the user's GPU history not yet on host (before its pages go).
-        Returns whether any copy is now in flight for the user."""
+        """Persist everything of the user's GPU history not yet on host (before its pages are reused).
+        The copies start at the next :meth:`flush`, which must come before any write to the pages.
+        Returns whether any copy is now pending for the user."""
         in_flight = {(e.chunk, e.end) for _, entries, _ in self._in_flight for e in entries
                      if e.user == user and e.generation == record.generation}
         persists = []
@@ -162,26 +166,32 @@ class HostTier:
             persists.append(_Persist(user, record.generation, chunk, end, slot))
             if end % self.chunk:
                 self.stats.tail_persisted_tokens += end - chunk * self.chunk
-        self._launch(persists)
+        self._add(persists)
         return bool(persists or in_flight)
 
-    def _launch(self, persists: list[_Persist]) -> None:
-        if not persists:
-            return
+    def _add(self, persists: list[_Persist]) -> None:
+        """Resolve the pages of each chunk copy now (they may be handed to another user right after)."""
         page_size = self.config.page_size
         per_chunk = self.chunk // page_size
-        jobs = []
         for p in persists:
             record = self.users[p.user]
             first = p.chunk * per_chunk
             pages = record.pages[first: first + -(-(p.end - p.chunk * self.chunk) // page_size)]
-            jobs.append(OffloadJob(pages, self.store.slot(p.slot)))
+            self._batch.append(p)
+            self._batch_jobs.append(OffloadJob(pages, self.store.slot(p.slot)))
             self.stats.offloaded_tokens += p.end - p.chunk * self.chunk
             self.stats.offloaded_bytes += len(pages) * page_size * self.token_bytes
-        readers = sorted({p.user for p in persists}, key=str)
-        for user in readers:
-            self.users[user].readers += 1
-        self._in_flight.append((self.transfer.offload(self.kv, jobs), persists, readers))
+
+    def flush(self) -> None:
+        """Launch the chunk copies collected so far, as one offload."""
+        if not self._batch:
+            return
+        readers = list({id(r): r for p in self._batch if (r := self.users.get(p.user)) and r.pages}.values())
+        for record in readers:
+            record.readers += 1
+        handle = self.transfer.offload(self.kv, self._batch_jobs)
+        self._in_flight.append((handle, self._batch, readers))
+        self._batch, self._batch_jobs = [], []
 
     # ------------------------------------------------------------------ onload
     def plan_onload(self, record: UserRecord, tokens: int) -> None:
@@ -198,7 +208,9 @@ class HostTier:
         self.stats.onloaded_tokens += tokens
 
     def launch_onloads(self) -> list[torch.cuda.Event | None]:
-        """Start the planned onloads; one entry per layer (see :meth:`TransferEngine.onload`)."""
+        """Start pending chunk copies, then the planned onloads; one entry per layer (see
+        :meth:`TransferEngine.onload`)."""
+        self.flush()
         self.transfer.before_writes()
         events = self.transfer.onload(self.kv, self._planned)
         if self._planned:
@@ -240,7 +252,7 @@ class HostTier:
     def check_slots(self) -> None:
         """Every allocated slot is free, owned by one user, being written, or awaiting a deferred free."""
         owned = [s for r in self.users.values() for s in r.host_slots]
-        writing = [e.slot for _, entries, _ in self._in_flight for e in entries]
+        writing = [e.slot for _, entries, _ in self._in_flight for e in entries] + [e.slot for e in self._batch]
         free = self.store.free_slot_ids()
         every = owned + writing + free + list(self._deferred)
         assert len(every) == len(set(every)), "a host slot is used twice"

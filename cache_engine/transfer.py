@@ -23,7 +23,8 @@ import torch
 
 @dataclass
 class OffloadJob:
-    """Copy GPU pages ``pages`` (a chunk's worth or less, in order) into host ``slot[:, :len(pages)]``."""
+    """Copy GPU pages ``pages`` (at most a chunk's worth, in order) into host ``slot[:, :len(pages)]``;
+    the rest of the slot may be overwritten with copies of the last page."""
 
     pages: list[int]
     slot: torch.Tensor
@@ -74,33 +75,31 @@ class TransferEngine:
             kv: the pool, ``[L, num_pages, 2, page_size, H, D]``.
             jobs: what to copy; the pages must not be written until ``handle.gather_done()``.
         """
-        pages = [p for job in jobs for p in job.pages]
         if not self.is_cuda:
-            buffer = kv[:, pages]
-            self._copy_out(buffer, jobs)
+            for job in jobs:
+                job.slot[:, : len(job.pages)] = kv[:, job.pages]
             return OffloadHandle(None, None)
+        # Pad every job to a whole slot so each chunk is one contiguous device->host copy.
+        slot_pages = jobs[0].slot.shape[1]
+        pages = [p for job in jobs for p in job.pages + job.pages[-1:] * (slot_pages - len(job.pages))]
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.offload_stream):
             self.offload_stream.wait_stream(compute)
             index = torch.tensor(pages, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
-            buffer = kv.index_select(1, index)  # [L, len(pages), 2, page_size, H, D]
+            gathered_pages = kv.index_select(1, index)  # [L, jobs * slot_pages, 2, page_size, H, D]
             gathered = torch.cuda.Event()
             gathered.record()
-            self._copy_out(buffer, jobs)
+            num_layers = kv.shape[0]
+            buffer = gathered_pages.view(num_layers, len(jobs), slot_pages, *kv.shape[2:]).transpose(0, 1)
+            buffer = buffer.contiguous()  # [jobs, L, slot_pages, ...]: one block per slot
+            for job, block in zip(jobs, buffer, strict=True):
+                job.slot.copy_(block, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record()
+        gathered_pages.record_stream(self.offload_stream)
         buffer.record_stream(self.offload_stream)
         self.last_gather = gathered
         return OffloadHandle(gathered, copied, buffer)
-
-    @staticmethod
-    def _copy_out(buffer: torch.Tensor, jobs: list[OffloadJob]) -> None:
-        start = 0
-        for job in jobs:
-            n = len(job.pages)
-            for layer in range(buffer.shape[0]):
-                job.slot[layer, :n].copy_(buffer[layer, start:start + n], non_blocking=True)
-            start += n
 
     def before_writes(self) -> None:
         """Make the compute and scatter streams wait for gathers already issued (pages that were

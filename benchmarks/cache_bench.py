@@ -1,0 +1,151 @@
+"""Host-tier transfer bandwidth and cache-manager CPU overhead, on the GPU machine.
+
+    python benchmarks/cache_bench.py --out benchmarks/results/cache_bench.json
+
+1. Peak pinned host->device bandwidth (one 256 MiB copy), for reference.
+2. Onload bandwidth of the engine's pipeline (host chunks -> device onload buffer -> scatter into
+   pages, one event per layer) for chunk sizes 512..4096 tokens, benchmark model KV (8 layers,
+   4 heads x 128, bf16, page 32), and offload bandwidth (gather + device->host).
+3. CPU time of metadata preparation + eviction per batch of 8 returning users with 100,000 users
+   known to the cache (acquire, page table, commit, release, offload queueing).
+Medians over repetitions; all modes measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+
+import numpy as np
+import torch
+
+from attention_backends import PagedBatchMetadata
+from cache_engine import CacheConfig, HostChunkStore, KVCacheManager, OffloadJob, OnloadJob, TransferEngine
+from cache_engine.prefix_hash import page_prefix_hashes
+
+
+def cuda_time(fn, reps: int) -> float:
+    """Median seconds of ``fn()`` measured with CUDA events."""
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return float(np.median(times))
+
+
+def peak_h2d(device) -> float:
+    host = torch.randn(256 * 2**20 // 4).pin_memory()
+    dev = torch.empty_like(host, device=device)
+    seconds = cuda_time(lambda: dev.copy_(host, non_blocking=True), 7)
+    return host.numel() * 4 / seconds / 1e9
+
+
+def transfer_bandwidth(device, chunk_tokens: int, tokens: int, layers=8, heads=4, dim=128, page=32) -> dict:
+    chunk_pages = chunk_tokens // page
+    num_chunks = tokens // chunk_tokens
+    kv = torch.zeros(layers, num_chunks * chunk_pages * 2, 2, page, heads, dim, dtype=torch.bfloat16, device=device)
+    shape = (layers, chunk_pages, 2, page, heads, dim)
+    store = HostChunkStore(num_chunks, shape, torch.bfloat16, num_chunks, pin=True)
+    store.wait_until_allocated()
+    for s in range(num_chunks):
+        store.slot(s).copy_(torch.randn(shape).to(torch.bfloat16))
+    transfer = TransferEngine(device)
+    pages = np.random.default_rng(0).permutation(kv.shape[1])[: num_chunks * chunk_pages].tolist()
+    onload_jobs = [OnloadJob(store.slot(c), pages[c * chunk_pages:(c + 1) * chunk_pages]) for c in range(num_chunks)]
+
+    def onload():
+        events = transfer.onload(kv, onload_jobs)
+        torch.cuda.current_stream().wait_event(events[-1])
+
+    onload()
+    torch.cuda.synchronize()
+    # correctness of the pipeline: every page holds its chunk's data
+    for c in (0, num_chunks - 1):
+        got = kv[:, pages[c * chunk_pages:(c + 1) * chunk_pages]].cpu()
+        assert torch.equal(got, store.slot(c)), "onload produced wrong pages"
+    nbytes = tokens * layers * 2 * heads * dim * 2
+    onload_s = cuda_time(onload, 9)
+    offload_jobs = [OffloadJob(pages[c * chunk_pages:(c + 1) * chunk_pages], store.slot(c)) for c in range(num_chunks)]
+
+    def offload():
+        handle = transfer.offload(kv, offload_jobs)
+        torch.cuda.current_stream().wait_event(handle.copied)
+
+    offload()
+    offload_s = cuda_time(offload, 9)
+    return {"chunk_tokens": chunk_tokens, "tokens": tokens, "bytes": nbytes,
+            "onload_ms": onload_s * 1e3, "onload_GBps": nbytes / onload_s / 1e9,
+            "offload_ms": offload_s * 1e3, "offload_GBps": nbytes / offload_s / 1e9}
+
+
+def metadata_overhead(device, num_users=100_000, batch=8, steps=300, history=1000, new_events=20) -> dict:
+    """CPU seconds per batch for the cache manager's work, with ``num_users`` users known."""
+    config = CacheConfig(mode="hierarchical", page_size=32, num_gpu_pages=40_960, chunk_tokens=1024,
+                         host_budget_bytes=num_users * 2 * 1024 * 8 * 2, host_segment_bytes=2**28)
+    kv = KVCacheManager(config, num_layers=1, num_heads=1, head_dim=4, dtype=torch.float16, device=device)
+    kv.host.store.wait_until_allocated()
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 10**6, num_users)  # user u's events are base[u] + 0, 1, 2, ...
+    lengths = np.full(num_users, history)
+
+    def serve(users):
+        events = [base[u] + np.arange(lengths[u]) for u in users]
+        hashes = [page_prefix_hashes(e, e % 7, np.arange(len(e)), 32) for e in events]
+        t0 = time.perf_counter()
+        kv.begin_step()
+        hits = [kv.acquire(int(u), h, len(h)) for u, h in zip(users, hashes)]
+        assert all(h is not None for h in hits)
+        indptr, indices = kv.page_table([int(u) for u in users], [len(h) for h in hashes])
+        done = np.array([hit.total for hit in hits])
+        PagedBatchMetadata.from_layout(done, lengths[users] - done, np.full(len(users), 100), indptr, indices,
+                                       32, device)
+        kv.launch_onloads()
+        for u, h in zip(users, hashes):
+            kv.commit(int(u), len(h), h)
+            kv.release(int(u))
+        kv.end_step()
+        return time.perf_counter() - t0, hits
+
+    for start in range(0, num_users, batch):  # everybody's first visit
+        serve(np.arange(start, min(start + batch, num_users)))
+    times, host_hits, gpu_hits = [], 0, 0
+    for _ in range(steps):
+        users = rng.choice(num_users, batch, replace=False)
+        lengths[users] += new_events
+        seconds, hits = serve(users)
+        times.append(seconds)
+        host_hits += sum(h.host for h in hits)
+        gpu_hits += sum(h.gpu for h in hits)
+    torch.cuda.synchronize()
+    return {"users_known": len(kv.users), "batch": batch, "history": history, "new_events": new_events,
+            "median_ms": float(np.median(times) * 1e3), "p90_ms": float(np.percentile(times, 90) * 1e3),
+            "host_hit_tokens": int(host_hits), "gpu_hit_tokens": int(gpu_hits),
+            "evicted_users": kv.stats.evicted_users}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tokens", type=int, default=49_152, help="tokens moved per transfer measurement")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = {"gpu": torch.cuda.get_device_name(), "commit": commit or "unknown", "torch": torch.__version__,
+              "python": platform.python_version(), "peak_pinned_h2d_GBps": peak_h2d(device),
+              "transfers": [transfer_bandwidth(device, c, args.tokens) for c in (512, 1024, 2048, 4096)],
+              "metadata": metadata_overhead(device)}
+    result["command"] = "python benchmarks/cache_bench.py --out " + args.out
+    print(json.dumps(result, indent=2))
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -134,9 +134,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--tokens", type=int, default=49_152, help="tokens moved per transfer measurement")
+    parser.add_argument("--commit", default=None, help="commit id to record (the device copy has no .git)")
     args = parser.parse_args()
     device = torch.device("cuda")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                           text=True).stdout.strip()
     result = {"gpu": torch.cuda.get_device_name(), "commit": commit or "unknown", "torch": torch.__version__,
               "python": platform.python_version(), "peak_pinned_h2d_GBps": peak_h2d(device),
               "transfers": [transfer_bandwidth(device, c, args.tokens) for c in (512, 1024, 2048, 4096)],

@@ -18,6 +18,7 @@ ENTRY_POINT_GROUP = "gr_engine.attention_backends"
 
 BUILTIN_BACKENDS: dict[str, str] = {
     "torch_ref": "attention_backends.torch_ref:TorchRefBackend",
+    "hstu_triton": "attention_backends.hstu_triton:HSTUTritonBackend",
 }
 
 

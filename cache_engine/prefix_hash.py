@@ -44,11 +44,10 @@ def page_prefix_hashes(
         return np.zeros(0, dtype=np.uint64)
     slot = (np.arange(n, dtype=np.uint64) % np.uint64(page_size)) * _K_SLOT
     with np.errstate(over="ignore"):
-        token = _mix(
-            _mix(np.asarray(item_ids).astype(np.uint64) * _K_ITEM + slot)
-            + _mix(np.asarray(action_ids).astype(np.uint64) ^ _K_ACTION)
-            + _mix(np.asarray(timestamps).astype(np.uint64) ^ _K_TIME)
-        )
+        # Fields are absorbed one after another, each followed by a full mix.
+        token = _mix(np.asarray(item_ids).astype(np.uint64) * _K_ITEM + slot)
+        token = _mix(token ^ (np.asarray(timestamps).astype(np.uint64) * _K_TIME))
+        token = _mix(token ^ (np.asarray(action_ids).astype(np.uint64) * _K_ACTION))
         num_pages = -(-n // page_size)
         padded = np.zeros(num_pages * page_size, dtype=np.uint64)
         padded[:n] = token

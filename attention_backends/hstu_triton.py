@@ -1,0 +1,399 @@
+"""``hstu_triton``: HSTU (SiLU) attention over the paged KV cache in Triton.
+
+A program computes a ``BLOCK_M``-row query tile of one request and one head over a part of its paged
+history, ``BLOCK_N`` keys (whole pages: key ``j`` of request ``b`` is entry ``j % page_size`` of page
+``kv_indices[kv_indptr[b] + j // page_size]``, read through the cache's strides) at a time. Key tiles
+seen by every row run unmasked; only those crossing the causal diagonal or the history's end are
+masked, and none past the tile's last visible key is visited. Candidates add their own k/v last.
+
+:func:`build_tile_map` (tensor ops, no device sync) cuts the step into (query tile, key-range part)
+items, choosing the cut with a small cost model so that few queries over long histories and one long
+request among short ones both fill the GPU, and orders them longest-first; a persistent grid (one
+program per processor) walks them in snake order. Split tiles write fp32 partials that a second
+kernel sums in part order: HSTU has no softmax, so partials simply add, deterministically.
+
+``import attention_backends`` never imports Triton (this module does). On CPU the kernel runs in
+Triton's interpreter, which needs ``TRITON_INTERPRET=1`` when this module is imported (tests).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .base import AttentionBackend, AttentionSpec, BackendSupport, PagedBatchMetadata
+from .paged import append_paged_kv_cache
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the backend then reports itself unusable (reasons_unsupported)
+    triton = tl = None
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # what triton.jit sees when the kernels below are defined
+
+# Split-KV: at most MAX_SPLITS parts per tile, MAX_PROGRAMS_PER_SM (item, head) pairs per processor (this
+# sizes the partial buffer), parts of at least MIN_TILES_PER_SPLIT key tiles; each program costs as much
+# time as SPLIT_OVERHEAD_KEYS keys (prologue, partial write and read; measured on an H200).
+MAX_SPLITS, MAX_PROGRAMS_PER_SM, MIN_TILES_PER_SPLIT, SPLIT_OVERHEAD_KEYS = 32, 4, 4, 640
+
+
+def _jit(fn: Callable) -> Callable:
+    """``triton.jit`` when Triton is installed; otherwise the plain function (never called)."""
+    return fn if triton is None else triton.jit(fn)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch shape: ``block_m`` query rows and ``block_n`` keys (a multiple of the page size) per step,
+    both powers of two >= 16; ``num_warps`` per program; ``num_stages`` of key-loop pipelining."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_tile_config(spec: AttentionSpec) -> TileConfig:
+    """Launch shape for ``spec`` (tuned on an H200; any valid shape is correct)."""
+    if spec.dtype == torch.float32:
+        config = TileConfig(block_m=32 if spec.head_dim >= 256 else 64, block_n=32, num_warps=4, num_stages=1)
+    elif spec.head_dim >= 256:
+        config = TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    else:
+        config = TileConfig(block_m=128, block_n=128, num_warps=8 if spec.head_dim >= 128 else 4, num_stages=2)
+    return TileConfig(config.block_m, max(config.block_n, spec.page_size), config.num_warps, config.num_stages)
+
+
+@dataclass
+class HSTUTritonMetadata:
+    """The kernels' view of one step: query tiles, and the work items (tile, key-range part) to run.
+
+    Attributes:
+        common: the common metadata it was built from.
+        tiles: int32 ``[5, num_tiles]``, per query tile: its request (``-1`` for spare slots), its first
+            row counted within the request, the parts its key range is cut into (0 for spare slots),
+            the partial-buffer slot of its first part, and the keys per part (a multiple of ``block_n``).
+        items: int32 ``[2, num_items]``, per work item, longest first: its tile (``-1`` for spare
+            slots) and which part of the tile's key range it covers.
+        num_sms: programs that run at once: the persistent grid's size (host int).
+        may_split: whether any tile can have several parts (host bool; else no partial buffer).
+    """
+
+    common: PagedBatchMetadata
+    tiles: torch.Tensor
+    items: torch.Tensor
+    num_sms: int
+    may_split: bool
+
+
+def build_tile_map(
+    common: PagedBatchMetadata, tiles: TileConfig, num_heads: int, num_sms: int,
+    overhead_keys: int = SPLIT_OVERHEAD_KEYS, min_tiles_per_split: int = MIN_TILES_PER_SPLIT,
+) -> HSTUTritonMetadata:
+    """Cut the step's rows into query tiles and their key ranges into work items, on ``common``'s device.
+
+    Tensor ops only (no loop over requests, rows or pages; no device sync). For ``s = 1..MAX_SPLITS``
+    parts of the longest tile, every tile is cut into equal parts of at most as many keys; the ``s``
+    with the least estimated time (list-scheduling lower bounds on ``num_sms`` processors plus
+    ``overhead_keys`` per program) and at most ``max(num_tiles, MAX_PROGRAMS_PER_SM * num_sms /
+    num_heads)`` items (the host-side size of the work list) wins.
+    """
+    device = common.query_start_loc.device
+    block_m, block_n = tiles.block_m, tiles.block_n
+    num_requests = common.num_requests
+    num_rows = len(common.history_rows) + len(common.candidate_rows)
+    num_tiles = min((num_rows + num_requests * (block_m - 1)) // block_m,  # both bound sum_b ceil(rows_b / block_m)
+                    num_requests * -(-common.max_query_len // block_m))
+    num_items = max(num_tiles, -(-MAX_PROGRAMS_PER_SM * num_sms // num_heads))
+    if num_tiles == 0:
+        return HSTUTritonMetadata(common, *torch.zeros(2, 5, 0, dtype=torch.int32, device=device), num_sms, False)
+
+    starts = common.query_start_loc.long()
+    rows = starts[1:] - starts[:-1]
+    tiles_per_request = (rows + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles_per_request, 0)
+    tile = torch.arange(num_tiles, device=device)
+    req = torch.searchsorted(tile_end, tile, right=True)
+    in_use = req < num_requests
+    req = req.clamp(max=num_requests - 1)
+    first = (tile - (tile_end - tiles_per_request)[req]) * block_m
+    seq_len = common.kv_seq_lens.long()[req]
+    last_limit = seq_len - common.num_history_rows.long()[req] + torch.minimum(first + block_m, rows[req])
+    work = torch.where(in_use, torch.minimum(last_limit, seq_len), 0)  # keys the tile visits
+    blocks = (work + block_n - 1) // block_n  # key tiles it visits
+
+    # Candidate plans s = 1..MAX_SPLITS parts of the longest tile, in key tiles: parts per tile, key tiles
+    # per part, and the sorted lengths of all their items [MAX_SPLITS, num_tiles * MAX_SPLITS].
+    longest = torch.arange(1, MAX_SPLITS + 1, device=device)[:, None]
+    max_part = ((blocks.max() + longest - 1) // longest).clamp(min=min_tiles_per_split)
+    parts = torch.where(in_use, ((blocks + max_part - 1) // max_part).clamp(min=1), 0)
+    nonzero_parts = parts.clamp(min=1)
+    part_len = (blocks + nonzero_parts - 1) // nonzero_parts  # so no part is empty
+    part_index = torch.arange(MAX_SPLITS, device=device)
+    lengths = torch.minimum((blocks[:, None] - part_index * part_len[..., None]).clamp(min=0), part_len[..., None])
+    lengths = lengths.flatten(1).sort(dim=1, descending=True).values
+    # Lower bounds of the list-scheduling time of `programs` programs on num_sms processors: total work,
+    # the waves of near-longest programs, two programs on one processor; plus the per-program overhead.
+    items = parts.sum(1)
+    longest_part = lengths[:, 0]
+    near_longest = (4 * lengths >= 3 * longest_part[:, None]).sum(1) * num_heads
+    last = lengths.shape[1] - 1
+    pair = lengths[:, min((num_sms - 1) // num_heads, last)] + lengths[:, min(num_sms // num_heads, last)]
+    waves = (near_longest + num_sms - 1) // num_sms
+    bound = torch.maximum(torch.maximum(waves * longest_part, pair), blocks.sum() * num_heads / num_sms)
+    cost = bound + overhead_keys / block_n * num_heads / num_sms * items
+    best = torch.argmin(torch.where(items <= num_items, cost, float("inf")))[None]  # ties: fewest parts
+    splits, part_len = parts[best][0], part_len[best][0]  # tensor indexing: no device sync
+
+    item_end = torch.cumsum(splits, 0)
+    first_item = item_end - splits
+    item = torch.arange(num_items, device=device)
+    item_tile = torch.searchsorted(item_end, item, right=True)
+    item_in_use = item_tile < num_tiles
+    item_tile = item_tile.clamp(max=num_tiles - 1)
+    item_split = item - first_item[item_tile]
+    # Longest items first; +1 so that self-only candidate tiles still sort before spare slots.
+    item_len = torch.minimum(blocks[item_tile] - item_split * part_len[item_tile], part_len[item_tile])
+    order = torch.argsort(torch.where(item_in_use, item_len + 1, -1), descending=True, stable=True)
+    tile_arrays = torch.stack([torch.where(in_use, req, -1), first, splits, first_item, part_len * block_n])
+    item_arrays = torch.stack([torch.where(item_in_use, item_tile, -1), item_split])[:, order]
+    return HSTUTritonMetadata(common, tile_arrays.to(torch.int32), item_arrays.to(torch.int32), num_sms,
+                              common.max_kv_len > min_tiles_per_split * block_n)
+
+
+@_jit
+def _silu(x, FAST: tl.constexpr):
+    """``silu(x)`` of an fp32 tensor; ``FAST`` uses one ``tanh.approx`` instead of exp + divide (CUDA)."""
+    if FAST:
+        half = 0.5 * x
+        tanh = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [half], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+        return half + half * tanh
+    return x * tl.sigmoid(x)
+
+
+@_jit
+def _attend_key_tile(
+    acc, q, start_n, KvHead, Pages, seq_len, row_limit, stride_page, stride_kv, stride_token, alpha,
+    MASKED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    FAST_SILU: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """``acc += silu(alpha q k^T) v`` over keys ``start_n .. start_n + BLOCK_N`` of the request whose page
+    ids start at ``Pages``, for the head whose K starts at ``KvHead`` (masked: keys at or past a row's
+    ``row_limit`` count zero, keys past ``seq_len`` are not read)."""
+    keys = start_n + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
+    in_seq = keys < seq_len
+    if MASKED:
+        page = tl.load(Pages + keys // PAGE_SIZE, mask=in_seq, other=0)
+    else:
+        page = tl.load(Pages + keys // PAGE_SIZE)
+    k_ptrs = KvHead + (page.to(tl.int64) * stride_page + (keys % PAGE_SIZE) * stride_token)[:, None] + dims[None, :]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=in_seq[:, None], other=0.0)
+        v = tl.load(k_ptrs + stride_kv, mask=in_seq[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(k_ptrs + stride_kv)
+    p = _silu(tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha, FAST_SILU)
+    if MASKED:
+        p = tl.where(keys[None, :] < row_limit[:, None], p, 0.0)
+    return tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+
+
+@_jit
+def _hstu_paged_attention_kernel(
+    Q, K, V, KV, Out, Partial, Tiles, Items, QueryStartLoc, NumHistory, SeqLens, KvIndptr, KvIndices,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_page, stride_kv, stride_token, stride_head, stride_ot, stride_oh,
+    num_tiles, num_items, num_heads, num_work, num_rounds, alpha, inv_scaling,
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FAST_SILU: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Persistent: program g of G takes (work item, head) pairs g, 2G-1-g, 2G+g, ... of the longest-first
+    list (the snake order pairs long items with short ones) and computes, for each, its part of its query
+    tile's key range for that head (``Tiles``, ``Items``: :class:`HSTUTritonMetadata`)."""
+    program = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    for r in range(num_rounds):
+        work = r * num_programs + tl.where(r % 2 == 0, program, num_programs - 1 - program)
+        slot = work // num_heads
+        tile = tl.load(Items + slot, mask=work < num_work, other=-1)
+        if tile >= 0:
+            head = work % num_heads
+            split = tl.load(Items + num_items + slot)
+            req = tl.load(Tiles + tile)
+            first = tl.load(Tiles + num_tiles + tile)
+            num_splits = tl.load(Tiles + 2 * num_tiles + tile)
+            row0 = tl.load(QueryStartLoc + req)
+            num_rows = tl.load(QueryStartLoc + req + 1) - row0
+            num_hist = tl.load(NumHistory + req)
+            seq_len = tl.load(SeqLens + req)
+            pages = KvIndices + tl.load(KvIndptr + req)
+            slots = first + tl.arange(0, BLOCK_M)
+            dims = tl.arange(0, HEAD_DIM)
+            valid = slots < num_rows
+            rows = (row0 + slots).to(tl.int64)
+            # New history row s sits at position seq_len - num_hist + s and sees keys up to it; candidates see
+            # the whole history. Limits grow with s, so the tile's first and last rows bound them.
+            history_offset = seq_len - num_hist
+            row_limit = tl.where(slots < num_hist, history_offset + slots + 1, seq_len)
+            low_limit = tl.minimum(history_offset + first + 1, seq_len)
+            high_limit = tl.minimum(history_offset + tl.minimum(first + BLOCK_M, num_rows), seq_len)
+            part_len = tl.load(Tiles + 4 * num_tiles + tile)
+            lo = split * part_len
+            hi = tl.minimum(lo + part_len, high_limit)
+            unmasked_end = tl.minimum(hi, low_limit // BLOCK_N * BLOCK_N)
+
+            q_ptrs = Q + rows[:, None] * stride_qt + head * stride_qh + dims[None, :]
+            q = tl.load(q_ptrs, mask=valid[:, None], other=0.0)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            kv_head = KV + head * stride_head
+            for start_n in range(lo, unmasked_end, BLOCK_N):
+                acc = _attend_key_tile(acc, q, start_n, kv_head, pages, seq_len, row_limit, stride_page, stride_kv,
+                                       stride_token, alpha, False, PAGE_SIZE, BLOCK_N, HEAD_DIM, FAST_SILU, PRECISION)
+            for start_n in range(tl.maximum(lo, unmasked_end), hi, BLOCK_N):
+                acc = _attend_key_tile(acc, q, start_n, kv_head, pages, seq_len, row_limit, stride_page, stride_kv,
+                                       stride_token, alpha, True, PAGE_SIZE, BLOCK_N, HEAD_DIM, FAST_SILU, PRECISION)
+            out = acc * inv_scaling
+
+            # Candidates also attend to their own k/v (added once, by part 0).
+            own = valid & (slots >= num_hist) & (split == 0)
+            own_k_ptrs = K + rows[:, None] * stride_kt + head * stride_kh + dims[None, :]
+            own_v_ptrs = V + rows[:, None] * stride_vt + head * stride_vh + dims[None, :]
+            own_k = tl.load(own_k_ptrs, mask=own[:, None], other=0.0)
+            own_v = tl.load(own_v_ptrs, mask=own[:, None], other=0.0)
+            own_logit = tl.sum(q.to(tl.float32) * own_k.to(tl.float32), axis=1) * alpha
+            own_weight = tl.where(own, _silu(own_logit, False) * inv_scaling, 0.0)
+            out += own_weight[:, None] * own_v.to(tl.float32)
+
+            out_ptrs = Out + rows[:, None] * stride_ot + head * stride_oh + dims[None, :]
+            tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=valid[:, None] & (num_splits == 1))
+            part = (tl.load(Tiles + 3 * num_tiles + tile) + split) * num_heads + head
+            part_ptrs = Partial + part.to(tl.int64) * (BLOCK_M * HEAD_DIM) + (slots - first)[:, None] * HEAD_DIM
+            part_ptrs += dims[None, :]
+            tl.store(part_ptrs, out, mask=valid[:, None] & (num_splits > 1))
+
+
+@_jit
+def _sum_partials_kernel(
+    Partial, Out, Tiles, QueryStartLoc, stride_ot, stride_oh, num_tiles, num_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+):
+    """Sum, in part order, the parts of rows ``program_id(1) * ROWS ...`` of one split query tile, one head."""
+    head = tl.program_id(0) % num_heads
+    tile = tl.program_id(0) // num_heads
+    num_splits = tl.load(Tiles + 2 * num_tiles + tile)
+    if num_splits < 2:
+        return
+    req = tl.load(Tiles + tile)
+    first = tl.load(Tiles + num_tiles + tile)
+    row0 = tl.load(QueryStartLoc + req)
+    local = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    dims = tl.arange(0, HEAD_DIM)
+    valid = first + local < tl.load(QueryStartLoc + req + 1) - row0
+    part0 = tl.load(Tiles + 3 * num_tiles + tile) * num_heads + head
+    ptrs = Partial + part0.to(tl.int64) * (BLOCK_M * HEAD_DIM) + local[:, None] * HEAD_DIM + dims[None, :]
+    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+    for split in range(num_splits):
+        acc += tl.load(ptrs + split * num_heads * BLOCK_M * HEAD_DIM, mask=valid[:, None], other=0.0)
+    rows = (row0 + first + local).to(tl.int64)
+    tl.store(Out + rows[:, None] * stride_ot + head * stride_oh + dims[None, :], acc.to(Out.dtype.element_ty),
+             mask=valid[:, None])
+
+
+class HSTUTritonBackend(AttentionBackend):
+    """HSTU attention over the paged cache with a Triton kernel (CUDA; CPU through the interpreter).
+
+    Args:
+        spec: what the model asks of attention.
+        tiles: launch shape; :func:`default_tile_config` when ``None``.
+    """
+
+    name: ClassVar[str] = "hstu_triton"
+    support: ClassVar[BackendSupport] = BackendSupport(
+        devices=frozenset({"cuda", "cpu"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        kinds=frozenset({"hstu"}),
+        head_dims=frozenset({16, 32, 64, 128, 256}),
+        page_sizes=frozenset({16, 32, 64}),
+    )
+    priority: ClassVar[int] = 10
+
+    def __init__(self, spec: AttentionSpec, tiles: TileConfig | None = None) -> None:
+        super().__init__(spec)
+        self.tiles = default_tile_config(spec) if tiles is None else tiles
+        if self.tiles.block_n % spec.page_size:
+            raise ValueError(f"block_n {self.tiles.block_n} is not a multiple of page_size {spec.page_size}")
+
+    @classmethod
+    def reasons_unsupported(cls, spec: AttentionSpec) -> list[str]:
+        reasons = super().reasons_unsupported(spec)
+        if triton is None:
+            reasons.append("triton is not installed (pip install triton)")
+        if spec.device_type == "cpu" and not INTERPRETED:
+            reasons.append("needs CUDA (set TRITON_INTERPRET=1 before importing triton to interpret it, for tests)")
+        return reasons
+
+    def build_metadata(self, common: PagedBatchMetadata) -> HSTUTritonMetadata:
+        device = common.query_start_loc.device  # on CPU (the interpreter, for tests) a nominal 4 processors
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        return build_tile_map(common, self.tiles, self.spec.num_heads, num_sms)
+
+    def append_kv(
+        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: HSTUTritonMetadata
+    ) -> None:
+        c = metadata.common
+        append_paged_kv_cache(key, value, c.append_batch_indices, c.append_positions, kv_cache, c.kv_indices,
+                              c.kv_indptr, c.kv_last_page_len)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+        metadata: HSTUTritonMetadata,
+    ) -> torch.Tensor:
+        """HSTU attention of every row (after :meth:`append_kv` for this layer).
+
+        Args:
+            q, k, v: ``[T, H, D]`` projections of all rows, fp16/bf16/fp32 (any row and head strides).
+            kv_cache: ``[num_pages, 2, page_size, H, D]`` (NHD, ``[:, 0]`` = K, ``[:, 1]`` = V) in ``q``'s
+                dtype; any strides but the last dim's.
+            metadata: what :meth:`build_metadata` returned for this step.
+
+        Returns:
+            ``[T, H, D]`` in ``q``'s dtype, contiguous.
+        """
+        m, c = metadata, metadata.common
+        num_rows, num_heads, head_dim = q.shape
+        out = torch.empty((num_rows, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        num_tiles, num_items = m.tiles.shape[1], m.items.shape[1]
+        if num_rows == 0 or num_items == 0:
+            return out
+        q, k, v, kv_cache = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, kv_cache))
+        block_m = self.tiles.block_m
+        # Partials of split tiles, one [block_m, D] slab per (work item, head); unused without splits.
+        shape = (num_items, num_heads, block_m, head_dim) if m.may_split else (1,)
+        partial = torch.empty(shape, dtype=torch.float32, device=q.device)
+        num_work = num_heads * num_items
+        num_programs = min(num_work, m.num_sms)  # persistent grid
+        _hstu_paged_attention_kernel[(num_programs,)](
+            q, k, v, kv_cache, out, partial, m.tiles, m.items,
+            c.query_start_loc, c.num_history_rows, c.kv_seq_lens, c.kv_indptr, c.kv_indices,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            *kv_cache.stride()[:4], out.stride(0), out.stride(1),
+            num_tiles, num_items, num_heads, num_work, -(-num_work // num_programs),
+            self.spec.alpha, 1.0 / self.spec.scaling_seqlen,
+            HEAD_DIM=head_dim, PAGE_SIZE=kv_cache.shape[2], BLOCK_M=block_m, BLOCK_N=self.tiles.block_n,
+            FAST_SILU=q.dtype != torch.float32 and q.is_cuda and not INTERPRETED,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=self.tiles.num_warps, num_stages=self.tiles.num_stages,
+        )
+        if m.may_split:
+            _sum_partials_kernel[(num_heads * num_tiles, block_m // 16)](
+                partial, out, m.tiles, c.query_start_loc, out.stride(0), out.stride(1), num_tiles, num_heads,
+                HEAD_DIM=head_dim, BLOCK_M=block_m, ROWS=16, num_warps=4,
+            )
+        return out

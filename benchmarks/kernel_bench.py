@@ -1,0 +1,110 @@
+"""Attention kernel benchmark on the GPU: hstu_triton vs torch_ref vs torch SDPA (softmax reference).
+
+    python benchmarks/kernel_bench.py --out benchmarks/results/kernels.json
+
+- Full-history prefill (one request, T new history rows, causal) at T = 1k, 4k, 8k, 16k; TFLOP/s with
+  causal FLOPs counted once (``2 * 2 * H * D * T^2 / 2``).
+- Delta queries: 8 requests, each 256 new history rows + 100 candidates over a cached paged history of
+  1k..16k tokens; the fraction of HBM bandwidth achieved reading the paged history
+  (history K/V bytes / time / measured device-copy bandwidth).
+4 heads x 128, bf16, page 32; medians of ``triton.testing.do_bench``; all measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+from attention_backends import AttentionSpec, PagedBatchMetadata
+from attention_backends.hstu_triton import HSTUTritonBackend
+from attention_backends.torch_ref import TorchRefBackend
+
+HEADS, DIM, PAGE = 4, 128, 32
+
+
+def make_step(cached: list[int], new: list[int], cands: list[int], device) -> tuple:
+    """Random q/k/v rows and a paged cache holding ``cached + new`` tokens per request (shuffled pages)."""
+    seq = np.asarray(cached) + np.asarray(new)
+    pages = -(-seq // PAGE)
+    indptr = np.concatenate([[0], np.cumsum(pages)])
+    indices = np.random.default_rng(0).permutation(int(indptr[-1]) + 8)[: indptr[-1]]
+    cache = torch.randn(int(indptr[-1]) + 8, 2, PAGE, HEADS, DIM, device=device, dtype=torch.bfloat16)
+    rows = int(sum(new) + sum(cands))
+    q, k, v = (torch.randn(rows, HEADS, DIM, device=device, dtype=torch.bfloat16) for _ in range(3))
+    meta = PagedBatchMetadata.from_layout(np.asarray(cached), np.asarray(new), np.asarray(cands), indptr, indices,
+                                          PAGE, device)
+    return q, k, v, cache, meta
+
+
+def time_backend(backend, step) -> float:
+    q, k, v, cache, meta = step
+    prepared = backend.build_metadata(meta)
+    return triton.testing.do_bench(lambda: backend.attend(q, k, v, cache, prepared), warmup=25, rep=100,
+                                   return_mode="median") / 1e3
+
+
+def device_copy_bandwidth(device) -> float:
+    """Bytes read plus written per second by a 1 GiB device-to-device copy."""
+    src = torch.empty(2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") / 1e3
+    return 2 * src.numel() / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--commit", default=None, help="commit id to record (the device copy has no .git)")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    spec = AttentionSpec(kind="hstu", num_heads=HEADS, head_dim=DIM, page_size=PAGE, dtype=torch.bfloat16,
+                         device_type="cuda", alpha=DIM**-0.5, scaling_seqlen=20_000)
+    triton_backend, ref_backend = HSTUTritonBackend(spec), TorchRefBackend(spec)
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                           text=True).stdout.strip()
+    hbm = device_copy_bandwidth(device)
+    result = {"gpu": torch.cuda.get_device_name(), "commit": commit or "unknown", "torch": torch.__version__,
+              "triton": triton.__version__, "heads": HEADS, "head_dim": DIM, "page_size": PAGE, "dtype": "bfloat16",
+              "hbm_copy_GBps": hbm / 1e9, "hstu_triton_prefill_tflops": {}, "torch_ref_prefill_tflops": {},
+              "sdpa_prefill_tflops": {}, "prefill_ms": {}, "delta_hbm_fraction": {}, "delta_ms": {},
+              "delta_torch_ref_ms": {}}
+    for t in (1024, 4096, 8192, 16384):
+        flops = 2 * HEADS * DIM * t * t
+        step = make_step([0], [t], [0], device)
+        tri = time_backend(triton_backend, step)
+        ref = time_backend(ref_backend, step)
+        q = torch.randn(1, HEADS, t, DIM, device=device, dtype=torch.bfloat16)
+        sdpa = triton.testing.do_bench(lambda q=q: F.scaled_dot_product_attention(q, q, q, is_causal=True),
+                                       return_mode="median") / 1e3
+        result["hstu_triton_prefill_tflops"][t] = flops / tri / 1e12
+        result["torch_ref_prefill_tflops"][t] = flops / ref / 1e12
+        result["sdpa_prefill_tflops"][t] = flops / sdpa / 1e12
+        result["prefill_ms"][t] = {"hstu_triton": tri * 1e3, "torch_ref": ref * 1e3, "sdpa": sdpa * 1e3}
+        del step
+        torch.cuda.empty_cache()
+        print(t, result["prefill_ms"][t], flush=True)
+    for hist in (1024, 2048, 4096, 8192, 16384):
+        batch = 8
+        step = make_step([hist] * batch, [256] * batch, [100] * batch, device)
+        tri = time_backend(triton_backend, step)
+        history_bytes = batch * (hist + 256) * 2 * HEADS * DIM * 2
+        result["delta_hbm_fraction"][hist] = history_bytes / tri / hbm
+        result["delta_ms"][hist] = tri * 1e3
+        result["delta_torch_ref_ms"][hist] = time_backend(ref_backend, step) * 1e3
+        print(hist, tri * 1e3, result["delta_hbm_fraction"][hist], flush=True)
+        del step
+        torch.cuda.empty_cache()
+    result["command"] = "python benchmarks/kernel_bench.py --out " + args.out
+    print(json.dumps(result, indent=2))
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -20,13 +20,14 @@ from gr_engine import CacheConfig, EngineConfig, GREngine, ModelConfig, RankRequ
 
 
 def requests(rng, lengths, extra, tag):
+    """Each user's first ``length + extra`` events of a fixed stream, plus 100 fresh candidates."""
     out = []
     for u, n in enumerate(lengths):
         m = n + extra
         g = np.random.default_rng(u)
-        out.append(RankRequest(request_id=f"{tag}-{u}", user_id=u, item_ids=g.integers(0, 100_000, m),
-                               action_ids=g.integers(0, 256, m), timestamps=np.arange(m),
-                               candidate_item_ids=rng.integers(0, 100_000, 100)))
+        items, actions = g.integers(0, 100_000, 30_000), g.integers(0, 256, 30_000)
+        out.append(RankRequest(request_id=f"{tag}-{u}", user_id=u, item_ids=items[:m], action_ids=actions[:m],
+                               timestamps=np.arange(m), candidate_item_ids=rng.integers(0, 100_000, 100)))
     return out
 
 

@@ -10,6 +10,7 @@ Every command takes ``--config FILE`` (JSON or TOML) and repeated ``--set sectio
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -59,6 +60,35 @@ def _cmd_rank(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import dataclasses
+    import subprocess
+    from pathlib import Path
+
+    from .bench.report import summarize, write_results
+    from .bench.runner import BenchSettings, quick_settings, run_benchmark
+
+    settings = quick_settings() if args.quick else BenchSettings()
+    changes = {k: v for k, v in (("device", args.device), ("backend", args.backend),
+                                 ("window_requests", args.window)) if v is not None}
+    if args.host_budget_gib is not None:
+        changes["host_budget_bytes"] = int(args.host_budget_gib * 2**30)
+    if args.users is not None:
+        changes["trace"] = dataclasses.replace(settings.trace, num_users=args.users)
+    settings = dataclasses.replace(settings, **changes)
+    result = run_benchmark(settings, echo=lambda line: print(line, file=sys.stderr))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    result["commit"] = args.commit or commit.stdout.strip() or "unknown"
+    result["command"] = "gr-engine bench " + " ".join(sys.argv[2:])
+    import torch
+
+    result["gpu"] = torch.cuda.get_device_name() if settings.device.startswith("cuda") else "cpu"
+    paths = write_results(result, Path(args.out))
+    print(json.dumps(summarize(result), indent=2))
+    print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    return 0
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     print(msgspec.json.format(msgspec.json.encode(_config(args)).decode(), indent=2))
     return 0
@@ -82,6 +112,17 @@ def build_parser() -> argparse.ArgumentParser:
     rank.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     _add_config_args(rank)
     rank.set_defaults(run=_cmd_rank)
+
+    bench = commands.add_parser("bench", help="run the benchmark (the MTServe paper's experiments)")
+    bench.add_argument("--out", default="benchmarks/results", help="folder for the results")
+    bench.add_argument("--quick", action="store_true", help="a tiny CPU run of every part (seconds)")
+    bench.add_argument("--device", help="override the device (default: cuda; cpu with --quick)")
+    bench.add_argument("--backend", help="attention backend (default: auto)")
+    bench.add_argument("--users", type=int, help="users in the generated trace")
+    bench.add_argument("--window", type=int, help="measured requests per mode and batch size")
+    bench.add_argument("--host-budget-gib", type=float, help="host chunk pool size")
+    bench.add_argument("--commit", help="commit id to record (when the checkout has no .git)")
+    bench.set_defaults(run=_cmd_bench)
 
     config = commands.add_parser("config", help="print the resolved configuration as JSON")
     _add_config_args(config)

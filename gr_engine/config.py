@@ -104,6 +104,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         attention_backend: a registered backend name, or ``"auto"`` for the fastest usable one.
         weights_path: a safetensors file written by ``HSTUModel.save``; ``None`` initialises randomly
             from ``model.seed``.
+        sync_phases: synchronise the device after each phase of a step so that per-phase times include
+            the device work they queued (for latency breakdowns; it serialises the pipeline).
     """
 
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
@@ -112,6 +114,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     device: str = "cpu"
     attention_backend: str = "torch_ref"
     weights_path: str | None = None
+    sync_phases: bool = False
 
     def __post_init__(self) -> None:
         if self.scheduler.max_num_batched_tokens <= self.model.max_candidates:

@@ -200,22 +200,21 @@ class GREngine:
 
     def _execute(self, chunks: list[ScheduledChunk], phases: dict[str, float],
                  prepare_s: float) -> list[ChunkResult]:
+        meta = self._timed(phases, "prepare", self.runner.prepare, chunks, already=prepare_s)
+        layer_ready = self._timed(phases, "onload", self.kv.launch_onloads)
+        tokens = self._timed(phases, "strip", self.runner.strip, chunks)
+        states = self._timed(phases, "forward", self.runner.forward, tokens, meta, layer_ready)
+        return self._timed(phases, "score", self.runner.score, chunks, meta, states)
+
+    def _timed(self, phases: dict[str, float], name: str, fn: Any, *args: Any, already: float = 0.0) -> Any:
+        """Run ``fn(*args)`` as phase ``name``; with ``config.sync_phases`` the device work it queued
+        is included (for breakdowns; it serialises the pipeline)."""
         t = time.perf_counter()
-        meta = self.runner.prepare(chunks)
-        phases["prepare"] = prepare_s + time.perf_counter() - t
-        t = time.perf_counter()
-        layer_ready = self.kv.launch_onloads()
-        phases["onload"] = time.perf_counter() - t
-        t = time.perf_counter()
-        tokens = self.runner.strip(chunks)
-        phases["strip"] = time.perf_counter() - t
-        t = time.perf_counter()
-        states = self.runner.forward(tokens, meta, layer_ready)
-        phases["forward"] = time.perf_counter() - t
-        t = time.perf_counter()
-        results = self.runner.score(chunks, meta, states)
-        phases["score"] = time.perf_counter() - t
-        return results
+        result = fn(*args)
+        if self.config.sync_phases and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        phases[name] = already + time.perf_counter() - t
+        return result
 
     def _output(self, state: RequestState, result: ChunkResult | None, error: str | None = None) -> Output:
         payload: RequestPayload = state.payload

@@ -1,0 +1,118 @@
+"""Writing a benchmark's results: JSON, Markdown tables (the paper's Tables 1, 2, 3, 6), PNG plots, summary.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+PHASES = ("schedule", "prepare", "onload", "strip", "forward", "score", "commit")
+
+
+def summarize(result: dict, bs: int = 8) -> dict:
+    """The headline numbers (``summary.json``): speedups, hit ratios, bound ratio, CPU overhead at ``bs``."""
+    modes = result["modes"]
+
+    def latency(mode: str) -> float | None:
+        entry = modes.get(mode, {}).get("batch_sizes", {}).get(bs)
+        return entry["median_ms"] if entry else None
+
+    rec, hier, unl = latency("recompute"), latency("hierarchical"), latency("unlimited")
+    summary = {"gpu": result.get("gpu"), "commit": result.get("commit"), "command": result.get("command"),
+               "latency_ms": {m: {b: e["median_ms"] for b, e in v["batch_sizes"].items()} for m, v in modes.items()}}
+    if rec and hier:
+        summary["speedup_bs8"] = rec / hier
+    if rec and unl:
+        summary["unlimited_speedup_bs8"] = rec / unl
+    if "hierarchical" in modes:
+        entry = modes["hierarchical"]["batch_sizes"][bs]
+        summary["total_hit_ratio_bs8"] = entry["total_hit_ratio"]
+        peak = result.get("peak_pinned_h2d_GBps")
+        if unl and peak:
+            bound = max(unl, entry["onloaded_bytes_per_batch"] / (peak * 1e9) * 1e3)
+            summary["hier_over_bound_bs8"] = hier / bound
+        # Host time of the phases that are pure CPU work (forward and score also wait for the device).
+        phases = modes["hierarchical"]["batch_sizes"][bs]["phase_ms_per_batch"]
+        summary["overhead_ms_bs8"] = sum(v for k, v in phases.items() if k not in ("forward", "score"))
+    if "gpu_only" in modes:
+        summary["gpu_only_hit_ratio_bs8"] = modes["gpu_only"]["batch_sizes"][bs]["gpu_hit_ratio"]
+    summary["simulated_total_hit_ratio"] = result["simulated"].get("hierarchical", {}).get("total_hit_ratio")
+    return summary
+
+
+def markdown(result: dict) -> str:
+    """The paper's tables for ``result``."""
+    modes = result["modes"]
+    sizes = sorted({int(b) for m in modes.values() for b in m["batch_sizes"]})
+    lines = [f"# gr-engine benchmark ({result.get('gpu')}, commit {result.get('commit')})", "",
+             f"Command: `{result.get('command')}`", "", "## Table 1: latency and hit ratios", "",
+             "| mode | " + " | ".join(f"BS={b} ms | speedup | GPU hit | total hit" for b in sizes) + " |",
+             "|---|" + "---|---|---|---|" * len(sizes)]
+    base = {b: modes.get("recompute", {}).get("batch_sizes", {}).get(b, {}).get("median_ms") for b in sizes}
+    for name, entry in modes.items():
+        cells = []
+        for b in sizes:
+            e = entry["batch_sizes"][b]
+            speed = f"{base[b] / e['median_ms']:.2f}x" if base[b] else "-"
+            cells.append(f"{e['median_ms']:.2f} | {speed} | {e['gpu_hit_ratio']:.1%} | {e['total_hit_ratio']:.1%}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "Whole-trace hit ratios (policy simulation, same cache code, no model):", ""]
+    lines += [f"- {k}: GPU {v['gpu_hit_ratio']:.2%}, total {v['total_hit_ratio']:.2%}"
+              for k, v in result["simulated"].items()]
+    lines += ["", "## Table 2: per-step breakdown at the largest batch (ms per step, device-synchronised)", "",
+              "| mode | " + " | ".join(PHASES) + " |", "|---|" + "---|" * len(PHASES)]
+    for name, entry in modes.items():
+        phases = entry["breakdown_bs8"]["phase_ms_per_step"]
+        lines.append(f"| {name} | " + " | ".join(f"{phases.get(p, 0):.3f}" for p in PHASES) + " |")
+    for title, key in (("Table 3: chunk size", "chunk_sweep"), ("Table 6: GPU budget (pages)", "budget_sweep")):
+        lines += ["", f"## {title}", "", "| mode | value | ms | total hit (window) | total hit (whole trace) |",
+                  "|---|---|---|---|---|"]
+        for mode, values in result.get(key, {}).items():
+            for value, e in values.items():
+                lines.append(f"| {mode} | {value} | {e['median_ms']:.2f} | {e['total_hit_ratio']:.1%} | "
+                             f"{e['simulated']['total_hit_ratio']:.2%} |")
+    lines += ["", "## Latency against history length (fixed new events per visit)", "",
+              "| history | " + " | ".join(result.get("lengths", {})) + " |",
+              "|---|" + "---|" * len(result.get("lengths", {}))]
+    scan = result.get("lengths", {})
+    for length in next(iter(scan.values()), {}):
+        lines.append(f"| {length} | " + " | ".join(f"{scan[m][length]['median_ms']:.2f}" for m in scan) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> bool:
+    """Latency per mode and batch size, and latency against history length; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode, entry in result["modes"].items():
+        sizes = sorted(int(b) for b in entry["batch_sizes"])
+        left.plot(sizes, [entry["batch_sizes"][b]["median_ms"] for b in sizes], marker="o", label=mode)
+    left.set(xlabel="batch size", ylabel="median batch latency (ms)", title="Latency by cache mode")
+    left.legend()
+    for mode, by_length in result.get("lengths", {}).items():
+        lengths = sorted(int(k) for k in by_length)
+        right.plot(lengths, [by_length[k]["median_ms"] for k in lengths], marker="o", label=mode)
+    right.set(xlabel="history length (events)", ylabel="median batch latency (ms)", xscale="log",
+              title="Latency against history length")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_results(result: dict, out: Path) -> list[Path]:
+    """Write ``bench.json``, ``bench.md``, ``summary.json`` and (with matplotlib) ``bench.png`` into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "bench.json", out / "bench.md", out / "summary.json"]
+    paths[0].write_text(json.dumps(result, indent=2, default=str))
+    paths[1].write_text(markdown(result))
+    paths[2].write_text(json.dumps(summarize(result), indent=2))
+    if plot(result, out / "bench.png"):
+        paths.append(out / "bench.png")
+    return paths

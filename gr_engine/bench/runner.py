@@ -1,0 +1,313 @@
+"""``gr-engine bench``: the MTServe paper's experiments on our hardware (DESIGN.md section 8).
+
+For each cache mode one engine is built (the paper's model: 8 layers, 4 heads x 128, d 512, bf16), then:
+
+1. **Warm-up**: every user's first visit (the history so far) is encoded; timed and reported apart.
+2. **Fast-forward**: the first ``skip_fraction`` of the steady-state requests only move the cache state
+   (the engine's own scheduler and cache manager, transfers included, but no model), so that the
+   measured window sees the trace's steady state without the time of serving all of it. Their K/V
+   values are not computed: the window's scores are meaningless, its timings are not (they do not
+   depend on values). Correctness of cached scores is the test suite's job.
+3. **Windows**: for each batch size, the next ``window_requests`` requests are served in closed-loop
+   batches of that size; the median batch latency, hit ratios and bytes moved are recorded. Hit ratios
+   over the whole trace come from :func:`~gr_engine.bench.simulate.simulate_policy` (same code, no model).
+
+Sweeps over chunk size and GPU budget, and latency against history length at a fixed number of new
+events, follow the same pattern.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import msgspec
+import numpy as np
+import torch
+
+from cache_engine import CacheConfig, page_prefix_hashes
+from scheduler import RequestState
+
+from ..config import EngineConfig, ModelConfig, SchedulerConfig
+from ..engine import GREngine
+from ..request import RankRequest
+from .simulate import simulate_policy
+from .trace import Trace, TraceConfig, generate_trace
+
+PAPER_MODEL = ModelConfig(num_items=1_000_000, num_actions=256, d_model=512, num_layers=8, num_heads=4, head_dim=128,
+                          max_history_len=20_000, max_candidates=100, num_tasks=8, ranking_hidden=512,
+                          scaling_seqlen=20_000, dtype="bfloat16")
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What ``gr-engine bench`` runs (defaults: the full benchmark on one H200)."""
+
+    model: ModelConfig = PAPER_MODEL
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    device: str = "cuda"
+    backend: str = "auto"
+    modes: tuple[str, ...] = ("recompute", "gpu_only", "hierarchical", "unlimited")
+    batch_sizes: tuple[int, ...] = (1, 4, 8)
+    gpu_pages: int = 40_960
+    page_size: int = 32
+    chunk_tokens: int = 1024
+    host_budget_bytes: int = 110 * 2**30
+    max_batched_tokens: int = 32_768
+    window_requests: int = 240
+    skip_fraction: float = 0.5
+    chunk_sweep: tuple[int, ...] = (512, 1024, 2048, 4096)
+    budget_sweep: tuple[int, ...] = (20_480, 30_720, 40_960, 51_200, 61_440)
+    lengths: tuple[int, ...] = (1024, 2048, 4096, 8192, 16_384)
+    new_events: int = 8
+
+
+def quick_settings() -> BenchSettings:
+    """A CPU-sized run (tiny float32 model, few users): exercises every part in seconds."""
+    model = ModelConfig(num_items=5000, num_actions=16, d_model=32, num_layers=2, num_heads=2, head_dim=16,
+                        max_history_len=2048, max_candidates=16, num_tasks=3, dtype="float32")
+    trace = TraceConfig(num_users=24, mean_log_len=5.5, sigma_log_len=0.5, max_history_len=2048, num_candidates=16,
+                        num_items=5000, num_actions=16, horizon_s=600, new_fraction=(0.3, 0.5))
+    return BenchSettings(model=model, trace=trace, device="cpu", backend="torch_ref", gpu_pages=120, page_size=8,
+                         chunk_tokens=32, host_budget_bytes=2**26, max_batched_tokens=1024, window_requests=16,
+                         chunk_sweep=(16, 64), budget_sweep=(80, 160), lengths=(64, 256), new_events=4)
+
+
+@dataclass
+class Phase:
+    """Timing of a group of batches: per-batch latencies (s), cache counters accumulated over them."""
+
+    latencies: list[float] = field(default_factory=list)
+    history_tokens: int = 0
+    gpu_hits: int = 0
+    host_hits: int = 0
+    onloaded_bytes: int = 0
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    steps: int = 0
+
+    def report(self) -> dict:
+        lat = np.asarray(self.latencies) * 1e3
+        n = max(self.history_tokens, 1)
+        return {"batches": len(lat), "median_ms": float(np.median(lat)) if len(lat) else None,
+                "p90_ms": float(np.percentile(lat, 90)) if len(lat) else None,
+                "gpu_hit_ratio": self.gpu_hits / n, "total_hit_ratio": (self.gpu_hits + self.host_hits) / n,
+                "onloaded_bytes_per_batch": self.onloaded_bytes / max(len(lat), 1),
+                "steps_per_batch": self.steps / max(len(lat), 1),
+                "phase_ms_per_step": {k: v / max(self.steps, 1) * 1e3 for k, v in self.phase_seconds.items()},
+                "phase_ms_per_batch": {k: v / max(len(lat), 1) * 1e3 for k, v in self.phase_seconds.items()}}
+
+
+class BenchRun:
+    """One engine over one trace: warm-up, fast-forward, measured windows."""
+
+    def __init__(self, settings: BenchSettings, trace: Trace, cache: CacheConfig, max_batch: int) -> None:
+        self.settings, self.trace = settings, trace
+        config = EngineConfig(model=settings.model, cache=cache, device=settings.device,
+                              attention_backend=settings.backend,
+                              scheduler=SchedulerConfig(max_num_seqs=max_batch,
+                                                        max_num_batched_tokens=settings.max_batched_tokens))
+        t0 = time.perf_counter()
+        self.engine = GREngine(config)
+        if self.engine.kv.host is not None:
+            self.engine.kv.host.store.wait_until_allocated()
+        self.startup_s = time.perf_counter() - t0
+        self.steady = trace.steady
+        self.cursor = 0
+        self._hashes: dict[int, np.ndarray] = {}
+
+    def warmup(self) -> dict:
+        """Serve every user's first visit, 8 at a time."""
+        phase = self._serve([self.trace.rank_request(i) for i in self.trace.warmup], 8)
+        report = phase.report()
+        report["seconds"] = float(sum(phase.latencies))
+        report["history_tokens"] = phase.history_tokens
+        return report
+
+    def fast_forward(self, count: int) -> None:
+        """Move the cache state over the next ``count`` steady requests without running the model."""
+        engine, trace = self.engine, self.trace
+        for i in self.steady[self.cursor:self.cursor + count]:
+            r = trace.requests[i]
+            hashes = self._user_hashes(r.user)[: r.history_len]
+            engine.scheduler.add(RequestState(seq_id=i, user_id=r.user, num_history=r.history_len,
+                                              num_candidates=trace.config.num_candidates,
+                                              reuse_limit=r.history_len, token_hashes=hashes))
+        while engine.scheduler.num_unfinished:
+            engine.kv.begin_step()
+            plan = engine.scheduler.schedule()
+            engine.kv.launch_onloads()
+            engine.scheduler.complete(plan.chunks)
+            engine.kv.end_step()
+        self.cursor += count
+
+    def window(self, batch_size: int, count: int) -> dict:
+        """Serve the next ``count`` steady requests in closed-loop batches of ``batch_size``."""
+        indices = self.steady[self.cursor:self.cursor + count]
+        if len(indices) < count:
+            raise ValueError(f"the trace has too few steady-state requests for a window of {count}")
+        self.cursor += len(indices)
+        return self._serve([self.trace.rank_request(i) for i in indices], batch_size).report()
+
+    def set_sync_phases(self, on: bool) -> None:
+        self.engine.config = msgspec.structs.replace(self.engine.config, sync_phases=on)
+
+    def _serve(self, requests: list[RankRequest], batch_size: int) -> Phase:
+        engine, phase = self.engine, Phase()
+        engine.scheduler.config = msgspec.structs.replace(engine.scheduler.config, max_num_seqs=batch_size)
+        for start in range(0, len(requests), batch_size):
+            batch = requests[start:start + batch_size]
+            steps, onloaded = engine.stats.num_steps, engine.kv.stats.onloaded_bytes
+            phases = dict(engine.stats.phase_seconds)
+            _sync(engine)
+            t0 = time.perf_counter()
+            outputs = engine.rank(batch, use_tqdm=False)
+            _sync(engine)
+            phase.latencies.append(time.perf_counter() - t0)
+            failed = [o.error for o in outputs if o.error]
+            if failed:
+                raise RuntimeError(f"benchmark request failed: {failed[0]}")
+            phase.history_tokens += sum(len(r.item_ids) for r in batch)
+            phase.gpu_hits += sum(o.num_gpu_cached_tokens for o in outputs)
+            phase.host_hits += sum(o.num_host_cached_tokens for o in outputs)
+            phase.onloaded_bytes += engine.kv.stats.onloaded_bytes - onloaded
+            phase.steps += engine.stats.num_steps - steps
+            for name, seconds in engine.stats.phase_seconds.items():
+                phase.phase_seconds[name] = phase.phase_seconds.get(name, 0.0) + seconds - phases.get(name, 0.0)
+        return phase
+
+    def _user_hashes(self, user: int) -> np.ndarray:
+        if user not in self._hashes:
+            e = self.trace.users[user]
+            self._hashes[user] = page_prefix_hashes(e.item_ids, e.action_ids, e.timestamps, self.settings.page_size)
+        return self._hashes[user]
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _sync(engine: GREngine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+
+
+def cache_config(settings: BenchSettings, mode: str, **changes: object) -> CacheConfig:
+    fields = dict(mode=mode, page_size=settings.page_size, num_gpu_pages=settings.gpu_pages,
+                  chunk_tokens=settings.chunk_tokens, host_budget_bytes=settings.host_budget_bytes)
+    fields.update(changes)
+    return CacheConfig(**fields)
+
+
+def unlimited_pages(settings: BenchSettings, trace: Trace) -> int:
+    """Pages for every user's whole history, plus room for one batch of scratch."""
+    per_user = [-(-len(u.item_ids) // settings.page_size) for u in trace.users]
+    return sum(per_user) + max(settings.batch_sizes) * max(per_user)
+
+
+def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print) -> dict:
+    """Run every experiment; returns the results as a JSON-able dict (see :mod:`gr_engine.bench.report`)."""
+    trace = generate_trace(settings.trace)
+    steady = len(trace.steady)
+    skip = int(steady * settings.skip_fraction)
+    echo(f"trace: {trace.summary()}")
+    result: dict = {"trace": trace.summary(), "settings": _settings_dict(settings), "modes": {}, "simulated": {}}
+    for mode in ("gpu_only", "hierarchical"):
+        result["simulated"][mode] = _simulated(trace, cache_config(settings, mode))
+    result["simulated"]["hierarchical_no_tail_persistence"] = _simulated(
+        trace, cache_config(settings, "hierarchical", persist_tails=False))
+    for mode in settings.modes:
+        pages = unlimited_pages(settings, trace) if mode == "unlimited" else settings.gpu_pages
+        run = BenchRun(settings, trace, cache_config(settings, mode, num_gpu_pages=pages), max(settings.batch_sizes))
+        entry = {"startup_s": run.startup_s, "gpu_pages": pages}
+        if mode != "recompute":
+            entry["warmup"] = run.warmup()
+            run.fast_forward(skip)
+        else:
+            run.cursor = skip
+        entry["batch_sizes"] = {}
+        for bs in settings.batch_sizes:
+            entry["batch_sizes"][bs] = run.window(bs, settings.window_requests)
+            echo(f"{mode:<12} bs={bs}: {entry['batch_sizes'][bs]['median_ms']:.2f} ms, "
+                 f"hit {entry['batch_sizes'][bs]['total_hit_ratio']:.1%}")
+        run.set_sync_phases(True)
+        entry["breakdown_bs8"] = run.window(max(settings.batch_sizes), settings.window_requests)
+        run.close()
+        result["modes"][mode] = entry
+    result["chunk_sweep"] = _sweep(settings, trace, skip, "chunk_tokens", settings.chunk_sweep, ("hierarchical",))
+    result["budget_sweep"] = _sweep(settings, trace, skip, "num_gpu_pages", settings.budget_sweep,
+                                    ("gpu_only", "hierarchical"))
+    result["lengths"] = _length_scan(settings)
+    result["peak_pinned_h2d_GBps"] = _peak_h2d(settings.device)
+    return result
+
+
+def _simulated(trace: Trace, cache: CacheConfig) -> dict:
+    r = simulate_policy(trace, cache)
+    return {"gpu_hit_ratio": r.gpu_hit_ratio, "total_hit_ratio": r.total_hit_ratio, "lost_tokens": r.lost_tokens,
+            "evicted_users": r.evicted_users, "host_evicted_users": r.host_evicted_users}
+
+
+def _sweep(settings: BenchSettings, trace: Trace, skip: int, name: str, values: tuple[int, ...],
+           modes: tuple[str, ...]) -> dict:
+    out: dict = {}
+    bs = max(settings.batch_sizes)
+    for mode in modes:
+        out[mode] = {}
+        for value in values:
+            cache = cache_config(settings, mode, **{name: value})
+            run = BenchRun(settings, trace, cache, bs)
+            run.warmup()
+            run.fast_forward(skip)
+            out[mode][value] = {**run.window(bs, settings.window_requests), "simulated": _simulated(trace, cache)}
+            run.close()
+    return out
+
+
+def _length_scan(settings: BenchSettings) -> dict:
+    """Latency against history length (``new_events`` new events per visit): recompute vs unlimited."""
+    bs = max(settings.batch_sizes)
+    out: dict = {}
+    for mode in ("recompute", "unlimited"):
+        out[mode] = {}
+        for length in settings.lengths:
+            trace = _fixed_length_trace(settings, length, bs)
+            pages = bs * 2 * (-(-(length + 8 * settings.new_events) // settings.page_size))
+            run = BenchRun(settings, trace, cache_config(settings, mode, num_gpu_pages=pages), bs)
+            run.warmup()
+            out[mode][length] = run.window(bs, len(trace.steady))
+            run.close()
+    return out
+
+
+def _fixed_length_trace(settings: BenchSettings, length: int, users: int) -> Trace:
+    """``users`` users with ``length``-event histories, each then visiting 6 times with ``new_events`` more."""
+    config = replace(settings.trace, num_users=users, max_history_len=length + 8 * settings.new_events)
+    base = generate_trace(replace(config, num_users=users, mean_log_len=20.0, sigma_log_len=0.01,
+                                  new_fraction=(0.0, 0.0)))
+    requests = [replace(r, history_len=length, warmup=True) for r in base.requests[:users]]
+    for visit in range(1, 7):
+        requests += [replace(r, history_len=length + visit * settings.new_events, warmup=False, time=float(visit))
+                     for r in base.requests[:users]]
+    return Trace(config, base.users, requests)
+
+
+def _peak_h2d(device: str) -> float | None:
+    if not device.startswith("cuda"):
+        return None
+    host = torch.empty(2**28, dtype=torch.uint8).pin_memory()
+    dev = torch.empty_like(host, device=device)
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return host.numel() / float(np.median(times)) / 1e9
+
+
+def _settings_dict(settings: BenchSettings) -> dict:
+    out = {k: getattr(settings, k) for k in settings.__dataclass_fields__ if k not in ("model", "trace")}
+    out["model"] = msgspec.to_builtins(settings.model)
+    out["trace"] = {k: getattr(settings.trace, k) for k in settings.trace.__dataclass_fields__}
+    return out

@@ -1,0 +1,25 @@
+"""`gr-engine bench --quick`: every experiment runs end to end on CPU and writes its reports."""
+
+from __future__ import annotations
+
+import json
+
+from gr_engine.cli import main
+
+
+def test_quick_bench_writes_reports(tmp_path, capsys):
+    assert main(["bench", "--quick", "--out", str(tmp_path), "--commit", "test"]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("gpu", "commit", "command", "speedup_bs8", "total_hit_ratio_bs8", "gpu_only_hit_ratio_bs8",
+                "unlimited_speedup_bs8", "overhead_ms_bs8", "latency_ms"):
+        assert key in summary, key
+    assert set(summary["latency_ms"]) == {"recompute", "gpu_only", "hierarchical", "unlimited"}
+    assert summary["commit"] == "test" and summary["total_hit_ratio_bs8"] > 0.5
+    result = json.loads((tmp_path / "bench.json").read_text())
+    breakdown = result["modes"]["hierarchical"]["breakdown_bs8"]
+    assert breakdown["batches"] > 0 and breakdown["phase_ms_per_step"]["forward"] > 0
+    assert result["simulated"]["hierarchical"]["total_hit_ratio"] > result["simulated"]["gpu_only"]["total_hit_ratio"]
+    assert set(result["chunk_sweep"]["hierarchical"]) and set(result["budget_sweep"]) == {"gpu_only", "hierarchical"}
+    text = (tmp_path / "bench.md").read_text()
+    assert "Table 1" in text and "Table 2" in text and "Table 3" in text and "Table 6" in text
+    assert "speedup_bs8" in capsys.readouterr().out

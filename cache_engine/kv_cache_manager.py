@@ -125,10 +125,10 @@ class KVCacheManager:
         self._cut(user_id, record, gpu + host, token_hashes)
         if deficit > 0:
             self._evict_until_free(deficit)
-            record.pages.extend(self.pool.allocate(deficit))
+            record.set_pages(record.pages + self.pool.allocate(deficit))
         elif deficit < 0:
             self.pool.free(record.pages[deficit:])
-            del record.pages[deficit:]
+            record.set_pages(record.pages[:deficit])
         if host:
             self.host.plan_onload(record, host)
             record.num_tokens = host
@@ -156,7 +156,7 @@ class KVCacheManager:
         keep = 0 if self.config.mode == "recompute" else self.pages_for(record.num_tokens)
         if keep < len(record.pages):
             self.pool.free(record.pages[keep:])
-            del record.pages[keep:]
+            record.set_pages(record.pages[:keep])
         if record.pages:
             self._lru.touch(user_id)
             self._evictable_pages += len(record.pages)
@@ -185,8 +185,8 @@ class KVCacheManager:
         counts = -(-np.asarray(seq_lens, dtype=np.int64) // self.page_size)
         indptr = np.zeros(len(counts) + 1, dtype=np.int32)
         np.cumsum(counts, out=indptr[1:])
-        indices = np.fromiter((p for uid, c in zip(user_ids, counts) for p in self.users[uid].pages[:c]),
-                              dtype=np.int32, count=int(indptr[-1]))
+        arrays = [self.users[uid].page_array()[:c] for uid, c in zip(user_ids, counts)]
+        indices = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int32)
         return indptr, indices
 
     def cached_tokens(self, user_id: Hashable) -> int:
@@ -216,15 +216,17 @@ class KVCacheManager:
     # ------------------------------------------------------------------ internals
     def _verified_prefix(self, record: UserRecord, token_hashes: np.ndarray) -> int:
         """Known tokens of ``record`` whose pages match the request's history, page by page."""
-        num_pages = len(record.page_hashes)
-        if num_pages == 0:
-            return 0
-        ends = np.minimum((np.arange(num_pages) + 1) * self.page_size, record.hashed_tokens)
-        n = len(token_hashes)
-        probe = token_hashes[np.minimum(ends, max(n, 1)) - 1] if n else np.zeros(num_pages, np.uint64)
-        ok = (ends <= n) & (probe == record.page_hashes)
-        good = num_pages if ok.all() else int(np.argmin(ok))
-        return int(ends[good - 1]) if good else 0
+        ps, known, n = self.page_size, record.hashed_tokens, len(token_hashes)
+        full = min(known, n) // ps  # pages the request can verify in full
+        ok = token_hashes[ps - 1: full * ps: ps] == record.page_hashes[:full]
+        if not ok.all():
+            return int(np.argmin(ok)) * ps
+        if full * ps == known:
+            return known
+        last = min(known, (full + 1) * ps)  # the record's partly filled last page, or a page the request cuts
+        if last <= n and token_hashes[last - 1] == record.page_hashes[full]:
+            return last
+        return full * ps
 
     def _cut(self, user_id: Hashable, record: UserRecord, num_tokens: int, token_hashes: np.ndarray) -> None:
         """Cut ``record`` back to its first ``num_tokens`` tokens (verified against ``token_hashes``)."""
@@ -267,7 +269,7 @@ class KVCacheManager:
         self.pool.free(record.pages)
         self.stats.evicted_users += 1
         self.stats.evicted_tokens += record.num_tokens
-        record.pages = []
+        record.set_pages([])
         record.num_tokens = 0
         if not record.host_slots and not persisting:
             del self.users[user_id]

@@ -37,6 +37,18 @@ class UserRecord:
     locked: bool = False
     readers: int = 0
     generation: int = 0
+    _page_array: np.ndarray | None = field(default=None, repr=False)
+
+    def set_pages(self, pages: list[int]) -> None:
+        """Replace the page list (the only way it changes, so :meth:`page_array` stays in step)."""
+        self.pages = pages
+        self._page_array = None
+
+    def page_array(self) -> np.ndarray:
+        """``pages`` as int32 numpy, cached until :meth:`set_pages`."""
+        if self._page_array is None:
+            self._page_array = np.asarray(self.pages, dtype=np.int32)
+        return self._page_array
 
     @property
     def evictable_from_gpu(self) -> bool:

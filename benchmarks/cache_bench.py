@@ -60,7 +60,7 @@ def transfer_bandwidth(device, chunk_tokens: int, tokens: int, layers=8, heads=4
         store.slot(s).copy_(torch.randn(shape).to(torch.bfloat16))
     transfer = TransferEngine(device)
     pages = np.random.default_rng(0).permutation(kv.shape[1])[: num_chunks * chunk_pages].tolist()
-    onload_jobs = [OnloadJob(store.slot(c), pages[c * chunk_pages:(c + 1) * chunk_pages]) for c in range(num_chunks)]
+    onload_jobs = [OnloadJob(c, store.slot(c), pages[c * chunk_pages:(c + 1) * chunk_pages]) for c in range(num_chunks)]
 
     def onload():
         events = transfer.onload(kv, onload_jobs)
@@ -74,7 +74,8 @@ def transfer_bandwidth(device, chunk_tokens: int, tokens: int, layers=8, heads=4
         assert torch.equal(got, store.slot(c)), "onload produced wrong pages"
     nbytes = tokens * layers * 2 * heads * dim * 2
     onload_s = cuda_time(onload, 9)
-    offload_jobs = [OffloadJob(pages[c * chunk_pages:(c + 1) * chunk_pages], store.slot(c)) for c in range(num_chunks)]
+    offload_jobs = [OffloadJob(pages[c * chunk_pages:(c + 1) * chunk_pages], c, store.slot(c))
+                    for c in range(num_chunks)]
 
     def offload():
         handle = transfer.offload(kv, offload_jobs)

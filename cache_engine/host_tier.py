@@ -52,7 +52,7 @@ class HostTier:
         self.users = users
         self.stats = stats
         self.chunk = config.chunk_tokens
-        self.token_bytes = kv[:, 0, :, 0].numel() * kv.element_size()  # all layers, K and V
+        self.token_bytes = kv[:, 0, :, 0].numel() * store.dtype.itemsize  # host bytes: all layers, K and V
         self.lru = LRUIndex()  # users with host data, least recently used first
         self._queue: deque[tuple[Hashable, int, int]] = deque()  # (user, generation, chunk) to offload
         self._pending: set[tuple[Hashable, int, int]] = set()  # queued or in flight
@@ -178,7 +178,7 @@ class HostTier:
             first = p.chunk * per_chunk
             pages = record.pages[first: first + -(-(p.end - p.chunk * self.chunk) // page_size)]
             self._batch.append(p)
-            self._batch_jobs.append(OffloadJob(pages, self.store.slot(p.slot)))
+            self._batch_jobs.append(OffloadJob(pages, p.slot, self.store.slot(p.slot)))
             self.stats.offloaded_tokens += p.end - p.chunk * self.chunk
             self.stats.offloaded_bytes += len(pages) * page_size * self.token_bytes
 
@@ -201,7 +201,7 @@ class HostTier:
         for chunk in range(-(-tokens // self.chunk)):
             count = -(-(min((chunk + 1) * self.chunk, tokens) - chunk * self.chunk) // page_size)
             slot = record.host_slots[chunk]
-            self._planned.append(OnloadJob(self.store.slot(slot), record.pages[chunk * per_chunk:][:count]))
+            self._planned.append(OnloadJob(slot, self.store.slot(slot), record.pages[chunk * per_chunk:][:count]))
             self._planned_slots.append(slot)
             self._busy[slot] = self._busy.get(slot, 0) + 1
             self.stats.onloaded_bytes += count * page_size * self.token_bytes

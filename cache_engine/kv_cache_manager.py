@@ -49,10 +49,16 @@ class KVCacheManager:
         self.host: HostTier | None = None
         if config.mode == "hierarchical":
             slot_shape = (num_layers, config.chunk_pages, 2, config.page_size, num_heads, head_dim)
-            slot_bytes = int(np.prod(slot_shape)) * dtype.itemsize
-            store = HostChunkStore(config.host_budget_bytes // slot_bytes, slot_shape, dtype,
-                                   config.host_segment_bytes // slot_bytes, pin=device.type == "cuda")
-            self.host = HostTier(config, store, TransferEngine(device), self.pool.kv, self.users, self.stats)
+            host_dtype = dtype if config.host_dtype == "kv" else getattr(torch, config.host_dtype)
+            slot_bytes = int(np.prod(slot_shape)) * host_dtype.itemsize
+            num_slots = config.host_budget_bytes // slot_bytes
+            store = HostChunkStore(num_slots, slot_shape, host_dtype, config.host_segment_bytes // slot_bytes,
+                                   pin=device.type == "cuda")
+            scales = None  # FP8 host chunks: dequantisation scales per (slot, layer, K/V, head), on the device
+            if config.host_dtype != "kv":
+                scales = torch.ones(num_slots, num_layers, 2, num_heads, dtype=torch.float32, device=device)
+            self.host = HostTier(config, store, TransferEngine(device, scales), self.pool.kv, self.users,
+                                 self.stats)
 
     @property
     def kv_cache(self) -> torch.Tensor:

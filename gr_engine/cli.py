@@ -70,7 +70,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     settings = quick_settings() if args.quick else BenchSettings()
     changes = {k: v for k, v in (("device", args.device), ("backend", args.backend),
-                                 ("window_requests", args.window)) if v is not None}
+                                 ("window_requests", args.window), ("host_dtype", args.host_dtype)) if v is not None}
     if args.host_budget_gib is not None:
         changes["host_budget_bytes"] = int(args.host_budget_gib * 2**30)
     if args.users is not None:
@@ -121,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--users", type=int, help="users in the generated trace")
     bench.add_argument("--window", type=int, help="measured requests per mode and batch size")
     bench.add_argument("--host-budget-gib", type=float, help="host chunk pool size")
+    bench.add_argument("--host-dtype", choices=["kv", "float8_e4m3fn"], help="host chunk dtype (default kv)")
     bench.add_argument("--commit", help="commit id to record (when the checkout has no .git)")
     bench.set_defaults(run=_cmd_bench)
 

@@ -184,3 +184,29 @@ def test_random_run_keeps_kv_consistent(seed):
         assert torch.equal(got, expected.view(1, n, 1, 1, 1).expand_as(got)), "stale or foreign KV served"
         kv.check_invariants()
     assert kv.stats.onloaded_tokens > 0 and kv.stats.host_evicted_users > 0 and kv.stats.evicted_users > 0
+
+
+def test_fp8_host_chunks_round_trip_within_e4m3_precision():
+    slot_bytes = 2 * CHUNK * 2 * 1 * 2 * 1  # FP8: one byte a value
+    config = CacheConfig(mode="hierarchical", page_size=PS, num_gpu_pages=6, chunk_tokens=CHUNK,
+                         host_budget_bytes=8 * slot_bytes, host_segment_bytes=3 * slot_bytes, host_dtype="float8_e4m3fn")
+    kv = KVCacheManager(config, num_layers=2, num_heads=1, head_dim=2, dtype=torch.float32, device="cpu")
+    assert kv.host.store.dtype == torch.float8_e4m3fn and kv.host.store.num_slots == 8
+    h = hashes(19)
+    kv.begin_step()
+    kv.acquire("a", h, 19)
+    record = kv.users["a"]
+    values = torch.randn(2, len(record.pages), 2, PS, 1, 2) * torch.tensor([1.0, 30.0]).view(1, 1, 2, 1, 1, 1)
+    kv.kv_cache[:, record.pages] = values  # K small, V large: scales are per K/V
+    before = kv_of(kv, "a", 19)
+    kv.commit("a", 19, h)
+    kv.release("a")
+    kv.end_step()
+    run(kv, "b", hashes(16, 1))  # evicts "a": its tail goes to host too
+    kv.begin_step()
+    assert run(kv, "a", h) == (0, 19)
+    after = kv_of(kv, "a", 19)
+    amax = before.abs().amax(dim=(1, 4), keepdim=True)  # per layer, K/V, head (as the scales)
+    err = ((after - before).abs() / amax).max()
+    assert 0 < err <= 2**-4  # e4m3 keeps 3 mantissa bits: relative error <= 1/16 of the block's max
+    kv.check_invariants()

@@ -53,7 +53,8 @@ class BenchSettings:
     gpu_pages: int = 40_960
     page_size: int = 32
     chunk_tokens: int = 1024
-    host_budget_bytes: int = 110 * 2**30
+    host_budget_bytes: int = 96 * 2**30
+    host_dtype: str = "kv"
     max_batched_tokens: int = 32_768
     window_requests: int = 240
     skip_fraction: float = 0.5
@@ -193,7 +194,8 @@ def _sync(engine: GREngine) -> None:
 
 def cache_config(settings: BenchSettings, mode: str, **changes: object) -> CacheConfig:
     fields = dict(mode=mode, page_size=settings.page_size, num_gpu_pages=settings.gpu_pages,
-                  chunk_tokens=settings.chunk_tokens, host_budget_bytes=settings.host_budget_bytes)
+                  chunk_tokens=settings.chunk_tokens, host_budget_bytes=settings.host_budget_bytes,
+                  host_dtype=settings.host_dtype)
     fields.update(changes)
     return CacheConfig(**fields)
 

@@ -189,7 +189,8 @@ def test_random_run_keeps_kv_consistent(seed):
 def test_fp8_host_chunks_round_trip_within_e4m3_precision():
     slot_bytes = 2 * CHUNK * 2 * 1 * 2 * 1  # FP8: one byte a value
     config = CacheConfig(mode="hierarchical", page_size=PS, num_gpu_pages=6, chunk_tokens=CHUNK,
-                         host_budget_bytes=8 * slot_bytes, host_segment_bytes=3 * slot_bytes, host_dtype="float8_e4m3fn")
+                         host_budget_bytes=8 * slot_bytes, host_segment_bytes=3 * slot_bytes,
+                         host_dtype="float8_e4m3fn")
     kv = KVCacheManager(config, num_layers=2, num_heads=1, head_dim=2, dtype=torch.float32, device="cpu")
     assert kv.host.store.dtype == torch.float8_e4m3fn and kv.host.store.num_slots == 8
     h = hashes(19)

@@ -68,11 +68,11 @@ def quick_settings() -> BenchSettings:
     """A CPU-sized run (tiny float32 model, few users): exercises every part in seconds."""
     model = ModelConfig(num_items=5000, num_actions=16, d_model=32, num_layers=2, num_heads=2, head_dim=16,
                         max_history_len=2048, max_candidates=16, num_tasks=3, dtype="float32")
-    trace = TraceConfig(num_users=24, mean_log_len=5.5, sigma_log_len=0.5, max_history_len=2048, num_candidates=16,
+    trace = TraceConfig(num_users=16, mean_log_len=4.5, sigma_log_len=0.4, max_history_len=2048, num_candidates=8,
                         num_items=5000, num_actions=16, horizon_s=600, new_fraction=(0.3, 0.5))
-    return BenchSettings(model=model, trace=trace, device="cpu", backend="torch_ref", gpu_pages=120, page_size=8,
-                         chunk_tokens=32, host_budget_bytes=2**26, max_batched_tokens=1024, window_requests=16,
-                         chunk_sweep=(16, 64), budget_sweep=(80, 160), lengths=(64, 256), new_events=4)
+    return BenchSettings(model=model, trace=trace, device="cpu", backend="torch_ref", gpu_pages=40, page_size=8,
+                         chunk_tokens=32, host_budget_bytes=2**26, max_batched_tokens=1024, window_requests=8,
+                         chunk_sweep=(16, 64), budget_sweep=(24, 48), lengths=(32, 128), new_events=4)
 
 
 @dataclass

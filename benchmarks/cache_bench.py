@@ -49,7 +49,8 @@ def peak_h2d(device) -> float:
     return host.numel() * 4 / seconds / 1e9
 
 
-def transfer_bandwidth(device, chunk_tokens: int, tokens: int, layers=8, heads=4, dim=128, page=32) -> dict:
+def transfer_bandwidth(device, chunk_tokens: int, tokens: int, layers=8, heads=4, dim=128, page=32,
+                       streams: int = 1) -> dict:
     chunk_pages = chunk_tokens // page
     num_chunks = tokens // chunk_tokens
     kv = torch.zeros(layers, num_chunks * chunk_pages * 2, 2, page, heads, dim, dtype=torch.bfloat16, device=device)
@@ -58,7 +59,7 @@ def transfer_bandwidth(device, chunk_tokens: int, tokens: int, layers=8, heads=4
     store.wait_until_allocated()
     for s in range(num_chunks):
         store.slot(s).copy_(torch.randn(shape).to(torch.bfloat16))
-    transfer = TransferEngine(device)
+    transfer = TransferEngine(device, onload_streams=streams)
     pages = np.random.default_rng(0).permutation(kv.shape[1])[: num_chunks * chunk_pages].tolist()
     onload_jobs = [OnloadJob(c, store.slot(c), pages[c * chunk_pages:(c + 1) * chunk_pages]) for c in range(num_chunks)]
 
@@ -83,7 +84,7 @@ def transfer_bandwidth(device, chunk_tokens: int, tokens: int, layers=8, heads=4
 
     offload()
     offload_s = cuda_time(offload, 9)
-    return {"chunk_tokens": chunk_tokens, "tokens": tokens, "bytes": nbytes,
+    return {"chunk_tokens": chunk_tokens, "onload_streams": streams, "tokens": tokens, "bytes": nbytes,
             "onload_ms": onload_s * 1e3, "onload_GBps": nbytes / onload_s / 1e9,
             "offload_ms": offload_s * 1e3, "offload_GBps": nbytes / offload_s / 1e9}
 
@@ -152,7 +153,8 @@ def main() -> None:
                                            text=True).stdout.strip()
     result = {"gpu": torch.cuda.get_device_name(), "commit": commit or "unknown", "torch": torch.__version__,
               "python": platform.python_version(), "peak_pinned_h2d_GBps": peak_h2d(device),
-              "transfers": [transfer_bandwidth(device, c, args.tokens) for c in (512, 1024, 2048, 4096)],
+              "transfers": [transfer_bandwidth(device, c, args.tokens, streams=s)
+                            for s in (1, 2) for c in (512, 1024, 2048, 4096)],
               "metadata": metadata_overhead(device)}
     result["command"] = "python benchmarks/cache_bench.py --out " + args.out
     print(json.dumps(result, indent=2))

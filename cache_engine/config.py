@@ -36,6 +36,7 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         host_dtype: ``"kv"`` keeps host chunks in the KV dtype (exact); ``"float8_e4m3fn"`` stores them in
             FP8 with one scale per (chunk, layer, K/V, head): half the host memory and PCIe bytes, scores
             no longer exactly equal to recomputing (the benchmark reports the drift).
+        onload_streams: CUDA streams the host-to-device chunk copies are spread over.
     """
 
     mode: CacheMode = "hierarchical"
@@ -47,9 +48,11 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_pending_offloads: int = 64
     persist_tails: bool = True
     host_dtype: HostDType = "kv"
+    onload_streams: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "num_gpu_pages", "chunk_tokens", "host_segment_bytes", "max_pending_offloads"):
+        for name in ("page_size", "num_gpu_pages", "chunk_tokens", "host_segment_bytes", "max_pending_offloads",
+                     "onload_streams"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"cache.{name} must be positive, got {getattr(self, name)}")
         if self.host_budget_bytes < 0:

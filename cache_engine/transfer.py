@@ -6,8 +6,9 @@ On CUDA, three side streams keep copies off the compute stream:
   buffer (one ``index_select``), lays each chunk out like its host slot, and copies it there (one DMA
   per chunk). The gather's event tells when the pages may be written again; the copy's event when the
   host data is complete.
-- **onload**: per layer, copies the layer's block of each host chunk into a device onload buffer
-  (double-buffered: layer ``l`` reuses the buffer of layer ``l - 2`` once that one is scattered).
+- **onload** (one or more streams): per layer, copies the layer's block of each host chunk into a device
+  onload buffer (double-buffered: layer ``l`` reuses the buffer of layer ``l - 2`` once that one is
+  scattered).
 - **scatter**: per layer, waits for that layer's copies and scatters the buffer into the users'
   pages; its event for layer ``l`` is what the model's layer ``l`` waits for.
 
@@ -71,15 +72,17 @@ class TransferEngine:
         scales: with FP8 host chunks, float32 ``[num_slots, L, 2, H]`` on ``device``: each slot's
             dequantisation scales (written by offloads, read by onloads); ``None`` when host chunks
             have the pool's dtype.
+        onload_streams: streams the per-layer host-to-device copies are spread over (more than one lets
+            several copy engines work at once).
     """
 
-    def __init__(self, device: torch.device, scales: torch.Tensor | None = None) -> None:
+    def __init__(self, device: torch.device, scales: torch.Tensor | None = None, onload_streams: int = 1) -> None:
         self.device = device
         self.scales = scales
         self.is_cuda = device.type == "cuda"
         if self.is_cuda:
             self.offload_stream = torch.cuda.Stream(device)
-            self.onload_stream = torch.cuda.Stream(device)
+            self.onload_streams = [torch.cuda.Stream(device) for _ in range(max(1, onload_streams))]
             self.scatter_stream = torch.cuda.Stream(device)
         self._buffers: list[torch.Tensor] = []  # the two onload buffers, grown on demand
         self.last_gather: torch.cuda.Event | None = None
@@ -159,28 +162,33 @@ class TransferEngine:
             return [None] * num_layers
         compute = torch.cuda.current_stream(self.device)
         buffers = self._onload_buffers(jobs[0].slot, len(pages))
-        copied, scattered = [], []
+        scattered: list[torch.cuda.Event] = []
         if self._last_scatter is not None:  # the previous step's scatters still read the buffers
-            self.onload_stream.wait_event(self._last_scatter)
+            for stream in self.onload_streams:
+                stream.wait_event(self._last_scatter)
         with torch.cuda.stream(self.scatter_stream):
             self.scatter_stream.wait_stream(compute)  # the pages were just handed out on the host side
             index = self._upload(pages + page_slots)
             dst = index[: len(pages)]
             scales = None if self.scales is None else self.scales[index[len(pages):]]
+        starts = [0]
+        for job in jobs:
+            starts.append(starts[-1] + len(job.pages))
         for layer in range(num_layers):
             buffer = buffers[layer % 2][: len(pages)]
-            with torch.cuda.stream(self.onload_stream):
-                if layer >= 2:
-                    self.onload_stream.wait_event(scattered[layer - 2])
-                start = 0
-                for job in jobs:
-                    n = len(job.pages)
-                    buffer[start:start + n].copy_(job.slot[layer, :n], non_blocking=True)
-                    start += n
-                copied.append(torch.cuda.Event())
-                copied[-1].record()
+            copied = []
+            for s, stream in enumerate(self.onload_streams):
+                with torch.cuda.stream(stream):
+                    if layer >= 2:
+                        stream.wait_event(scattered[layer - 2])
+                    for j in range(s, len(jobs), len(self.onload_streams)):  # jobs dealt round-robin
+                        n = len(jobs[j].pages)
+                        buffer[starts[j]:starts[j] + n].copy_(jobs[j].slot[layer, :n], non_blocking=True)
+                    copied.append(torch.cuda.Event())
+                    copied[-1].record()
             with torch.cuda.stream(self.scatter_stream):
-                self.scatter_stream.wait_event(copied[layer])
+                for event in copied:
+                    self.scatter_stream.wait_event(event)
                 kv[layer].index_copy_(0, dst, self._dequantize(buffer, scales, layer, kv.dtype))
                 scattered.append(torch.cuda.Event())
                 scattered[-1].record()
@@ -206,8 +214,8 @@ class TransferEngine:
         marked as used by the side streams, so the allocator reuses their memory only after those copies."""
         if not self._buffers or self._buffers[0].shape[0] < num_pages:
             for old in self._buffers:
-                old.record_stream(self.onload_stream)
-                old.record_stream(self.scatter_stream)
+                for stream in (*self.onload_streams, self.scatter_stream):
+                    old.record_stream(stream)
             size = max(num_pages, 2 * (self._buffers[0].shape[0] if self._buffers else 0))
             self._buffers = [torch.empty((size, *slot.shape[2:]), dtype=slot.dtype, device=self.device)
                              for _ in range(2)]

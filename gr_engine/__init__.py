@@ -7,7 +7,7 @@ never re-encoded. Start with :class:`GREngine` and :class:`EngineConfig`.
 from .config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, load_config
 from .engine import GREngine
 from .metrics import EngineStats, StepMetrics
-from .models import HSTUModel
+from .models import GRModel
 from .outputs import GenerateOutput, RankOutput, StepTimings
 from .request import GenerateParams, GenerateRequest, RankRequest
 from .validation import RequestError
@@ -17,10 +17,10 @@ __all__ = [
     "EngineConfig",
     "EngineStats",
     "GREngine",
+    "GRModel",
     "GenerateOutput",
     "GenerateParams",
     "GenerateRequest",
-    "HSTUModel",
     "ModelConfig",
     "RankOutput",
     "RankRequest",

@@ -23,6 +23,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DTypeName = Literal["float32", "bfloat16", "float16"]
+Architecture = Literal["hstu", "sasrec"]
 
 __all__ = [
     "CacheConfig",
@@ -34,9 +35,11 @@ __all__ = [
 
 
 class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The cache-consistent HSTU ranking model (DESIGN.md section 4).
+    """The cache-consistent ranking model (DESIGN.md section 4).
 
     Attributes:
+        architecture: ``"hstu"`` (HSTU layers, SiLU attention) or ``"sasrec"`` (pre-norm softmax
+            transformer blocks, SASRec-style); both use the same embeddings, heads, engine and cache.
         num_items: item vocabulary size; item ids are ``0 .. num_items - 1``.
         num_actions: action vocabulary size (e.g. a bitmask of engagement signals); ids
             ``0 .. num_actions - 1``. Candidates use an extra learned "candidate" action.
@@ -56,6 +59,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         seed: seed of the random initialisation (used when no weights file is given).
     """
 
+    architecture: Architecture = "hstu"
     num_items: int = 1000
     num_actions: int = 16
     d_model: int = 64
@@ -85,6 +89,11 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return self.scaling_seqlen if self.scaling_seqlen is not None else self.max_history_len
 
     @property
+    def attention_kind(self) -> str:
+        """The attention-backend kind the layers need: ``"hstu"`` or ``"softmax"``."""
+        return "hstu" if self.architecture == "hstu" else "softmax"
+
+    @property
     def alpha(self) -> float:
         return self.attn_alpha if self.attn_alpha is not None else self.head_dim**-0.5
 
@@ -102,7 +111,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         scheduler: batch size and token budget per step.
         device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"`` (CUDA when available).
         attention_backend: a registered backend name, or ``"auto"`` for the fastest usable one.
-        weights_path: a safetensors file written by ``HSTUModel.save``; ``None`` initialises randomly
+        weights_path: a safetensors file written by ``GRModel.save``; ``None`` initialises randomly
             from ``model.seed``.
         sync_phases: synchronise the device after each phase of a step so that per-phase times include
             the device work they queued (for latency breakdowns; it serialises the pipeline).

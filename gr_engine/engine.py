@@ -23,7 +23,7 @@ from scheduler import RequestState, ScheduledChunk, Scheduler
 from .config import EngineConfig
 from .metrics import EngineStats, StepMetrics
 from .model_runner import ChunkResult, ModelRunner, RequestPayload
-from .models import HSTUModel
+from .models import GRModel
 from .outputs import GenerateOutput, RankOutput, StepTimings
 from .request import GenerateParams, GenerateRequest, RankRequest
 from .validation import RequestError, validate_request
@@ -53,18 +53,18 @@ class GREngine:
         backends: where attention backends are looked up (default: built-ins plus entry points).
     """
 
-    def __init__(self, config: EngineConfig, *, model: HSTUModel | None = None,
+    def __init__(self, config: EngineConfig, *, model: GRModel | None = None,
                  backends: BackendRegistry | None = None) -> None:
         self.config = config
         mc = config.model
         self.device = resolve_device(config.device)
         if model is None:
-            model = HSTUModel(mc)
+            model = GRModel(mc)
             if config.weights_path is not None:
                 model.load(config.weights_path)
         self.model = model.to(device=self.device, dtype=mc.torch_dtype).eval()
         spec = AttentionSpec(
-            kind="hstu", num_heads=mc.num_heads, head_dim=mc.head_dim, page_size=config.cache.page_size,
+            kind=mc.attention_kind, num_heads=mc.num_heads, head_dim=mc.head_dim, page_size=config.cache.page_size,
             dtype=mc.torch_dtype, device_type=self.device.type, alpha=mc.alpha,
             scaling_seqlen=mc.normaliser,
         )

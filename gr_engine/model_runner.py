@@ -19,7 +19,7 @@ from attention_backends import AttentionBackend, PagedBatchMetadata
 from cache_engine import KVCacheManager
 from scheduler import ScheduledChunk
 
-from .models import HSTUModel
+from .models import GRModel
 from .request import GenerateParams
 from .validation import RequestArrays
 
@@ -79,9 +79,9 @@ def _to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str,
 
 
 class ModelRunner:
-    """Executes scheduled steps of :class:`HSTUModel` over the :class:`KVCacheManager`'s pages."""
+    """Executes scheduled steps of :class:`GRModel` over the :class:`KVCacheManager`'s pages."""
 
-    def __init__(self, model: HSTUModel, backend: AttentionBackend, kv: KVCacheManager,
+    def __init__(self, model: GRModel, backend: AttentionBackend, kv: KVCacheManager,
                  device: torch.device) -> None:
         self.model = model
         self.backend = backend

@@ -157,3 +157,14 @@ def test_fp8_host_tier_drift_is_small():
     drift = max_diff(outputs, expected)
     served_from_host = [o for o in outputs if o.num_host_cached_tokens]
     assert served_from_host and 0 < drift < 0.25, drift
+
+
+def test_sasrec_model_equal_to_recompute_with_caching():
+    """The softmax (SASRec-style) model uses the same engine and cache: caching changes no score."""
+    config = tiny_config(max_num_seqs=4, architecture="sasrec", host_chunks=200)
+    requests = stream(config, num_users=16, visits=12, seed=8)
+    expected = GREngine(with_cache(config, mode="recompute")).rank(requests, use_tqdm=False)
+    for mode, pages in (("gpu_only", 160), ("hierarchical", 160)):
+        engine = GREngine(with_cache(config, mode=mode, num_gpu_pages=pages))
+        assert max_diff(engine.rank(requests, use_tqdm=False), expected) <= 1e-5
+        assert engine.stats.total_hit_ratio > 0.1 and engine.kv.stats.evicted_users > 0

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from gr_engine import GREngine, HSTUModel, RankRequest
+from gr_engine import GREngine, GRModel, RankRequest
 from gr_engine.config import ModelConfig
 from tests.conftest import tiny_config
 
 
-def _capture_kv(model: HSTUModel, items, actions, candidates):
+def _capture_kv(model: GRModel, items, actions, candidates):
     """Per-layer K/V of every token of a dense reference forward."""
     captured = []
     layers = model.layers
@@ -35,11 +35,11 @@ def _capture_kv(model: HSTUModel, items, actions, candidates):
     return captured
 
 
-@pytest.mark.parametrize("concat_ua", [False, True])
-def test_prefix_invariance(concat_ua):
+@pytest.mark.parametrize("architecture,concat_ua", [("hstu", False), ("hstu", True), ("sasrec", False)])
+def test_prefix_invariance(architecture, concat_ua):
     """A history token's K/V at every layer is unchanged when later events or candidates are added."""
-    model = HSTUModel(ModelConfig(num_items=50, num_actions=4, d_model=16, num_heads=2, head_dim=8,
-                                  max_history_len=64, concat_ua=concat_ua))
+    model = GRModel(ModelConfig(architecture=architecture, num_items=50, num_actions=4, d_model=16, num_heads=2,
+                                head_dim=8, max_history_len=64, concat_ua=concat_ua))
     rng = np.random.default_rng(0)
     items, actions = rng.integers(0, 50, 40).tolist(), rng.integers(0, 4, 40).tolist()
     short = _capture_kv(model, items[:25], actions[:25], [])
@@ -59,8 +59,10 @@ def _request(rng, rid, user, n, c):
                        candidate_item_ids=rng.integers(0, 200, c).tolist())
 
 
-def test_engine_recompute_matches_dense_oracle():
-    engine = GREngine(tiny_config(mode="recompute", max_num_batched_tokens=40))  # forces chunked prefill
+@pytest.mark.parametrize("architecture", ["hstu", "sasrec"])
+def test_engine_recompute_matches_dense_oracle(architecture):
+    engine = GREngine(tiny_config(mode="recompute", max_num_batched_tokens=40,  # forces chunked prefill
+                                  architecture=architecture))
     rng = np.random.default_rng(1)
     requests = [_request(rng, f"r{i}", i, n, c) for i, (n, c) in enumerate([(0, 3), (1, 1), (37, 12), (100, 5)])]
     outputs = engine.rank(requests, use_tqdm=False)
@@ -90,10 +92,10 @@ def test_batch_invariance(mode):
 
 def test_save_load_roundtrip(tmp_path):
     config = tiny_config().model
-    model = HSTUModel(config)
+    model = GRModel(config)
     path = tmp_path / "w.safetensors"
     model.save(path)
-    other = HSTUModel(ModelConfig(**{**{f: getattr(config, f) for f in config.__struct_fields__}, "seed": 99}))
+    other = GRModel(ModelConfig(**{**{f: getattr(config, f) for f in config.__struct_fields__}, "seed": 99}))
     assert not torch.equal(other.item_embedding.weight, model.item_embedding.weight)
     other.load(path)
     for (name, a), (_, b) in zip(model.state_dict().items(), other.state_dict().items()):
@@ -102,16 +104,16 @@ def test_save_load_roundtrip(tmp_path):
 
 def test_load_rejects_mismatched_weights(tmp_path):
     path = tmp_path / "w.safetensors"
-    HSTUModel(tiny_config().model).save(path)
+    GRModel(tiny_config().model).save(path)
     bigger = ModelConfig(num_items=300, num_actions=8, d_model=16, num_heads=2, head_dim=8, max_history_len=256)
     with pytest.raises(ValueError, match="wrong shape"):
-        HSTUModel(bigger).load(path)
+        GRModel(bigger).load(path)
 
 
 def test_engine_loads_weights_from_config(tmp_path):
     path = tmp_path / "w.safetensors"
     config = tiny_config()
-    trained = HSTUModel(ModelConfig(**{**{f: getattr(config.model, f) for f in config.model.__struct_fields__},
+    trained = GRModel(ModelConfig(**{**{f: getattr(config.model, f) for f in config.model.__struct_fields__},
                                        "seed": 5}))
     trained.save(path)
     import msgspec

@@ -1,5 +1,6 @@
 """Models served by the engine."""
 
-from .hstu import AttendFn, HSTULayer, HSTUModel
+from .layers import AttendFn, HSTULayer, SASRecLayer
+from .model import GRModel
 
-__all__ = ["AttendFn", "HSTULayer", "HSTUModel"]
+__all__ = ["AttendFn", "GRModel", "HSTULayer", "SASRecLayer"]

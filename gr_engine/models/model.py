@@ -1,20 +1,23 @@
-"""The cache-consistent HSTU ranking model (DESIGN.md section 4).
+"""The engine's ranking model: embeddings, HSTU (or SASRec-style) layers, ranking and retrieval heads.
+
+DESIGN.md section 4.
 
 Cache consistency: a history token's input is ``item_emb + action_emb + pos_emb[i]`` with ``i`` its
 forward position, and history attends causally only to history, so its K/V at every layer depend only
-on the tokens before it (prefix invariance). The attention normaliser is the configured
-``scaling_seqlen``, so a request's scores do not depend on its batch-mates (batch invariance).
+on the tokens before it (prefix invariance). HSTU's attention normaliser is the configured
+``scaling_seqlen`` (softmax normalises per row), so a request's scores do not depend on its batch-mates
+(batch invariance).
 Candidates sit at position ``n`` (the history length) with a learned "candidate" action; each attends
 to the whole history and itself only.
 
 The model never sees the KV storage: each layer gets an ``attend(q, k, v)`` callable from the model
-runner (paged, through an attention backend) or from :meth:`HSTUModel.forward_reference` (dense).
+runner (paged, through an attention backend) or from :meth:`GRModel.forward_reference` (dense).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -23,38 +26,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..config import ModelConfig
-
-AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""``attend(q, k, v) -> out``: all ``[T, H, D]``."""
+from .layers import AttendFn, HSTULayer, SASRecLayer
 
 
-class HSTULayer(nn.Module):
-    """``u,v,q,k = silu(Linear(LN(x)))``; ``x + Linear(u * LN(attn(q, k, v)))``."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.num_heads, self.head_dim = config.num_heads, config.head_dim
-        width = config.num_heads * config.head_dim
-        self.concat_ua = config.concat_ua
-        self.input_norm = nn.LayerNorm(config.d_model, eps=1e-6)
-        self.uvqk = nn.Linear(config.d_model, 4 * width)
-        self.attn_norm = nn.LayerNorm(width, eps=1e-6)
-        self.output = nn.Linear(3 * width if config.concat_ua else width, config.d_model)
-
-    def forward(self, x: torch.Tensor, attend: AttendFn) -> torch.Tensor:
-        """Args: ``x`` ``[T, d_model]``. Returns ``[T, d_model]``."""
-        rows = x.shape[0]
-        width = self.num_heads * self.head_dim
-        u, v, q, k = F.silu(self.uvqk(self.input_norm(x))).split(width, dim=-1)
-        shape = (rows, self.num_heads, self.head_dim)
-        attn = attend(q.reshape(shape), k.reshape(shape), v.reshape(shape)).reshape(rows, width)
-        normed = self.attn_norm(attn)
-        y = torch.cat([u, attn, u * normed], dim=-1) if self.concat_ua else u * normed
-        return x + self.output(y)
-
-
-class HSTUModel(nn.Module):
-    """Embeddings, ``num_layers`` HSTU layers, a multi-task ranking head and a retrieval head."""
+class GRModel(nn.Module):
+    """Embeddings, ``num_layers`` layers (``config.architecture``), a multi-task ranking head and a
+    retrieval head."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -63,7 +40,8 @@ class HSTUModel(nn.Module):
         self.item_embedding = nn.Embedding(config.num_items, d)
         self.action_embedding = nn.Embedding(config.num_actions + 1, d)  # last row: candidates
         self.position_embedding = nn.Embedding(config.max_history_len + 1, d)
-        self.layers = nn.ModuleList(HSTULayer(config) for _ in range(config.num_layers))
+        layer = HSTULayer if config.architecture == "hstu" else SASRecLayer
+        self.layers = nn.ModuleList(layer(config) for _ in range(config.num_layers))
         self.final_norm = nn.LayerNorm(d, eps=1e-6)
         self.ranking_head = nn.Sequential(
             nn.Linear(d, config.ranking_hidden), nn.SiLU(), nn.Linear(config.ranking_hidden, config.num_tasks)
@@ -133,9 +111,14 @@ class HSTUModel(nn.Module):
         mask = (history_key & (idx[None, :] <= idx[:, None])) | (idx[None, :] == idx[:, None])
         alpha, inv_n = self.config.alpha, 1.0 / self.config.normaliser
 
+        softmax = self.config.attention_kind == "softmax"
+
         def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             logits = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * alpha
-            weights = torch.where(mask, F.silu(logits), 0.0) * inv_n
+            if softmax:
+                weights = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+            else:
+                weights = torch.where(mask, F.silu(logits), 0.0) * inv_n
             return torch.einsum("hqk,khd->qhd", weights, v.float()).to(q.dtype)
 
         states = self.encode(self.embed(items, actions, positions), [dense] * len(self.layers))

@@ -1,0 +1,71 @@
+"""Transformer layers of the engine's models; each gets its attention as an ``attend(q, k, v)`` callable.
+
+- :class:`HSTULayer` (DESIGN.md section 4): ``u,v,q,k = silu(Linear(LN(x)))``, SiLU attention with a fixed
+  normaliser, ``x + Linear(u * LN(attn))``.
+- :class:`SASRecLayer`: a pre-norm softmax transformer block (SASRec-style sequential recommenders), for
+  comparison with classic softmax attention under the same engine and cache.
+
+Both are cache-consistent: a history token's K/V depend only on the tokens before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+
+AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``attend(q, k, v) -> out``: all ``[T, H, D]``."""
+
+
+class HSTULayer(nn.Module):
+    """``u,v,q,k = silu(Linear(LN(x)))``; ``x + Linear(u * LN(attn(q, k, v)))``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = config.num_heads, config.head_dim
+        width = config.num_heads * config.head_dim
+        self.concat_ua = config.concat_ua
+        self.input_norm = nn.LayerNorm(config.d_model, eps=1e-6)
+        self.uvqk = nn.Linear(config.d_model, 4 * width)
+        self.attn_norm = nn.LayerNorm(width, eps=1e-6)
+        self.output = nn.Linear(3 * width if config.concat_ua else width, config.d_model)
+
+    def forward(self, x: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+        """Args: ``x`` ``[T, d_model]``. Returns ``[T, d_model]``."""
+        rows = x.shape[0]
+        width = self.num_heads * self.head_dim
+        u, v, q, k = F.silu(self.uvqk(self.input_norm(x))).split(width, dim=-1)
+        shape = (rows, self.num_heads, self.head_dim)
+        attn = attend(q.reshape(shape), k.reshape(shape), v.reshape(shape)).reshape(rows, width)
+        normed = self.attn_norm(attn)
+        y = torch.cat([u, attn, u * normed], dim=-1) if self.concat_ua else u * normed
+        return x + self.output(y)
+
+
+class SASRecLayer(nn.Module):
+    """``x + Proj(attn(LN(x)))`` then ``x + FFN(LN(x))``, softmax attention (kind ``"softmax"``)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = config.num_heads, config.head_dim
+        width = config.num_heads * config.head_dim
+        self.attn_norm = nn.LayerNorm(config.d_model, eps=1e-6)
+        self.qkv = nn.Linear(config.d_model, 3 * width)
+        self.proj = nn.Linear(width, config.d_model)
+        self.ffn_norm = nn.LayerNorm(config.d_model, eps=1e-6)
+        self.ffn = nn.Sequential(nn.Linear(config.d_model, 4 * config.d_model), nn.GELU(),
+                                 nn.Linear(4 * config.d_model, config.d_model))
+
+    def forward(self, x: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+        """Args: ``x`` ``[T, d_model]``. Returns ``[T, d_model]``."""
+        rows = x.shape[0]
+        width = self.num_heads * self.head_dim
+        q, k, v = self.qkv(self.attn_norm(x)).split(width, dim=-1)
+        shape = (rows, self.num_heads, self.head_dim)
+        x = x + self.proj(attend(q.reshape(shape), k.reshape(shape), v.reshape(shape)).reshape(rows, width))
+        return x + self.ffn(self.ffn_norm(x))

@@ -171,9 +171,12 @@ class GREngine:
         transferred = (self.kv.stats.onloaded_bytes, self.kv.stats.offloaded_bytes)
         try:
             results = self._execute(chunks, phases, plan.prepare_s + poll_s)
-        except Exception as exc:  # never crash the caller: this step's requests fail, others go on
+        except Exception as exc:  # never crash the caller: retry batch-mates alone, fail the culprit
             logger.exception("engine step failed")
             for chunk in chunks:
+                if len(chunks) > 1 and not chunk.request.solo:
+                    self.scheduler.retry_alone(chunk.request)
+                    continue
                 self.scheduler.abort(chunk.request)
                 done.append((chunk.request, self._output(chunk.request, None,
                                                          error=f"engine step failed: {exc!r}")))

@@ -33,6 +33,7 @@ class RequestState:
         num_host_hits: history tokens loaded from host chunks (set at admission).
         num_done: history tokens whose K/V are in the user's pages.
         timings: seconds spent per engine phase on this request's steps.
+        solo: run alone in its steps (it is being retried after a step failed).
     """
 
     seq_id: int
@@ -47,6 +48,7 @@ class RequestState:
     num_host_hits: int = 0
     num_done: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    solo: bool = False
 
     @property
     def num_reused(self) -> int:

@@ -74,6 +74,8 @@ class Scheduler:
         while self._ready and len(chunks) < self.config.max_num_seqs and budget > 0:
             _, user_id = self._ready[0]
             request = self._queues[user_id][0]
+            if any(r.solo for r in self.running) or (request.solo and self.running):
+                break  # a request being retried alone runs alone
             t0 = time.perf_counter()
             hit = self.kv.acquire(user_id, request.token_hashes, request.reuse_limit)
             prepare_s += time.perf_counter() - t0
@@ -115,6 +117,18 @@ class Scheduler:
         """Drop a running request (its step failed); the user's next request may proceed."""
         request.status = RequestStatus.FAILED
         self._retire(request)
+
+    def retry_alone(self, request: RequestState) -> None:
+        """Put a running request back at the head of its user's queue, to run alone in a step: a step
+        that failed is retried request by request, so only the request that causes the failure fails.
+        History tokens it already committed stay cached and are reused."""
+        self.running.remove(request)
+        self.kv.release(request.user_id)
+        request.status = RequestStatus.WAITING
+        request.solo = True
+        request.num_gpu_hits = request.num_host_hits = request.num_done = 0
+        self._queues.setdefault(request.user_id, deque()).appendleft(request)  # the user was not ready
+        heapq.heappush(self._ready, (request.seq_id, request.user_id))
 
     # ------------------------------------------------------------------ internals
     def _next_chunk(self, request: RequestState, budget: int) -> ScheduledChunk | None:

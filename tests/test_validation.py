@@ -111,3 +111,29 @@ def test_numpy_arrays_are_accepted():
     [expected] = engine.rank([good(request_id="again", user_id=2, timestamps=[1, 2, 3])], use_tqdm=False)
     assert output.error is None
     np.testing.assert_allclose(output.scores, expected.scores, atol=1e-6)
+
+
+def test_failing_step_is_retried_alone_so_only_the_culprit_fails(monkeypatch):
+    """A request that makes a step fail (here: an injected error) fails alone; its batch-mates, retried
+    one by one, get the same scores as when served normally."""
+    rng = np.random.default_rng(5)
+    requests = [good(request_id=f"r{i}", user_id=f"u{i}", item_ids=rng.integers(0, 200, 30).tolist(),
+                     action_ids=rng.integers(0, 8, 30).tolist(), timestamps=list(range(30)))
+                for i in range(6)]
+    expected = GREngine(tiny_config()).rank(requests, use_tqdm=False)
+    engine = GREngine(tiny_config(max_num_seqs=8, max_num_batched_tokens=400))
+    strip = engine.runner.strip
+
+    def failing_strip(chunks):
+        if any(c.request.user_id == "u3" for c in chunks):
+            raise RuntimeError("injected failure")
+        return strip(chunks)
+
+    monkeypatch.setattr(engine.runner, "strip", failing_strip)
+    outputs = engine.rank(requests, use_tqdm=False)
+    assert "injected failure" in outputs[3].error
+    for i in (0, 1, 2, 4, 5):
+        assert outputs[i].error is None
+        np.testing.assert_allclose(outputs[i].scores, expected[i].scores, atol=1e-6)
+    assert not engine.has_unfinished_requests()
+    engine.kv.check_invariants()

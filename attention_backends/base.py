@@ -102,6 +102,9 @@ class PagedBatchMetadata:
         max_query_len: largest per-request row count (host int).
         max_kv_len: largest ``kv_seq_lens`` entry (host int).
         max_pages: largest per-request page count (host int).
+        host: the index tensors' host copies (int numpy, same shapes and values) keyed by field name
+            (``"query_start_loc"``, ``"kv_seq_lens"``, ...), or ``None``; :meth:`from_layout` sets it so that a
+            backend can plan a step on the host without reading the device. Read-only.
     """
 
     query_start_loc: torch.Tensor
@@ -121,6 +124,7 @@ class PagedBatchMetadata:
     max_kv_len: int
     max_pages: int
     extras: dict[str, Any] = field(default_factory=dict)
+    host: dict[str, np.ndarray] | None = None
 
     @property
     def num_requests(self) -> int:
@@ -172,7 +176,7 @@ class PagedBatchMetadata:
         flat = torch.from_numpy(np.concatenate(list(arrays.values())).astype(np.int32)).to(device)
         tensors = dict(zip(arrays, torch.split(flat, sizes), strict=True))
         return cls(**tensors, page_size=page_size, max_query_len=int(rows.max(initial=0)),
-                   max_kv_len=int(seq_lens.max(initial=0)), max_pages=int(pages.max(initial=0)))
+                   max_kv_len=int(seq_lens.max(initial=0)), max_pages=int(pages.max(initial=0)), host=arrays)
 
 
 def _segments(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

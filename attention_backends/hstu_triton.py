@@ -6,9 +6,9 @@ history, ``BLOCK_N`` keys (whole pages: key ``j`` of request ``b`` is entry ``j 
 seen by every row run unmasked; only those crossing the causal diagonal or the history's end are
 masked, and none past the tile's last visible key is visited. Candidates add their own k/v last.
 
-:func:`build_tile_map` (tensor ops, no device sync) cuts the step into (query tile, key-range part)
-items, choosing the cut with a small cost model so that few queries over long histories and one long
-request among short ones both fill the GPU, and orders them longest-first; a persistent grid (one
+:func:`plan_tile_map` (numpy on the host, uploaded in one copy) cuts the step into (query tile, key-range
+part) items, choosing the cut with a small cost model so that few queries over long histories and one
+long request among short ones both fill the GPU, and orders them longest-first; a persistent grid (one
 program per processor) walks them in snake order. Split tiles write fp32 partials that a second
 kernel sums in part order: HSTU has no softmax, so partials simply add, deterministically.
 
@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from .base import AttentionBackend, AttentionSpec, BackendSupport, PagedBatchMetadata
@@ -33,17 +34,13 @@ try:
     import triton.language as tl
 except ImportError:  # the backend then reports itself unusable (reasons_unsupported)
     triton = tl = None
+_jit: Callable[[Callable], Callable] = (lambda fn: fn) if triton is None else triton.jit  # no Triton: never called
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # what triton.jit sees when the kernels below are defined
 
 # Split-KV: at most MAX_SPLITS parts per tile, MAX_PROGRAMS_PER_SM (item, head) pairs per processor (this
 # sizes the partial buffer), parts of at least MIN_TILES_PER_SPLIT key tiles; each program costs as much
 # time as SPLIT_OVERHEAD_KEYS keys (prologue, partial write and read; measured on an H200).
 MAX_SPLITS, MAX_PROGRAMS_PER_SM, MIN_TILES_PER_SPLIT, SPLIT_OVERHEAD_KEYS = 32, 4, 4, 640
-
-
-def _jit(fn: Callable) -> Callable:
-    """``triton.jit`` when Triton is installed; otherwise the plain function (never called)."""
-    return fn if triton is None else triton.jit(fn)
 
 
 @dataclass(frozen=True)
@@ -57,15 +54,21 @@ class TileConfig:
     num_stages: int
 
 
-def default_tile_config(spec: AttentionSpec) -> TileConfig:
-    """Launch shape for ``spec`` (tuned on an H200; any valid shape is correct)."""
+def default_tile_config(spec: AttentionSpec, max_query_len: int | None = None) -> TileConfig:
+    """Launch shape for ``spec`` (tuned on an H200; any valid shape is correct). For a step whose requests have
+    at most ``max_query_len <= 32`` rows each (a few new rows plus candidates over a long history, say), 16 or 32
+    query rows per tile: the same key tiles without most of the padded rows' math."""
     if spec.dtype == torch.float32:
         config = TileConfig(block_m=32 if spec.head_dim >= 256 else 64, block_n=32, num_warps=4, num_stages=1)
     elif spec.head_dim >= 256:
         config = TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
     else:
         config = TileConfig(block_m=128, block_n=128, num_warps=8 if spec.head_dim >= 128 else 4, num_stages=2)
-    return TileConfig(config.block_m, max(config.block_n, spec.page_size), config.num_warps, config.num_stages)
+    block_m, num_warps = config.block_m, config.num_warps
+    decode_m = None if max_query_len is None or max_query_len > 32 else 16 if max_query_len <= 16 else 32
+    if decode_m is not None and decode_m < block_m:  # a decode-like step
+        block_m, num_warps = decode_m, 4
+    return TileConfig(block_m, max(config.block_n, spec.page_size), num_warps, config.num_stages)
 
 
 @dataclass
@@ -81,6 +84,7 @@ class HSTUTritonMetadata:
             slots) and which part of the tile's key range it covers.
         num_sms: programs that run at once: the persistent grid's size (host int).
         may_split: whether any tile can have several parts (host bool; else no partial buffer).
+        config: the launch shape the tiles were cut for.
     """
 
     common: PagedBatchMetadata
@@ -88,81 +92,68 @@ class HSTUTritonMetadata:
     items: torch.Tensor
     num_sms: int
     may_split: bool
+    config: TileConfig
 
 
-def build_tile_map(
-    common: PagedBatchMetadata, tiles: TileConfig, num_heads: int, num_sms: int,
-    overhead_keys: int = SPLIT_OVERHEAD_KEYS, min_tiles_per_split: int = MIN_TILES_PER_SPLIT,
-) -> HSTUTritonMetadata:
-    """Cut the step's rows into query tiles and their key ranges into work items, on ``common``'s device.
+def plan_tile_map(query_start_loc: np.ndarray, num_history_rows: np.ndarray, kv_seq_lens: np.ndarray,
+                  tiles: TileConfig, num_heads: int, num_sms: int, overhead_keys: int = SPLIT_OVERHEAD_KEYS,
+                  min_tiles_per_split: int = MIN_TILES_PER_SPLIT) -> tuple[np.ndarray, np.ndarray]:
+    """Cut the step's rows into query tiles and their key ranges into work items, in numpy on the host, from
+    host copies of the common metadata's ``query_start_loc [B + 1]``, ``num_history_rows [B]`` and
+    ``kv_seq_lens [B]``. Returns ``tiles`` int32 ``[5, num_tiles]`` and ``items`` int32 ``[2, num_items]``.
 
-    Tensor ops only (no loop over requests, rows or pages; no device sync). For ``s = 1..MAX_SPLITS``
-    parts of the longest tile, every tile is cut into equal parts of at most as many keys; the ``s``
-    with the least estimated time (list-scheduling lower bounds on ``num_sms`` processors plus
-    ``overhead_keys`` per program) and at most ``max(num_tiles, MAX_PROGRAMS_PER_SM * num_sms /
-    num_heads)`` items (the host-side size of the work list) wins.
+    For ``s = 1..MAX_SPLITS`` parts of the longest tile, every tile is cut into equal parts of at most as
+    many keys; the ``s`` with the least estimated time (list-scheduling lower bounds on ``num_sms``
+    processors plus ``overhead_keys`` per program, in float32) and at most ``max(num_tiles,
+    MAX_PROGRAMS_PER_SM * num_sms / num_heads)`` items wins (ties: fewest parts).
     """
-    device = common.query_start_loc.device
-    block_m, block_n = tiles.block_m, tiles.block_n
-    num_requests = common.num_requests
-    num_rows = len(common.history_rows) + len(common.candidate_rows)
-    num_tiles = min((num_rows + num_requests * (block_m - 1)) // block_m,  # both bound sum_b ceil(rows_b / block_m)
-                    num_requests * -(-common.max_query_len // block_m))
+    qsl, hist, seq_lens = (np.asarray(a, dtype=np.int64) for a in (query_start_loc, num_history_rows, kv_seq_lens))
+    block_m, block_n, num_requests = tiles.block_m, tiles.block_n, len(seq_lens)
+    rows = qsl[1:] - qsl[:-1]
+    num_tiles = min((int(qsl[-1]) + num_requests * (block_m - 1)) // block_m,  # both bound sum_b ceil(rows_b / block_m)
+                    num_requests * -(-int(rows.max(initial=0)) // block_m))  # spare slots (req -1) follow
     num_items = max(num_tiles, -(-MAX_PROGRAMS_PER_SM * num_sms // num_heads))
     if num_tiles == 0:
-        return HSTUTritonMetadata(common, *torch.zeros(2, 5, 0, dtype=torch.int32, device=device), num_sms, False)
-
-    starts = common.query_start_loc.long()
-    rows = starts[1:] - starts[:-1]
-    tiles_per_request = (rows + block_m - 1) // block_m
-    tile_end = torch.cumsum(tiles_per_request, 0)
-    tile = torch.arange(num_tiles, device=device)
-    req = torch.searchsorted(tile_end, tile, right=True)
-    in_use = req < num_requests
-    req = req.clamp(max=num_requests - 1)
+        return np.zeros((5, 0), np.int32), np.zeros((2, 0), np.int32)
+    tiles_per_request = -(-rows // block_m)
+    tile_end, tile = np.cumsum(tiles_per_request), np.arange(num_tiles)
+    in_use = tile < tile_end[-1]
+    req = np.minimum(np.searchsorted(tile_end, tile, side="right"), num_requests - 1)
     first = (tile - (tile_end - tiles_per_request)[req]) * block_m
-    seq_len = common.kv_seq_lens.long()[req]
-    last_limit = seq_len - common.num_history_rows.long()[req] + torch.minimum(first + block_m, rows[req])
-    work = torch.where(in_use, torch.minimum(last_limit, seq_len), 0)  # keys the tile visits
-    blocks = (work + block_n - 1) // block_n  # key tiles it visits
+    last_limit = seq_lens[req] - hist[req] + np.minimum(first + block_m, rows[req])
+    blocks = -(-np.where(in_use, np.minimum(last_limit, seq_lens[req]), 0) // block_n)  # key tiles it visits
 
-    # Candidate plans s = 1..MAX_SPLITS parts of the longest tile, in key tiles: parts per tile, key tiles
-    # per part, and the sorted lengths of all their items [MAX_SPLITS, num_tiles * MAX_SPLITS].
-    longest = torch.arange(1, MAX_SPLITS + 1, device=device)[:, None]
-    max_part = ((blocks.max() + longest - 1) // longest).clamp(min=min_tiles_per_split)
-    parts = torch.where(in_use, ((blocks + max_part - 1) // max_part).clamp(min=1), 0)
-    nonzero_parts = parts.clamp(min=1)
-    part_len = (blocks + nonzero_parts - 1) // nonzero_parts  # so no part is empty
-    part_index = torch.arange(MAX_SPLITS, device=device)
-    lengths = torch.minimum((blocks[:, None] - part_index * part_len[..., None]).clamp(min=0), part_len[..., None])
-    lengths = lengths.flatten(1).sort(dim=1, descending=True).values
-    # Lower bounds of the list-scheduling time of `programs` programs on num_sms processors: total work,
-    # the waves of near-longest programs, two programs on one processor; plus the per-program overhead.
+    # Plans s = 1..MAX_SPLITS parts of the longest tile: parts per tile, key tiles per part [MAX_SPLITS, num_tiles].
+    # Those within the item budget (s = 1 always is; of equal ones the first) are costed from their items' lengths
+    # [plans, num_tiles * (most parts + 1)] (more zero padding changes nothing) by lower bounds of the list-scheduling
+    # time on num_sms processors (total work, waves of near-longest programs, two on one processor) plus overheads.
+    max_part = np.maximum(-(-blocks.max() // np.arange(1, MAX_SPLITS + 1)[:, None]), min_tiles_per_split)
+    parts = np.where(in_use, np.maximum(-(-blocks // max_part), 1), 0)
+    part_len = -(-blocks // np.maximum(parts, 1))  # so no part is empty
     items = parts.sum(1)
-    longest_part = lengths[:, 0]
-    near_longest = (4 * lengths >= 3 * longest_part[:, None]).sum(1) * num_heads
-    last = lengths.shape[1] - 1
-    pair = lengths[:, min((num_sms - 1) // num_heads, last)] + lengths[:, min(num_sms // num_heads, last)]
-    waves = (near_longest + num_sms - 1) // num_sms
-    bound = torch.maximum(torch.maximum(waves * longest_part, pair), blocks.sum() * num_heads / num_sms)
-    cost = bound + overhead_keys / block_n * num_heads / num_sms * items
-    best = torch.argmin(torch.where(items <= num_items, cost, float("inf")))[None]  # ties: fewest parts
-    splits, part_len = parts[best][0], part_len[best][0]  # tensor indexing: no device sync
+    ok = np.flatnonzero((items <= num_items) & (np.diff(max_part[:, 0], prepend=-1) != 0))
+    plan_len, columns = part_len[ok][..., None], np.arange(min(parts[ok].max() + 1, MAX_SPLITS))
+    lengths = np.minimum(np.maximum(blocks[:, None] - columns * plan_len, 0), plan_len)
+    lengths = lengths.reshape(len(ok), -1)
+    longest_part = lengths.max(1)
+    waves = -(-(4 * lengths >= 3 * longest_part[:, None]).sum(1) * num_heads // num_sms)
+    ranks = [min(r, lengths.shape[1] - 1) for r in ((num_sms - 1) // num_heads, num_sms // num_heads)]
+    ranked = -np.partition(-lengths, sorted(set(ranks)), axis=1)  # ranked[:, r]: the r-th longest
+    bound = np.maximum(waves * longest_part, ranked[:, ranks[0]] + ranked[:, ranks[1]]).astype(np.float32)
+    bound = np.maximum(bound, np.float32(blocks.sum() * num_heads) / np.float32(num_sms))
+    cost = bound + np.float32(overhead_keys / block_n * num_heads / num_sms) * items[ok].astype(np.float32)
+    best = ok[np.argmin(cost)]
+    splits, part_len = parts[best], part_len[best]
 
-    item_end = torch.cumsum(splits, 0)
-    first_item = item_end - splits
-    item = torch.arange(num_items, device=device)
-    item_tile = torch.searchsorted(item_end, item, right=True)
-    item_in_use = item_tile < num_tiles
-    item_tile = item_tile.clamp(max=num_tiles - 1)
+    item_end, item = np.cumsum(splits), np.arange(num_items)
+    first_item, item_in_use = item_end - splits, item < item_end[-1]
+    item_tile = np.minimum(np.searchsorted(item_end, item, side="right"), num_tiles - 1)
     item_split = item - first_item[item_tile]
-    # Longest items first; +1 so that self-only candidate tiles still sort before spare slots.
-    item_len = torch.minimum(blocks[item_tile] - item_split * part_len[item_tile], part_len[item_tile])
-    order = torch.argsort(torch.where(item_in_use, item_len + 1, -1), descending=True, stable=True)
-    tile_arrays = torch.stack([torch.where(in_use, req, -1), first, splits, first_item, part_len * block_n])
-    item_arrays = torch.stack([torch.where(item_in_use, item_tile, -1), item_split])[:, order]
-    return HSTUTritonMetadata(common, tile_arrays.to(torch.int32), item_arrays.to(torch.int32), num_sms,
-                              common.max_kv_len > min_tiles_per_split * block_n)
+    # Longest items first; self-only candidate tiles (length 0) still sort before spare slots.
+    item_len = np.minimum(blocks[item_tile] - item_split * part_len[item_tile], part_len[item_tile])
+    order = np.argsort(np.where(item_in_use, -1 - item_len, 1), kind="stable")
+    tile_arrays = np.array([np.where(in_use, req, -1), first, splits, first_item, part_len * block_n], np.int32)
+    return tile_arrays, np.array([np.where(item_in_use, item_tile, -1)[order], item_split[order]], np.int32)
 
 
 @_jit
@@ -311,24 +302,23 @@ class HSTUTritonBackend(AttentionBackend):
 
     Args:
         spec: what the model asks of attention.
-        tiles: launch shape; :func:`default_tile_config` when ``None``.
+        tiles: launch shape of every step; ``None``: :func:`default_tile_config` of each step's longest request.
     """
 
     name: ClassVar[str] = "hstu_triton"
     support: ClassVar[BackendSupport] = BackendSupport(
-        devices=frozenset({"cuda", "cpu"}),
-        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-        kinds=frozenset({"hstu"}),
-        head_dims=frozenset({16, 32, 64, 128, 256}),
-        page_sizes=frozenset({16, 32, 64}),
-    )
+        devices=frozenset({"cuda", "cpu"}), dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        kinds=frozenset({"hstu"}), head_dims=frozenset({16, 32, 64, 128, 256}), page_sizes=frozenset({16, 32, 64}))
     priority: ClassVar[int] = 10
 
     def __init__(self, spec: AttentionSpec, tiles: TileConfig | None = None) -> None:
         super().__init__(spec)
-        self.tiles = default_tile_config(spec) if tiles is None else tiles
+        self.tiles, self.fixed_tiles = (default_tile_config(spec), False) if tiles is None else (tiles, True)
         if self.tiles.block_n % spec.page_size:
             raise ValueError(f"block_n {self.tiles.block_n} is not a multiple of page_size {spec.page_size}")
+        self.overhead_keys, self.min_tiles_per_split = SPLIT_OVERHEAD_KEYS, MIN_TILES_PER_SPLIT  # split-KV knobs
+        cuda = spec.device_type == "cuda"  # processors planned for; on CPU (the interpreter, for tests) a nominal 4
+        self.num_sms = torch.cuda.get_device_properties("cuda").multi_processor_count if cuda else 4
 
     @classmethod
     def reasons_unsupported(cls, spec: AttentionSpec) -> list[str]:
@@ -340,9 +330,20 @@ class HSTUTritonBackend(AttentionBackend):
         return reasons
 
     def build_metadata(self, common: PagedBatchMetadata) -> HSTUTritonMetadata:
-        device = common.query_start_loc.device  # on CPU (the interpreter, for tests) a nominal 4 processors
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-        return build_tile_map(common, self.tiles, self.spec.num_heads, num_sms)
+        """Plan the step on the host from ``common.host`` (:func:`plan_tile_map` with this backend's split-KV
+        knobs ``num_sms``, ``overhead_keys``, ``min_tiles_per_split``; without ``host``, a read from the device)
+        and upload the plan in one non-blocking copy; nothing else runs on the device."""
+        qsl, hist, seq_lens = (common.host[k] if common.host else getattr(common, k).cpu().numpy()
+                               for k in ("query_start_loc", "num_history_rows", "kv_seq_lens"))
+        config = self.tiles if self.fixed_tiles else default_tile_config(self.spec, common.max_query_len)
+        tiles, items = plan_tile_map(qsl, hist, seq_lens, config, self.spec.num_heads, self.num_sms,
+                                     self.overhead_keys, self.min_tiles_per_split)
+        # One copy from pinned memory, which torch's caching host allocator reuses once that copy is done (no wait).
+        flat = torch.empty(tiles.size + items.size, dtype=torch.int32, pin_memory=common.query_start_loc.is_cuda)
+        np.concatenate([tiles.ravel(), items.ravel()], out=flat.numpy())
+        flat = flat.to(common.query_start_loc.device, non_blocking=True)  # on CPU (the interpreter): no copy
+        return HSTUTritonMetadata(common, flat[: tiles.size].view(tiles.shape), flat[tiles.size:].view(items.shape),
+                                  self.num_sms, common.max_kv_len > self.min_tiles_per_split * config.block_n, config)
 
     def append_kv(
         self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: HSTUTritonMetadata
@@ -351,10 +352,8 @@ class HSTUTritonBackend(AttentionBackend):
         append_paged_kv_cache(key, value, c.append_batch_indices, c.append_positions, kv_cache, c.kv_indices,
                               c.kv_indptr, c.kv_last_page_len)
 
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-        metadata: HSTUTritonMetadata,
-    ) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               metadata: HSTUTritonMetadata) -> torch.Tensor:
         """HSTU attention of every row (after :meth:`append_kv` for this layer).
 
         Args:
@@ -373,7 +372,7 @@ class HSTUTritonBackend(AttentionBackend):
         if num_rows == 0 or num_items == 0:
             return out
         q, k, v, kv_cache = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, kv_cache))
-        block_m = self.tiles.block_m
+        config, block_m = m.config, m.config.block_m
         # Partials of split tiles, one [block_m, D] slab per (work item, head); unused without splits.
         shape = (num_items, num_heads, block_m, head_dim) if m.may_split else (1,)
         partial = torch.empty(shape, dtype=torch.float32, device=q.device)
@@ -386,10 +385,10 @@ class HSTUTritonBackend(AttentionBackend):
             *kv_cache.stride()[:4], out.stride(0), out.stride(1),
             num_tiles, num_items, num_heads, num_work, -(-num_work // num_programs),
             self.spec.alpha, 1.0 / self.spec.scaling_seqlen,
-            HEAD_DIM=head_dim, PAGE_SIZE=kv_cache.shape[2], BLOCK_M=block_m, BLOCK_N=self.tiles.block_n,
+            HEAD_DIM=head_dim, PAGE_SIZE=kv_cache.shape[2], BLOCK_M=block_m, BLOCK_N=config.block_n,
             FAST_SILU=q.dtype != torch.float32 and q.is_cuda and not INTERPRETED,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=self.tiles.num_warps, num_stages=self.tiles.num_stages,
+            num_warps=config.num_warps, num_stages=config.num_stages,
         )
         if m.may_split:
             _sum_partials_kernel[(num_heads * num_tiles, block_m // 16)](

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -26,7 +27,7 @@ from attention_backends.torch_ref import TorchRefBackend
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON:
     import attention_backends.hstu_triton as hstu_triton
-    from attention_backends.hstu_triton import HSTUTritonBackend, TileConfig, build_tile_map
+    from attention_backends.hstu_triton import HSTUTritonBackend, TileConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -55,11 +56,14 @@ def make_spec(page_size: int, heads: int, dim: int, dtype: torch.dtype, device: 
                          device_type=device, alpha=dim**-0.5, scaling_seqlen=64)
 
 
-def segments(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For segment lengths ``counts [B]``: each element's segment and its offset inside it (int64)."""
-    owner = torch.repeat_interleave(torch.arange(len(counts)), counts)
-    starts = torch.cumsum(counts, 0) - counts
-    return owner, torch.arange(len(owner)) - starts[owner]
+def make_common(layout: list[tuple[int, int, int]], page: int, gen: torch.Generator, spare_pages: int = 3,
+                device: str = DEVICE) -> PagedBatchMetadata:
+    """The common metadata of ``layout`` over shuffled pages of a pool of ``spare_pages`` more pages."""
+    cached, hist, cand = (np.array([x[i] for x in layout], dtype=np.int64) for i in range(3))
+    num_pages = -(-(cached + hist) // page)
+    indptr = np.concatenate([[0], np.cumsum(num_pages)])
+    indices = torch.randperm(int(indptr[-1]) + spare_pages, generator=gen)[: int(indptr[-1])].numpy()
+    return PagedBatchMetadata.from_layout(cached, hist, cand, indptr, indices, page, device)
 
 
 def make_batch(layout: list[tuple[int, int, int]], spec: AttentionSpec, gen: torch.Generator, spare_pages: int = 3,
@@ -67,47 +71,35 @@ def make_batch(layout: list[tuple[int, int, int]], spec: AttentionSpec, gen: tor
     """A paged batch: common metadata, fused-projection q/k/v views ``[T, H, D]`` and a cache whose
     history before this step is filled and whose every other slot is NaN, pages shuffled."""
     page, heads, dim, dtype = spec.page_size, spec.num_heads, spec.head_dim, spec.dtype
-    cached = torch.tensor([c for c, _, _ in layout])
-    hist = torch.tensor([h for _, h, _ in layout])
-    cand = torch.tensor([c for _, _, c in layout])
-    seq_lens = cached + hist
-    num_pages = (seq_lens + page - 1) // page
-    indptr = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(num_pages, 0)])
-    pool = int(indptr[-1]) + spare_pages
-    indices = torch.randperm(pool, generator=gen)[: int(indptr[-1])]
-    last = torch.where(num_pages > 0, seq_lens - (num_pages - 1) * page, 0)
-    rows = hist + cand
-    qsl = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(rows, 0)])
-    hist_owner, hist_within = segments(hist)
-    cand_owner, cand_within = segments(cand)
-    i32 = {"dtype": torch.int32, "device": spec.device_type}
-    common = PagedBatchMetadata(
-        query_start_loc=qsl.to(**i32), num_history_rows=hist.to(**i32), num_candidate_rows=cand.to(**i32),
-        kv_indptr=indptr.to(**i32), kv_indices=indices.to(**i32), kv_last_page_len=last.to(**i32),
-        kv_seq_lens=seq_lens.to(**i32), append_batch_indices=hist_owner.to(**i32),
-        append_positions=(cached[hist_owner] + hist_within).to(**i32),
-        history_rows=(qsl[hist_owner] + hist_within).to(**i32),
-        candidate_rows=(qsl[cand_owner] + hist[cand_owner] + cand_within).to(**i32),
-        candidate_batch_indices=cand_owner.to(**i32), page_size=page,
-        max_query_len=int(rows.max()), max_kv_len=int(seq_lens.max()), max_pages=int(num_pages.max()),
-    )
-    total = int(qsl[-1])
+    common = make_common(layout, page, gen, spare_pages, spec.device_type)
+    indptr, indices = (torch.from_numpy(common.host[k]) for k in ("kv_indptr", "kv_indices"))
+    pool, total = int(indptr[-1]) + spare_pages, int(common.host["query_start_loc"][-1])
     qkv = torch.randn(total, 3, heads, dim, generator=gen).to(device=spec.device_type, dtype=dtype)
     shape = (pool, 2, heads, page, dim) if head_major_cache else (pool, 2, page, heads, dim)
     cache = torch.full(shape, float("nan"), dtype=dtype, device=spec.device_type)
     if head_major_cache:
         cache = cache.transpose(2, 3)  # NHD view of HND storage: exercises the stride handling
     # History cached before this step: position p of request b lives in page indices[indptr[b] + p // page].
-    owner, pos = segments(cached)
+    cached = torch.tensor([c for c, _, _ in layout])
+    owner = torch.repeat_interleave(torch.arange(len(cached)), cached)
+    pos = torch.arange(len(owner)) - (torch.cumsum(cached, 0) - cached)[owner]
     slot_page = indices[indptr[owner] + pos // page].to(spec.device_type)
     old = torch.randn(len(owner), 2, heads, dim, generator=gen).to(device=spec.device_type, dtype=dtype)
     cache[slot_page, :, (pos % page).to(spec.device_type)] = old
     return common, qkv[:, 0], qkv[:, 1], qkv[:, 2], cache
 
 
+def make_backend(spec: AttentionSpec, tiles: TileConfig | None = None, num_sms: int | None = None):
+    """The backend; ``num_sms`` overrides the processor count that split-KV plans for (more: more, shorter
+    parts), with no per-program overhead and parts of any length (so tiny batches split too)."""
+    backend = HSTUTritonBackend(spec, tiles=tiles)
+    if num_sms is not None:
+        backend.num_sms, backend.overhead_keys, backend.min_tiles_per_split = num_sms, 0, 1
+    return backend
+
+
 def run_both(layout, spec, gen, tiles=None, num_sms=None, head_major_cache=False):
-    """Append + attend with both backends; returns (hstu_triton output, torch_ref output, output scale).
-    ``num_sms`` overrides the processor count that split-KV plans for (more: more, shorter parts)."""
+    """Append + attend with both backends; returns (hstu_triton output, torch_ref output, output scale)."""
     common, q, k, v, cache = make_batch(layout, spec, gen, head_major_cache=head_major_cache)
     hist_rows = common.history_rows.long()
     ref, ref_cache = TorchRefBackend(spec), cache.clone()
@@ -116,10 +108,8 @@ def run_both(layout, spec, gen, tiles=None, num_sms=None, head_major_cache=False
     # NaN slots are never valid keys; the oracle multiplies its masked-out weights by them, so give it zeros.
     expected = ref.attend(q, k, v, torch.nan_to_num(ref_cache, nan=0.0), ref_meta)
 
-    backend = HSTUTritonBackend(spec, tiles=tiles)
+    backend = make_backend(spec, tiles, num_sms)
     meta = backend.build_metadata(common)
-    if num_sms is not None:
-        meta = build_tile_map(common, backend.tiles, spec.num_heads, num_sms, overhead_keys=0, min_tiles_per_split=1)
     backend.append_kv(cache, k[hist_rows], v[hist_rows], meta)
     assert torch.equal(cache.nan_to_num(0.0), ref_cache.nan_to_num(0.0))
     got = backend.attend(q, k, v, cache, meta)
@@ -182,8 +172,7 @@ def test_float16_on_interpreter():
 def test_default_tiles_and_page_size_64():
     gen = torch.Generator().manual_seed(11)
     spec = make_spec(64, 1, 16, torch.float32)
-    backend = HSTUTritonBackend(spec)
-    assert backend.tiles.block_n % 64 == 0
+    assert HSTUTritonBackend(spec).tiles.block_n % 64 == 0
     got, expected, scale = run_both([(70, 3, 2), (0, 0, 2), (64, 1, 1)], spec, gen)
     assert_close(got, expected, scale, 1e-5)
 
@@ -195,9 +184,9 @@ def test_tile_map_covers_every_row_and_key_range_once(seed, num_sms):
     gen = torch.Generator().manual_seed(seed)
     spec = make_spec(16, 2, 16, torch.float32)
     layout = EDGE_BATCH if seed == 0 else random_layout(gen, 6, 300, 100, 10)
-    common = make_batch(layout, spec, gen)[0]
+    common = make_common(layout, spec.page_size, gen, device="cpu")
     tiles = TileConfig(16, 16, 4, 1)
-    meta = build_tile_map(common, tiles, spec.num_heads, num_sms, overhead_keys=0, min_tiles_per_split=1)
+    meta = make_backend(spec, tiles, num_sms).build_metadata(common)
     qsl, seq_lens, hist = (x.long() for x in (common.query_start_loc, common.kv_seq_lens, common.num_history_rows))
     tile_request, tile_start, tile_splits, _, tile_part_len = meta.tiles.tolist()
     item_tile, item_split = meta.items.tolist()
@@ -225,11 +214,15 @@ def test_tile_map_covers_every_row_and_key_range_once(seed, num_sms):
         assert max(tile_splits) > 1
 
 
-class _NoDeviceSync(TorchDispatchMode):
-    """Fails on ops that synchronise a CUDA device with the host (reading a value, uploading host data)."""
+class _RecordOps(TorchDispatchMode):
+    """Records every torch op dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        assert func not in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default), func
+        self.ops.append(func)
         return func(*args, **(kwargs or {}))
 
 
@@ -238,13 +231,104 @@ class _NoDeviceSync(TorchDispatchMode):
 def test_no_device_sync_in_build_metadata_or_attend():
     spec = make_spec(16, 2, 16, torch.float32)
     common, q, k, v, cache = make_batch(EDGE_BATCH, spec, torch.Generator().manual_seed(5))
-    backend = HSTUTritonBackend(spec, tiles=TileConfig(16, 16, 4, 1))
-    cache = cache.nan_to_num(0.0)
-    with _NoDeviceSync():
+    backend, cache = HSTUTritonBackend(spec, tiles=TileConfig(16, 16, 4, 1)), cache.nan_to_num(0.0)
+    with _RecordOps() as record:  # ops that synchronise a CUDA device: reading a value, uploading host data
         backend.attend(q, k, v, cache, backend.build_metadata(common))
-        split = build_tile_map(common, backend.tiles, spec.num_heads, 64, overhead_keys=0, min_tiles_per_split=1)
+        split = make_backend(spec, backend.tiles, num_sms=64).build_metadata(common)
         backend.attend(q, k, v, cache, split)
+    assert not {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default} & set(record.ops)
     assert int(split.tiles[2].max()) > 1  # the split path ran too
+
+
+def torch_tile_map(common, tiles, num_heads, num_sms, overhead_keys, min_tiles_per_split, max_splits=32):
+    """The reference: hstu_triton's planning before it moved to the host (torch ops, then on the device)."""
+    block_m, block_n, num_requests = tiles.block_m, tiles.block_n, common.num_requests
+    num_tiles = min((len(common.history_rows) + len(common.candidate_rows) + num_requests * (block_m - 1)) // block_m,
+                    num_requests * -(-common.max_query_len // block_m))
+    num_items = max(num_tiles, -(-4 * num_sms // num_heads))
+    if num_tiles == 0:
+        return torch.zeros(5, 0, dtype=torch.int32), torch.zeros(2, 0, dtype=torch.int32)
+    rows = common.query_start_loc.long().diff()
+    tiles_per_request = (rows + block_m - 1) // block_m
+    tile_end, tile = torch.cumsum(tiles_per_request, 0), torch.arange(num_tiles)
+    req = torch.searchsorted(tile_end, tile, right=True)
+    in_use, req = req < num_requests, req.clamp(max=num_requests - 1)
+    first = (tile - (tile_end - tiles_per_request)[req]) * block_m
+    seq_len = common.kv_seq_lens.long()[req]
+    last_limit = seq_len - common.num_history_rows.long()[req] + torch.minimum(first + block_m, rows[req])
+    blocks = (torch.where(in_use, torch.minimum(last_limit, seq_len), 0) + block_n - 1) // block_n
+    longest = torch.arange(1, max_splits + 1)[:, None]
+    max_part = ((blocks.max() + longest - 1) // longest).clamp(min=min_tiles_per_split)
+    parts = torch.where(in_use, ((blocks + max_part - 1) // max_part).clamp(min=1), 0)
+    part_len = (blocks + parts.clamp(min=1) - 1) // parts.clamp(min=1)
+    lengths = torch.minimum((blocks[:, None] - torch.arange(max_splits) * part_len[..., None]).clamp(min=0),
+                            part_len[..., None]).flatten(1).sort(dim=1, descending=True).values
+    items, longest_part, last = parts.sum(1), lengths[:, 0], lengths.shape[1] - 1
+    waves = ((4 * lengths >= 3 * longest_part[:, None]).sum(1) * num_heads + num_sms - 1) // num_sms
+    pair = lengths[:, min((num_sms - 1) // num_heads, last)] + lengths[:, min(num_sms // num_heads, last)]
+    bound = torch.maximum(torch.maximum(waves * longest_part, pair), blocks.sum() * num_heads / num_sms)
+    cost = bound + overhead_keys / block_n * num_heads / num_sms * items
+    best = torch.argmin(torch.where(items <= num_items, cost, float("inf")))[None]
+    splits, part_len = parts[best][0], part_len[best][0]
+    item_end, item = torch.cumsum(splits, 0), torch.arange(num_items)
+    item_tile = torch.searchsorted(item_end, item, right=True)
+    item_in_use, item_tile = item_tile < num_tiles, item_tile.clamp(max=num_tiles - 1)
+    item_split = item - (item_end - splits)[item_tile]
+    item_len = torch.minimum(blocks[item_tile] - item_split * part_len[item_tile], part_len[item_tile])
+    order = torch.argsort(torch.where(item_in_use, item_len + 1, -1), descending=True, stable=True)
+    tile_arrays = torch.stack([torch.where(in_use, req, -1), first, splits, item_end - splits, part_len * block_n])
+    item_arrays = torch.stack([torch.where(item_in_use, item_tile, -1), item_split])[:, order]
+    return tile_arrays.to(torch.int32), item_arrays.to(torch.int32)
+
+
+@needs_triton
+@pytest.mark.parametrize("seed", range(6))
+def test_host_plan_equals_torch_planning(seed):
+    gen, rng = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
+    for case in range(40):
+        page = int(rng.choice([16, 32, 64]))
+        tiles = TileConfig(int(rng.choice([16, 32, 64, 128])), page * int(rng.choice([1, 2, 4])), 4, 1)
+        heads, num_sms, overhead, min_tiles = (int(rng.choice(c)) for c in ([1, 2, 4, 8], [1, 3, 8, 40, 132, 1000],
+                                                                          [0, 64, 640], [1, 4]))
+        if case % 3 == 0:  # decode-like: a few rows per request over long histories
+            layout = [(int(rng.integers(0, 20_000)), int(rng.integers(0, 3)), int(rng.integers(1, 12)))
+                      for _ in range(int(rng.integers(1, 17)))]
+        else:
+            layout = random_layout(gen, int(rng.integers(1, 13)), 20_000, 700, 120)
+        common, spec = make_common(layout, page, gen, device="cpu"), make_spec(page, heads, 16, torch.float32)
+        backend = HSTUTritonBackend(spec, tiles=tiles)
+        backend.num_sms, backend.overhead_keys, backend.min_tiles_per_split = num_sms, overhead, min_tiles
+        expected = torch_tile_map(common, tiles, heads, num_sms, overhead, min_tiles)
+        for host in (common.host, None):  # planned from the host arrays, or from the device's when there are none
+            meta = backend.build_metadata(dataclasses.replace(common, host=host))
+            assert torch.equal(meta.tiles, expected[0]) and torch.equal(meta.items, expected[1]), (layout, case)
+            assert meta.config == tiles and meta.may_split == (common.max_kv_len > min_tiles * tiles.block_n)
+
+
+@needs_triton
+def test_build_metadata_is_one_host_to_device_copy():
+    # On the "meta" device, a stand-in for CUDA (the same code path, no data): the host plans, one copy uploads.
+    common = make_common([(16000, 1, 8)] * 8, 32, torch.Generator().manual_seed(0), device="meta")
+    backend = HSTUTritonBackend(make_spec(32, 4, 16, torch.float32))
+    with _RecordOps() as record:
+        meta = backend.build_metadata(common)
+    computing = [str(f) for f in record.ops if not f.is_view]
+    assert computing == ["aten.empty.memory_format", "aten._to_copy.default"], computing  # host buffer, one copy
+    assert meta.tiles.device.type == "meta" and meta.tiles.untyped_storage() is meta.items.untyped_storage()
+
+
+@needs_triton
+@cpu_only
+@pytest.mark.parametrize(("layout", "block_m"), [([(37, 1, 8), (100, 0, 9), (5, 3, 2), (0, 0, 1)], 16),
+                                               ([(37, 2, 20), (300, 0, 9), (64, 1, 31)], 32),
+                                               ([(37, 2, 40), (30, 1, 9)], 64)])  # > 32 rows: the default shape
+def test_decode_tiles_for_steps_with_few_rows(layout, block_m):
+    gen = torch.Generator().manual_seed(block_m)
+    spec = make_spec(16, 2, 16, torch.float32)
+    assert HSTUTritonBackend(spec).build_metadata(make_common(layout, 16, gen)).config.block_m == block_m
+    for num_sms in (None, 64):  # default split-KV, and many short parts
+        got, expected, scale = run_both(layout, spec, gen, num_sms=num_sms)
+        assert_close(got, expected, scale, 1e-5)
 
 
 @needs_triton
@@ -268,15 +352,14 @@ def test_importing_attention_backends_does_not_import_triton():
 # ---- GPU: the compiled kernel at the benchmark's sizes ----------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("layout", "num_sms"),
-    [
-        ([(16000, 256, 100)], None),  # delta queries over a long history: split-KV
-        ([(16000, 256, 100), (4000, 0, 100), (0, 2048, 0), (9000, 17, 50), (0, 0, 100)], None),
-        ([(0, 8192, 0)], None),  # full causal prefill
-        ([(12345, 300, 100), (31, 1, 0)], 1000),  # many short split-KV parts
-    ],
-)
+@pytest.mark.parametrize(("layout", "num_sms"), [
+    ([(16000, 256, 100)], None),  # delta queries over a long history: split-KV
+    ([(16000, 256, 100), (4000, 0, 100), (0, 2048, 0), (9000, 17, 50), (0, 0, 100)], None),
+    ([(0, 8192, 0)], None),  # full causal prefill
+    ([(12345, 300, 100), (31, 1, 0)], 1000),  # many short split-KV parts
+    ([(16000, 1, 8), (9000, 0, 9), (15000, 2, 7), (300, 1, 8)], None),  # decode tiles (16 rows) over 16k
+    ([(12000, 4, 20), (5000, 0, 30), (31, 1, 0)], 1000),  # decode tiles (32 rows), many parts
+])
 @pytest.mark.gpu
 @needs_cuda
 @needs_triton
@@ -286,16 +369,10 @@ def test_gpu_bf16_matches_reference(layout, num_sms):
     assert_close(got, expected, scale, 1.5e-2)
 
 
-@pytest.mark.parametrize(
-    ("dtype", "dim", "page_size", "rtol"),
-    [
-        (torch.float16, 128, 32, 3e-3),
-        (torch.bfloat16, 64, 16, 1.5e-2),
-        (torch.bfloat16, 256, 64, 1.5e-2),
-        (torch.float32, 128, 32, 1e-4),
-        (torch.float32, 256, 16, 1e-4),
-    ],
-)
+@pytest.mark.parametrize(("dtype", "dim", "page_size", "rtol"), [
+    (torch.float16, 128, 32, 3e-3), (torch.bfloat16, 64, 16, 1.5e-2), (torch.bfloat16, 256, 64, 1.5e-2),
+    (torch.float32, 128, 32, 1e-4), (torch.float32, 256, 16, 1e-4),
+])
 @pytest.mark.gpu
 @needs_cuda
 @needs_triton
@@ -304,3 +381,19 @@ def test_gpu_dtypes_and_shapes(dtype, dim, page_size, rtol):
     layout = [*EDGE_BATCH, (3000, 200, 100), (0, 700, 30)]
     got, expected, scale = run_both(layout, make_spec(page_size, 4, dim, dtype), gen)
     assert_close(got, expected, scale, rtol)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+def test_gpu_build_metadata_is_one_copy_and_no_kernel():
+    common = make_common([(16000, 1, 8)] * 8, 32, torch.Generator().manual_seed(0))
+    backend = HSTUTritonBackend(make_spec(32, 4, 128, torch.bfloat16))
+    backend.build_metadata(common)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        meta = backend.build_metadata(common)
+        torch.cuda.synchronize()
+    device_events = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(device_events) == 1 and "HtoD" in device_events[0], device_events
+    assert meta.config.block_m == 16 and meta.tiles.is_cuda

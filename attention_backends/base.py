@@ -173,10 +173,19 @@ class PagedBatchMetadata:
             "candidate_batch_indices": cand_owner,
         }
         sizes = [len(a) for a in arrays.values()]
-        flat = torch.from_numpy(np.concatenate(list(arrays.values())).astype(np.int32)).to(device)
+        flat = upload(np.concatenate(list(arrays.values())).astype(np.int32), device)
         tensors = dict(zip(arrays, torch.split(flat, sizes), strict=True))
         return cls(**tensors, page_size=page_size, max_query_len=int(rows.max(initial=0)),
                    max_kv_len=int(seq_lens.max(initial=0)), max_pages=int(pages.max(initial=0)), host=arrays)
+
+
+def upload(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """``array`` as a tensor on ``device``; to CUDA through pinned memory without blocking the host
+    (a pageable copy would synchronise with the device on every step). On CPU no copy is made."""
+    tensor = torch.from_numpy(array)
+    if torch.device(device).type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _segments(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from attention_backends import AttentionBackend, PagedBatchMetadata
+from attention_backends.base import upload
 from cache_engine import KVCacheManager
 from scheduler import ScheduledChunk
 
@@ -74,7 +75,7 @@ class ChunkResult:
 def _to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
     """Copy int arrays to ``device`` as int32 in one transfer."""
     sizes = [len(a) for a in arrays.values()]
-    flat = torch.from_numpy(np.concatenate(list(arrays.values())).astype(np.int32)).to(device)
+    flat = upload(np.concatenate(list(arrays.values())).astype(np.int32), device)
     return dict(zip(arrays, torch.split(flat, sizes), strict=True))
 
 
@@ -98,7 +99,7 @@ class ModelRunner:
                                                 self.device)
         retrieval = [i for i, c in enumerate(chunks) if c.final and c.request.payload.params is not None]
         rows = np.cumsum(hist + cand)[retrieval] - cand[retrieval] - 1  # last history row of each
-        retrieval_rows = torch.from_numpy(rows.astype(np.int64)).to(self.device)
+        retrieval_rows = upload(rows.astype(np.int64), self.device)
         return StepMetadata(common, self.backend.build_metadata(common), retrieval_rows, retrieval)
 
     def strip(self, chunks: list[ScheduledChunk]) -> StepTokens:
@@ -159,7 +160,7 @@ class ModelRunner:
         if excluded:
             rows = np.concatenate([np.full(len(ids), b) for b, ids in excluded])
             cols = np.concatenate([ids for _, ids in excluded])
-            scores[torch.from_numpy(rows).to(scores.device), torch.from_numpy(cols).to(scores.device)] = (
+            scores[upload(rows, scores.device), upload(cols, scores.device)] = (
                 float("-inf"))
         k = min(max(p.params.top_k for p in payloads), scores.shape[1])
         top_scores, top_items = (t.cpu() for t in scores.topk(k, dim=1))

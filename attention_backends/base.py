@@ -183,9 +183,12 @@ def upload(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
     """``array`` as a tensor on ``device``; to CUDA through pinned memory without blocking the host
     (a pageable copy would synchronise with the device on every step). On CPU no copy is made."""
     tensor = torch.from_numpy(array)
-    if torch.device(device).type != "cuda":
+    device = torch.device(device)
+    if device.type == "cpu":
         return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def _segments(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -3,13 +3,22 @@
 Built-in backends are listed by qualified name so their (possibly GPU-only) modules are imported only
 when used. Third-party packages add backends through the entry-point group
 ``gr_engine.attention_backends``: each entry point's name is the backend name and its object is the
-backend class (``my-pkg = "my_pkg.attention:MyBackend"``). A program can also register a class on its
-own :class:`BackendRegistry` and hand that registry to the engine. There is no global registry.
+backend class, e.g. in the plugin's ``pyproject.toml``::
+
+    [project.entry-points."gr_engine.attention_backends"]
+    my_backend = "my_pkg.attention:MyBackend"
+
+Entry points never replace a built-in of the same name. A program can also register a class (or a
+``"module:Class"`` string) on its own :class:`BackendRegistry` and hand that registry to the engine.
+There is no global registry.
+
+``"auto"`` selects, among the backends that can serve the model's :class:`AttentionSpec`, the one with
+the highest ``priority`` (ties: the larger name). A backend that cannot be imported (its package is
+missing, or a plugin is broken) is unusable, and says why, like one that does not support the spec.
 """
 
 from __future__ import annotations
 
-import importlib
 from importlib import metadata as importlib_metadata
 
 from .base import AttentionBackend, AttentionSpec
@@ -19,63 +28,93 @@ ENTRY_POINT_GROUP = "gr_engine.attention_backends"
 BUILTIN_BACKENDS: dict[str, str] = {
     "torch_ref": "attention_backends.torch_ref:TorchRefBackend",
     "hstu_triton": "attention_backends.hstu_triton:HSTUTritonBackend",
+    "flashinfer": "attention_backends.flashinfer_backend:FlashInferBackend",
+    "xformers": "attention_backends.xformers_backend:XFormersBackend",
 }
 
-
-def _import_qualname(qualname: str) -> type[AttentionBackend]:
-    module_name, _, attr = qualname.partition(":")
-    return getattr(importlib.import_module(module_name), attr)
+Source = str | type[AttentionBackend] | importlib_metadata.EntryPoint
 
 
 class BackendRegistry:
-    """Name -> backend class, from the built-ins, entry points and explicit registrations."""
+    """Name -> backend class, from the built-ins, entry points and explicit registrations.
+
+    Args:
+        load_entry_points: also list the backends of installed plugins (group ``ENTRY_POINT_GROUP``).
+    """
 
     def __init__(self, load_entry_points: bool = True) -> None:
-        self._sources: dict[str, str | type[AttentionBackend]] = dict(BUILTIN_BACKENDS)
+        self._sources: dict[str, Source] = dict(BUILTIN_BACKENDS)
         if load_entry_points:
             for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
-                self._sources.setdefault(ep.name, ep.value)
+                self._sources.setdefault(ep.name, ep)
 
     def register(self, name: str, backend: type[AttentionBackend] | str) -> None:
         """Add (or replace) a backend: a class, or a ``"module:Class"`` string imported on first use."""
+        if name == "auto":
+            raise ValueError("'auto' is reserved for automatic selection")
         self._sources[name] = backend
 
     def names(self) -> list[str]:
+        """Every known backend name, sorted (whether or not it can be imported)."""
         return sorted(self._sources)
 
     def get(self, name: str) -> type[AttentionBackend]:
-        """The backend class called ``name``; a clear error lists the known names."""
+        """The backend class called ``name``.
+
+        Raises:
+            KeyError: unknown name; the message lists the known names.
+            ImportError: the backend's module cannot be imported or does not hold a backend class.
+        """
         if name not in self._sources:
             raise KeyError(f"unknown attention backend {name!r}; known: {', '.join(self.names())}")
         source = self._sources[name]
-        if isinstance(source, str):
-            try:
-                source = _import_qualname(source)
-            except ImportError as exc:  # a backend whose package is missing is simply unusable
-                raise ImportError(f"attention backend {name!r} could not be imported: {exc}") from exc
-            self._sources[name] = source
-        return source
+        if isinstance(source, type):
+            return source
+        entry_point = (source if isinstance(source, importlib_metadata.EntryPoint)
+                       else importlib_metadata.EntryPoint(name=name, value=source, group=ENTRY_POINT_GROUP))
+        try:
+            backend = entry_point.load()
+        except Exception as exc:  # a missing package or a broken plugin only makes this backend unusable
+            raise ImportError(f"attention backend {name!r} could not be imported from {entry_point.value!r}: "
+                              f"{type(exc).__name__}: {exc}") from exc
+        if not (isinstance(backend, type) and issubclass(backend, AttentionBackend)):
+            raise ImportError(f"attention backend {name!r}: {entry_point.value!r} is not an AttentionBackend subclass")
+        self._sources[name] = backend
+        return backend
 
     def reasons_unusable(self, name: str, spec: AttentionSpec) -> list[str]:
         """Why backend ``name`` cannot serve ``spec`` (empty when it can)."""
         try:
-            cls = self.get(name)
+            backend = self.get(name)
         except ImportError as exc:
             return [str(exc)]
-        return cls.reasons_unsupported(spec)
+        return backend.reasons_unsupported(spec)
+
+    def select(self, name: str, spec: AttentionSpec) -> str:
+        """Resolve ``name`` (``"auto"``: the highest-priority usable backend) to a backend that can serve
+        ``spec``.
+
+        Raises:
+            KeyError: unknown name.
+            ValueError: the backend (for ``"auto"``: every backend) cannot serve ``spec``; says why.
+        """
+        if name != "auto":
+            reasons = self.reasons_unusable(name, spec)
+            if reasons:
+                raise ValueError(f"attention backend {name!r} cannot serve this model: " + "; ".join(reasons))
+            return name
+        reasons_by_name = {n: self.reasons_unusable(n, spec) for n in self.names()}
+        usable = [n for n, reasons in reasons_by_name.items() if not reasons]
+        if not usable:
+            details = "\n".join(f"  {n}: " + "; ".join(r) for n, r in reasons_by_name.items())
+            raise ValueError(f"no attention backend can serve this model:\n{details}")
+        return max(usable, key=lambda n: (self.get(n).priority, n))
 
     def create(self, name: str, spec: AttentionSpec) -> AttentionBackend:
         """Instantiate backend ``name`` (or the best usable one for ``"auto"``) for ``spec``.
 
         Raises:
+            KeyError: unknown name.
             ValueError: the backend cannot serve ``spec``; the message says why.
         """
-        if name == "auto":
-            usable = [n for n in self.names() if not self.reasons_unusable(n, spec)]
-            if not usable:
-                raise ValueError("no attention backend can serve this model")
-            name = max(usable, key=lambda n: (self.get(n).priority, n))
-        reasons = self.reasons_unusable(name, spec)
-        if reasons:
-            raise ValueError(f"attention backend {name!r} cannot serve this model: " + "; ".join(reasons))
-        return self.get(name)(spec)
+        return self.get(self.select(name, spec))(spec)

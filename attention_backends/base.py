@@ -17,7 +17,7 @@ then its ``num_candidate_rows[b]`` candidate rows.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -39,6 +39,8 @@ class AttentionSpec:
         device_type: ``"cpu"`` or ``"cuda"``.
         alpha: scale applied to ``q.k`` (``1/sqrt(head_dim)`` by default in the model).
         scaling_seqlen: the fixed HSTU normaliser (a configured constant, never the batch's length).
+        time_bias_buckets: buckets of the relative time bias added to ``alpha * q.k`` (0: no bias);
+            see :func:`time_bucket`.
     """
 
     kind: AttentionKind
@@ -49,6 +51,19 @@ class AttentionSpec:
     device_type: str
     alpha: float
     scaling_seqlen: int
+    time_bias_buckets: int = 0
+
+
+def time_bucket(delta: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """The relative-time bucket of a query/key pair: ``min(floor(log2(1 + |delta|)), num_buckets - 1)``.
+
+    Args:
+        delta: int64 time differences (query time minus key time, in the timestamps' unit), any shape.
+
+    Returns:
+        int64 buckets, same shape.
+    """
+    return torch.log2(delta.abs().double() + 1).floor().long().clamp(max=num_buckets - 1)
 
 
 @dataclass(frozen=True)
@@ -60,6 +75,7 @@ class BackendSupport:
     kinds: frozenset[str]
     head_dims: frozenset[int] | None = None
     page_sizes: frozenset[int] | None = None
+    time_bias: bool = False
 
     def reasons_unsupported(self, spec: AttentionSpec) -> list[str]:
         """Every reason this support set cannot serve ``spec`` (empty when it can)."""
@@ -74,7 +90,25 @@ class BackendSupport:
             reasons.append(f"head_dim {spec.head_dim} not in {sorted(self.head_dims)}")
         if self.page_sizes is not None and spec.page_size not in self.page_sizes:
             reasons.append(f"page_size {spec.page_size} not in {sorted(self.page_sizes)}")
+        if spec.time_bias_buckets and not self.time_bias:
+            reasons.append("no relative time bias support")
         return reasons
+
+
+@dataclass
+class StepTimestamps:
+    """Event times of one step, for the relative time bias; int64 on the device.
+
+    Attributes:
+        query: ``[T]`` time of each row: a history row's own event; a candidate's, its request's last
+            history event (0 when the history is empty).
+        keys: ``[sum(kv_seq_lens)]`` the times of every request's history, request after request.
+        key_start: ``[B]`` int32, where request ``b``'s history starts in ``keys``.
+    """
+
+    query: torch.Tensor
+    keys: torch.Tensor
+    key_start: torch.Tensor
 
 
 @dataclass
@@ -105,6 +139,7 @@ class PagedBatchMetadata:
         host: the index tensors' host copies (int numpy, same shapes and values) keyed by field name
             (``"query_start_loc"``, ``"kv_seq_lens"``, ...), or ``None``; :meth:`from_layout` sets it so that a
             backend can plan a step on the host without reading the device. Read-only.
+        timestamps: event times for the relative time bias, or ``None`` when the model has none.
     """
 
     query_start_loc: torch.Tensor
@@ -123,8 +158,8 @@ class PagedBatchMetadata:
     max_query_len: int
     max_kv_len: int
     max_pages: int
-    extras: dict[str, Any] = field(default_factory=dict)
     host: dict[str, np.ndarray] | None = None
+    timestamps: StepTimestamps | None = None
 
     @property
     def num_requests(self) -> int:
@@ -140,8 +175,10 @@ class PagedBatchMetadata:
         kv_indices: np.ndarray,
         page_size: int,
         device: torch.device | str,
+        query_timestamps: np.ndarray | None = None,
+        key_timestamps: np.ndarray | None = None,
     ) -> PagedBatchMetadata:
-        """Build the metadata from host arrays with one host-to-device copy.
+        """Build the metadata from host arrays with one host-to-device copy (two with timestamps).
 
         Args:
             history_start: int ``[B]`` history tokens already in pages before this step.
@@ -152,6 +189,8 @@ class PagedBatchMetadata:
             kv_indices: int ``[kv_indptr[-1]]`` physical page ids.
             page_size: tokens per page.
             device: where the tensors go.
+            query_timestamps: int ``[T]`` (see :class:`StepTimestamps`), with ``key_timestamps``.
+            key_timestamps: int ``[sum(history_start + num_history_rows)]``.
         """
         start = np.asarray(history_start, dtype=np.int64)
         hist = np.asarray(num_history_rows, dtype=np.int64)
@@ -175,8 +214,14 @@ class PagedBatchMetadata:
         sizes = [len(a) for a in arrays.values()]
         flat = upload(np.concatenate(list(arrays.values())).astype(np.int32), device)
         tensors = dict(zip(arrays, torch.split(flat, sizes), strict=True))
+        timestamps = None
+        if query_timestamps is not None and key_timestamps is not None:
+            times = upload(np.concatenate([query_timestamps, key_timestamps]).astype(np.int64), device)
+            key_start = upload(np.concatenate([[0], np.cumsum(seq_lens)[:-1]]).astype(np.int32), device)
+            timestamps = StepTimestamps(times[: len(query_timestamps)], times[len(query_timestamps):], key_start)
         return cls(**tensors, page_size=page_size, max_query_len=int(rows.max(initial=0)),
-                   max_kv_len=int(seq_lens.max(initial=0)), max_pages=int(pages.max(initial=0)), host=arrays)
+                   max_kv_len=int(seq_lens.max(initial=0)), max_pages=int(pages.max(initial=0)), host=arrays,
+                   timestamps=timestamps)
 
 
 def upload(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
@@ -240,7 +285,8 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: Any
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: Any,
+        time_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention for every row of the flat batch (after :meth:`append_kv` for this layer).
 
@@ -249,6 +295,9 @@ class AttentionBackend(abc.ABC):
                 k/v are read from here, history k/v from ``kv_cache``.
             kv_cache: one layer's cache ``[num_pages, 2, page_size, H, D]``.
             metadata: what :meth:`build_metadata` returned for this step.
+            time_bias: float32 ``[time_bias_buckets, H]``, this layer's relative time bias: entry
+                ``[time_bucket(t_query - t_key), h]`` is added to ``alpha * q.k`` of head ``h``
+                (timestamps from the common metadata); ``None`` for none.
 
         Returns:
             ``[T, H, D]`` attention output in ``q``'s dtype. For ``hstu`` it is

@@ -126,7 +126,7 @@ class FlashInferBackend(AttentionBackend):
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-        metadata: FlashInferMetadata,
+        metadata: FlashInferMetadata, time_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """HSTU attention of every row, by ``hstu_triton``'s kernel (after :meth:`append_kv`).
 

@@ -353,7 +353,7 @@ class HSTUTritonBackend(AttentionBackend):
                               c.kv_indptr, c.kv_last_page_len)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-               metadata: HSTUTritonMetadata) -> torch.Tensor:
+               metadata: HSTUTritonMetadata, time_bias: torch.Tensor | None = None) -> torch.Tensor:
         """HSTU attention of every row (after :meth:`append_kv` for this layer).
 
         Args:

@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from .base import AttentionBackend, BackendSupport, PagedBatchMetadata
+from .base import AttentionBackend, BackendSupport, PagedBatchMetadata, time_bucket
 from .paged import append_paged_kv_cache, padded_block_table
 
 
@@ -28,6 +28,8 @@ class TorchRefMetadata:
         row_valid: bool ``[B, P]``.
         key_limit: int64 ``[B, P]`` number of leading history keys each slot may see.
         is_candidate: bool ``[B, P]``; candidates also attend to their own k/v.
+        time_delta: int64 ``[B, P, max_pages * page_size]`` query time minus key time, or ``None``
+            without timestamps.
     """
 
     common: PagedBatchMetadata
@@ -36,6 +38,7 @@ class TorchRefMetadata:
     row_valid: torch.Tensor
     key_limit: torch.Tensor
     is_candidate: torch.Tensor
+    time_delta: torch.Tensor | None = None
 
 
 class TorchRefBackend(AttentionBackend):
@@ -46,6 +49,7 @@ class TorchRefBackend(AttentionBackend):
         devices=frozenset({"cpu", "cuda"}),
         dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64}),
         kinds=frozenset({"hstu", "softmax"}),
+        time_bias=True,
     )
     priority: ClassVar[int] = 0
 
@@ -63,7 +67,14 @@ class TorchRefBackend(AttentionBackend):
         hist_limit = seq_lens - num_hist[:, None] + slot + 1
         key_limit = torch.where(is_candidate, seq_lens, torch.where(row_valid, hist_limit, 0))
         block_table = padded_block_table(common.kv_indptr, common.kv_indices, common.max_pages)
-        return TorchRefMetadata(common, block_table, row_index, row_valid, key_limit, is_candidate)
+        time_delta = None
+        if common.timestamps is not None:
+            t = common.timestamps
+            key_pos = torch.arange(common.max_pages * common.page_size, device=device)[None, :]
+            key_index = (t.key_start.long()[:, None] + key_pos).clamp(max=max(len(t.keys) - 1, 0))
+            key_times = torch.where(key_pos < seq_lens, t.keys[key_index], 0) if len(t.keys) else key_pos * 0
+            time_delta = t.query[row_index][:, :, None] - key_times[:, None, :]
+        return TorchRefMetadata(common, block_table, row_index, row_valid, key_limit, is_candidate, time_delta)
 
     def append_kv(
         self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: TorchRefMetadata
@@ -76,7 +87,7 @@ class TorchRefBackend(AttentionBackend):
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-        metadata: TorchRefMetadata,
+        metadata: TorchRefMetadata, time_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         m = metadata
         batch = m.row_index.shape[0]
@@ -92,6 +103,10 @@ class TorchRefBackend(AttentionBackend):
         alpha = self.spec.alpha
         logits = torch.einsum("bphd,bkhd->bhpk", q_pad, hist_k) * alpha  # [B, H, P, K]
         self_logit = (q_pad * self_k).sum(-1).transpose(1, 2)[..., None] * alpha  # [B, H, P, 1]
+        if time_bias is not None:  # a candidate's own key has its query's time: bucket 0
+            buckets = time_bucket(m.time_delta, time_bias.shape[0])  # [B, P, K]
+            logits = logits + time_bias.to(compute)[buckets].permute(0, 3, 1, 2)
+            self_logit = self_logit + time_bias.to(compute)[0][None, :, None, None]
         key_pos = torch.arange(hist_k.shape[1], device=q.device)
         allowed = (key_pos[None, None, :] < m.key_limit[:, :, None])[:, None]  # [B, 1, P, K]
         self_allowed = m.is_candidate[:, None, :, None]  # [B, 1, P, 1]

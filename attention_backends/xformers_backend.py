@@ -171,7 +171,7 @@ class XFormersBackend(AttentionBackend):
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-        metadata: XFormersMetadata,
+        metadata: XFormersMetadata, time_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Softmax attention of every row (after :meth:`append_kv` for this layer).
 

@@ -55,6 +55,10 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ``max_history_len``. Never the batch's length, so scores do not depend on batch-mates.
         attn_alpha: scale of ``q.k``; defaults to ``1 / sqrt(head_dim)``.
         concat_ua: output projection over ``[u, attn, u * LN(attn)]`` instead of ``u * LN(attn)``.
+        time_bias_buckets: a learned relative time bias per layer and head, added to ``alpha * q.k``:
+            bucket ``min(floor(log2(1 + |t_query - t_key|)), buckets - 1)`` of the event times (a
+            candidate's time is its request's last event). 0 disables it. Computed inside attention
+            from the request's timestamps, so cached K/V stay valid.
         dtype: parameter, activation and KV dtype.
         seed: seed of the random initialisation (used when no weights file is given).
     """
@@ -73,6 +77,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     scaling_seqlen: int | None = None
     attn_alpha: float | None = None
     concat_ua: bool = False
+    time_bias_buckets: int = 0
     dtype: DTypeName = "float32"
     seed: int = 0
 
@@ -81,6 +86,8 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                      "max_history_len", "max_candidates", "num_tasks", "ranking_hidden"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.time_bias_buckets < 0:
+            raise ValueError(f"model.time_bias_buckets must be >= 0, got {self.time_bias_buckets}")
         if self.scaling_seqlen is not None and self.scaling_seqlen <= 0:
             raise ValueError(f"model.scaling_seqlen must be positive, got {self.scaling_seqlen}")
 

@@ -66,7 +66,7 @@ class GREngine:
         spec = AttentionSpec(
             kind=mc.attention_kind, num_heads=mc.num_heads, head_dim=mc.head_dim, page_size=config.cache.page_size,
             dtype=mc.torch_dtype, device_type=self.device.type, alpha=mc.alpha,
-            scaling_seqlen=mc.normaliser,
+            scaling_seqlen=mc.normaliser, time_bias_buckets=mc.time_bias_buckets,
         )
         self.backend = (backends or BackendRegistry()).create(config.attention_backend, spec)
         self.kv = KVCacheManager(config.cache, mc.num_layers, mc.num_heads, mc.head_dim, mc.torch_dtype,

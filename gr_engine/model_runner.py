@@ -95,12 +95,25 @@ class ModelRunner:
         hist = np.array([c.num_history_rows for c in chunks], dtype=np.int64)
         cand = np.array([c.num_candidate_rows for c in chunks], dtype=np.int64)
         indptr, indices = self.kv.page_table([c.request.user_id for c in chunks], start + hist)
+        times = self._timestamps(chunks) if self.model.config.time_bias_buckets else (None, None)
         common = PagedBatchMetadata.from_layout(start, hist, cand, indptr, indices, self.kv.page_size,
-                                                self.device)
+                                                self.device, *times)
         retrieval = [i for i, c in enumerate(chunks) if c.final and c.request.payload.params is not None]
         rows = np.cumsum(hist + cand)[retrieval] - cand[retrieval] - 1  # last history row of each
         retrieval_rows = upload(rows.astype(np.int64), self.device)
         return StepMetadata(common, self.backend.build_metadata(common), retrieval_rows, retrieval)
+
+    @staticmethod
+    def _timestamps(chunks: list[ScheduledChunk]) -> tuple[np.ndarray, np.ndarray]:
+        """Query times ``[T]`` (history rows: their own; candidates: the last history event's) and key
+        times ``[sum of histories after the append]``, for the relative time bias."""
+        queries, keys = [], []
+        for chunk in chunks:
+            times = chunk.request.payload.arrays.timestamps
+            last = times[-1:] if len(times) else np.zeros(1, dtype=np.int64)
+            queries += [times[chunk.start:chunk.end], np.repeat(last, chunk.num_candidate_rows)]
+            keys.append(times[: chunk.end])
+        return np.concatenate(queries), np.concatenate(keys)
 
     def strip(self, chunks: list[ScheduledChunk]) -> StepTokens:
         """Model input: each request's uncached history ``[start, end)``, then its candidates if final."""
@@ -127,11 +140,12 @@ class ModelRunner:
         history_rows = meta.common.history_rows.long()
 
         def attend_in(layer_cache: torch.Tensor, ready: torch.cuda.Event | None):
-            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       time_bias: torch.Tensor | None) -> torch.Tensor:
                 if ready is not None:
                     torch.cuda.current_stream(q.device).wait_event(ready)
                 self.backend.append_kv(layer_cache, k[history_rows], v[history_rows], meta.backend)
-                return self.backend.attend(q, k, v, layer_cache, meta.backend)
+                return self.backend.attend(q, k, v, layer_cache, meta.backend, time_bias=time_bias)
             return attend
 
         x = self.model.embed(tokens.item_ids, tokens.action_ids, tokens.positions)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from attention_backends import PagedBatchMetadata
+from attention_backends.base import time_bucket
 
 
 @dataclass
@@ -26,11 +27,14 @@ class AttentionCase:
     candidates: list[int]
     dense_k: list[torch.Tensor]
     dense_v: list[torch.Tensor]
+    times: list[torch.Tensor] | None = None  # per request, int64 [seq_len] event times (time bias cases)
+    time_bias: torch.Tensor | None = None  # float32 [buckets, H]
 
 
 def build_case(cached: list[int], new: list[int], candidates: list[int], *, heads: int = 2, dim: int = 8,
                page_size: int = 4, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               seed: int = 0) -> AttentionCase:
+               seed: int = 0, time_buckets: int = 0) -> AttentionCase:
+    """A random batch; with ``time_buckets`` also event times (gaps from seconds to months) and a bias table."""
     gen = torch.Generator().manual_seed(seed)
     seq = [c + n for c, n in zip(cached, new)]
     pages = [-(-s // page_size) for s in seq]
@@ -51,10 +55,19 @@ def build_case(cached: list[int], new: list[int], candidates: list[int], *, head
         k_rows += [dense_k[b][c:], torch.randn(m, heads, dim, generator=gen)]
         v_rows += [dense_v[b][c:], torch.randn(m, heads, dim, generator=gen)]
     to = {"dtype": dtype, "device": device}
+    times = table = query_times = key_times = None
+    if time_buckets:
+        gaps = [torch.randint(0, 2**20, (s,), generator=gen) // torch.randint(1, 4096, (s,), generator=gen)
+                for s in seq]
+        times = [torch.cumsum(g, 0) + 1_700_000_000 for g in gaps]
+        table = torch.randn(time_buckets, heads, generator=gen).to(device)
+        query_times = np.concatenate([np.concatenate([t[c:].numpy(), np.full(m, t[-1].item() if len(t) else 0)])
+                                      for t, c, m in zip(times, cached, candidates)])
+        key_times = np.concatenate([t.numpy() for t in times])
     meta = PagedBatchMetadata.from_layout(np.array(cached), np.array(new), np.array(candidates), indptr,
-                                          indices, page_size, device)
+                                          indices, page_size, device, query_times, key_times)
     return AttentionCase(torch.cat(q_rows).to(**to), torch.cat(k_rows).to(**to), torch.cat(v_rows).to(**to),
-                         kv_cache.to(**to), meta, cached, new, candidates, dense_k, dense_v)
+                         kv_cache.to(**to), meta, cached, new, candidates, dense_k, dense_v, times, table)
 
 
 def reference_attention(case: AttentionCase, alpha: float, scaling_seqlen: int, kind: str = "hstu") -> torch.Tensor:
@@ -71,6 +84,12 @@ def reference_attention(case: AttentionCase, alpha: float, scaling_seqlen: int, 
                 keys = torch.cat([hk, k[row + i][None]])
                 values = torch.cat([hv, v[row + i][None]])
             logits = torch.einsum("hd,khd->hk", qi, keys) * alpha
+            if case.time_bias is not None:
+                t = case.times[b]
+                t_query = t[c + i] if i < n else (t[-1] if len(t) else torch.tensor(0))
+                t_keys = t[: c + i + 1] if i < n else torch.cat([t, t_query[None]])
+                buckets = time_bucket(t_query - t_keys, case.time_bias.shape[0])
+                logits = logits + case.time_bias.double().cpu()[buckets].T
             weights = F.silu(logits) / scaling_seqlen if kind == "hstu" else torch.softmax(logits, dim=-1)
             out.append(torch.einsum("hk,khd->hd", weights, values))
         row += n + m

@@ -66,7 +66,7 @@ def backend_kinds(registry: BackendRegistry) -> list:
     return params
 
 
-def conformance_spec(backend: type[AttentionBackend], kind: str, device: str) -> AttentionSpec:
+def conformance_spec(backend: type[AttentionBackend], kind: str, device: str, time_buckets: int = 0) -> AttentionSpec:
     """A small spec the backend declares it can serve, where possible (2 heads; head dim 16 on CPU and 64
     on CUDA; page size 16; float32 on CPU, bf16 on CUDA), else the nearest values it lists."""
     support = backend.support
@@ -77,7 +77,8 @@ def conformance_spec(backend: type[AttentionBackend], kind: str, device: str) ->
     dtype = next((d for d in PREFERRED_DTYPES[device] if d in support.dtypes), PREFERRED_DTYPES[device][0])
     head_dim = pick(support.head_dims, 16 if device == "cpu" else 64)
     return AttentionSpec(kind=kind, num_heads=2, head_dim=head_dim, page_size=pick(support.page_sizes, 16),
-                         dtype=dtype, device_type=device, alpha=head_dim**-0.5, scaling_seqlen=17)
+                         dtype=dtype, device_type=device, alpha=head_dim**-0.5, scaling_seqlen=17,
+                         time_bias_buckets=time_buckets)
 
 
 def create_or_skip(registry: BackendRegistry, name: str, spec: AttentionSpec) -> AttentionBackend:
@@ -104,7 +105,7 @@ def check_backend(backend: AttentionBackend, case: AttentionCase) -> None:
     rows = case.metadata.history_rows.long()
     backend.append_kv(case.kv_cache, case.k[rows], case.v[rows], meta)
     check_cache_holds_history(case)
-    out = backend.attend(case.q, case.k, case.v, case.kv_cache, meta)
+    out = backend.attend(case.q, case.k, case.v, case.kv_cache, meta, time_bias=case.time_bias)
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
     assert_close(out, reference_attention(case, spec.alpha, spec.scaling_seqlen, spec.kind), spec.dtype)
 
@@ -112,15 +113,17 @@ def check_backend(backend: AttentionBackend, case: AttentionCase) -> None:
 def case_for(spec: AttentionSpec, case_name: str) -> AttentionCase:
     cached, new, candidates = edge_cases(spec.page_size)[case_name]
     return build_case(cached, new, candidates, heads=spec.num_heads, dim=spec.head_dim, page_size=spec.page_size,
-                      dtype=spec.dtype, device=spec.device_type, seed=len(case_name))
+                      dtype=spec.dtype, device=spec.device_type, seed=len(case_name),
+                      time_buckets=spec.time_bias_buckets)
 
 
+@pytest.mark.parametrize("time_buckets", [0, 12], ids=["plain", "time_bias"])
 @pytest.mark.parametrize("case_name", CASE_NAMES)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("name", "kind"), backend_kinds(BackendRegistry()))
-def test_backend_conforms(name, kind, device, case_name):
+def test_backend_conforms(name, kind, device, case_name, time_buckets):
     registry = BackendRegistry()
-    spec = conformance_spec(registry.get(name), kind, device)
+    spec = conformance_spec(registry.get(name), kind, device, time_buckets)
     backend = create_or_skip(registry, name, spec)
     check_backend(backend, case_for(spec, case_name))
 

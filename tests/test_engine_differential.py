@@ -168,3 +168,15 @@ def test_sasrec_model_equal_to_recompute_with_caching():
         engine = GREngine(with_cache(config, mode=mode, num_gpu_pages=pages))
         assert max_diff(engine.rank(requests, use_tqdm=False), expected) <= 1e-5
         assert engine.stats.total_hit_ratio > 0.1 and engine.kv.stats.evicted_users > 0
+
+
+def test_time_bias_model_equal_to_recompute_with_caching():
+    """With a relative time bias (computed in attention from the request's timestamps), cached K/V stay
+    valid: caching changes no score, including rewritten and replayed histories."""
+    config = tiny_config(max_num_seqs=4, time_bias_buckets=20, host_chunks=200)
+    requests = stream(config, num_users=16, visits=12, seed=9, rewrite_prob=0.1, replay_prob=0.1)
+    expected = GREngine(with_cache(config, mode="recompute")).rank(requests, use_tqdm=False)
+    for mode in ("gpu_only", "hierarchical"):
+        engine = GREngine(with_cache(config, mode=mode, num_gpu_pages=160))
+        assert max_diff(engine.rank(requests, use_tqdm=False), expected) <= 1e-5
+        assert engine.stats.total_hit_ratio > 0.1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -19,9 +20,9 @@ def _capture_kv(model: GRModel, items, actions, candidates):
 
     def wrap(layer, original):
         def forward(x, attend):
-            def spy(q, k, v):
+            def spy(q, k, v, time_bias):
                 captured.append((k.clone(), v.clone()))
-                return attend(q, k, v)
+                return attend(q, k, v, time_bias)
             return original(x, spy)
         return forward
 
@@ -54,15 +55,16 @@ def test_prefix_invariance(architecture, concat_ua):
 
 
 def _request(rng, rid, user, n, c):
+    times = np.cumsum(rng.integers(0, 5000, n)) + 1_700_000_000
     return RankRequest(request_id=rid, user_id=user, item_ids=rng.integers(0, 200, n).tolist(),
-                       action_ids=rng.integers(0, 8, n).tolist(), timestamps=list(range(n)),
+                       action_ids=rng.integers(0, 8, n).tolist(), timestamps=times.tolist(),
                        candidate_item_ids=rng.integers(0, 200, c).tolist())
 
 
-@pytest.mark.parametrize("architecture", ["hstu", "sasrec"])
-def test_engine_recompute_matches_dense_oracle(architecture):
+@pytest.mark.parametrize("architecture,time_buckets", [("hstu", 0), ("sasrec", 0), ("hstu", 16), ("sasrec", 16)])
+def test_engine_recompute_matches_dense_oracle(architecture, time_buckets):
     engine = GREngine(tiny_config(mode="recompute", max_num_batched_tokens=40,  # forces chunked prefill
-                                  architecture=architecture))
+                                  architecture=architecture, time_bias_buckets=time_buckets))
     rng = np.random.default_rng(1)
     requests = [_request(rng, f"r{i}", i, n, c) for i, (n, c) in enumerate([(0, 3), (1, 1), (37, 12), (100, 5)])]
     outputs = engine.rank(requests, use_tqdm=False)
@@ -70,7 +72,8 @@ def test_engine_recompute_matches_dense_oracle(architecture):
         assert output.error is None
         expected, _ = engine.model.forward_reference(torch.tensor(request.item_ids, dtype=torch.long),
                                                      torch.tensor(request.action_ids, dtype=torch.long),
-                                                     torch.tensor(request.candidate_item_ids))
+                                                     torch.tensor(request.candidate_item_ids),
+                                                     torch.tensor(request.timestamps, dtype=torch.long))
         np.testing.assert_allclose(output.scores, expected.numpy(), atol=1e-5, rtol=0)
 
 
@@ -88,6 +91,20 @@ def test_batch_invariance(mode):
         outputs = engine.rank(batch, use_tqdm=False)
         assert engine.stats.num_steps >= 1
         np.testing.assert_allclose(outputs[len(mates) // 2].scores, alone, atol=1e-5, rtol=0)
+
+
+def test_time_bias_changes_scores():
+    """The relative time bias is really applied: the same events at other times score differently."""
+    config = tiny_config(mode="recompute", time_bias_buckets=16)
+    rng = np.random.default_rng(4)
+    request = _request(rng, "a", "u", 40, 5)
+    shifted = msgspec.structs.replace(request, request_id="b",
+                                      timestamps=(np.asarray(request.timestamps) * 3).tolist())
+    engine = GREngine(config)
+    a, b = engine.rank([request, shifted], use_tqdm=False)
+    assert np.abs(np.asarray(a.scores) - np.asarray(b.scores)).max() > 1e-3
+    plain = GREngine(tiny_config(mode="recompute")).rank([request, shifted], use_tqdm=False)
+    np.testing.assert_allclose(plain[0].scores, plain[1].scores, atol=1e-6)
 
 
 def test_save_load_roundtrip(tmp_path):

@@ -14,11 +14,13 @@ directory's ``pyproject.toml``; ``pip install -e examples/custom_backend``, then
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
+from attention_backends import BackendSupport
 from attention_backends.torch_ref import TorchRefBackend, TorchRefMetadata
 
 
@@ -26,12 +28,13 @@ class ScaledRefBackend(TorchRefBackend):
     """``torch_ref`` with key-chunked attention (CPU and CUDA, any float dtype, HSTU and softmax)."""
 
     name: ClassVar[str] = "scaled_ref"
+    support: ClassVar[BackendSupport] = dataclasses.replace(TorchRefBackend.support, time_bias=False)
     #: History keys per chunk (rounded down to whole pages, at least one page).
     chunk_tokens: ClassVar[int] = 1024
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-        metadata: TorchRefMetadata,
+        metadata: TorchRefMetadata, time_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of every row, one chunk of history keys at a time.
 

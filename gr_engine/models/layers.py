@@ -18,8 +18,9 @@ from torch import nn
 
 from ..config import ModelConfig
 
-AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""``attend(q, k, v) -> out``: all ``[T, H, D]``."""
+AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+"""``attend(q, k, v, time_bias) -> out``: ``q, k, v, out`` are ``[T, H, D]``; ``time_bias`` is the
+layer's ``[time_bias_buckets, H]`` relative time bias table, or ``None``."""
 
 
 class HSTULayer(nn.Module):
@@ -34,6 +35,7 @@ class HSTULayer(nn.Module):
         self.uvqk = nn.Linear(config.d_model, 4 * width)
         self.attn_norm = nn.LayerNorm(width, eps=1e-6)
         self.output = nn.Linear(3 * width if config.concat_ua else width, config.d_model)
+        self.time_bias = _time_bias_table(config)
 
     def forward(self, x: torch.Tensor, attend: AttendFn) -> torch.Tensor:
         """Args: ``x`` ``[T, d_model]``. Returns ``[T, d_model]``."""
@@ -41,7 +43,7 @@ class HSTULayer(nn.Module):
         width = self.num_heads * self.head_dim
         u, v, q, k = F.silu(self.uvqk(self.input_norm(x))).split(width, dim=-1)
         shape = (rows, self.num_heads, self.head_dim)
-        attn = attend(q.reshape(shape), k.reshape(shape), v.reshape(shape)).reshape(rows, width)
+        attn = attend(q.reshape(shape), k.reshape(shape), v.reshape(shape), self.time_bias).reshape(rows, width)
         normed = self.attn_norm(attn)
         y = torch.cat([u, attn, u * normed], dim=-1) if self.concat_ua else u * normed
         return x + self.output(y)
@@ -60,6 +62,7 @@ class SASRecLayer(nn.Module):
         self.ffn_norm = nn.LayerNorm(config.d_model, eps=1e-6)
         self.ffn = nn.Sequential(nn.Linear(config.d_model, 4 * config.d_model), nn.GELU(),
                                  nn.Linear(4 * config.d_model, config.d_model))
+        self.time_bias = _time_bias_table(config)
 
     def forward(self, x: torch.Tensor, attend: AttendFn) -> torch.Tensor:
         """Args: ``x`` ``[T, d_model]``. Returns ``[T, d_model]``."""
@@ -67,5 +70,13 @@ class SASRecLayer(nn.Module):
         width = self.num_heads * self.head_dim
         q, k, v = self.qkv(self.attn_norm(x)).split(width, dim=-1)
         shape = (rows, self.num_heads, self.head_dim)
-        x = x + self.proj(attend(q.reshape(shape), k.reshape(shape), v.reshape(shape)).reshape(rows, width))
+        attn = attend(q.reshape(shape), k.reshape(shape), v.reshape(shape), self.time_bias)
+        x = x + self.proj(attn.reshape(rows, width))
         return x + self.ffn(self.ffn_norm(x))
+
+
+def _time_bias_table(config: ModelConfig) -> nn.Parameter | None:
+    """``[time_bias_buckets, H]`` in the model's dtype (backends add it in float32), or ``None``."""
+    if not config.time_bias_buckets:
+        return None
+    return nn.Parameter(torch.zeros(config.time_bias_buckets, config.num_heads))

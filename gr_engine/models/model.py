@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from attention_backends.base import time_bucket
+
 from ..config import ModelConfig
 from .layers import AttendFn, HSTULayer, SASRecLayer
 
@@ -63,7 +65,9 @@ class GRModel(nn.Module):
                 module.bias.copy_(torch.randn(module.bias.shape, generator=gen) * 0.02)
             elif isinstance(module, nn.Embedding):
                 module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * 0.5)
-            elif isinstance(module, nn.LayerNorm):
+            elif isinstance(module, (HSTULayer, SASRecLayer)) and module.time_bias is not None:
+                module.time_bias.copy_(torch.randn(module.time_bias.shape, generator=gen) * 0.5)
+            if isinstance(module, nn.LayerNorm):
                 module.weight.copy_(1.0 + 0.1 * torch.randn(module.weight.shape, generator=gen))
                 module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=gen))
 
@@ -90,13 +94,15 @@ class GRModel(nn.Module):
     # ------------------------------------------------------------------ oracle
     @torch.no_grad()
     def forward_reference(
-        self, item_ids: torch.Tensor, action_ids: torch.Tensor, candidate_ids: torch.Tensor
+        self, item_ids: torch.Tensor, action_ids: torch.Tensor, candidate_ids: torch.Tensor,
+        timestamps: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One request, whole sequence, dense attention, no cache: the oracle for tests.
 
         Args:
             item_ids, action_ids: int64 ``[n]`` history.
             candidate_ids: int64 ``[c]`` (may be empty).
+            timestamps: int64 ``[n]`` event times (needed with ``time_bias_buckets``).
 
         Returns:
             ``(logits [c, num_tasks], last_history_state [d] or None when n == 0)``.
@@ -112,9 +118,18 @@ class GRModel(nn.Module):
         alpha, inv_n = self.config.alpha, 1.0 / self.config.normaliser
 
         softmax = self.config.attention_kind == "softmax"
+        buckets = None
+        if self.config.time_bias_buckets:
+            if timestamps is None:
+                raise ValueError("this model has a relative time bias: pass the timestamps")
+            times = timestamps.long()
+            times = torch.cat([times, times[-1:].expand(c) if n else torch.zeros(c, dtype=torch.long)]).to(device)
+            buckets = time_bucket(times[:, None] - times[None, :], self.config.time_bias_buckets)
 
-        def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, time_bias: torch.Tensor | None) -> torch.Tensor:
             logits = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * alpha
+            if time_bias is not None:
+                logits = logits + time_bias.float()[buckets].permute(2, 0, 1)
             if softmax:
                 weights = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
             else:

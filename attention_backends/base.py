@@ -63,7 +63,12 @@ def time_bucket(delta: torch.Tensor, num_buckets: int) -> torch.Tensor:
     Returns:
         int64 buckets, same shape.
     """
-    return torch.log2(delta.abs().double() + 1).floor().long().clamp(max=num_buckets - 1)
+    value = delta.abs() + 1
+    guess = torch.log2(value.double()).floor().long()  # may be one off where value is near a power of two
+    one = torch.ones_like(guess)
+    guess = guess - (torch.bitwise_left_shift(one, guess) > value).long()
+    guess = guess + (torch.bitwise_left_shift(one, guess + 1) <= value).long()
+    return guess.clamp(max=num_buckets - 1)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ takes them as they are and no layer recomputes them (the GPU tests check the equ
 
 FlashInfer has no HSTU (SiLU, no softmax) attention kernel built in, so attention runs ``hstu_triton``'s
 kernel over the same pages; this backend is therefore CUDA-only, fp16/bf16 (FlashInfer's append has no
-fp32), head dims both support (64/128/256) and the Triton kernel's page sizes (16/32/64).
+fp32), head dims both support (64/128/256) and the Triton kernel's page sizes (16/32/64); the relative
+time bias, if any, is applied by that kernel too.
 
 ``flashinfer`` is imported only when the backend is checked or created, never by ``import
 attention_backends``; its first append JIT-compiles FlashInfer's page module (about 10 s, then cached).
@@ -75,6 +76,7 @@ class FlashInferBackend(AttentionBackend):
         kinds=frozenset({"hstu"}),
         head_dims=frozenset({64, 128, 256}),
         page_sizes=frozenset({16, 32, 64}),
+        time_bias=True,
     )
     #: Below ``hstu_triton``: same attention kernel, and the append is a small part of a layer's time,
     #: so ``auto`` prefers the backend without FlashInfer's JIT build. Select it by name.
@@ -134,8 +136,10 @@ class FlashInferBackend(AttentionBackend):
             q, k, v: ``[T, H, D]`` fp16/bf16 projections of all rows (any row and head strides).
             kv_cache: ``[num_pages, 2, page_size, H, D]`` (NHD) in ``q``'s dtype.
             metadata: what :meth:`build_metadata` returned for this step.
+            time_bias: ``[num_buckets, H]`` relative time bias (times from ``metadata.common.timestamps``),
+                or ``None``; applied by ``hstu_triton``'s kernel.
 
         Returns:
             ``[T, H, D]`` in ``q``'s dtype, contiguous.
         """
-        return self._attention.attend(q, k, v, kv_cache, metadata.attention)
+        return self._attention.attend(q, k, v, kv_cache, metadata.attention, time_bias=time_bias)

@@ -4,13 +4,14 @@ A program computes a ``BLOCK_M``-row query tile of one request and one head over
 history, ``BLOCK_N`` keys (whole pages: key ``j`` of request ``b`` is entry ``j % page_size`` of page
 ``kv_indices[kv_indptr[b] + j // page_size]``, read through the cache's strides) at a time. Key tiles
 seen by every row run unmasked; only those crossing the causal diagonal or the history's end are
-masked, and none past the tile's last visible key is visited. Candidates add their own k/v last.
+masked, and none past the tile's last visible key is visited. Candidates add their own k/v last. With a
+relative time bias, ``table[bucket(t_query - t_key), head]`` (:func:`_time_bias`) is added to ``alpha q.k``
+before the SiLU; without one (a constexpr flag) the kernel loads nothing more.
 
-:func:`plan_tile_map` (numpy on the host, uploaded in one copy) cuts the step into (query tile, key-range
-part) items, choosing the cut with a small cost model so that few queries over long histories and one
-long request among short ones both fill the GPU, and orders them longest-first; a persistent grid (one
-program per processor) walks them in snake order. Split tiles write fp32 partials that a second
-kernel sums in part order: HSTU has no softmax, so partials simply add, deterministically.
+:func:`~.hstu_triton_plan.plan_tile_map` (numpy on the host, uploaded in one copy) cuts the step into (query
+tile, key-range part) items, longest first; a persistent grid (one program per processor) walks them in
+snake order. Split tiles write fp32 partials that a second kernel sums in part order: HSTU has no softmax,
+so partials simply add, deterministically.
 
 ``import attention_backends`` never imports Triton (this module does). On CPU the kernel runs in
 Triton's interpreter, which needs ``TRITON_INTERPRET=1`` when this module is imported (tests).
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from .base import AttentionBackend, AttentionSpec, BackendSupport, PagedBatchMetadata
+from .hstu_triton_plan import MIN_TILES_PER_SPLIT, SPLIT_OVERHEAD_KEYS, TileConfig, default_tile_config, plan_tile_map
 from .paged import append_paged_kv_cache
 
 try:
@@ -36,39 +38,6 @@ except ImportError:  # the backend then reports itself unusable (reasons_unsuppo
     triton = tl = None
 _jit: Callable[[Callable], Callable] = (lambda fn: fn) if triton is None else triton.jit  # no Triton: never called
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # what triton.jit sees when the kernels below are defined
-
-# Split-KV: at most MAX_SPLITS parts per tile, MAX_PROGRAMS_PER_SM (item, head) pairs per processor (this
-# sizes the partial buffer), parts of at least MIN_TILES_PER_SPLIT key tiles; each program costs as much
-# time as SPLIT_OVERHEAD_KEYS keys (prologue, partial write and read; measured on an H200).
-MAX_SPLITS, MAX_PROGRAMS_PER_SM, MIN_TILES_PER_SPLIT, SPLIT_OVERHEAD_KEYS = 32, 4, 4, 640
-
-
-@dataclass(frozen=True)
-class TileConfig:
-    """Launch shape: ``block_m`` query rows and ``block_n`` keys (a multiple of the page size) per step,
-    both powers of two >= 16; ``num_warps`` per program; ``num_stages`` of key-loop pipelining."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-
-def default_tile_config(spec: AttentionSpec, max_query_len: int | None = None) -> TileConfig:
-    """Launch shape for ``spec`` (tuned on an H200; any valid shape is correct). For a step whose requests have
-    at most ``max_query_len <= 32`` rows each (a few new rows plus candidates over a long history, say), 16 or 32
-    query rows per tile: the same key tiles without most of the padded rows' math."""
-    if spec.dtype == torch.float32:
-        config = TileConfig(block_m=32 if spec.head_dim >= 256 else 64, block_n=32, num_warps=4, num_stages=1)
-    elif spec.head_dim >= 256:
-        config = TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
-    else:
-        config = TileConfig(block_m=128, block_n=128, num_warps=8 if spec.head_dim >= 128 else 4, num_stages=2)
-    block_m, num_warps = config.block_m, config.num_warps
-    decode_m = None if max_query_len is None or max_query_len > 32 else 16 if max_query_len <= 16 else 32
-    if decode_m is not None and decode_m < block_m:  # a decode-like step
-        block_m, num_warps = decode_m, 4
-    return TileConfig(block_m, max(config.block_n, spec.page_size), num_warps, config.num_stages)
 
 
 @dataclass
@@ -95,67 +64,6 @@ class HSTUTritonMetadata:
     config: TileConfig
 
 
-def plan_tile_map(query_start_loc: np.ndarray, num_history_rows: np.ndarray, kv_seq_lens: np.ndarray,
-                  tiles: TileConfig, num_heads: int, num_sms: int, overhead_keys: int = SPLIT_OVERHEAD_KEYS,
-                  min_tiles_per_split: int = MIN_TILES_PER_SPLIT) -> tuple[np.ndarray, np.ndarray]:
-    """Cut the step's rows into query tiles and their key ranges into work items, in numpy on the host, from
-    host copies of the common metadata's ``query_start_loc [B + 1]``, ``num_history_rows [B]`` and
-    ``kv_seq_lens [B]``. Returns ``tiles`` int32 ``[5, num_tiles]`` and ``items`` int32 ``[2, num_items]``.
-
-    For ``s = 1..MAX_SPLITS`` parts of the longest tile, every tile is cut into equal parts of at most as
-    many keys; the ``s`` with the least estimated time (list-scheduling lower bounds on ``num_sms``
-    processors plus ``overhead_keys`` per program, in float32) and at most ``max(num_tiles,
-    MAX_PROGRAMS_PER_SM * num_sms / num_heads)`` items wins (ties: fewest parts).
-    """
-    qsl, hist, seq_lens = (np.asarray(a, dtype=np.int64) for a in (query_start_loc, num_history_rows, kv_seq_lens))
-    block_m, block_n, num_requests = tiles.block_m, tiles.block_n, len(seq_lens)
-    rows = qsl[1:] - qsl[:-1]
-    num_tiles = min((int(qsl[-1]) + num_requests * (block_m - 1)) // block_m,  # both bound sum_b ceil(rows_b / block_m)
-                    num_requests * -(-int(rows.max(initial=0)) // block_m))  # spare slots (req -1) follow
-    num_items = max(num_tiles, -(-MAX_PROGRAMS_PER_SM * num_sms // num_heads))
-    if num_tiles == 0:
-        return np.zeros((5, 0), np.int32), np.zeros((2, 0), np.int32)
-    tiles_per_request = -(-rows // block_m)
-    tile_end, tile = np.cumsum(tiles_per_request), np.arange(num_tiles)
-    in_use = tile < tile_end[-1]
-    req = np.minimum(np.searchsorted(tile_end, tile, side="right"), num_requests - 1)
-    first = (tile - (tile_end - tiles_per_request)[req]) * block_m
-    last_limit = seq_lens[req] - hist[req] + np.minimum(first + block_m, rows[req])
-    blocks = -(-np.where(in_use, np.minimum(last_limit, seq_lens[req]), 0) // block_n)  # key tiles it visits
-
-    # Plans s = 1..MAX_SPLITS parts of the longest tile: parts per tile, key tiles per part [MAX_SPLITS, num_tiles].
-    # Those within the item budget (s = 1 always is; of equal ones the first) are costed from their items' lengths
-    # [plans, num_tiles * (most parts + 1)] (more zero padding changes nothing) by lower bounds of the list-scheduling
-    # time on num_sms processors (total work, waves of near-longest programs, two on one processor) plus overheads.
-    max_part = np.maximum(-(-blocks.max() // np.arange(1, MAX_SPLITS + 1)[:, None]), min_tiles_per_split)
-    parts = np.where(in_use, np.maximum(-(-blocks // max_part), 1), 0)
-    part_len = -(-blocks // np.maximum(parts, 1))  # so no part is empty
-    items = parts.sum(1)
-    ok = np.flatnonzero((items <= num_items) & (np.diff(max_part[:, 0], prepend=-1) != 0))
-    plan_len, columns = part_len[ok][..., None], np.arange(min(parts[ok].max() + 1, MAX_SPLITS))
-    lengths = np.minimum(np.maximum(blocks[:, None] - columns * plan_len, 0), plan_len)
-    lengths = lengths.reshape(len(ok), -1)
-    longest_part = lengths.max(1)
-    waves = -(-(4 * lengths >= 3 * longest_part[:, None]).sum(1) * num_heads // num_sms)
-    ranks = [min(r, lengths.shape[1] - 1) for r in ((num_sms - 1) // num_heads, num_sms // num_heads)]
-    ranked = -np.partition(-lengths, sorted(set(ranks)), axis=1)  # ranked[:, r]: the r-th longest
-    bound = np.maximum(waves * longest_part, ranked[:, ranks[0]] + ranked[:, ranks[1]]).astype(np.float32)
-    bound = np.maximum(bound, np.float32(blocks.sum() * num_heads) / np.float32(num_sms))
-    cost = bound + np.float32(overhead_keys / block_n * num_heads / num_sms) * items[ok].astype(np.float32)
-    best = ok[np.argmin(cost)]
-    splits, part_len = parts[best], part_len[best]
-
-    item_end, item = np.cumsum(splits), np.arange(num_items)
-    first_item, item_in_use = item_end - splits, item < item_end[-1]
-    item_tile = np.minimum(np.searchsorted(item_end, item, side="right"), num_tiles - 1)
-    item_split = item - first_item[item_tile]
-    # Longest items first; self-only candidate tiles (length 0) still sort before spare slots.
-    item_len = np.minimum(blocks[item_tile] - item_split * part_len[item_tile], part_len[item_tile])
-    order = np.argsort(np.where(item_in_use, -1 - item_len, 1), kind="stable")
-    tile_arrays = np.array([np.where(in_use, req, -1), first, splits, first_item, part_len * block_n], np.int32)
-    return tile_arrays, np.array([np.where(item_in_use, item_tile, -1)[order], item_split[order]], np.int32)
-
-
 @_jit
 def _silu(x, FAST: tl.constexpr):
     """``silu(x)`` of an fp32 tensor; ``FAST`` uses one ``tanh.approx`` instead of exp + divide (CUDA)."""
@@ -168,14 +76,29 @@ def _silu(x, FAST: tl.constexpr):
 
 
 @_jit
+def _time_bias(BiasHead, query_times, key_times, num_heads, max_bucket):
+    """fp32 ``[M, N]`` bias ``BiasHead[bucket * num_heads]`` (``BiasHead``: a head's column of the contiguous
+    ``[num_buckets, num_heads]`` table) of int64 ``query_times [M]`` and ``key_times [N]``, with ``bucket =
+    min(floor(log2(1 + |dt|)), max_bucket)`` exactly as :func:`~.base.time_bucket`: the float32 exponent of
+    ``1 + |dt|`` is ``floor(log2)`` or, rounded up to a power of two, one more; an integer shift corrects it."""
+    gap = tl.abs(query_times[:, None] - key_times[None, :]) + 1  # >= 1
+    exponent = (gap.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127  # positive and normal
+    bucket = tl.minimum(exponent, max_bucket)
+    bucket -= ((gap >> bucket) == 0).to(tl.int32)  # 2**bucket > gap: rounded up
+    return tl.load(BiasHead + bucket * num_heads).to(tl.float32)
+
+
+@_jit
 def _attend_key_tile(
     acc, q, start_n, KvHead, Pages, seq_len, row_limit, stride_page, stride_kv, stride_token, alpha,
+    BiasHead, query_times, KeyTimes, num_heads, max_bucket,
     MASKED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    FAST_SILU: tl.constexpr, PRECISION: tl.constexpr,
+    FAST_SILU: tl.constexpr, PRECISION: tl.constexpr, TIME_BIAS: tl.constexpr,
 ):
-    """``acc += silu(alpha q k^T) v`` over keys ``start_n .. start_n + BLOCK_N`` of the request whose page
+    """``acc += silu(alpha q k^T + bias) v`` over keys ``start_n .. start_n + BLOCK_N`` of the request whose page
     ids start at ``Pages``, for the head whose K starts at ``KvHead`` (masked: keys at or past a row's
-    ``row_limit`` count zero, keys past ``seq_len`` are not read)."""
+    ``row_limit`` count zero, keys past ``seq_len`` are not read). ``TIME_BIAS``: ``bias`` is :func:`_time_bias`
+    of the rows' ``query_times`` and the keys' times (request's first at ``KeyTimes``); else none."""
     keys = start_n + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     in_seq = keys < seq_len
@@ -190,7 +113,14 @@ def _attend_key_tile(
     else:
         k = tl.load(k_ptrs)
         v = tl.load(k_ptrs + stride_kv)
-    p = _silu(tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha, FAST_SILU)
+    logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha
+    if TIME_BIAS:
+        if MASKED:
+            key_times = tl.load(KeyTimes + keys, mask=in_seq, other=0)
+        else:
+            key_times = tl.load(KeyTimes + keys)
+        logits += _time_bias(BiasHead, query_times, key_times, num_heads, max_bucket)
+    p = _silu(logits, FAST_SILU)
     if MASKED:
         p = tl.where(keys[None, :] < row_limit[:, None], p, 0.0)
     return tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
@@ -199,15 +129,18 @@ def _attend_key_tile(
 @_jit
 def _hstu_paged_attention_kernel(
     Q, K, V, KV, Out, Partial, Tiles, Items, QueryStartLoc, NumHistory, SeqLens, KvIndptr, KvIndices,
+    TimeBias, QueryTimes, KeyTimes, KeyStart, max_bucket,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_page, stride_kv, stride_token, stride_head, stride_ot, stride_oh,
     num_tiles, num_items, num_heads, num_work, num_rounds, alpha, inv_scaling,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    FAST_SILU: tl.constexpr, PRECISION: tl.constexpr,
+    FAST_SILU: tl.constexpr, PRECISION: tl.constexpr, TIME_BIAS: tl.constexpr,
 ):
     """Persistent: program g of G takes (work item, head) pairs g, 2G-1-g, 2G+g, ... of the longest-first
     list (the snake order pairs long items with short ones) and computes, for each, its part of its query
-    tile's key range for that head (``Tiles``, ``Items``: :class:`HSTUTritonMetadata`)."""
+    tile's key range for that head (``Tiles``, ``Items``: :class:`HSTUTritonMetadata`). ``TIME_BIAS``: add
+    the bias of ``TimeBias [max_bucket + 1, H]`` (contiguous) from int64 ``QueryTimes [T]`` and ``KeyTimes``
+    (request ``b``'s from ``KeyStart[b]``, :class:`~.base.StepTimestamps`); else those are never read."""
     program = tl.program_id(0)
     num_programs = tl.num_programs(0)
     for r in range(num_rounds):
@@ -244,12 +177,20 @@ def _hstu_paged_attention_kernel(
             q = tl.load(q_ptrs, mask=valid[:, None], other=0.0)
             acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
             kv_head = KV + head * stride_head
+            bias_head = TimeBias + head
+            query_times = rows  # without the time bias, these are placeholders that are never read
+            key_times = KeyTimes
+            if TIME_BIAS:
+                query_times = tl.load(QueryTimes + rows, mask=valid, other=0)
+                key_times += tl.load(KeyStart + req)
             for start_n in range(lo, unmasked_end, BLOCK_N):
                 acc = _attend_key_tile(acc, q, start_n, kv_head, pages, seq_len, row_limit, stride_page, stride_kv,
-                                       stride_token, alpha, False, PAGE_SIZE, BLOCK_N, HEAD_DIM, FAST_SILU, PRECISION)
+                                       stride_token, alpha, bias_head, query_times, key_times, num_heads, max_bucket,
+                                       False, PAGE_SIZE, BLOCK_N, HEAD_DIM, FAST_SILU, PRECISION, TIME_BIAS)
             for start_n in range(tl.maximum(lo, unmasked_end), hi, BLOCK_N):
                 acc = _attend_key_tile(acc, q, start_n, kv_head, pages, seq_len, row_limit, stride_page, stride_kv,
-                                       stride_token, alpha, True, PAGE_SIZE, BLOCK_N, HEAD_DIM, FAST_SILU, PRECISION)
+                                       stride_token, alpha, bias_head, query_times, key_times, num_heads, max_bucket,
+                                       True, PAGE_SIZE, BLOCK_N, HEAD_DIM, FAST_SILU, PRECISION, TIME_BIAS)
             out = acc * inv_scaling
 
             # Candidates also attend to their own k/v (added once, by part 0).
@@ -259,6 +200,8 @@ def _hstu_paged_attention_kernel(
             own_k = tl.load(own_k_ptrs, mask=own[:, None], other=0.0)
             own_v = tl.load(own_v_ptrs, mask=own[:, None], other=0.0)
             own_logit = tl.sum(q.to(tl.float32) * own_k.to(tl.float32), axis=1) * alpha
+            if TIME_BIAS:  # a candidate's own key has its time: bucket 0
+                own_logit += tl.load(bias_head).to(tl.float32)
             own_weight = tl.where(own, _silu(own_logit, False) * inv_scaling, 0.0)
             out += own_weight[:, None] * own_v.to(tl.float32)
 
@@ -308,7 +251,8 @@ class HSTUTritonBackend(AttentionBackend):
     name: ClassVar[str] = "hstu_triton"
     support: ClassVar[BackendSupport] = BackendSupport(
         devices=frozenset({"cuda", "cpu"}), dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-        kinds=frozenset({"hstu"}), head_dims=frozenset({16, 32, 64, 128, 256}), page_sizes=frozenset({16, 32, 64}))
+        kinds=frozenset({"hstu"}), head_dims=frozenset({16, 32, 64, 128, 256}), page_sizes=frozenset({16, 32, 64}),
+        time_bias=True)
     priority: ClassVar[int] = 10
 
     def __init__(self, spec: AttentionSpec, tiles: TileConfig | None = None) -> None:
@@ -361,11 +305,15 @@ class HSTUTritonBackend(AttentionBackend):
             kv_cache: ``[num_pages, 2, page_size, H, D]`` (NHD, ``[:, 0]`` = K, ``[:, 1]`` = V) in ``q``'s
                 dtype; any strides but the last dim's.
             metadata: what :meth:`build_metadata` returned for this step.
+            time_bias: ``[num_buckets, H]`` relative time bias (any float dtype, added in fp32; the times are
+                ``metadata.common.timestamps``), or ``None``.
 
         Returns:
             ``[T, H, D]`` in ``q``'s dtype, contiguous.
         """
         m, c = metadata, metadata.common
+        if time_bias is not None and c.timestamps is None:
+            raise ValueError("time_bias needs the step's timestamps (PagedBatchMetadata.timestamps is None)")
         num_rows, num_heads, head_dim = q.shape
         out = torch.empty((num_rows, num_heads, head_dim), dtype=q.dtype, device=q.device)
         num_tiles, num_items = m.tiles.shape[1], m.items.shape[1]
@@ -378,16 +326,19 @@ class HSTUTritonBackend(AttentionBackend):
         partial = torch.empty(shape, dtype=torch.float32, device=q.device)
         num_work = num_heads * num_items
         num_programs = min(num_work, m.num_sms)  # persistent grid
+        t = c.timestamps
+        times = (out, m.tiles, m.tiles, m.tiles, 0) if time_bias is None else (  # placeholders without a bias
+            time_bias.contiguous(), t.query, t.keys, t.key_start, time_bias.shape[0] - 1)
         _hstu_paged_attention_kernel[(num_programs,)](
             q, k, v, kv_cache, out, partial, m.tiles, m.items,
-            c.query_start_loc, c.num_history_rows, c.kv_seq_lens, c.kv_indptr, c.kv_indices,
+            c.query_start_loc, c.num_history_rows, c.kv_seq_lens, c.kv_indptr, c.kv_indices, *times,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             *kv_cache.stride()[:4], out.stride(0), out.stride(1),
             num_tiles, num_items, num_heads, num_work, -(-num_work // num_programs),
             self.spec.alpha, 1.0 / self.spec.scaling_seqlen,
             HEAD_DIM=head_dim, PAGE_SIZE=kv_cache.shape[2], BLOCK_M=block_m, BLOCK_N=config.block_n,
             FAST_SILU=q.dtype != torch.float32 and q.is_cuda and not INTERPRETED,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TIME_BIAS=time_bias is not None,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         if m.may_split:

@@ -9,6 +9,7 @@ bit-exact (``torch.equal`` of the whole cache) with ``torch_ref``'s, our per-row
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -96,9 +97,11 @@ needs_attention = pytest.mark.skipif(bool(hstu_triton.HSTUTritonBackend.reasons_
 
 
 @needs_attention
+@pytest.mark.parametrize("time_buckets", [0, 12], ids=["plain", "time_bias"])
 @pytest.mark.parametrize("case_name", CASE_NAMES)
-def test_composition_with_stand_in_append(cpu_flashinfer, case_name):
-    check_backend(FlashInferBackend(STAND_IN_SPEC), case_for(STAND_IN_SPEC, case_name))
+def test_composition_with_stand_in_append(cpu_flashinfer, case_name, time_buckets):
+    spec = dataclasses.replace(STAND_IN_SPEC, time_bias_buckets=time_buckets)  # the bias goes through to the kernel
+    check_backend(FlashInferBackend(spec), case_for(spec, case_name))
 
 
 @needs_attention
@@ -119,19 +122,22 @@ GPU_LAYOUT = [(37, 5, 3), (0, 20, 4), (31, 1, 0), (32, 0, 6), (0, 0, 3), (16, 1,
 def gpu_case(layout, spec):
     cached, new, candidates = (list(x) for x in zip(*layout))
     return build_case(cached, new, candidates, heads=spec.num_heads, dim=spec.head_dim, page_size=spec.page_size,
-                      dtype=spec.dtype, device="cuda", seed=spec.head_dim + spec.page_size)
+                      dtype=spec.dtype, device="cuda", seed=spec.head_dim + spec.page_size,
+                      time_buckets=spec.time_bias_buckets)
 
 
 @pytest.mark.gpu
 @requires_cuda
 @needs_flashinfer
-@pytest.mark.parametrize(("dtype", "head_dim", "page_size"), [
-    (torch.bfloat16, 128, 32), (torch.bfloat16, 64, 16), (torch.float16, 256, 64), (torch.float16, 128, 16),
+@pytest.mark.parametrize(("dtype", "head_dim", "page_size", "time_buckets"), [
+    (torch.bfloat16, 128, 32, 0), (torch.bfloat16, 64, 16, 0), (torch.float16, 256, 64, 0), (torch.float16, 128, 16, 0),
+    (torch.bfloat16, 128, 32, 24),  # with a relative time bias
 ])
-def test_gpu_append_bit_exact_and_attention_matches_torch_ref(dtype, head_dim, page_size):
+def test_gpu_append_bit_exact_and_attention_matches_torch_ref(dtype, head_dim, page_size, time_buckets):
     import flashinfer
 
     spec = make_spec("cuda", dtype, head_dim=head_dim, page_size=page_size)
+    spec = dataclasses.replace(spec, time_bias_buckets=time_buckets)
     case = gpu_case(GPU_LAYOUT, spec)
     common = case.metadata
     # Our per-row append indices are FlashInfer's own.
@@ -146,14 +152,14 @@ def test_gpu_append_bit_exact_and_attention_matches_torch_ref(dtype, head_dim, p
     ref, ref_cache = TorchRefBackend(spec), case.kv_cache.clone()
     ref_meta = ref.build_metadata(common)
     ref.append_kv(ref_cache, case.k[rows], case.v[rows], ref_meta)
-    expected = ref.attend(case.q, case.k, case.v, ref_cache, ref_meta)
+    expected = ref.attend(case.q, case.k, case.v, ref_cache, ref_meta, time_bias=case.time_bias)
 
     backend = FlashInferBackend(spec)
     meta = backend.build_metadata(common)
     backend.append_kv(case.kv_cache, case.k[rows], case.v[rows], meta)
     torch.cuda.synchronize()
     assert torch.equal(case.kv_cache, ref_cache)  # bit-exact, every page (untouched ones included)
-    got = backend.attend(case.q, case.k, case.v, case.kv_cache, meta)
+    got = backend.attend(case.q, case.k, case.v, case.kv_cache, meta, time_bias=case.time_bias)
     assert got.shape == case.q.shape and got.dtype == dtype
     assert_close(got, expected.double().cpu(), dtype)
 

@@ -2,7 +2,8 @@
 
 CPU tests run the kernel in Triton's interpreter (``TRITON_INTERPRET=1``, set here before the backend
 module is imported, only when CUDA is unavailable) on tiny shapes in float32; ``gpu`` tests run the
-compiled kernel at the benchmark's sizes (4 heads x 128, bf16, histories up to 16k, page size 32).
+compiled kernel at the benchmark's sizes (4 heads x 128, bf16, histories up to 16k, page size 32). Time bias
+tests give the step event times (:class:`StepTimestamps`) and a ``[buckets, H]`` table to both backends.
 """
 
 from __future__ import annotations
@@ -22,12 +23,23 @@ if not torch.cuda.is_available():  # the interpreter; the kernels read this when
     os.environ["TRITON_INTERPRET"] = "1"
 
 from attention_backends import AttentionSpec, BackendRegistry, PagedBatchMetadata
+from attention_backends.base import time_bucket
 from attention_backends.torch_ref import TorchRefBackend
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
     import attention_backends.hstu_triton as hstu_triton
-    from attention_backends.hstu_triton import HSTUTritonBackend, TileConfig
+    from attention_backends.hstu_triton import HSTUTritonBackend, TileConfig, _time_bias
+
+    @triton.jit
+    def _time_bias_kernel(Table, QueryTimes, KeyTimes, Out, num_heads, max_bucket, M: tl.constexpr, N: tl.constexpr):
+        """``Out[h] = _time_bias`` of head ``program_id(0)`` for every (query, key) pair: ``[H, M, N]``."""
+        head, rows, cols = tl.program_id(0), tl.arange(0, M), tl.arange(0, N)
+        bias = _time_bias(Table + head, tl.load(QueryTimes + rows), tl.load(KeyTimes + cols), num_heads, max_bucket)
+        tl.store(Out + head * M * N + rows[:, None] * N + cols[None, :], bias)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -57,21 +69,36 @@ def make_spec(page_size: int, heads: int, dim: int, dtype: torch.dtype, device: 
 
 
 def make_common(layout: list[tuple[int, int, int]], page: int, gen: torch.Generator, spare_pages: int = 3,
-                device: str = DEVICE) -> PagedBatchMetadata:
-    """The common metadata of ``layout`` over shuffled pages of a pool of ``spare_pages`` more pages."""
+                device: str = DEVICE, times: list[np.ndarray] | None = None) -> PagedBatchMetadata:
+    """The common metadata of ``layout`` over shuffled pages of a pool of ``spare_pages`` more pages; with
+    ``times`` (each request's int64 history event times ``[cached + new]``), its :class:`StepTimestamps`."""
     cached, hist, cand = (np.array([x[i] for x in layout], dtype=np.int64) for i in range(3))
     num_pages = -(-(cached + hist) // page)
     indptr = np.concatenate([[0], np.cumsum(num_pages)])
     indices = torch.randperm(int(indptr[-1]) + spare_pages, generator=gen)[: int(indptr[-1])].numpy()
-    return PagedBatchMetadata.from_layout(cached, hist, cand, indptr, indices, page, device)
+    query_times = key_times = None
+    if times is not None:  # a history row's time is its event's; a candidate's, the last event's (0 without one)
+        query_times = np.concatenate([np.concatenate([t[c:], np.full(x, t[-1] if len(t) else 0)])
+                                      for (c, _, x), t in zip(layout, times)]).astype(np.int64)
+        key_times = np.concatenate([np.zeros(0), *times]).astype(np.int64)
+    return PagedBatchMetadata.from_layout(cached, hist, cand, indptr, indices, page, device, query_times, key_times)
+
+
+def random_times(layout: list[tuple[int, int, int]], gen: torch.Generator) -> list[np.ndarray]:
+    """Increasing event times per request with gaps from 0 to about 2**34 (every bucket up to 34 is hit)."""
+    times = []
+    for c, h, _ in layout:
+        gaps = torch.where(torch.rand(c + h, generator=gen) < 0.2, 0, 2 ** (torch.rand(c + h, generator=gen) * 34))
+        times.append(1_700_000_000 + torch.cumsum(gaps.long(), 0).numpy())
+    return times
 
 
 def make_batch(layout: list[tuple[int, int, int]], spec: AttentionSpec, gen: torch.Generator, spare_pages: int = 3,
-               head_major_cache: bool = False):
+               head_major_cache: bool = False, times: list[np.ndarray] | None = None):
     """A paged batch: common metadata, fused-projection q/k/v views ``[T, H, D]`` and a cache whose
     history before this step is filled and whose every other slot is NaN, pages shuffled."""
     page, heads, dim, dtype = spec.page_size, spec.num_heads, spec.head_dim, spec.dtype
-    common = make_common(layout, page, gen, spare_pages, spec.device_type)
+    common = make_common(layout, page, gen, spare_pages, spec.device_type, times)
     indptr, indices = (torch.from_numpy(common.host[k]) for k in ("kv_indptr", "kv_indices"))
     pool, total = int(indptr[-1]) + spare_pages, int(common.host["query_start_loc"][-1])
     qkv = torch.randn(total, 3, heads, dim, generator=gen).to(device=spec.device_type, dtype=dtype)
@@ -98,21 +125,25 @@ def make_backend(spec: AttentionSpec, tiles: TileConfig | None = None, num_sms: 
     return backend
 
 
-def run_both(layout, spec, gen, tiles=None, num_sms=None, head_major_cache=False):
-    """Append + attend with both backends; returns (hstu_triton output, torch_ref output, output scale)."""
-    common, q, k, v, cache = make_batch(layout, spec, gen, head_major_cache=head_major_cache)
+def run_both(layout, spec, gen, tiles=None, num_sms=None, head_major_cache=False, times=None):
+    """Append + attend with both backends; returns (hstu_triton output, torch_ref output, output scale). With
+    ``times`` (see :func:`make_common`) both add a random ``[spec.time_bias_buckets, H]`` bias in ``spec.dtype``."""
+    common, q, k, v, cache = make_batch(layout, spec, gen, head_major_cache=head_major_cache, times=times)
+    table = None
+    if times is not None:
+        table = torch.randn(spec.time_bias_buckets, spec.num_heads, generator=gen).to(spec.device_type, spec.dtype)
     hist_rows = common.history_rows.long()
     ref, ref_cache = TorchRefBackend(spec), cache.clone()
     ref_meta = ref.build_metadata(common)
     ref.append_kv(ref_cache, k[hist_rows], v[hist_rows], ref_meta)
     # NaN slots are never valid keys; the oracle multiplies its masked-out weights by them, so give it zeros.
-    expected = ref.attend(q, k, v, torch.nan_to_num(ref_cache, nan=0.0), ref_meta)
+    expected = ref.attend(q, k, v, torch.nan_to_num(ref_cache, nan=0.0), ref_meta, time_bias=table)
 
     backend = make_backend(spec, tiles, num_sms)
     meta = backend.build_metadata(common)
     backend.append_kv(cache, k[hist_rows], v[hist_rows], meta)
     assert torch.equal(cache.nan_to_num(0.0), ref_cache.nan_to_num(0.0))
-    got = backend.attend(q, k, v, cache, meta)
+    got = backend.attend(q, k, v, cache, meta, time_bias=table)
     assert got.dtype == q.dtype and got.shape == q.shape
     return got.float(), expected.float(), expected.float().abs().max().clamp(min=1e-6)
 
@@ -177,6 +208,116 @@ def test_default_tiles_and_page_size_64():
     assert_close(got, expected, scale, 1e-5)
 
 
+def with_time_bias(spec: AttentionSpec, buckets: int) -> AttentionSpec:
+    return dataclasses.replace(spec, time_bias_buckets=buckets)
+
+
+def power_of_two_gaps(max_k: int) -> np.ndarray:
+    """Every ``2**k - 2, 2**k - 1, 2**k, 2**k + 1`` for ``k = 1..max_k`` (``1 + gap`` at and around powers of
+    two: where a float32 log2 is wrong), and 0, sorted."""
+    return np.unique(np.array([2**k + d for k in range(1, max_k + 1) for d in (-2, -1, 0, 1)] + [0], np.int64))
+
+
+needs_kernels = pytest.mark.skipif(not HAS_TRITON or not (torch.cuda.is_available() or hstu_triton.INTERPRETED),
+                                   reason="needs triton, and CUDA or TRITON_INTERPRET=1 set before it was imported")
+
+
+@needs_kernels
+@pytest.mark.parametrize("num_buckets", [64, 41, 20, 1])
+def test_time_bucket_is_exact_at_powers_of_two(num_buckets):
+    # The kernel's bucket, read back through a table whose entry [b, h] is b * H + h, against bit lengths.
+    gaps = power_of_two_gaps(62)  # 249 gaps; key times -gap and +gap
+    keys = np.concatenate([-gaps, gaps, np.arange(512 - 2 * len(gaps)) * 7919])
+    queries = np.array([0, 1, -1, 2, 3, -5, 2**20, 2**24 + 1, 2**31, -(2**31) - 1, 2**32 - 1, 2**40, -(2**40),
+                        2**53, 12345678901, -98765], np.int64)
+    heads, expected = 3, np.empty((len(queries), len(keys)), np.int64)
+    for i, t_query in enumerate(queries.tolist()):
+        expected[i] = [min((abs(t_query - t_key) + 1).bit_length() - 1, num_buckets - 1) for t_key in keys.tolist()]
+    table = torch.arange(num_buckets * heads, dtype=torch.float32, device=DEVICE).view(num_buckets, heads)
+    out = torch.empty(heads, len(queries), len(keys), device=DEVICE)
+    query_times, key_times = (torch.from_numpy(x).to(DEVICE) for x in (queries, keys))
+    _time_bias_kernel[(heads,)](table, query_times, key_times, out, heads, num_buckets - 1, len(queries), len(keys))
+    got = out.cpu().long()
+    assert torch.equal(got // heads, torch.from_numpy(expected)[None].expand(heads, -1, -1))
+    assert torch.equal(got % heads, torch.arange(heads)[:, None, None].expand_as(got))
+    # time_bucket agrees below 2**48 (above, float64 log2 rounds log2(2**k - 1) up to k: one bucket too many).
+    small = torch.from_numpy(np.abs(queries[:, None] - keys[None, :]) < 2**48)
+    delta = torch.from_numpy(queries[:, None] - keys[None, :])
+    assert torch.equal(time_bucket(delta, num_buckets)[small], torch.from_numpy(expected)[small])
+
+
+def gap_layout_and_times(max_k: int = 40) -> tuple[list[tuple[int, int, int]], list[np.ndarray]]:
+    """Requests whose queries see keys exactly ``power_of_two_gaps(max_k)`` before (and after) them: history
+    times ``T - gap`` (increasing) ending with a new row at ``T``, then candidates (time ``T``); the same
+    into the future (``|dt|``); a mix with several new rows; and one without history."""
+    gaps, start = power_of_two_gaps(max_k), 2**42
+    before = np.concatenate([start - gaps[::-1]])  # ends with T (gap 0)
+    after = start + gaps
+    mixed = np.concatenate([start - gaps[::-1][:80], start + gaps[::7]])
+    layout = [(len(before) - 1, 1, 3), (len(after) - 5, 5, 2), (50, len(mixed) - 50, 4), (0, 0, 2)]
+    return layout, [before, after, mixed, np.zeros(0, np.int64)]
+
+
+@needs_triton
+@cpu_only
+@pytest.mark.parametrize(("num_buckets", "num_sms"), [(42, None), (42, 64), (64, 1), (20, None), (1, None)])
+def test_time_bias_at_power_of_two_gaps_matches_reference(num_buckets, num_sms):
+    layout, times = gap_layout_and_times(40)
+    gen = torch.Generator().manual_seed(num_buckets)
+    spec = with_time_bias(make_spec(16, 2, 16, torch.float32), num_buckets)
+    got, expected, scale = run_both(layout, spec, gen, TileConfig(16, 32, 4, 1), num_sms, times=times)
+    assert_close(got, expected, scale, 1e-5)
+    # And the bias matters: without it the output is different.
+    plain = run_both(layout, spec, torch.Generator().manual_seed(num_buckets), TileConfig(16, 32, 4, 1), num_sms)[0]
+    assert (plain - got).abs().max() > 1e-3 * scale
+
+
+@needs_triton
+@cpu_only
+@pytest.mark.parametrize("seed", range(3))
+def test_time_bias_with_split_kv_matches_reference(seed):
+    gen = torch.Generator().manual_seed(100 + seed)
+    layout = [*EDGE_BATCH, *random_layout(gen, 3, 200, 40, 8)]
+    spec = with_time_bias(make_spec(16 if seed else 32, 2, 16, torch.float32), 36)
+    tiles = TileConfig(16, 32, 4, 1)
+    common = make_common(layout, spec.page_size, gen, device="cpu")
+    split = make_backend(spec, tiles, num_sms=200).build_metadata(common)
+    assert int(split.tiles[2].max()) > 1  # several parts per tile: each adds its own keys' bias
+    got, expected, scale = run_both(layout, spec, gen, tiles, num_sms=200, head_major_cache=seed == 2,
+                                    times=random_times(layout, gen))
+    assert_close(got, expected, scale, 1e-5)
+
+
+@needs_triton
+@cpu_only
+def test_time_bias_float16_default_tiles_and_missing_timestamps():
+    gen = torch.Generator().manual_seed(3)
+    spec = with_time_bias(make_spec(16, 2, 16, torch.float16), 24)  # fp16 table, added in fp32
+    got, expected, scale = run_both(EDGE_BATCH, spec, gen, times=random_times(EDGE_BATCH, gen))
+    assert_close(got, expected, scale, 3e-3)
+    common, q, k, v, cache = make_batch(EDGE_BATCH, spec, gen)  # no timestamps
+    backend = HSTUTritonBackend(spec)
+    with pytest.raises(ValueError, match="timestamps"):
+        backend.attend(q, k, v, cache, backend.build_metadata(common), time_bias=torch.zeros(24, 2))
+
+
+@needs_triton
+@cpu_only
+def test_engine_with_time_bias_equals_recompute():
+    import msgspec
+
+    from gr_engine import GREngine
+    from tests.conftest import tiny_config, with_cache
+    from tests.test_engine_differential import max_diff, stream
+
+    config = tiny_config(page_size=16, head_dim=16, num_gpu_pages=60, max_history_len=128, time_bias_buckets=20)
+    requests = stream(config, num_users=4, visits=4, seed=6)
+    expected = GREngine(with_cache(config, mode="recompute")).rank(requests, use_tqdm=False)  # torch_ref, no reuse
+    engine = GREngine(msgspec.structs.replace(config, attention_backend="hstu_triton"))
+    assert type(engine.backend) is HSTUTritonBackend
+    assert max_diff(engine.rank(requests, use_tqdm=False), expected) <= 1e-4
+
+
 @needs_triton
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("num_sms", [1, 8, 100])
@@ -229,13 +370,15 @@ class _RecordOps(TorchDispatchMode):
 @needs_triton
 @cpu_only
 def test_no_device_sync_in_build_metadata_or_attend():
-    spec = make_spec(16, 2, 16, torch.float32)
-    common, q, k, v, cache = make_batch(EDGE_BATCH, spec, torch.Generator().manual_seed(5))
+    spec, gen = with_time_bias(make_spec(16, 2, 16, torch.float32), 12), torch.Generator().manual_seed(5)
+    common, q, k, v, cache = make_batch(EDGE_BATCH, spec, gen, times=random_times(EDGE_BATCH, gen))
     backend, cache = HSTUTritonBackend(spec, tiles=TileConfig(16, 16, 4, 1)), cache.nan_to_num(0.0)
+    table = torch.randn(12, 2, generator=gen)
     with _RecordOps() as record:  # ops that synchronise a CUDA device: reading a value, uploading host data
         backend.attend(q, k, v, cache, backend.build_metadata(common))
         split = make_backend(spec, backend.tiles, num_sms=64).build_metadata(common)
         backend.attend(q, k, v, cache, split)
+        backend.attend(q, k, v, cache, split, time_bias=table)  # the time bias path too
     assert not {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default} & set(record.ops)
     assert int(split.tiles[2].max()) > 1  # the split path ran too
 
@@ -397,3 +540,33 @@ def test_gpu_build_metadata_is_one_copy_and_no_kernel():
     device_events = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert len(device_events) == 1 and "HtoD" in device_events[0], device_events
     assert meta.config.block_m == 16 and meta.tiles.is_cuda
+
+
+@pytest.mark.parametrize(("layout", "num_sms", "num_buckets"), [
+    ([(8192, 256, 100)], None, 32),  # delta queries over an 8k history: split-KV
+    ([(8000, 192, 64), (3000, 0, 100), (0, 1024, 0), (0, 0, 50)], None, 40),
+    ([(0, 8192, 0)], None, 32),  # full causal prefill
+    ([(8192, 1, 8), (7000, 0, 9), (8100, 2, 7)], None, 32),  # decode tiles (16 rows) over 8k
+    ([(8190, 4, 20), (5000, 0, 30), (31, 1, 0)], 1000, 48),  # decode tiles (32 rows), many short parts
+])
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+def test_gpu_bf16_time_bias_matches_reference(layout, num_sms, num_buckets):
+    gen = torch.Generator().manual_seed(len(layout) + num_buckets)
+    spec = with_time_bias(make_spec(32, 4, 128, torch.bfloat16), num_buckets)
+    got, expected, scale = run_both(layout, spec, gen, num_sms=num_sms, times=random_times(layout, gen))
+    assert_close(got, expected, scale, 1.5e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+def test_gpu_time_bias_at_power_of_two_gaps():
+    layout, times = gap_layout_and_times(40)
+    layout, times = [*layout, (8000, 192, 8)], [*times, random_times([(8000, 192, 8)], torch.Generator())[0]]
+    gen = torch.Generator().manual_seed(41)
+    for dtype, rtol in ((torch.bfloat16, 1.5e-2), (torch.float32, 1e-4)):
+        spec = with_time_bias(make_spec(32, 4, 128, dtype), 42)
+        got, expected, scale = run_both(layout, spec, gen, times=times)
+        assert_close(got, expected, scale, rtol)

@@ -40,3 +40,15 @@ def test_rejects_unsupported_spec():
                          device_type="tpu", alpha=1.0, scaling_seqlen=1)
     with pytest.raises(ValueError, match=r"device 'tpu'.*dtype"):
         TorchRefBackend(spec)
+
+
+def test_time_bucket_is_exact_near_powers_of_two():
+    from attention_backends.base import time_bucket
+
+    k = torch.arange(0, 62)
+    for offset in (-1, 0, 1):
+        delta = (torch.ones_like(k) << k) + offset - 1  # 1 + |delta| = 2^k + offset
+        expected = torch.tensor([(abs(int(d)) + 1).bit_length() - 1 for d in delta])
+        assert torch.equal(time_bucket(delta, 100), expected)
+        assert torch.equal(time_bucket(-delta, 100), expected)
+    assert torch.equal(time_bucket(torch.tensor([0, 10**12]), 8), torch.tensor([0, 7]))

@@ -1,0 +1,111 @@
+"""Host-side planning for ``hstu_triton``: launch shapes and the split-KV tile map (numpy only, no Triton).
+
+:func:`plan_tile_map` (numpy on the host, uploaded by the backend in one copy) cuts a step into (query tile,
+key-range part) items, choosing the cut with a small cost model so that few queries over long histories and
+one long request among short ones both fill the GPU, and orders them longest-first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .base import AttentionSpec
+
+# Split-KV: at most MAX_SPLITS parts per tile, MAX_PROGRAMS_PER_SM (item, head) pairs per processor (this
+# sizes the partial buffer), parts of at least MIN_TILES_PER_SPLIT key tiles; each program costs as much
+# time as SPLIT_OVERHEAD_KEYS keys (prologue, partial write and read; measured on an H200).
+MAX_SPLITS, MAX_PROGRAMS_PER_SM, MIN_TILES_PER_SPLIT, SPLIT_OVERHEAD_KEYS = 32, 4, 4, 640
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch shape: ``block_m`` query rows and ``block_n`` keys (a multiple of the page size) per step,
+    both powers of two >= 16; ``num_warps`` per program; ``num_stages`` of key-loop pipelining."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_tile_config(spec: AttentionSpec, max_query_len: int | None = None) -> TileConfig:
+    """Launch shape for ``spec`` (tuned on an H200; any valid shape is correct). For a step whose requests have
+    at most ``max_query_len <= 32`` rows each (a few new rows plus candidates over a long history, say), 16 or 32
+    query rows per tile: the same key tiles without most of the padded rows' math."""
+    if spec.dtype == torch.float32:
+        config = TileConfig(block_m=32 if spec.head_dim >= 256 else 64, block_n=32, num_warps=4, num_stages=1)
+    elif spec.head_dim >= 256:
+        config = TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    else:
+        config = TileConfig(block_m=128, block_n=128, num_warps=8 if spec.head_dim >= 128 else 4, num_stages=2)
+    block_m, num_warps = config.block_m, config.num_warps
+    decode_m = None if max_query_len is None or max_query_len > 32 else 16 if max_query_len <= 16 else 32
+    if decode_m is not None and decode_m < block_m:  # a decode-like step
+        block_m, num_warps = decode_m, 4
+    return TileConfig(block_m, max(config.block_n, spec.page_size), num_warps, config.num_stages)
+
+
+def plan_tile_map(query_start_loc: np.ndarray, num_history_rows: np.ndarray, kv_seq_lens: np.ndarray,
+                  tiles: TileConfig, num_heads: int, num_sms: int, overhead_keys: int = SPLIT_OVERHEAD_KEYS,
+                  min_tiles_per_split: int = MIN_TILES_PER_SPLIT) -> tuple[np.ndarray, np.ndarray]:
+    """Cut the step's rows into query tiles and their key ranges into work items, in numpy on the host, from
+    host copies of the common metadata's ``query_start_loc [B + 1]``, ``num_history_rows [B]`` and
+    ``kv_seq_lens [B]``. Returns ``tiles`` int32 ``[5, num_tiles]`` and ``items`` int32 ``[2, num_items]``.
+
+    For ``s = 1..MAX_SPLITS`` parts of the longest tile, every tile is cut into equal parts of at most as
+    many keys; the ``s`` with the least estimated time (list-scheduling lower bounds on ``num_sms``
+    processors plus ``overhead_keys`` per program, in float32) and at most ``max(num_tiles,
+    MAX_PROGRAMS_PER_SM * num_sms / num_heads)`` items wins (ties: fewest parts).
+    """
+    qsl, hist, seq_lens = (np.asarray(a, dtype=np.int64) for a in (query_start_loc, num_history_rows, kv_seq_lens))
+    block_m, block_n, num_requests = tiles.block_m, tiles.block_n, len(seq_lens)
+    rows = qsl[1:] - qsl[:-1]
+    num_tiles = min((int(qsl[-1]) + num_requests * (block_m - 1)) // block_m,  # both bound sum_b ceil(rows_b / block_m)
+                    num_requests * -(-int(rows.max(initial=0)) // block_m))  # spare slots (req -1) follow
+    num_items = max(num_tiles, -(-MAX_PROGRAMS_PER_SM * num_sms // num_heads))
+    if num_tiles == 0:
+        return np.zeros((5, 0), np.int32), np.zeros((2, 0), np.int32)
+    tiles_per_request = -(-rows // block_m)
+    tile_end, tile = np.cumsum(tiles_per_request), np.arange(num_tiles)
+    in_use = tile < tile_end[-1]
+    req = np.minimum(np.searchsorted(tile_end, tile, side="right"), num_requests - 1)
+    first = (tile - (tile_end - tiles_per_request)[req]) * block_m
+    last_limit = seq_lens[req] - hist[req] + np.minimum(first + block_m, rows[req])
+    blocks = -(-np.where(in_use, np.minimum(last_limit, seq_lens[req]), 0) // block_n)  # key tiles it visits
+
+    # Plans s = 1..MAX_SPLITS parts of the longest tile: parts per tile, key tiles per part [MAX_SPLITS, num_tiles].
+    # Those within the item budget (s = 1 always is; of equal ones the first) are costed from their items' lengths
+    # [plans, num_tiles * (most parts + 1)] (more zero padding changes nothing) by lower bounds of the list-scheduling
+    # time on num_sms processors (total work, waves of near-longest programs, two on one processor) plus overheads.
+    max_part = np.maximum(-(-blocks.max() // np.arange(1, MAX_SPLITS + 1)[:, None]), min_tiles_per_split)
+    parts = np.where(in_use, np.maximum(-(-blocks // max_part), 1), 0)
+    part_len = -(-blocks // np.maximum(parts, 1))  # so no part is empty
+    items = parts.sum(1)
+    ok = np.flatnonzero((items <= num_items) & (np.diff(max_part[:, 0], prepend=-1) != 0))
+    plan_len, columns = part_len[ok][..., None], np.arange(min(parts[ok].max() + 1, MAX_SPLITS))
+    lengths = np.minimum(np.maximum(blocks[:, None] - columns * plan_len, 0), plan_len)
+    lengths = lengths.reshape(len(ok), -1)
+    longest_part = lengths.max(1)
+    waves = -(-(4 * lengths >= 3 * longest_part[:, None]).sum(1) * num_heads // num_sms)
+    ranks = [min(r, lengths.shape[1] - 1) for r in ((num_sms - 1) // num_heads, num_sms // num_heads)]
+    ranked = -np.partition(-lengths, sorted(set(ranks)), axis=1)  # ranked[:, r]: the r-th longest
+    bound = np.maximum(waves * longest_part, ranked[:, ranks[0]] + ranked[:, ranks[1]]).astype(np.float32)
+    bound = np.maximum(bound, np.float32(blocks.sum() * num_heads) / np.float32(num_sms))
+    cost = bound + np.float32(overhead_keys / block_n * num_heads / num_sms) * items[ok].astype(np.float32)
+    best = ok[np.argmin(cost)]
+    splits, part_len = parts[best], part_len[best]
+
+    item_end, item = np.cumsum(splits), np.arange(num_items)
+    first_item, item_in_use = item_end - splits, item < item_end[-1]
+    item_tile = np.minimum(np.searchsorted(item_end, item, side="right"), num_tiles - 1)
+    item_split = item - first_item[item_tile]
+    # Longest items first; self-only candidate tiles (length 0) still sort before spare slots.
+    item_len = np.minimum(blocks[item_tile] - item_split * part_len[item_tile], part_len[item_tile])
+    order = np.argsort(np.where(item_in_use, -1 - item_len, 1), kind="stable")
+    tile_arrays = np.array([np.where(in_use, req, -1), first, splits, first_item, part_len * block_n], np.int32)
+    return tile_arrays, np.array([np.where(item_in_use, item_tile, -1)[order], item_split[order]], np.int32)
+
+

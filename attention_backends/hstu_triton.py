@@ -194,7 +194,9 @@ def _hstu_paged_attention_kernel(
             out = acc * inv_scaling
 
             # Candidates also attend to their own k/v (added once, by part 0).
-            own = valid & (slots >= num_hist) & (split == 0)
+            # (scalars are broadcast to the row vector before combining masks: Triton >= 3.9's interpreter
+            # rejects a mask built from a vector and a scalar comparison)
+            own = valid & (slots >= num_hist) & (tl.zeros_like(slots) + split == 0)
             own_k_ptrs = K + rows[:, None] * stride_kt + head * stride_kh + dims[None, :]
             own_v_ptrs = V + rows[:, None] * stride_vt + head * stride_vh + dims[None, :]
             own_k = tl.load(own_k_ptrs, mask=own[:, None], other=0.0)
@@ -206,11 +208,12 @@ def _hstu_paged_attention_kernel(
             out += own_weight[:, None] * own_v.to(tl.float32)
 
             out_ptrs = Out + rows[:, None] * stride_ot + head * stride_oh + dims[None, :]
-            tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=valid[:, None] & (num_splits == 1))
+            whole = valid & (tl.zeros_like(slots) + num_splits == 1)
+            tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=whole[:, None])
             part = (tl.load(Tiles + 3 * num_tiles + tile) + split) * num_heads + head
             part_ptrs = Partial + part.to(tl.int64) * (BLOCK_M * HEAD_DIM) + (slots - first)[:, None] * HEAD_DIM
             part_ptrs += dims[None, :]
-            tl.store(part_ptrs, out, mask=valid[:, None] & (num_splits > 1))
+            tl.store(part_ptrs, out, mask=(valid & (tl.zeros_like(slots) + num_splits > 1))[:, None])
 
 
 @_jit

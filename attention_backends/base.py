@@ -134,6 +134,9 @@ class PagedBatchMetadata:
         kv_seq_lens: ``[B]`` history tokens in pages after the append.
         append_batch_indices: ``[N]`` request index of each new history row.
         append_positions: ``[N]`` position of each new history row in its request's history.
+        append_pages: ``[N]`` physical page of each new history row (FlashInfer's slot formula, resolved
+            once per step on the host: ``kv_indices[(kv_indptr[b] * page_size + position) // page_size]``).
+        append_entries: ``[N]`` entry of each new history row in its page.
         history_rows: ``[N]`` flat row index of each new history row.
         candidate_rows: ``[T - N]`` flat row index of each candidate row.
         candidate_batch_indices: ``[T - N]`` request index of each candidate row.
@@ -156,6 +159,8 @@ class PagedBatchMetadata:
     kv_seq_lens: torch.Tensor
     append_batch_indices: torch.Tensor
     append_positions: torch.Tensor
+    append_pages: torch.Tensor
+    append_entries: torch.Tensor
     history_rows: torch.Tensor
     candidate_rows: torch.Tensor
     candidate_batch_indices: torch.Tensor
@@ -208,11 +213,15 @@ class PagedBatchMetadata:
         qsl = np.concatenate([[0], np.cumsum(rows)])
         hist_owner, hist_within = _segments(hist)
         cand_owner, cand_within = _segments(cand)
+        positions = start[hist_owner] + hist_within
+        slots = indptr[hist_owner] * page_size + positions
+        indices = np.asarray(kv_indices, dtype=np.int64)
         arrays = {
             "query_start_loc": qsl, "num_history_rows": hist, "num_candidate_rows": cand,
-            "kv_indptr": indptr, "kv_indices": np.asarray(kv_indices, dtype=np.int64),
+            "kv_indptr": indptr, "kv_indices": indices,
             "kv_last_page_len": last, "kv_seq_lens": seq_lens, "append_batch_indices": hist_owner,
-            "append_positions": start[hist_owner] + hist_within, "history_rows": qsl[hist_owner] + hist_within,
+            "append_positions": positions, "append_pages": indices[slots // page_size],
+            "append_entries": slots % page_size, "history_rows": qsl[hist_owner] + hist_within,
             "candidate_rows": qsl[cand_owner] + hist[cand_owner] + cand_within,
             "candidate_batch_indices": cand_owner,
         }

@@ -29,7 +29,7 @@ import torch
 
 from .base import AttentionBackend, AttentionSpec, BackendSupport, PagedBatchMetadata
 from .hstu_triton_plan import MIN_TILES_PER_SPLIT, SPLIT_OVERHEAD_KEYS, TileConfig, default_tile_config, plan_tile_map
-from .paged import append_paged_kv_cache
+from .paged import write_appended
 
 try:
     import triton
@@ -295,9 +295,7 @@ class HSTUTritonBackend(AttentionBackend):
     def append_kv(
         self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: HSTUTritonMetadata
     ) -> None:
-        c = metadata.common
-        append_paged_kv_cache(key, value, c.append_batch_indices, c.append_positions, kv_cache, c.kv_indices,
-                              c.kv_indptr, c.kv_last_page_len)
+        write_appended(kv_cache, key, value, metadata.common.append_pages, metadata.common.append_entries)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                metadata: HSTUTritonMetadata, time_bias: torch.Tensor | None = None) -> torch.Tensor:

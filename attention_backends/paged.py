@@ -96,6 +96,20 @@ def append_paged_kv_cache(
     paged_kv_cache[page, 1, entry] = append_value
 
 
+def write_appended(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
+                   entries: torch.Tensor) -> None:
+    """Write appended rows into slots already resolved (``PagedBatchMetadata.append_pages/entries``):
+    the same result as :func:`append_paged_kv_cache`, in two indexed writes.
+
+    Args:
+        kv_cache: ``[num_pages, 2, page_size, H, D]`` (NHD), written in place.
+        key, value: ``[N, H, D]`` in the cache's dtype.
+        pages, entries: int ``[N]`` page and entry of each row.
+    """
+    kv_cache[pages, 0, entries] = key
+    kv_cache[pages, 1, entries] = value
+
+
 def padded_block_table(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, max_pages: int) -> torch.Tensor:
     """Convert the CSR page table into a padded 2-D block table.
 

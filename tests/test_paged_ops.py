@@ -83,3 +83,28 @@ def test_padded_block_table():
     table = padded_block_table(kv_indptr, kv_indices, 3)
     assert table.tolist() == [[4, 1, 0], [0, 0, 0], [6, 0, 3]]
     assert padded_block_table(torch.zeros(3, dtype=torch.int32), kv_indices[:0], 0).shape == (2, 0)
+
+
+def test_resolved_append_slots_equal_flashinfer_formula():
+    """PagedBatchMetadata resolves each appended row's page and entry once per step on the host; writing
+    through them equals FlashInfer's per-row formula."""
+    import numpy as np
+
+    from attention_backends import PagedBatchMetadata
+    from attention_backends.paged import write_appended
+
+    rng = np.random.default_rng(0)
+    page_size = 4
+    cached, new = rng.integers(0, 20, 6), rng.integers(0, 11, 6)
+    pages = -(-(cached + new) // page_size)
+    indptr = np.concatenate([[0], np.cumsum(pages)])
+    indices = rng.permutation(int(indptr[-1]) + 5)[: indptr[-1]]
+    meta = PagedBatchMetadata.from_layout(cached, new, np.ones(6, int), indptr, indices, page_size, "cpu")
+    n = int(new.sum())
+    key, value = torch.randn(n, 2, 3), torch.randn(n, 2, 3)
+    expected = torch.zeros(int(indptr[-1]) + 5, 2, page_size, 2, 3)
+    got = expected.clone()
+    append_paged_kv_cache(key, value, meta.append_batch_indices, meta.append_positions, expected,
+                          meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len)
+    write_appended(got, key, value, meta.append_pages, meta.append_entries)
+    assert torch.equal(got, expected) and expected.abs().sum() > 0

@@ -6,7 +6,7 @@ from .host_tier import HostTier
 from .kv_cache_manager import KVCacheManager
 from .lru import LRUIndex
 from .page_pool import PagePool
-from .prefix_hash import page_prefix_hashes
+from .prefix_hash import IncrementalHasher, page_prefix_hashes
 from .records import CacheHit, CacheStats, UserRecord
 from .transfer import OffloadJob, OnloadJob, TransferEngine
 
@@ -17,6 +17,7 @@ __all__ = [
     "CacheStats",
     "HostChunkStore",
     "HostTier",
+    "IncrementalHasher",
     "KVCacheManager",
     "LRUIndex",
     "OffloadJob",

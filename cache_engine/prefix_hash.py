@@ -8,6 +8,9 @@ comparison, with no per-token Python work.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Hashable
+
 import numpy as np
 
 _C1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -52,3 +55,38 @@ def page_prefix_hashes(
         padded = np.zeros(num_pages * page_size, dtype=np.uint64)
         padded[:n] = token
         return np.cumsum(padded.reshape(num_pages, page_size), axis=1, dtype=np.uint64).reshape(-1)[:n]
+
+
+class IncrementalHasher:
+    """:func:`page_prefix_hashes` that reuses each user's previous result.
+
+    A returning user's history usually extends the previous request's. The previous request's events are
+    kept (for the ``max_users`` most recent users); if the new history starts with them (an exact array
+    comparison, cheaper than hashing), only the pages from the last page boundary on are hashed again.
+
+    Args:
+        page_size: tokens per page.
+        max_users: users whose last history is kept (least recently used dropped first).
+    """
+
+    def __init__(self, page_size: int, max_users: int = 4096) -> None:
+        self.page_size = page_size
+        self.max_users = max_users
+        self._last: OrderedDict[Hashable, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
+
+    def __call__(self, user_id: Hashable, item_ids: np.ndarray, action_ids: np.ndarray,
+                 timestamps: np.ndarray) -> np.ndarray:
+        """uint64 ``[n]``, equal to ``page_prefix_hashes(item_ids, action_ids, timestamps, page_size)``."""
+        fields = (item_ids, action_ids, timestamps)
+        reuse = 0
+        previous = self._last.pop(user_id, None)
+        if previous is not None:
+            common = min(len(previous[0]), len(item_ids)) // self.page_size * self.page_size
+            if all(np.array_equal(old[:common], new[:common]) for old, new in zip(previous, fields)):
+                reuse = common
+        tail = page_prefix_hashes(*(f[reuse:] for f in fields), self.page_size)
+        hashes = np.concatenate([previous[3][:reuse], tail]) if reuse else tail
+        self._last[user_id] = (*(np.array(f, copy=True) for f in fields), hashes)
+        if len(self._last) > self.max_users:
+            self._last.popitem(last=False)
+        return hashes

@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from attention_backends import AttentionSpec, BackendRegistry
-from cache_engine import KVCacheManager, page_prefix_hashes
+from cache_engine import IncrementalHasher, KVCacheManager
 from scheduler import RequestState, ScheduledChunk, Scheduler
 
 from .config import EngineConfig
@@ -72,6 +72,7 @@ class GREngine:
         self.kv = KVCacheManager(config.cache, mc.num_layers, mc.num_heads, mc.head_dim, mc.torch_dtype,
                                  self.device)
         self.scheduler = Scheduler(config.scheduler, self.kv)
+        self._hasher = IncrementalHasher(config.cache.page_size)
         self.runner = ModelRunner(self.model, self.backend, self.kv, self.device)
         self.stats = EngineStats()
         self._seq = itertools.count()
@@ -96,8 +97,7 @@ class GREngine:
         state = RequestState(
             seq_id=next(self._seq), user_id=request.user_id, num_history=n,
             num_candidates=len(arrays.candidate_item_ids), reuse_limit=n if params is None else n - 1,
-            token_hashes=page_prefix_hashes(arrays.item_ids, arrays.action_ids, arrays.timestamps,
-                                            self.config.cache.page_size),
+            token_hashes=self._hasher(request.user_id, arrays.item_ids, arrays.action_ids, arrays.timestamps),
             payload=RequestPayload(request, arrays, params, time.perf_counter()),
         )
         self._in_flight.add(request.request_id)

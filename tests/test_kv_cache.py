@@ -177,3 +177,21 @@ def test_commit_cannot_shrink_or_overflow():
         kv.commit("u", 5, h)
     with pytest.raises(RuntimeError):
         kv.commit("u", 13, h)
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 4])
+def test_incremental_hasher_equals_full_hashing(page_size):
+    """Reusing the previous request's hashes never changes them: growing, shrinking, edited histories."""
+    from cache_engine import IncrementalHasher
+
+    rng = np.random.default_rng(page_size)
+    hasher = IncrementalHasher(page_size, max_users=3)
+    streams = {u: [a.copy() for a in history(80, seed=u)] for u in range(5)}
+    for _ in range(400):
+        user = int(rng.integers(0, 5))
+        items, actions, times = streams[user]
+        n = int(rng.integers(0, 81))
+        if rng.random() < 0.2 and n:
+            [items, actions, times][int(rng.integers(0, 3))][int(rng.integers(0, n))] += 1  # an edited event
+        got = hasher(user, items[:n], actions[:n], times[:n])
+        assert np.array_equal(got, hashes(items[:n], actions[:n], times[:n], page_size))

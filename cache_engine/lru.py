@@ -25,14 +25,6 @@ class LRUIndex:
         """Drop ``key`` if present."""
         self._order.pop(key, None)
 
-    def oldest(self) -> Hashable:
-        """The least recently used key (``KeyError`` when empty)."""
-        return next(iter(self._order))
-
-    def pop_oldest(self) -> Hashable:
-        """Remove and return the least recently used key (``KeyError`` when empty)."""
-        return self._order.popitem(last=False)[0]
-
     def __contains__(self, key: Hashable) -> bool:
         return key in self._order
 

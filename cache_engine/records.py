@@ -50,10 +50,6 @@ class UserRecord:
             self._page_array = np.asarray(self.pages, dtype=np.int32)
         return self._page_array
 
-    @property
-    def evictable_from_gpu(self) -> bool:
-        return bool(self.pages) and not self.locked and self.readers == 0
-
 
 class CacheHit(NamedTuple):
     """History tokens a request reuses: ``gpu`` already in GPU pages, ``host`` loaded from host."""

@@ -139,9 +139,6 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"model.max_candidates ({self.model.max_candidates}) so a request's candidates fit in a step"
             )
 
-    def to_dict(self) -> dict[str, Any]:
-        return msgspec.to_builtins(self)
-
 
 def _parse_value(text: str) -> Any:
     try:

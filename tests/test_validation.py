@@ -45,7 +45,7 @@ def test_bad_request_rejected_with_clear_error(name):
     with pytest.raises(RequestError, match=message):
         engine.add_request(good(**changes))
     [output] = engine.rank([good(**changes)], use_tqdm=False)
-    assert output.error is not None and message.split()[0] in output.error
+    assert not output.ok and message.split()[0] in output.error
     assert output.scores == []
 
 

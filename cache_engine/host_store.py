@@ -25,25 +25,36 @@ class HostChunkStore:
         dtype: KV dtype.
         segment_slots: slots per segment.
         pin: pin the memory (for asynchronous DMA); segments are then allocated in the background.
+        memory: optional preallocated flat uint8 host memory (pinned for CUDA) to carve the slots from,
+            e.g. one arena shared by successive engines; then ``num_slots`` is capped by its size and
+            nothing is allocated.
     """
 
     def __init__(self, num_slots: int, slot_shape: tuple[int, ...], dtype: torch.dtype, segment_slots: int,
-                 pin: bool) -> None:
-        self.num_slots = num_slots
+                 pin: bool, memory: torch.Tensor | None = None) -> None:
         self.slot_shape = slot_shape
         self.dtype = dtype
-        self.segment_slots = max(1, segment_slots)
         self._segments: list[torch.Tensor] = []
         self._free: list[int] = []
         self._ready: queue.Queue[torch.Tensor] = queue.Queue()
         self._stop = threading.Event()
+        self._thread = None
+        if memory is not None:
+            self.num_slots = min(num_slots, memory.numel() // self.slot_bytes)
+            self.segment_slots = max(self.num_slots, 1)
+            if self.num_slots:
+                flat = memory[: self.num_slots * self.slot_bytes].view(dtype)
+                self._ready.put(flat.view(self.num_slots, *slot_shape))
+                self.adopt_ready_segments()
+            return
+        self.num_slots = num_slots
+        self.segment_slots = max(1, segment_slots)
         sizes = [min(self.segment_slots, num_slots - s) for s in range(0, num_slots, self.segment_slots)]
         if pin:
             self._thread = threading.Thread(target=self._allocate, args=(sizes, True), daemon=True,
                                             name="gr-engine-host-pool")
             self._thread.start()
         else:
-            self._thread = None
             self._allocate(sizes, False)
             self.adopt_ready_segments()
 

@@ -37,7 +37,9 @@ class KVCacheManager:
     """The GPU page pool, the host chunk tier and per-user records, under a :class:`CacheConfig` mode."""
 
     def __init__(self, config: CacheConfig, num_layers: int, num_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, host_memory: torch.Tensor | None = None) -> None:
+        """``host_memory``: optional preallocated flat uint8 (pinned) memory for the host chunk pool (see
+        :class:`~cache_engine.host_store.HostChunkStore`); by default the pool allocates its own."""
         self.config = config
         self.page_size = config.page_size
         device = torch.device(device)
@@ -53,7 +55,8 @@ class KVCacheManager:
             slot_bytes = int(np.prod(slot_shape)) * host_dtype.itemsize
             num_slots = config.host_budget_bytes // slot_bytes
             store = HostChunkStore(num_slots, slot_shape, host_dtype, config.host_segment_bytes // slot_bytes,
-                                   pin=device.type == "cuda")
+                                   pin=device.type == "cuda", memory=host_memory)
+            num_slots = store.num_slots
             scales = None  # FP8 host chunks: dequantisation scales per (slot, layer, K/V, head), on the device
             if config.host_dtype != "kv":
                 scales = torch.ones(num_slots, num_layers, 2, num_heads, dtype=torch.float32, device=device)

@@ -51,10 +51,13 @@ class GREngine:
         model: an already built model (else one is built from ``config.model`` and
             ``config.weights_path``); it is moved to the configured device and dtype.
         backends: where attention backends are looked up (default: built-ins plus entry points).
+        host_memory: optional preallocated flat uint8 host memory (pinned, for CUDA) for the host chunk
+            pool, e.g. one arena reused by successive engines in a process (pinning is slow: ~0.7 s/GiB);
+            it must not be used by another live engine.
     """
 
     def __init__(self, config: EngineConfig, *, model: GRModel | None = None,
-                 backends: BackendRegistry | None = None) -> None:
+                 backends: BackendRegistry | None = None, host_memory: torch.Tensor | None = None) -> None:
         self.config = config
         mc = config.model
         self.device = resolve_device(config.device)
@@ -70,7 +73,7 @@ class GREngine:
         )
         self.backend = (backends or BackendRegistry()).create(config.attention_backend, spec)
         self.kv = KVCacheManager(config.cache, mc.num_layers, mc.num_heads, mc.head_dim, mc.torch_dtype,
-                                 self.device)
+                                 self.device, host_memory=host_memory)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self._hasher = IncrementalHasher(config.cache.page_size)
         self.runner = ModelRunner(self.model, self.backend, self.kv, self.device)

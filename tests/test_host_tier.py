@@ -211,3 +211,21 @@ def test_fp8_host_chunks_round_trip_within_e4m3_precision():
     err = ((after - before).abs() / amax).max()
     assert 0 < err <= 2**-4  # e4m3 keeps 3 mantissa bits: relative error <= 1/16 of the block's max
     kv.check_invariants()
+
+
+def test_engines_can_share_a_preallocated_host_arena():
+    """Successive engines reuse one host memory arena (pinning is slow); results stay exact."""
+    from gr_engine import GREngine
+    from tests.conftest import tiny_config, with_cache
+    from tests.test_engine_differential import max_diff, stream
+
+    config = with_cache(tiny_config(host_chunks=400), mode="hierarchical", num_gpu_pages=100)
+    requests = stream(config, num_users=10, visits=6, seed=2)
+    expected = GREngine(with_cache(config, mode="recompute")).rank(requests, use_tqdm=False)
+    arena = torch.empty(config.cache.host_budget_bytes // 2, dtype=torch.uint8)  # room for 200 chunks
+    for _ in range(2):
+        engine = GREngine(config, host_memory=arena)
+        assert engine.kv.host.store.num_slots == 200 and engine.kv.host.store.num_free == 200
+        assert max_diff(engine.rank(requests, use_tqdm=False), expected) <= 1e-5
+        assert engine.stats.host_hit_tokens > 0
+        engine.close()

@@ -102,14 +102,15 @@ class Phase:
 class BenchRun:
     """One engine over one trace: warm-up, fast-forward, measured windows."""
 
-    def __init__(self, settings: BenchSettings, trace: Trace, cache: CacheConfig, max_batch: int) -> None:
+    def __init__(self, settings: BenchSettings, trace: Trace, cache: CacheConfig, max_batch: int,
+                 host_memory: torch.Tensor | None = None) -> None:
         self.settings, self.trace = settings, trace
         config = EngineConfig(model=settings.model, cache=cache, device=settings.device,
                               attention_backend=settings.backend,
                               scheduler=SchedulerConfig(max_num_seqs=max_batch,
                                                         max_num_batched_tokens=settings.max_batched_tokens))
         t0 = time.perf_counter()
-        self.engine = GREngine(config)
+        self.engine = GREngine(config, host_memory=host_memory)
         if self.engine.kv.host is not None:
             self.engine.kv.host.store.wait_until_allocated()
         self.startup_s = time.perf_counter() - t0
@@ -213,13 +214,17 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print) 
     skip = int(steady * settings.skip_fraction)
     echo(f"trace: {trace.summary()}")
     result: dict = {"trace": trace.summary(), "settings": _settings_dict(settings), "modes": {}, "simulated": {}}
+    t0 = time.perf_counter()
+    arena = _host_arena(settings)  # pinned once, shared by every hierarchical engine of the run
+    result["host_arena_pin_s"] = time.perf_counter() - t0
     for mode in ("gpu_only", "hierarchical"):
         result["simulated"][mode] = _simulated(trace, cache_config(settings, mode))
     result["simulated"]["hierarchical_no_tail_persistence"] = _simulated(
         trace, cache_config(settings, "hierarchical", persist_tails=False))
     for mode in settings.modes:
         pages = unlimited_pages(settings, trace) if mode == "unlimited" else settings.gpu_pages
-        run = BenchRun(settings, trace, cache_config(settings, mode, num_gpu_pages=pages), max(settings.batch_sizes))
+        run = BenchRun(settings, trace, cache_config(settings, mode, num_gpu_pages=pages), max(settings.batch_sizes),
+                       arena)
         entry = {"startup_s": run.startup_s, "gpu_pages": pages}
         if mode != "recompute":
             entry["warmup"] = run.warmup()
@@ -235,9 +240,10 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print) 
         entry["breakdown_bs8"] = run.window(max(settings.batch_sizes), settings.window_requests)
         run.close()
         result["modes"][mode] = entry
-    result["chunk_sweep"] = _sweep(settings, trace, skip, "chunk_tokens", settings.chunk_sweep, ("hierarchical",))
+    result["chunk_sweep"] = _sweep(settings, trace, skip, "chunk_tokens", settings.chunk_sweep, ("hierarchical",),
+                                   arena)
     result["budget_sweep"] = _sweep(settings, trace, skip, "num_gpu_pages", settings.budget_sweep,
-                                    ("gpu_only", "hierarchical"))
+                                    ("gpu_only", "hierarchical"), arena)
     result["lengths"] = _length_scan(settings)
     result["peak_pinned_h2d_GBps"] = _peak_h2d(settings.device)
     return result
@@ -249,15 +255,22 @@ def _simulated(trace: Trace, cache: CacheConfig) -> dict:
             "evicted_users": r.evicted_users, "host_evicted_users": r.host_evicted_users}
 
 
+def _host_arena(settings: BenchSettings) -> torch.Tensor | None:
+    """Pinned host memory for the host chunk pools (CUDA only; on CPU each engine allocates its own)."""
+    if not settings.device.startswith("cuda") or "hierarchical" not in settings.modes:
+        return None
+    return torch.empty(settings.host_budget_bytes, dtype=torch.uint8, pin_memory=True)
+
+
 def _sweep(settings: BenchSettings, trace: Trace, skip: int, name: str, values: tuple[int, ...],
-           modes: tuple[str, ...]) -> dict:
+           modes: tuple[str, ...], arena: torch.Tensor | None) -> dict:
     out: dict = {}
     bs = max(settings.batch_sizes)
     for mode in modes:
         out[mode] = {}
         for value in values:
             cache = cache_config(settings, mode, **{name: value})
-            run = BenchRun(settings, trace, cache, bs)
+            run = BenchRun(settings, trace, cache, bs, arena)
             run.warmup()
             run.fast_forward(skip)
             out[mode][value] = {**run.window(bs, settings.window_requests), "simulated": _simulated(trace, cache)}

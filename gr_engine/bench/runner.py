@@ -185,7 +185,12 @@ class BenchRun:
         return self._hashes[user]
 
     def close(self) -> None:
+        """Finish transfers and give the engine's device memory back (the next run may need all of it)."""
         self.engine.close()
+        device = self.engine.device
+        del self.engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def _sync(engine: GREngine) -> None:

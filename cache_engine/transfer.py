@@ -87,6 +87,9 @@ class TransferEngine:
         self._buffers: list[torch.Tensor] = []  # the two onload buffers, grown on demand
         self.last_gather: torch.cuda.Event | None = None
         self._last_scatter: torch.cuda.Event | None = None
+        #: When False, offloads and onloads move no data and complete at once: the cache's bookkeeping
+        #: runs as usual but KV contents go stale. Only for fast-forwarding a benchmark's cache state.
+        self.moves_data = True
 
     # ------------------------------------------------------------------ offload
     def offload(self, kv: torch.Tensor, jobs: list[OffloadJob]) -> OffloadHandle:
@@ -96,6 +99,8 @@ class TransferEngine:
             kv: the pool, ``[L, num_pages, 2, page_size, H, D]``.
             jobs: what to copy; the pages must not be written until ``handle.gather_done()``.
         """
+        if not self.moves_data:
+            return OffloadHandle(None, None)
         if not self.is_cuda:
             for job in jobs:
                 data = kv[:, job.pages].unsqueeze(0)  # [1, L, n, 2, page_size, H, D]
@@ -149,7 +154,7 @@ class TransferEngine:
             model's layer must wait for it); on CPU ``None`` (the copy is done).
         """
         num_layers = kv.shape[0]
-        if not jobs:
+        if not jobs or not self.moves_data:
             return [None] * num_layers
         pages = [p for job in jobs for p in job.pages]
         page_slots = [job.slot_id for job in jobs for _ in job.pages]

@@ -229,3 +229,18 @@ def test_engines_can_share_a_preallocated_host_arena():
         assert max_diff(engine.rank(requests, use_tqdm=False), expected) <= 1e-5
         assert engine.stats.host_hit_tokens > 0
         engine.close()
+
+
+def test_transfers_can_be_switched_off_for_fast_forwarding():
+    """With ``moves_data`` off, the host tier's bookkeeping runs as usual but no KV is copied."""
+    kv = manager(pages=6)
+    kv.host.transfer.moves_data = False
+    h = hashes(19)
+    run(kv, "a", h)
+    run(kv, "b", hashes(16, 1))  # evicts "a": its chunks are "persisted" without a copy
+    kv.begin_step()
+    assert kv.users["a"].host_tokens == 19
+    kv.host.store.slot(kv.users["a"].host_slots[0]).fill_(7.0)
+    assert run(kv, "a", h) == (0, 19)
+    assert not bool((kv_of(kv, "a", 8) == 7.0).any())  # the onload moved nothing either
+    kv.check_invariants()

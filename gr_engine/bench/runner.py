@@ -127,8 +127,13 @@ class BenchRun:
         return report
 
     def fast_forward(self, count: int) -> None:
-        """Move the cache state over the next ``count`` steady requests without running the model."""
+        """Move the cache state over the next ``count`` steady requests without running the model or
+        moving KV between host and GPU (the bookkeeping is the engine's own)."""
         engine, trace = self.engine, self.trace
+        transfer = engine.kv.host.transfer if engine.kv.host is not None else None
+        if transfer is not None:
+            engine.kv.host.poll(wait=True)
+            transfer.moves_data = False
         for i in self.steady[self.cursor:self.cursor + count]:
             r = trace.requests[i]
             hashes = self._user_hashes(r.user)[: r.history_len]
@@ -141,6 +146,9 @@ class BenchRun:
             engine.kv.launch_onloads()
             engine.scheduler.complete(plan.chunks)
             engine.kv.end_step()
+        if transfer is not None:
+            engine.kv.host.poll(wait=True)
+            transfer.moves_data = True
         self.cursor += count
 
     def window(self, batch_size: int, count: int) -> dict:

@@ -23,3 +23,16 @@ def test_quick_bench_writes_reports(tmp_path, capsys):
     text = (tmp_path / "bench.md").read_text()
     assert "Table 1" in text and "Table 2" in text and "Table 3" in text and "Table 6" in text
     assert "speedup_bs8" in capsys.readouterr().out
+
+
+def test_simulations_in_worker_processes_equal_inline():
+    from gr_engine.bench.runner import Simulations, cache_config, quick_settings
+    from gr_engine.bench.trace import generate_trace
+
+    settings = quick_settings()
+    trace = generate_trace(settings.trace)
+    caches = [cache_config(settings, "gpu_only"), cache_config(settings, "hierarchical")]
+    workers = Simulations(trace, caches, workers=1)
+    inline = Simulations(trace, caches, workers=0)
+    assert [workers.get(c) for c in caches] == [inline.get(c) for c in caches]
+    workers.close()

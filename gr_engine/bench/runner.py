@@ -18,6 +18,8 @@ events, follow the same pattern.
 
 from __future__ import annotations
 
+import concurrent.futures
+import multiprocessing
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -62,6 +64,7 @@ class BenchSettings:
     budget_sweep: tuple[int, ...] = (20_480, 30_720, 40_960, 51_200, 61_440)
     lengths: tuple[int, ...] = (1024, 2048, 4096, 8192, 16_384)
     new_events: int = 8
+    simulation_workers: int = 8
 
 
 def quick_settings() -> BenchSettings:
@@ -72,7 +75,8 @@ def quick_settings() -> BenchSettings:
                         num_items=5000, num_actions=16, horizon_s=600, new_fraction=(0.3, 0.5))
     return BenchSettings(model=model, trace=trace, device="cpu", backend="torch_ref", gpu_pages=40, page_size=8,
                          chunk_tokens=32, host_budget_bytes=2**26, max_batched_tokens=1024, window_requests=8,
-                         chunk_sweep=(16, 64), budget_sweep=(24, 48), lengths=(32, 128), new_events=4)
+                         chunk_sweep=(16, 64), budget_sweep=(24, 48), lengths=(32, 128), new_events=4,
+                         simulation_workers=0)
 
 
 @dataclass
@@ -227,13 +231,15 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print) 
     skip = int(steady * settings.skip_fraction)
     echo(f"trace: {trace.summary()}")
     result: dict = {"trace": trace.summary(), "settings": _settings_dict(settings), "modes": {}, "simulated": {}}
+    main = {"gpu_only": cache_config(settings, "gpu_only"), "hierarchical": cache_config(settings, "hierarchical"),
+            "hierarchical_no_tail_persistence": cache_config(settings, "hierarchical", persist_tails=False)}
+    sweeps = [cache_config(settings, "hierarchical", chunk_tokens=c) for c in settings.chunk_sweep]
+    sweeps += [cache_config(settings, m, num_gpu_pages=p) for m in ("gpu_only", "hierarchical")
+               for p in settings.budget_sweep]
+    simulations = Simulations(trace, [*main.values(), *sweeps], settings.simulation_workers)
     t0 = time.perf_counter()
     arena = _host_arena(settings)  # pinned once, shared by every hierarchical engine of the run
     result["host_arena_pin_s"] = time.perf_counter() - t0
-    for mode in ("gpu_only", "hierarchical"):
-        result["simulated"][mode] = _simulated(trace, cache_config(settings, mode))
-    result["simulated"]["hierarchical_no_tail_persistence"] = _simulated(
-        trace, cache_config(settings, "hierarchical", persist_tails=False))
     for mode in settings.modes:
         pages = unlimited_pages(settings, trace) if mode == "unlimited" else settings.gpu_pages
         run = BenchRun(settings, trace, cache_config(settings, mode, num_gpu_pages=pages), max(settings.batch_sizes),
@@ -254,11 +260,13 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print) 
         run.close()
         result["modes"][mode] = entry
     result["chunk_sweep"] = _sweep(settings, trace, skip, "chunk_tokens", settings.chunk_sweep, ("hierarchical",),
-                                   arena)
+                                   arena, simulations)
     result["budget_sweep"] = _sweep(settings, trace, skip, "num_gpu_pages", settings.budget_sweep,
-                                    ("gpu_only", "hierarchical"), arena)
+                                    ("gpu_only", "hierarchical"), arena, simulations)
     result["lengths"] = _length_scan(settings)
     result["peak_pinned_h2d_GBps"] = _peak_h2d(settings.device)
+    result["simulated"] = {name: simulations.get(cache) for name, cache in main.items()}
+    simulations.close()
     return result
 
 
@@ -266,6 +274,38 @@ def _simulated(trace: Trace, cache: CacheConfig) -> dict:
     r = simulate_policy(trace, cache)
     return {"gpu_hit_ratio": r.gpu_hit_ratio, "total_hit_ratio": r.total_hit_ratio, "lost_tokens": r.lost_tokens,
             "evicted_users": r.evicted_users, "host_evicted_users": r.host_evicted_users}
+
+
+def _simulate_in_worker(trace_config: TraceConfig, cache: CacheConfig) -> dict:
+    return _simulated(generate_trace(trace_config), cache)
+
+
+class Simulations:
+    """Whole-trace policy simulations (:func:`simulate_policy`) of several cache configurations, run in
+    ``workers`` spawned processes while the GPU runs go on (inline when ``workers`` is 0)."""
+
+    def __init__(self, trace: Trace, caches: list[CacheConfig], workers: int) -> None:
+        self._results: dict[bytes, dict] = {}
+        self._futures: dict[bytes, concurrent.futures.Future] = {}
+        self._pool = None
+        if workers:
+            context = multiprocessing.get_context("spawn")  # a clean process: no CUDA state is inherited
+            self._pool = concurrent.futures.ProcessPoolExecutor(min(workers, len(caches)), mp_context=context)
+            for cache in caches:
+                self._futures[msgspec.json.encode(cache)] = self._pool.submit(_simulate_in_worker, trace.config, cache)
+        else:
+            for cache in caches:
+                self._results[msgspec.json.encode(cache)] = _simulated(trace, cache)
+
+    def get(self, cache: CacheConfig) -> dict:
+        key = msgspec.json.encode(cache)
+        if key not in self._results:
+            self._results[key] = self._futures[key].result()
+        return self._results[key]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
 
 
 def _host_arena(settings: BenchSettings) -> torch.Tensor | None:
@@ -276,7 +316,7 @@ def _host_arena(settings: BenchSettings) -> torch.Tensor | None:
 
 
 def _sweep(settings: BenchSettings, trace: Trace, skip: int, name: str, values: tuple[int, ...],
-           modes: tuple[str, ...], arena: torch.Tensor | None) -> dict:
+           modes: tuple[str, ...], arena: torch.Tensor | None, simulations: Simulations) -> dict:
     out: dict = {}
     bs = max(settings.batch_sizes)
     for mode in modes:
@@ -286,7 +326,7 @@ def _sweep(settings: BenchSettings, trace: Trace, skip: int, name: str, values: 
             run = BenchRun(settings, trace, cache, bs, arena)
             run.warmup()
             run.fast_forward(skip)
-            out[mode][value] = {**run.window(bs, settings.window_requests), "simulated": _simulated(trace, cache)}
+            out[mode][value] = {**run.window(bs, settings.window_requests), "simulated": simulations.get(cache)}
             run.close()
     return out
 

@@ -57,7 +57,7 @@ class BenchSettings:
     chunk_tokens: int = 1024
     host_budget_bytes: int = 96 * 2**30
     host_dtype: str = "kv"
-    max_batched_tokens: int = 32_768
+    max_batched_tokens: int = 163_840  # a batch of 8 whole histories (up to 20,000 events) in one step
     window_requests: int = 240
     skip_fraction: float = 0.5
     chunk_sweep: tuple[int, ...] = (512, 1024, 2048, 4096)

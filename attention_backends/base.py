@@ -225,9 +225,7 @@ class PagedBatchMetadata:
             "candidate_rows": qsl[cand_owner] + hist[cand_owner] + cand_within,
             "candidate_batch_indices": cand_owner,
         }
-        sizes = [len(a) for a in arrays.values()]
-        flat = upload(np.concatenate(list(arrays.values())).astype(np.int32), device)
-        tensors = dict(zip(arrays, torch.split(flat, sizes), strict=True))
+        tensors = upload_int32(arrays, device)
         timestamps = None
         if query_timestamps is not None and key_timestamps is not None:
             times = upload(np.concatenate([query_timestamps, key_timestamps]).astype(np.int64), device)
@@ -248,6 +246,13 @@ def upload(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
+
+
+def upload_int32(arrays: dict[str, np.ndarray], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Several int arrays to ``device`` as int32 tensors, in one copy (see :func:`upload`)."""
+    sizes = [len(a) for a in arrays.values()]
+    flat = upload(np.concatenate(list(arrays.values())).astype(np.int32), device)
+    return dict(zip(arrays, torch.split(flat, sizes), strict=True))
 
 
 def _segments(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

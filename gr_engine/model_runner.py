@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from attention_backends import AttentionBackend, PagedBatchMetadata
-from attention_backends.base import upload
+from attention_backends.base import upload, upload_int32
 from cache_engine import KVCacheManager
 from scheduler import ScheduledChunk
 
@@ -55,11 +55,11 @@ class StepTokens:
 class StepMetadata:
     """``common``: the page tables and row layout; ``backend``: the backend's own view of it;
     ``retrieval_rows``: int64 ``[R]`` rows of the last history token of each finishing retrieval
-    request, whose chunk indices are ``retrieval_chunks``."""
+    request, whose chunk indices are ``retrieval_chunks`` (``None`` when there is none)."""
 
     common: PagedBatchMetadata
     backend: Any
-    retrieval_rows: torch.Tensor
+    retrieval_rows: torch.Tensor | None
     retrieval_chunks: list[int]
 
 
@@ -70,13 +70,6 @@ class ChunkResult:
     logits: torch.Tensor | None = None
     item_ids: list[int] | None = None
     scores: list[float] | None = None
-
-
-def _to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
-    """Copy int arrays to ``device`` as int32 in one transfer."""
-    sizes = [len(a) for a in arrays.values()]
-    flat = upload(np.concatenate(list(arrays.values())).astype(np.int32), device)
-    return dict(zip(arrays, torch.split(flat, sizes), strict=True))
 
 
 class ModelRunner:
@@ -99,8 +92,10 @@ class ModelRunner:
         common = PagedBatchMetadata.from_layout(start, hist, cand, indptr, indices, self.kv.page_size,
                                                 self.device, *times)
         retrieval = [i for i, c in enumerate(chunks) if c.final and c.request.payload.params is not None]
-        rows = np.cumsum(hist + cand)[retrieval] - cand[retrieval] - 1  # last history row of each
-        retrieval_rows = upload(rows.astype(np.int64), self.device)
+        retrieval_rows = None
+        if retrieval:
+            rows = np.cumsum(hist + cand)[retrieval] - cand[retrieval] - 1  # last history row of each
+            retrieval_rows = upload(rows.astype(np.int64), self.device)
         return StepMetadata(common, self.backend.build_metadata(common), retrieval_rows, retrieval)
 
     @staticmethod
@@ -124,7 +119,7 @@ class ModelRunner:
             items += [arrays.item_ids[s:e], arrays.candidate_item_ids[:c]]
             actions += [arrays.action_ids[s:e], np.full(c, self.model.candidate_action)]
             positions += [np.arange(s, e), np.full(c, arrays.num_history)]
-        t = _to_device({"items": np.concatenate(items), "actions": np.concatenate(actions),
+        t = upload_int32({"items": np.concatenate(items), "actions": np.concatenate(actions),
                         "positions": np.concatenate(positions)}, self.device)
         return StepTokens(t["items"], t["actions"], t["positions"])
 

@@ -6,13 +6,17 @@
   causal FLOPs counted once (``2 * 2 * H * D * T^2 / 2``).
 - Delta queries: 8 requests, each 256 new history rows + 100 candidates over a cached paged history of
   1k..16k tokens; the fraction of HBM bandwidth achieved reading the paged history
-  (history K/V bytes / time / measured device-copy bandwidth).
+  (history K/V bytes / time / measured device-copy bandwidth). At 356 query rows per request this shape
+  is compute-bound (about 356 FLOP per history byte against the H200's ridge of about 190), so the same
+  fraction is also reported for the memory-bound regime: 8 requests of 4 new rows + 12 candidates.
+- The relative time bias on and off (prefill at 8k and the 8k delta step), to show its cost.
 4 heads x 128, bf16, page 32; medians of ``triton.testing.do_bench``; all measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 
@@ -28,8 +32,9 @@ from attention_backends.torch_ref import TorchRefBackend
 HEADS, DIM, PAGE = 4, 128, 32
 
 
-def make_step(cached: list[int], new: list[int], cands: list[int], device) -> tuple:
-    """Random q/k/v rows and a paged cache holding ``cached + new`` tokens per request (shuffled pages)."""
+def make_step(cached: list[int], new: list[int], cands: list[int], device, timestamps: bool = False) -> tuple:
+    """Random q/k/v rows and a paged cache holding ``cached + new`` tokens per request (shuffled pages);
+    with ``timestamps``, increasing event times (seconds) for the relative time bias."""
     seq = np.asarray(cached) + np.asarray(new)
     pages = -(-seq // PAGE)
     indptr = np.concatenate([[0], np.cumsum(pages)])
@@ -37,16 +42,27 @@ def make_step(cached: list[int], new: list[int], cands: list[int], device) -> tu
     cache = torch.randn(int(indptr[-1]) + 8, 2, PAGE, HEADS, DIM, device=device, dtype=torch.bfloat16)
     rows = int(sum(new) + sum(cands))
     q, k, v = (torch.randn(rows, HEADS, DIM, device=device, dtype=torch.bfloat16) for _ in range(3))
+    times = {}
+    if timestamps:
+        keys = np.concatenate([np.cumsum(np.random.default_rng(1).integers(1, 600, n)) for n in seq])
+        query = np.concatenate([np.full(n + c, keys[e - 1]) for n, c, e in zip(new, cands, np.cumsum(seq))])
+        times = {"query_timestamps": query, "key_timestamps": keys}
     meta = PagedBatchMetadata.from_layout(np.asarray(cached), np.asarray(new), np.asarray(cands), indptr, indices,
-                                          PAGE, device)
+                                          PAGE, device, **times)
     return q, k, v, cache, meta
 
 
-def time_backend(backend, step) -> float:
+def time_backend(backend, step, time_bias: torch.Tensor | None = None) -> float:
     q, k, v, cache, meta = step
     prepared = backend.build_metadata(meta)
-    return triton.testing.do_bench(lambda: backend.attend(q, k, v, cache, prepared), warmup=25, rep=100,
+    extra = {} if time_bias is None else {"time_bias": time_bias}
+    return triton.testing.do_bench(lambda: backend.attend(q, k, v, cache, prepared, **extra), warmup=25, rep=100,
                                    return_mode="median") / 1e3
+
+
+def history_bytes(cached: int, new: int, batch: int) -> int:
+    """Bytes of paged K and V (bf16) a step reads per layer: every request's ``cached + new`` tokens."""
+    return batch * (cached + new) * 2 * HEADS * DIM * 2
 
 
 def device_copy_bandwidth(device) -> float:
@@ -73,7 +89,8 @@ def main() -> None:
               "triton": triton.__version__, "heads": HEADS, "head_dim": DIM, "page_size": PAGE, "dtype": "bfloat16",
               "hbm_copy_GBps": hbm / 1e9, "hstu_triton_prefill_tflops": {}, "torch_ref_prefill_tflops": {},
               "sdpa_prefill_tflops": {}, "prefill_ms": {}, "delta_hbm_fraction": {}, "delta_ms": {},
-              "delta_torch_ref_ms": {}}
+              "delta_torch_ref_ms": {}, "decode_hbm_fraction": {}, "decode_ms": {},
+              "time_bias_ms": {}}
     for t in (1024, 4096, 8192, 16384):
         flops = 2 * HEADS * DIM * t * t
         step = make_step([0], [t], [0], device)
@@ -93,11 +110,29 @@ def main() -> None:
         batch = 8
         step = make_step([hist] * batch, [256] * batch, [100] * batch, device)
         tri = time_backend(triton_backend, step)
-        history_bytes = batch * (hist + 256) * 2 * HEADS * DIM * 2
-        result["delta_hbm_fraction"][hist] = history_bytes / tri / hbm
+        result["delta_hbm_fraction"][hist] = history_bytes(hist, 256, batch) / tri / hbm
         result["delta_ms"][hist] = tri * 1e3
         result["delta_torch_ref_ms"][hist] = time_backend(ref_backend, step) * 1e3
         print(hist, tri * 1e3, result["delta_hbm_fraction"][hist], flush=True)
+        del step
+        torch.cuda.empty_cache()
+    for hist in (1024, 4096, 8192, 16384):
+        batch = 8
+        step = make_step([hist] * batch, [4] * batch, [12] * batch, device)
+        tri = time_backend(triton_backend, step)
+        result["decode_hbm_fraction"][hist] = history_bytes(hist, 4, batch) / tri / hbm
+        result["decode_ms"][hist] = tri * 1e3
+        print("decode", hist, tri * 1e3, result["decode_hbm_fraction"][hist], flush=True)
+        del step
+        torch.cuda.empty_cache()
+    buckets = 64
+    bias_backend = HSTUTritonBackend(dataclasses.replace(spec, time_bias_buckets=buckets))
+    bias = torch.randn(buckets, HEADS, device=device, dtype=torch.float32)
+    for name, shape in (("prefill_8192", ([0], [8192], [0])), ("delta_8192", ([8192] * 8, [256] * 8, [100] * 8))):
+        step = make_step(*shape, device, timestamps=True)
+        result["time_bias_ms"][name] = {"off": time_backend(triton_backend, step) * 1e3,
+                                        "on": time_backend(bias_backend, step, bias) * 1e3}
+        print("time bias", name, result["time_bias_ms"][name], flush=True)
         del step
         torch.cuda.empty_cache()
     result["command"] = "python benchmarks/kernel_bench.py --out " + args.out

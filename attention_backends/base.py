@@ -17,6 +17,7 @@ then its ``num_candidate_rows[b]`` candidate rows.
 from __future__ import annotations
 
 import abc
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -202,38 +203,51 @@ class PagedBatchMetadata:
             query_timestamps: int ``[T]`` (see :class:`StepTimestamps`), with ``key_timestamps``.
             key_timestamps: int ``[sum(history_start + num_history_rows)]``.
         """
-        start = np.asarray(history_start, dtype=np.int64)
-        hist = np.asarray(num_history_rows, dtype=np.int64)
-        cand = np.asarray(num_candidate_rows, dtype=np.int64)
-        indptr = np.asarray(kv_indptr, dtype=np.int64)
-        seq_lens = start + hist
-        pages = indptr[1:] - indptr[:-1]
-        last = np.where(pages > 0, seq_lens - (pages - 1) * page_size, 0)
-        rows = hist + cand
-        qsl = np.concatenate([[0], np.cumsum(rows)])
-        hist_owner, hist_within = _segments(hist)
-        cand_owner, cand_within = _segments(cand)
-        positions = start[hist_owner] + hist_within
-        slots = indptr[hist_owner] * page_size + positions
-        indices = np.asarray(kv_indices, dtype=np.int64)
-        arrays = {
-            "query_start_loc": qsl, "num_history_rows": hist, "num_candidate_rows": cand,
-            "kv_indptr": indptr, "kv_indices": indices,
-            "kv_last_page_len": last, "kv_seq_lens": seq_lens, "append_batch_indices": hist_owner,
-            "append_positions": positions, "append_pages": indices[slots // page_size],
-            "append_entries": slots % page_size, "history_rows": qsl[hist_owner] + hist_within,
-            "candidate_rows": qsl[cand_owner] + hist[cand_owner] + cand_within,
-            "candidate_batch_indices": cand_owner,
-        }
-        tensors = upload_int32(arrays, device)
+        arrays = layout_arrays(history_start, num_history_rows, num_candidate_rows, kv_indptr, kv_indices, page_size)
         timestamps = None
         if query_timestamps is not None and key_timestamps is not None:
             times = upload(np.concatenate([query_timestamps, key_timestamps]).astype(np.int64), device)
-            key_start = upload(np.concatenate([[0], np.cumsum(seq_lens)[:-1]]).astype(np.int32), device)
+            key_start = upload(np.concatenate([[0], np.cumsum(arrays["kv_seq_lens"])[:-1]]).astype(np.int32), device)
             timestamps = StepTimestamps(times[: len(query_timestamps)], times[len(query_timestamps):], key_start)
+        return cls.from_arrays(arrays, upload_int32(arrays, device), page_size, timestamps)
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray], tensors: dict[str, torch.Tensor], page_size: int,
+                    timestamps: StepTimestamps | None = None) -> PagedBatchMetadata:
+        """Wrap device ``tensors`` holding :func:`layout_arrays`'s ``arrays`` (same keys, values and lengths)."""
+        rows = arrays["num_history_rows"] + arrays["num_candidate_rows"]
+        pages = np.diff(arrays["kv_indptr"])
         return cls(**tensors, page_size=page_size, max_query_len=int(rows.max(initial=0)),
-                   max_kv_len=int(seq_lens.max(initial=0)), max_pages=int(pages.max(initial=0)), host=arrays,
-                   timestamps=timestamps)
+                   max_kv_len=int(arrays["kv_seq_lens"].max(initial=0)), max_pages=int(pages.max(initial=0)),
+                   host=arrays, timestamps=timestamps)
+
+
+def layout_arrays(history_start: np.ndarray, num_history_rows: np.ndarray, num_candidate_rows: np.ndarray,
+                  kv_indptr: np.ndarray, kv_indices: np.ndarray, page_size: int) -> dict[str, np.ndarray]:
+    """Every index field of :class:`PagedBatchMetadata` as int64 numpy arrays keyed by field name, from the
+    arguments of :meth:`PagedBatchMetadata.from_layout`."""
+    start = np.asarray(history_start, dtype=np.int64)
+    hist = np.asarray(num_history_rows, dtype=np.int64)
+    cand = np.asarray(num_candidate_rows, dtype=np.int64)
+    indptr = np.asarray(kv_indptr, dtype=np.int64)
+    seq_lens = start + hist
+    pages = indptr[1:] - indptr[:-1]
+    last = np.where(pages > 0, seq_lens - (pages - 1) * page_size, 0)
+    qsl = np.concatenate([[0], np.cumsum(hist + cand)])
+    hist_owner, hist_within = _segments(hist)
+    cand_owner, cand_within = _segments(cand)
+    positions = start[hist_owner] + hist_within
+    slots = indptr[hist_owner] * page_size + positions
+    indices = np.asarray(kv_indices, dtype=np.int64)
+    return {
+        "query_start_loc": qsl, "num_history_rows": hist, "num_candidate_rows": cand,
+        "kv_indptr": indptr, "kv_indices": indices,
+        "kv_last_page_len": last, "kv_seq_lens": seq_lens, "append_batch_indices": hist_owner,
+        "append_positions": positions, "append_pages": indices[slots // page_size],
+        "append_entries": slots % page_size, "history_rows": qsl[hist_owner] + hist_within,
+        "candidate_rows": qsl[cand_owner] + hist[cand_owner] + cand_within,
+        "candidate_batch_indices": cand_owner,
+    }
 
 
 def upload(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
@@ -288,6 +302,28 @@ class AttentionBackend(abc.ABC):
     def build_metadata(self, common: PagedBatchMetadata) -> Any:
         """Derive the backend's own per-step metadata from ``common`` (called once per step)."""
         return common
+
+    def graph_plan(self, common_host: dict[str, np.ndarray], max_rows: int,
+                   max_requests: int) -> tuple[Hashable, np.ndarray] | None:
+        """This step's own metadata for CUDA-graph replay, or ``None`` if the backend cannot be replayed (the
+        default; the engine then runs it eagerly).
+
+        Args:
+            common_host: :attr:`PagedBatchMetadata.host` of the step.
+            max_rows, max_requests: capacities the step is padded to (``T <= max_rows``, ``B <= max_requests``).
+
+        Returns:
+            ``(key, plan)``: ``plan`` is a flat int32 array whose length and layout depend only on ``key`` (the
+            launch shape); steps with equal keys and capacities share one captured graph.
+        """
+        return None
+
+    def graph_metadata(self, common: PagedBatchMetadata, key: Hashable, plan: torch.Tensor) -> Any:
+        """The metadata :meth:`attend` gets inside a captured graph: ``plan`` is :meth:`graph_plan`'s array for
+        ``key`` on the device, at a fixed address, and ``common``'s tensors are padded to the capacities (spare
+        requests have no rows; spare append rows repeat the last real one). Everything a launch reads about
+        the step must come from these tensors, never from host values that change between steps."""
+        raise NotImplementedError(f"attention backend {self.name!r} does not support CUDA graphs")
 
     @abc.abstractmethod
     def append_kv(

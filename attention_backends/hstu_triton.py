@@ -20,7 +20,7 @@ Triton's interpreter, which needs ``TRITON_INTERPRET=1`` when this module is imp
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -28,7 +28,14 @@ import numpy as np
 import torch
 
 from .base import AttentionBackend, AttentionSpec, BackendSupport, PagedBatchMetadata
-from .hstu_triton_plan import MIN_TILES_PER_SPLIT, SPLIT_OVERHEAD_KEYS, TileConfig, default_tile_config, plan_tile_map
+from .hstu_triton_plan import (
+    MAX_PROGRAMS_PER_SM,
+    MIN_TILES_PER_SPLIT,
+    SPLIT_OVERHEAD_KEYS,
+    TileConfig,
+    default_tile_config,
+    plan_tile_map,
+)
 from .paged import write_appended
 
 try:
@@ -280,17 +287,44 @@ class HSTUTritonBackend(AttentionBackend):
         """Plan the step on the host from ``common.host`` (:func:`plan_tile_map` with this backend's split-KV
         knobs ``num_sms``, ``overhead_keys``, ``min_tiles_per_split``; without ``host``, a read from the device)
         and upload the plan in one non-blocking copy; nothing else runs on the device."""
-        qsl, hist, seq_lens = (common.host[k] if common.host else getattr(common, k).cpu().numpy()
-                               for k in ("query_start_loc", "num_history_rows", "kv_seq_lens"))
-        config = self.tiles if self.fixed_tiles else default_tile_config(self.spec, common.max_query_len)
-        tiles, items = plan_tile_map(qsl, hist, seq_lens, config, self.spec.num_heads, self.num_sms,
-                                     self.overhead_keys, self.min_tiles_per_split)
+        host = common.host or {k: getattr(common, k).cpu().numpy()
+                               for k in ("query_start_loc", "num_history_rows", "kv_seq_lens")}
+        config = self._config(common.max_query_len)
+        tiles, items = self._plan(host, config)
         # One copy from pinned memory, which torch's caching host allocator reuses once that copy is done (no wait).
         flat = torch.empty(tiles.size + items.size, dtype=torch.int32, pin_memory=common.query_start_loc.is_cuda)
         np.concatenate([tiles.ravel(), items.ravel()], out=flat.numpy())
         flat = flat.to(common.query_start_loc.device, non_blocking=True)  # on CPU (the interpreter): no copy
         return HSTUTritonMetadata(common, flat[: tiles.size].view(tiles.shape), flat[tiles.size:].view(items.shape),
                                   self.num_sms, common.max_kv_len > self.min_tiles_per_split * config.block_n, config)
+
+    def graph_plan(self, common_host: dict[str, np.ndarray], max_rows: int,
+                   max_requests: int) -> tuple[Hashable, np.ndarray]:
+        """The tile map padded to the most tiles and items a step within the capacities can have: spare tiles
+        (request ``-1``, no parts) and spare items (tile ``-1``) are skipped by the kernels. Key: the launch
+        shape and the two capacities."""
+        config = self._config(int(np.diff(common_host["query_start_loc"]).max(initial=0)))
+        num_tiles = (max_rows + max_requests * (config.block_m - 1)) // config.block_m  # plan_tile_map's bound
+        num_items = max(num_tiles, -(-MAX_PROGRAMS_PER_SM * self.num_sms // self.spec.num_heads))
+        tiles, items = self._plan(common_host, config)
+        plan = np.zeros(5 * num_tiles + 2 * num_items, dtype=np.int32)
+        padded_tiles, padded_items = plan[: 5 * num_tiles].reshape(5, -1), plan[5 * num_tiles:].reshape(2, -1)
+        padded_tiles[0], padded_items[0] = -1, -1
+        padded_tiles[:, : tiles.shape[1]], padded_items[:, : items.shape[1]] = tiles, items
+        return (config, num_tiles, num_items), plan
+
+    def graph_metadata(self, common: PagedBatchMetadata, key: Hashable, plan: torch.Tensor) -> HSTUTritonMetadata:
+        config, num_tiles, num_items = key
+        return HSTUTritonMetadata(common, plan[: 5 * num_tiles].view(5, num_tiles),
+                                  plan[5 * num_tiles: 5 * num_tiles + 2 * num_items].view(2, num_items),
+                                  self.num_sms, True, config)
+
+    def _config(self, max_query_len: int) -> TileConfig:
+        return self.tiles if self.fixed_tiles else default_tile_config(self.spec, max_query_len)
+
+    def _plan(self, host: dict[str, np.ndarray], config: TileConfig) -> tuple[np.ndarray, np.ndarray]:
+        return plan_tile_map(host["query_start_loc"], host["num_history_rows"], host["kv_seq_lens"], config,
+                             self.spec.num_heads, self.num_sms, self.overhead_keys, self.min_tiles_per_split)
 
     def append_kv(
         self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: HSTUTritonMetadata

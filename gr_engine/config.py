@@ -122,6 +122,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             from ``model.seed``.
         sync_phases: synchronise the device after each phase of a step so that per-phase times include
             the device work they queued (for latency breakdowns; it serialises the pipeline).
+        cuda_graph_max_rows: on CUDA, steps of at most this many rows (new history + candidates, over at
+            most ``scheduler.max_num_seqs`` requests) replay their forward from captured CUDA graphs when
+            the attention backend supports it (``hstu_triton``) and the model has no relative time bias;
+            0 turns graphs off. See :mod:`gr_engine.step_graphs`.
     """
 
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
@@ -131,6 +135,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     attention_backend: str = "torch_ref"
     weights_path: str | None = None
     sync_phases: bool = False
+    cuda_graph_max_rows: int = 4096
 
     def __post_init__(self) -> None:
         if self.scheduler.max_num_batched_tokens <= self.model.max_candidates:
@@ -138,6 +143,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"scheduler.max_num_batched_tokens ({self.scheduler.max_num_batched_tokens}) must exceed "
                 f"model.max_candidates ({self.model.max_candidates}) so a request's candidates fit in a step"
             )
+        if self.cuda_graph_max_rows < 0:
+            raise ValueError(f"cuda_graph_max_rows ({self.cuda_graph_max_rows}) must be >= 0 (0: no CUDA graphs)")
 
 
 def _parse_value(text: str) -> Any:

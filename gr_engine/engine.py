@@ -26,6 +26,7 @@ from .model_runner import ChunkResult, ModelRunner, RequestPayload
 from .models import GRModel
 from .outputs import GenerateOutput, RankOutput, StepTimings
 from .request import GenerateParams, GenerateRequest, RankRequest
+from .step_graphs import StepGraphs
 from .validation import RequestError, validate_request
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,11 @@ class GREngine:
                                  self.device, host_memory=host_memory)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self._hasher = IncrementalHasher(config.cache.page_size)
-        self.runner = ModelRunner(self.model, self.backend, self.kv, self.device)
+        graphs = None
+        if self.device.type == "cuda" and config.cuda_graph_max_rows and StepGraphs.supported(self.backend):
+            graphs = StepGraphs(self.backend, self.device, config.cache.page_size, config.cuda_graph_max_rows,
+                                config.scheduler.max_num_seqs, config.cache.num_gpu_pages)
+        self.runner = ModelRunner(self.model, self.backend, self.kv, self.device, graphs)
         self.stats = EngineStats()
         self._seq = itertools.count()
         self._in_flight: set[str] = set()
@@ -208,7 +213,7 @@ class GREngine:
                  prepare_s: float) -> list[ChunkResult]:
         meta = self._timed(phases, "prepare", self.runner.prepare, chunks, already=prepare_s)
         layer_ready = self._timed(phases, "onload", self.kv.launch_onloads)
-        tokens = self._timed(phases, "strip", self.runner.strip, chunks)
+        tokens = self._timed(phases, "strip", self.runner.strip, chunks, meta)
         states = self._timed(phases, "forward", self.runner.forward, tokens, meta, layer_ready)
         return self._timed(phases, "score", self.runner.score, chunks, meta, states)
 

@@ -5,6 +5,9 @@ all layers, :meth:`ModelRunner.strip` builds the model input from the uncached h
 candidates, :meth:`ModelRunner.forward` runs the layers (each appends its new history K/V into the
 user's pages, then attends), and :meth:`ModelRunner.score` applies the heads. Host-side work is numpy
 over whole arrays; each of ``prepare`` and ``strip`` makes one host-to-device copy.
+
+With :class:`~.step_graphs.StepGraphs` (CUDA, a backend with graph support), a small step is instead staged
+into static buffers by ``strip`` and its forward replayed from a captured CUDA graph.
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ import numpy as np
 import torch
 
 from attention_backends import AttentionBackend, PagedBatchMetadata
-from attention_backends.base import upload, upload_int32
+from attention_backends.base import layout_arrays, upload, upload_int32
 from cache_engine import KVCacheManager
 from scheduler import ScheduledChunk
 
 from .models import GRModel
 from .request import GenerateParams
+from .step_graphs import StagedStep, StepGraphs
 from .validation import RequestArrays
 
 
@@ -55,12 +59,16 @@ class StepTokens:
 class StepMetadata:
     """``common``: the page tables and row layout; ``backend``: the backend's own view of it;
     ``retrieval_rows``: int64 ``[R]`` rows of the last history token of each finishing retrieval
-    request, whose chunk indices are ``retrieval_chunks`` (``None`` when there is none)."""
+    request, whose chunk indices are ``retrieval_chunks`` (``None`` when there is none).
+    A step replayed from a CUDA graph has ``layout`` (host arrays, set by ``prepare``) and, once ``strip``
+    has staged it, ``staged``; until then its ``common`` and ``backend`` are ``None``."""
 
-    common: PagedBatchMetadata
+    common: PagedBatchMetadata | None
     backend: Any
     retrieval_rows: torch.Tensor | None
     retrieval_chunks: list[int]
+    layout: dict[str, np.ndarray] | None = None
+    staged: StagedStep | None = None
 
 
 @dataclass
@@ -76,11 +84,12 @@ class ModelRunner:
     """Executes scheduled steps of :class:`GRModel` over the :class:`KVCacheManager`'s pages."""
 
     def __init__(self, model: GRModel, backend: AttentionBackend, kv: KVCacheManager,
-                 device: torch.device) -> None:
+                 device: torch.device, graphs: StepGraphs | None = None) -> None:
         self.model = model
         self.backend = backend
         self.kv = kv
         self.device = device
+        self.graphs = graphs
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepMetadata:
         """Page tables (after this step's append) and row layout of the step."""
@@ -88,14 +97,18 @@ class ModelRunner:
         hist = np.array([c.num_history_rows for c in chunks], dtype=np.int64)
         cand = np.array([c.num_candidate_rows for c in chunks], dtype=np.int64)
         indptr, indices = self.kv.page_table([c.request.user_id for c in chunks], start + hist)
-        times = self._timestamps(chunks) if self.model.config.time_bias_buckets else (None, None)
-        common = PagedBatchMetadata.from_layout(start, hist, cand, indptr, indices, self.kv.page_size,
-                                                self.device, *times)
         retrieval = [i for i, c in enumerate(chunks) if c.final and c.request.payload.params is not None]
         retrieval_rows = None
         if retrieval:
             rows = np.cumsum(hist + cand)[retrieval] - cand[retrieval] - 1  # last history row of each
             retrieval_rows = upload(rows.astype(np.int64), self.device)
+        if (self.graphs is not None and not self.model.config.time_bias_buckets
+                and self.graphs.fits(int((hist + cand).sum()), len(chunks), int(hist.sum()), len(indices))):
+            layout = layout_arrays(start, hist, cand, indptr, indices, self.kv.page_size)
+            return StepMetadata(None, None, retrieval_rows, retrieval, layout=layout)  # staged by strip
+        times = self._timestamps(chunks) if self.model.config.time_bias_buckets else (None, None)
+        common = PagedBatchMetadata.from_layout(start, hist, cand, indptr, indices, self.kv.page_size,
+                                                self.device, *times)
         return StepMetadata(common, self.backend.build_metadata(common), retrieval_rows, retrieval)
 
     @staticmethod
@@ -110,8 +123,9 @@ class ModelRunner:
             keys.append(times[: chunk.end])
         return np.concatenate(queries), np.concatenate(keys)
 
-    def strip(self, chunks: list[ScheduledChunk]) -> StepTokens:
-        """Model input: each request's uncached history ``[start, end)``, then its candidates if final."""
+    def strip(self, chunks: list[ScheduledChunk], meta: StepMetadata) -> StepTokens:
+        """Model input: each request's uncached history ``[start, end)``, then its candidates if final.
+        A step to be replayed from a graph (``meta.layout``) is staged here, tokens and metadata together."""
         items, actions, positions = [], [], []
         for chunk in chunks:
             arrays: RequestArrays = chunk.request.payload.arrays
@@ -119,9 +133,13 @@ class ModelRunner:
             items += [arrays.item_ids[s:e], arrays.candidate_item_ids[:c]]
             actions += [arrays.action_ids[s:e], np.full(c, self.model.candidate_action)]
             positions += [np.arange(s, e), np.full(c, arrays.num_history)]
-        t = upload_int32({"items": np.concatenate(items), "actions": np.concatenate(actions),
-                        "positions": np.concatenate(positions)}, self.device)
-        return StepTokens(t["items"], t["actions"], t["positions"])
+        arrays = {"item_ids": np.concatenate(items), "action_ids": np.concatenate(actions),
+                  "positions": np.concatenate(positions)}
+        if meta.layout is not None:
+            meta.staged = self.graphs.stage(meta.layout, arrays)
+            meta.common, meta.backend = meta.staged.common, self.graphs.backend_metadata(meta.staged)
+            return StepTokens(**meta.staged.tokens)
+        return StepTokens(**upload_int32(arrays, self.device))
 
     @torch.no_grad()
     def forward(self, tokens: StepTokens, meta: StepMetadata,
@@ -130,17 +148,30 @@ class ModelRunner:
 
         Args:
             layer_ready: per layer, an event the layer's attention must wait for (its pages are being
-                loaded from host), or ``None``.
+                loaded from host), or ``None``. A graph replay waits for all of them first.
         """
-        history_rows = meta.common.history_rows.long()
+        if meta.staged is not None:
+            for ready in layer_ready:
+                if ready is not None:
+                    torch.cuda.current_stream(self.device).wait_event(ready)
+            return self.graphs.replay(meta.staged, self._forward_tokens)
+        return self._forward(tokens, meta.common, meta.backend, layer_ready)
+
+    def _forward_tokens(self, tokens: dict[str, torch.Tensor], common: PagedBatchMetadata,
+                        backend: Any) -> torch.Tensor:
+        return self._forward(StepTokens(**tokens), common, backend, [None] * len(self.kv.kv_cache))
+
+    def _forward(self, tokens: StepTokens, common: PagedBatchMetadata, backend: Any,
+                 layer_ready: list[torch.cuda.Event | None]) -> torch.Tensor:
+        history_rows = common.history_rows.long()
 
         def attend_in(layer_cache: torch.Tensor, ready: torch.cuda.Event | None):
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        time_bias: torch.Tensor | None) -> torch.Tensor:
                 if ready is not None:
                     torch.cuda.current_stream(q.device).wait_event(ready)
-                self.backend.append_kv(layer_cache, k[history_rows], v[history_rows], meta.backend)
-                return self.backend.attend(q, k, v, layer_cache, meta.backend, time_bias=time_bias)
+                self.backend.append_kv(layer_cache, k[history_rows], v[history_rows], backend)
+                return self.backend.attend(q, k, v, layer_cache, backend, time_bias=time_bias)
             return attend
 
         x = self.model.embed(tokens.item_ids, tokens.action_ids, tokens.positions)

@@ -124,10 +124,10 @@ def test_failing_step_is_retried_alone_so_only_the_culprit_fails(monkeypatch):
     engine = GREngine(tiny_config(max_num_seqs=8, max_num_batched_tokens=400))
     strip = engine.runner.strip
 
-    def failing_strip(chunks):
+    def failing_strip(chunks, meta):
         if any(c.request.user_id == "u3" for c in chunks):
             raise RuntimeError("injected failure")
-        return strip(chunks)
+        return strip(chunks, meta)
 
     monkeypatch.setattr(engine.runner, "strip", failing_strip)
     outputs = engine.rank(requests, use_tqdm=False)

@@ -1,0 +1,213 @@
+"""CUDA graphs for small steps: a step's whole forward (every layer) replayed from one capture.
+
+Launching a step's kernels one by one from Python costs milliseconds of host time, more than the GPU needs
+for a batch of returning users (a few new events and the candidates over cached histories). A step that
+fits a capture bucket (at most ``max_rows`` rows, ``max_requests`` requests, at least one new history row,
+no relative time bias) is instead *staged*: its tokens, page tables and the attention backend's plan
+(:meth:`~attention_backends.AttentionBackend.graph_plan`) are written, padded to the bucket, into static
+device buffers with two host-to-device copies, and the forward captured for that bucket is replayed.
+Padding is inert: spare requests have no rows, spare append rows repeat the step's last real append (the
+same values written to the same slot), spare token rows are computed and never read.
+
+Buckets are powers of two from 128 rows to ``max_rows``; a graph is captured the first time its bucket
+and the backend's launch shape occur (one eager warm-up forward of that step on a side stream, then the
+capture), each in its own memory pool. On CPU (for tests) the same padded forward runs eagerly in place of
+a replay, so the padding's inertness is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from attention_backends import AttentionBackend, PagedBatchMetadata
+
+# Per-step int32 fields in the static buffer, in order, and the capacity each is padded to ("requests":
+# max_requests, "requests1": max_requests + 1, "rows": max_rows); ``kv_indices`` (max_pages) goes last so that
+# a step copies only the pages it uses.
+_FIELDS = {
+    "query_start_loc": "requests1", "kv_indptr": "requests1", "num_history_rows": "requests",
+    "num_candidate_rows": "requests", "kv_last_page_len": "requests", "kv_seq_lens": "requests",
+    "append_batch_indices": "rows", "append_positions": "rows", "append_pages": "rows", "append_entries": "rows",
+    "history_rows": "rows", "candidate_rows": "rows", "candidate_batch_indices": "rows",
+    "item_ids": "rows", "action_ids": "rows", "positions": "rows",
+}
+_APPEND_FIELDS = ("append_batch_indices", "append_positions", "append_pages", "append_entries", "history_rows")
+TOKEN_FIELDS = ("item_ids", "action_ids", "positions")
+
+ForwardFn = Callable[[dict[str, torch.Tensor], PagedBatchMetadata, Any], torch.Tensor]
+"""``forward(tokens, common, backend_metadata) -> states [T, d_model]``: every layer, no onload waits;
+``tokens`` maps :data:`TOKEN_FIELDS` to int32 ``[T]`` tensors."""
+
+
+@dataclass
+class StagedStep:
+    """A step written into the static buffers.
+
+    Attributes:
+        common: the step's metadata over the static buffer, every tensor at its real length (for eager
+            use and for the heads); ``common.host`` holds the host arrays.
+        tokens: int32 ``[T]`` token tensors at their real length, keyed by :data:`TOKEN_FIELDS`.
+        rows: ``T``, the step's rows.
+        bucket: rows of the capture bucket (``>= T``).
+        plan_key: the backend's launch-shape key for :meth:`AttentionBackend.graph_plan`.
+    """
+
+    common: PagedBatchMetadata
+    tokens: dict[str, torch.Tensor]
+    rows: int
+    bucket: int
+    plan_key: Hashable
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    states: torch.Tensor  # [bucket, d_model], written by each replay
+
+
+class StepGraphs:
+    """Static buffers and captured forwards of one engine.
+
+    Args:
+        backend: the engine's attention backend; it must implement ``graph_plan`` (see :meth:`supported`).
+        device: the CUDA device.
+        page_size: tokens per KV page.
+        max_rows, max_requests, max_pages: the largest step replayed from a graph (rows, requests, pages in
+            its page table); larger steps run eagerly.
+    """
+
+    def __init__(self, backend: AttentionBackend, device: torch.device, page_size: int, max_rows: int,
+                 max_requests: int, max_pages: int) -> None:
+        self.backend, self.device, self.page_size = backend, device, page_size
+        self.max_rows, self.max_requests, self.max_pages = max_rows, max_requests, max_pages
+        caps = {"requests": max_requests, "requests1": max_requests + 1, "rows": max_rows}
+        self._offsets: dict[str, int] = {}
+        end = 0
+        for name, cap in _FIELDS.items():
+            self._offsets[name] = end
+            end += caps[cap]
+        self._offsets["kv_indices"] = end
+        self._caps = {name: caps[cap] for name, cap in _FIELDS.items()}
+        self._cuda = device.type == "cuda"
+        self._buffer = torch.zeros(end + max_pages, dtype=torch.int32, device=device)
+        self._staging = [torch.zeros(end + max_pages, dtype=torch.int32, pin_memory=self._cuda) for _ in range(2)]
+        self._copied = [self._event(), self._event()]  # the last copy out of each staging buffer
+        self._turn = 0
+        self._plans: dict[Hashable, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = {}
+        self._graphs: dict[tuple[int, Hashable], _Graph] = {}
+        self.num_replays = 0  # steps served from graphs (on CPU: from the padded eager forward)
+        self.buckets = [b for b in (128 * 2**i for i in range(16)) if b < max_rows] + [max_rows]
+
+    @staticmethod
+    def supported(backend: AttentionBackend) -> bool:
+        """Whether ``backend`` overrides :meth:`AttentionBackend.graph_plan`."""
+        return type(backend).graph_plan is not AttentionBackend.graph_plan
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def fits(self, num_rows: int, num_requests: int, num_history_rows: int, num_pages: int) -> bool:
+        """Whether a step of this size can be staged."""
+        return (num_history_rows > 0 and num_rows <= self.max_rows and num_requests <= self.max_requests
+                and num_pages <= self.max_pages)
+
+    def stage(self, arrays: dict[str, np.ndarray], tokens: dict[str, np.ndarray]) -> StagedStep:
+        """Write a step (:func:`~attention_backends.base.layout_arrays` output and its token arrays) into the
+        static buffers, padded, with two non-blocking copies; the caller checked :meth:`fits`."""
+        rows = int(arrays["query_start_loc"][-1])
+        bucket = next(b for b in self.buckets if b >= rows)
+        plan_key, plan = self.backend.graph_plan(arrays, bucket, self.max_requests)
+        staging, copied = self._staging[self._turn], self._copied[self._turn]
+        self._turn ^= 1
+        if copied is not None:
+            copied.synchronize()  # a step ago at the latest: its buffer is free
+        host = staging.numpy()
+        for name, cap in self._caps.items():
+            value = arrays[name] if name in arrays else tokens[name]
+            at, n = self._offsets[name], len(value)
+            host[at:at + n] = value
+            if name in _APPEND_FIELDS:
+                host[at + n:at + cap] = value[-1]  # inert: the last append again
+            elif name in ("query_start_loc", "kv_indptr"):
+                host[at + n:at + cap] = value[-1]  # spare requests: empty
+            else:
+                host[at + n:at + cap] = 0
+        pages = arrays["kv_indices"]
+        start = self._offsets["kv_indices"]
+        host[start:start + len(pages)] = pages
+        used = start + len(pages)
+        self._buffer[:used].copy_(staging[:used], non_blocking=True)
+        device_plan, pinned_plan, plan_copied = self._plan_buffers(plan_key, len(plan))
+        if self._cuda:
+            copied.record()
+            plan_copied.synchronize()
+        pinned_plan.numpy()[:] = plan
+        device_plan.copy_(pinned_plan, non_blocking=True)
+        if self._cuda:
+            plan_copied.record()
+        views = {name: self._view(name, len(arrays[name])) for name in arrays}
+        token_views = {name: self._view(name, rows) for name in TOKEN_FIELDS}
+        return StagedStep(PagedBatchMetadata.from_arrays(arrays, views, self.page_size), token_views, rows, bucket,
+                          plan_key)
+
+    def backend_metadata(self, step: StagedStep) -> Any:
+        """The backend's metadata of a staged step (over the padded plan; valid for eager use too)."""
+        return self.backend.graph_metadata(step.common, step.plan_key, self._plans[step.plan_key][0])
+
+    def replay(self, step: StagedStep, forward: ForwardFn) -> torch.Tensor:
+        """Run ``forward`` over the staged step from its bucket's graph (captured now if new); returns
+        ``states [T, d_model]``, valid until the next replay."""
+        key = (step.bucket, step.plan_key)
+        self.num_replays += 1
+        if not self._cuda:
+            tokens, common = self._padded(step.bucket)
+            backend = self.backend.graph_metadata(common, step.plan_key, self._plans[step.plan_key][0])
+            return forward(tokens, common, backend)[: step.rows]
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(step, forward)
+        entry = self._graphs[key]
+        entry.graph.replay()
+        return entry.states[: step.rows]
+
+    # ------------------------------------------------------------------ internals
+    def _view(self, name: str, length: int) -> torch.Tensor:
+        return self._buffer[self._offsets[name]:self._offsets[name] + length]
+
+    def _event(self) -> torch.cuda.Event | None:
+        return torch.cuda.Event() if self._cuda else None
+
+    def _plan_buffers(self, key: Hashable, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
+        if key not in self._plans:
+            self._plans[key] = (torch.zeros(length, dtype=torch.int32, device=self.device),
+                                torch.zeros(length, dtype=torch.int32, pin_memory=self._cuda), self._event())
+        return self._plans[key]
+
+    def _padded(self, bucket: int) -> tuple[dict[str, torch.Tensor], PagedBatchMetadata]:
+        """Static inputs of a bucket's graph: tokens and page tables padded to the capacities."""
+        lengths = {"requests": self.max_requests, "requests1": self.max_requests + 1, "rows": bucket}
+        views = {name: self._view(name, lengths[cap]) for name, cap in _FIELDS.items()}
+        tokens = {name: views.pop(name) for name in TOKEN_FIELDS}
+        views["kv_indices"] = self._view("kv_indices", self.max_pages)
+        common = PagedBatchMetadata(**views, page_size=self.page_size, max_query_len=bucket,
+                                    max_kv_len=self.max_pages * self.page_size, max_pages=self.max_pages)
+        return tokens, common
+
+    def _capture(self, step: StagedStep, forward: ForwardFn) -> _Graph:
+        tokens, common = self._padded(step.bucket)
+        backend = self.backend.graph_metadata(common, step.plan_key, self._plans[step.plan_key][0])
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # compiles and autotunes outside the capture; appends are idempotent
+            forward(tokens, common, backend)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the host tier's worker threads may call CUDA (events, pinning) during the capture
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            states = forward(tokens, common, backend)
+        return _Graph(graph, states)

@@ -4,7 +4,8 @@
 
 8 users with ~6,375-event histories; after their first visit, each batch of 8 returning requests adds
 4 events per user. Reports the median batch latency of recompute vs unlimited (every history token a
-GPU hit) and the per-phase host times, measured in the same run. A quick probe, not the full benchmark.
+GPU hit; with CUDA graphs, the default, and without) and the per-phase host times, measured in the same
+run. A quick probe, not the full benchmark.
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ def main() -> None:
     rng = np.random.default_rng(0)
     lengths = rng.integers(5000, 7800, 8)
     result = {"gpu": torch.cuda.get_device_name(), "lengths": lengths.tolist()}
-    for mode in ("recompute", "unlimited"):
+    for name, mode, graph_rows in (("recompute", "recompute", 4096), ("unlimited", "unlimited", 4096),
+                                   ("unlimited_eager", "unlimited", 0)):
         config = EngineConfig(model=model, device="cuda", attention_backend=args.backend,
+                              cuda_graph_max_rows=graph_rows,
                               cache=CacheConfig(mode=mode, num_gpu_pages=4096),
                               scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=65_536,
                                                         max_chunk_tokens=20_000))
@@ -57,10 +60,14 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
             assert all(o.error is None for o in outs), outs[0].error
         n = engine.stats.num_steps
-        result[mode] = {"median_batch_ms": float(np.median(times[3:]) * 1e3),
+        graphs = engine.runner.graphs
+        result[name] = {"median_batch_ms": float(np.median(times[3:]) * 1e3),
                         "phase_ms_per_step": {k: v / n * 1e3 for k, v in engine.stats.phase_seconds.items()},
-                        "gpu_hit_ratio": engine.stats.gpu_hit_ratio}
-        print(mode, json.dumps(result[mode]), flush=True)
+                        "gpu_hit_ratio": engine.stats.gpu_hit_ratio,
+                        "graph_replays": graphs.num_replays if graphs else 0, "steps": n}
+        print(name, json.dumps(result[name]), flush=True)
+        del engine
+        torch.cuda.empty_cache()
     result["speedup"] = result["recompute"]["median_batch_ms"] / result["unlimited"]["median_batch_ms"]
     print(json.dumps(result, indent=2))
     with open(args.out, "w") as f:

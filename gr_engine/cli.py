@@ -76,14 +76,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.users is not None:
         changes["trace"] = dataclasses.replace(settings.trace, num_users=args.users)
     settings = dataclasses.replace(settings, **changes)
-    result = run_benchmark(settings, echo=lambda line: print(line, file=sys.stderr))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def checkpoint(partial: dict) -> None:  # what a run cut short has measured
+        (out / "bench_partial.json").write_text(json.dumps(partial, indent=2, default=str))
+
+    result = run_benchmark(settings, echo=lambda line: print(line, file=sys.stderr), checkpoint=checkpoint)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     result["commit"] = args.commit or commit.stdout.strip() or "unknown"
     result["command"] = "gr-engine bench " + " ".join(sys.argv[2:])
     import torch
 
     result["gpu"] = torch.cuda.get_device_name() if settings.device.startswith("cuda") else "cpu"
-    paths = write_results(result, Path(args.out))
+    paths = write_results(result, out)
+    (out / "bench_partial.json").unlink(missing_ok=True)
     print(json.dumps(summarize(result), indent=2))
     print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return 0

@@ -224,8 +224,11 @@ def unlimited_pages(settings: BenchSettings, trace: Trace) -> int:
     return sum(per_user) + max(settings.batch_sizes) * max(per_user)
 
 
-def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print) -> dict:
-    """Run every experiment; returns the results as a JSON-able dict (see :mod:`gr_engine.bench.report`)."""
+def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print,
+                  checkpoint: Callable[[dict], None] | None = None) -> dict:
+    """Run every experiment; returns the results as a JSON-able dict (see :mod:`gr_engine.bench.report`).
+    ``checkpoint(results_so_far)`` is called after each part (so that a run cut short keeps what it measured)."""
+    checkpoint = checkpoint or (lambda partial: None)
     trace = generate_trace(settings.trace)
     steady = len(trace.steady)
     skip = int(steady * settings.skip_fraction)
@@ -259,10 +262,13 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print) 
         entry["breakdown_bs8"] = run.window(max(settings.batch_sizes), settings.window_requests)
         run.close()
         result["modes"][mode] = entry
+        checkpoint(result)
     result["chunk_sweep"] = _sweep(settings, trace, skip, "chunk_tokens", settings.chunk_sweep, ("hierarchical",),
                                    arena, simulations)
+    checkpoint(result)
     result["budget_sweep"] = _sweep(settings, trace, skip, "num_gpu_pages", settings.budget_sweep,
                                     ("gpu_only", "hierarchical"), arena, simulations)
+    checkpoint(result)
     result["lengths"] = _length_scan(settings)
     result["peak_pinned_h2d_GBps"] = _peak_h2d(settings.device)
     result["simulated"] = {name: simulations.get(cache) for name, cache in main.items()}

@@ -12,6 +12,7 @@ into static buffers by ``strip`` and its forward replayed from a captured CUDA g
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,35 +149,44 @@ class ModelRunner:
 
         Args:
             layer_ready: per layer, an event the layer's attention must wait for (its pages are being
-                loaded from host), or ``None``. A graph replay waits for all of them first.
+                loaded from host), or ``None``; a graph replay waits for it before the layer's graph.
         """
         if meta.staged is not None:
-            for ready in layer_ready:
-                if ready is not None:
-                    torch.cuda.current_stream(self.device).wait_event(ready)
-            return self.graphs.replay(meta.staged, self._forward_tokens)
+            return self.graphs.replay(meta.staged, lambda t, c, b: self._segments(StepTokens(**t), c, b), layer_ready)
         return self._forward(tokens, meta.common, meta.backend, layer_ready)
 
-    def _forward_tokens(self, tokens: dict[str, torch.Tensor], common: PagedBatchMetadata,
-                        backend: Any) -> torch.Tensor:
-        return self._forward(StepTokens(**tokens), common, backend, [None] * len(self.kv.kv_cache))
+    def _segments(self, tokens: StepTokens, common: PagedBatchMetadata,
+                  backend: Any) -> list[Callable[[torch.Tensor | None], torch.Tensor]]:
+        """The forward as one callable per layer (see :data:`~.step_graphs.SegmentsFn`): the first embeds the
+        tokens, each appends its layer's new K/V and attends, the last applies the final norm."""
+        history_rows = common.history_rows  # int32; read by every launch (so by every replay), never copied here
+        model, last = self.model, len(self.model.layers) - 1
+
+        def segment(index: int) -> Callable[[torch.Tensor | None], torch.Tensor]:
+            layer, layer_cache = model.layers[index], self.kv.kv_cache[index]
+
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       time_bias: torch.Tensor | None) -> torch.Tensor:
+                self.backend.append_kv(layer_cache, k[history_rows], v[history_rows], backend)
+                return self.backend.attend(q, k, v, layer_cache, backend, time_bias=time_bias)
+
+            def run(x: torch.Tensor | None) -> torch.Tensor:
+                if x is None:
+                    x = model.embed(tokens.item_ids, tokens.action_ids, tokens.positions)
+                x = layer(x, attend)
+                return model.final_norm(x) if index == last else x
+            return run
+
+        return [segment(i) for i in range(last + 1)]
 
     def _forward(self, tokens: StepTokens, common: PagedBatchMetadata, backend: Any,
                  layer_ready: list[torch.cuda.Event | None]) -> torch.Tensor:
-        history_rows = common.history_rows.long()
-
-        def attend_in(layer_cache: torch.Tensor, ready: torch.cuda.Event | None):
-            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       time_bias: torch.Tensor | None) -> torch.Tensor:
-                if ready is not None:
-                    torch.cuda.current_stream(q.device).wait_event(ready)
-                self.backend.append_kv(layer_cache, k[history_rows], v[history_rows], backend)
-                return self.backend.attend(q, k, v, layer_cache, backend, time_bias=time_bias)
-            return attend
-
-        x = self.model.embed(tokens.item_ids, tokens.action_ids, tokens.positions)
-        return self.model.encode(x, [attend_in(layer, ready)
-                                     for layer, ready in zip(self.kv.kv_cache, layer_ready, strict=True)])
+        x = None
+        for segment, ready in zip(self._segments(tokens, common, backend), layer_ready, strict=True):
+            if ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(ready)
+            x = segment(x)
+        return x
 
     @torch.no_grad()
     def score(self, chunks: list[ScheduledChunk], meta: StepMetadata, states: torch.Tensor) -> list[ChunkResult]:

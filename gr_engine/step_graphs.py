@@ -9,9 +9,11 @@ device buffers with two host-to-device copies, and the forward captured for that
 Padding is inert: spare requests have no rows, spare append rows repeat the step's last real append (the
 same values written to the same slot), spare token rows are computed and never read.
 
-Buckets are powers of two from 128 rows to ``max_rows``; a graph is captured the first time its bucket
-and the backend's launch shape occur (one eager warm-up forward of that step on a side stream, then the
-capture), each in its own memory pool. On CPU (for tests) the same padded forward runs eagerly in place of
+Buckets are powers of two from 128 rows to ``max_rows``; graphs are captured the first time a bucket and
+the backend's launch shape occur (one eager warm-up forward of that step on a side stream, then the
+capture). A forward is captured as one graph per layer, each in its own memory pool, so that a replay
+still waits for each layer's onload event just before that layer (layer ``l`` computes while layer
+``l + 1``'s KV is still crossing PCIe). On CPU (for tests) the same padded forward runs eagerly in place of
 a replay, so the padding's inertness is tested without a GPU.
 """
 
@@ -39,9 +41,11 @@ _FIELDS = {
 _APPEND_FIELDS = ("append_batch_indices", "append_positions", "append_pages", "append_entries", "history_rows")
 TOKEN_FIELDS = ("item_ids", "action_ids", "positions")
 
-ForwardFn = Callable[[dict[str, torch.Tensor], PagedBatchMetadata, Any], torch.Tensor]
-"""``forward(tokens, common, backend_metadata) -> states [T, d_model]``: every layer, no onload waits;
-``tokens`` maps :data:`TOKEN_FIELDS` to int32 ``[T]`` tensors."""
+Segment = Callable[[torch.Tensor | None], torch.Tensor]
+SegmentsFn = Callable[[dict[str, torch.Tensor], PagedBatchMetadata, Any], list[Segment]]
+"""``segments(tokens, common, backend_metadata)``: the forward cut into one callable per layer, without
+onload waits; the first takes ``None`` and embeds the tokens, each takes the previous one's output ``[T, d]``,
+the last returns the final states. ``tokens`` maps :data:`TOKEN_FIELDS` to int32 ``[T]`` tensors."""
 
 
 @dataclass
@@ -66,7 +70,7 @@ class StagedStep:
 
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph
+    graphs: list[torch.cuda.CUDAGraph]  # one per layer
     states: torch.Tensor  # [bucket, d_model], written by each replay
 
 
@@ -160,19 +164,26 @@ class StepGraphs:
         """The backend's metadata of a staged step (over the padded plan; valid for eager use too)."""
         return self.backend.graph_metadata(step.common, step.plan_key, self._plans[step.plan_key][0])
 
-    def replay(self, step: StagedStep, forward: ForwardFn) -> torch.Tensor:
-        """Run ``forward`` over the staged step from its bucket's graph (captured now if new); returns
-        ``states [T, d_model]``, valid until the next replay."""
+    def replay(self, step: StagedStep, segments: SegmentsFn,
+               layer_ready: list[torch.cuda.Event | None]) -> torch.Tensor:
+        """Run the forward over the staged step from its bucket's graphs (captured now if new), layer ``l``
+        after ``layer_ready[l]`` (``None``: no wait); returns ``states [T, d_model]``, valid until the next
+        replay."""
         key = (step.bucket, step.plan_key)
         self.num_replays += 1
         if not self._cuda:
-            tokens, common = self._padded(step.bucket)
-            backend = self.backend.graph_metadata(common, step.plan_key, self._plans[step.plan_key][0])
-            return forward(tokens, common, backend)[: step.rows]
+            x = None
+            for segment in segments(*self._static_inputs(step)):
+                x = segment(x)
+            return x[: step.rows]
         if key not in self._graphs:
-            self._graphs[key] = self._capture(step, forward)
+            self._graphs[key] = self._capture(step, segments)
         entry = self._graphs[key]
-        entry.graph.replay()
+        stream = torch.cuda.current_stream(self.device)
+        for graph, ready in zip(entry.graphs, layer_ready, strict=True):
+            if ready is not None:
+                stream.wait_event(ready)
+            graph.replay()
         return entry.states[: step.rows]
 
     # ------------------------------------------------------------------ internals
@@ -188,26 +199,30 @@ class StepGraphs:
                                 torch.zeros(length, dtype=torch.int32, pin_memory=self._cuda), self._event())
         return self._plans[key]
 
-    def _padded(self, bucket: int) -> tuple[dict[str, torch.Tensor], PagedBatchMetadata]:
-        """Static inputs of a bucket's graph: tokens and page tables padded to the capacities."""
-        lengths = {"requests": self.max_requests, "requests1": self.max_requests + 1, "rows": bucket}
+    def _static_inputs(self, step: StagedStep) -> tuple[dict[str, torch.Tensor], PagedBatchMetadata, Any]:
+        """A bucket's graph inputs: tokens, page tables padded to the capacities, the backend's metadata."""
+        lengths = {"requests": self.max_requests, "requests1": self.max_requests + 1, "rows": step.bucket}
         views = {name: self._view(name, lengths[cap]) for name, cap in _FIELDS.items()}
         tokens = {name: views.pop(name) for name in TOKEN_FIELDS}
         views["kv_indices"] = self._view("kv_indices", self.max_pages)
-        common = PagedBatchMetadata(**views, page_size=self.page_size, max_query_len=bucket,
+        common = PagedBatchMetadata(**views, page_size=self.page_size, max_query_len=step.bucket,
                                     max_kv_len=self.max_pages * self.page_size, max_pages=self.max_pages)
-        return tokens, common
+        return tokens, common, self.backend.graph_metadata(common, step.plan_key, self._plans[step.plan_key][0])
 
-    def _capture(self, step: StagedStep, forward: ForwardFn) -> _Graph:
-        tokens, common = self._padded(step.bucket)
-        backend = self.backend.graph_metadata(common, step.plan_key, self._plans[step.plan_key][0])
+    def _capture(self, step: StagedStep, segments: SegmentsFn) -> _Graph:
+        parts = segments(*self._static_inputs(step))
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # compiles and autotunes outside the capture; appends are idempotent
-            forward(tokens, common, backend)
+            x = None
+            for part in parts:
+                x = part(x)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the host tier's worker threads may call CUDA (events, pinning) during the capture
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            states = forward(tokens, common, backend)
-        return _Graph(graph, states)
+        graphs, x = [], None
+        for part in parts:  # each layer's output lives in its graph's pool, read by the next graph
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the host tier's worker threads may call CUDA (events, pinning) during the capture
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                x = part(x)
+            graphs.append(graph)
+        return _Graph(graphs, x)

@@ -211,8 +211,9 @@ class GREngine:
 
     def _execute(self, chunks: list[ScheduledChunk], phases: dict[str, float],
                  prepare_s: float) -> list[ChunkResult]:
-        meta = self._timed(phases, "prepare", self.runner.prepare, chunks, already=prepare_s)
+        # Onloads first: the PCIe copies then run while the host builds the step's metadata.
         layer_ready = self._timed(phases, "onload", self.kv.launch_onloads)
+        meta = self._timed(phases, "prepare", self.runner.prepare, chunks, already=prepare_s)
         tokens = self._timed(phases, "strip", self.runner.strip, chunks, meta)
         states = self._timed(phases, "forward", self.runner.forward, tokens, meta, layer_ready)
         return self._timed(phases, "score", self.runner.score, chunks, meta, states)

@@ -44,6 +44,19 @@ try:
 except ImportError:  # the backend then reports itself unusable (reasons_unsupported)
     triton = tl = None
 _jit: Callable[[Callable], Callable] = (lambda fn: fn) if triton is None else triton.jit  # no Triton: never called
+# Per-step values Triton must not specialise on (``== 1``, divisibility by 16, pointer alignment): each new
+# combination would compile the kernel again (seconds) in the middle of serving. They are read once per
+# program, so specialising them gains nothing.
+_STEP_ARGS = ["Tiles", "Items", "QueryStartLoc", "NumHistory", "SeqLens", "KvIndptr", "KvIndices", "TimeBias",
+              "QueryTimes", "KeyTimes", "KeyStart", "max_bucket", "num_tiles", "num_items", "num_work", "num_rounds"]
+
+
+def _step_kernel(fn: Callable) -> Callable:
+    """``triton.jit`` without specialisation on the per-step arguments of :data:`_STEP_ARGS` it has."""
+    if triton is None:
+        return fn
+    names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
+    return triton.jit(fn, do_not_specialize=[name for name in _STEP_ARGS if name in names])
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # what triton.jit sees when the kernels below are defined
 
 
@@ -133,7 +146,7 @@ def _attend_key_tile(
     return tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
 
 
-@_jit
+@_step_kernel
 def _hstu_paged_attention_kernel(
     Q, K, V, KV, Out, Partial, Tiles, Items, QueryStartLoc, NumHistory, SeqLens, KvIndptr, KvIndices,
     TimeBias, QueryTimes, KeyTimes, KeyStart, max_bucket,
@@ -223,7 +236,7 @@ def _hstu_paged_attention_kernel(
             tl.store(part_ptrs, out, mask=(valid & (tl.zeros_like(slots) + num_splits > 1))[:, None])
 
 
-@_jit
+@_step_kernel
 def _sum_partials_kernel(
     Partial, Out, Tiles, QueryStartLoc, stride_ot, stride_oh, num_tiles, num_heads,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,

@@ -570,3 +570,23 @@ def test_gpu_time_bias_at_power_of_two_gaps():
         spec = with_time_bias(make_spec(32, 4, 128, dtype), 42)
         got, expected, scale = run_both(layout, spec, gen, times=times)
         assert_close(got, expected, scale, rtol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_steps_of_any_shape_share_one_compiled_kernel():
+    """Per-step sizes and metadata offsets must not trigger Triton recompiles (seconds each, mid-serving)."""
+    spec = make_spec(32, 4, 128, torch.bfloat16, "cuda")
+    backend = HSTUTritonBackend(spec, tiles=TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=2))
+    gen = torch.Generator().manual_seed(3)
+    kernel = hstu_triton._hstu_paged_attention_kernel
+    variants = []
+    for layout in ([(300, 40, 7)], [(0, 33, 0), (65, 1, 5)], [(1000, 5, 100)] * 3, [(17, 200, 3)] * 5,
+                   [(4000, 64, 0), (31, 1, 1), (64, 0, 9), (2, 9, 2), (500, 77, 13), (96, 3, 0), (1, 1, 1)]):
+        common, q, k, v, cache = make_batch(layout, spec, gen)
+        meta = backend.build_metadata(common)
+        backend.append_kv(cache, k[common.history_rows.long()], v[common.history_rows.long()], meta)
+        backend.attend(q, k, v, cache, meta)
+        variants.append(sum(len(c[0]) for c in kernel.device_caches.values()))
+    torch.cuda.synchronize()
+    assert variants[-1] <= 2, variants  # with and without split-KV partial buffers at most

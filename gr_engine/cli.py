@@ -76,6 +76,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.users is not None:
         changes["trace"] = dataclasses.replace(settings.trace, num_users=args.users)
     settings = dataclasses.replace(settings, **changes)
+    if args.calibrate:  # the trace's calibration check: gpu_only hit ratios over three seeds (CPU, seconds)
+        from .bench.runner import cache_config
+        from .bench.simulate import simulate_policy
+        from .bench.trace import generate_trace
+
+        for seed in range(3):
+            trace = generate_trace(dataclasses.replace(settings.trace, seed=seed))
+            hit = simulate_policy(trace, cache_config(settings, "gpu_only")).gpu_hit_ratio
+            print(f"seed {seed}: gpu_only at {settings.gpu_pages} pages hits {hit:.1%} of history tokens")
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -130,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--host-budget-gib", type=float, help="host chunk pool size")
     bench.add_argument("--host-dtype", choices=["kv", "float8_e4m3fn"], help="host chunk dtype (default kv)")
     bench.add_argument("--commit", help="commit id to record (when the checkout has no .git)")
+    bench.add_argument("--calibrate", action="store_true",
+                       help="only check the trace's calibration: gpu_only hit ratios by policy simulation (CPU)")
     bench.set_defaults(run=_cmd_bench)
 
     config = commands.add_parser("config", help="print the resolved configuration as JSON")

@@ -27,10 +27,12 @@ def test_generated_trace_shape():
     times = [trace.requests[i].time for i in steady]
     assert times == sorted(times)
     last = {trace.requests[i].user: trace.requests[i].history_len for i in warm}
-    for i in steady:  # each user's histories only grow, a few events at a time
+    last_time: dict[int, float] = {}
+    for i in steady:  # each user's histories only grow, a few events at a time, at least 60 s apart
         r = trace.requests[i]
         assert r.history_len > last[r.user]
-        last[r.user] = r.history_len
+        assert r.time >= last_time.get(r.user, -60.0) + 60.0 - 1e-6
+        last[r.user], last_time[r.user] = r.history_len, r.time
     for u, events in enumerate(trace.users):
         assert np.all(np.diff(events.timestamps) >= 0) and last.get(u, len(events.item_ids)) == len(events.item_ids)
     request = trace.rank_request(steady[0])

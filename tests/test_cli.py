@@ -104,3 +104,11 @@ def test_demo_shows_hits_and_equal_scores():
     assert by_mode["hierarchical"].hit_ratio >= by_mode["gpu_only"].hit_ratio
     assert all(r.max_abs_diff <= 1e-5 for r in results)
     assert any("speedup" in line for line in lines)
+
+
+def test_bench_calibrate_prints_gpu_only_hit_ratios(capsys, tmp_path):
+    assert main(["bench", "--quick", "--calibrate", "--out", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["seed 0", "seed 1", "seed 2"]
+    assert all("gpu_only at 40 pages hits" in line for line in lines)
+    assert not list(tmp_path.iterdir())  # nothing written

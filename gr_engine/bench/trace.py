@@ -64,7 +64,7 @@ class TraceConfig:
     events_per_request: float = 4.0
     requests_per_session: float = 4.0
     gap_alpha: float = 1.2
-    horizon_s: float = 19_800.0
+    horizon_s: float = 39_000.0
     num_candidates: int = 100
     num_items: int = 1_000_000
     num_actions: int = 256
@@ -147,7 +147,8 @@ def _request_sizes(rng: np.random.Generator, total: int, mean: float) -> np.ndar
 
 def _request_times(rng: np.random.Generator, count: int, config: TraceConfig) -> np.ndarray:
     """Times of a user's ``count`` requests: sessions of ~``requests_per_session`` requests 60 s apart,
-    separated by Pareto gaps, the whole spread over ``horizon_s``."""
+    separated by Pareto gaps, the whole spread over ``horizon_s`` (later for users with more than
+    ``horizon_s / 60`` requests); consecutive requests are at least 60 s apart."""
     if count == 0:
         return np.zeros(0)
     session_of = np.cumsum(rng.random(count) < 1.0 / config.requests_per_session)
@@ -158,7 +159,10 @@ def _request_times(rng: np.random.Generator, count: int, config: TraceConfig) ->
     span = starts[-1] if sessions > 1 else 1.0
     starts = starts / span * (config.horizon_s - 60.0 * count / sessions) + rng.uniform(0, 60)
     within = np.arange(count) - np.searchsorted(session_of, session_of, side="left")
-    return np.maximum.accumulate(starts[session_of] + 60.0 * within)  # a user's requests stay in order
+    # A user's requests stay in order and at least 60 s apart (compressed gaps would otherwise stack whole
+    # sessions onto one instant): t[i] = max(wanted[i], t[i - 1] + 60).
+    step = 60.0 * np.arange(count)
+    return step + np.maximum.accumulate(starts[session_of] + 60.0 * within - step)
 
 
 def _event_times(rng: np.random.Generator, first: int, times: np.ndarray, sizes: np.ndarray) -> np.ndarray:

@@ -11,10 +11,12 @@ same values written to the same slot), spare token rows are computed and never r
 
 Buckets are powers of two from 128 rows to ``max_rows``; graphs are captured the first time a bucket and
 the backend's launch shape occur (one eager warm-up forward of that step on a side stream, then the
-capture). A forward is captured as one graph per layer, each in its own memory pool, so that a replay
-still waits for each layer's onload event just before that layer (layer ``l`` computes while layer
-``l + 1``'s KV is still crossing PCIe). On CPU (for tests) the same padded forward runs eagerly in place of
-a replay, so the padding's inertness is tested without a GPU.
+capture). A forward is captured as one graph per layer, so that a replay still waits for each layer's
+onload event just before that layer (layer ``l`` computes while layer ``l + 1``'s KV is still crossing
+PCIe). All graphs share one memory pool: replays never overlap, a layer's output is written and read
+within one replay, and each bucket's final states (read by the heads before the next replay) stay held,
+so memory is the largest bucket's, not the sum over buckets. On CPU (for tests) the same padded forward
+runs eagerly in place of a replay, so the padding's inertness is tested without a GPU.
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ class StepGraphs:
         self._turn = 0
         self._plans: dict[Hashable, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = {}
         self._graphs: dict[tuple[int, Hashable], _Graph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self._cuda else None
         self.num_replays = 0  # steps served from graphs (on CPU: from the padded eager forward)
         self.buckets = [b for b in (128 * 2**i for i in range(16)) if b < max_rows] + [max_rows]
 
@@ -222,7 +225,7 @@ class StepGraphs:
         for part in parts:  # each layer's output lives in its graph's pool, read by the next graph
             graph = torch.cuda.CUDAGraph()
             # thread_local: the host tier's worker threads may call CUDA (events, pinning) during the capture
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 x = part(x)
             graphs.append(graph)
         return _Graph(graphs, x)

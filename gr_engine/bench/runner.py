@@ -65,6 +65,7 @@ class BenchSettings:
     lengths: tuple[int, ...] = (1024, 2048, 4096, 8192, 16_384)
     new_events: int = 8
     simulation_workers: int = 8
+    prime_batches: int = 3
 
 
 def quick_settings() -> BenchSettings:
@@ -76,7 +77,7 @@ def quick_settings() -> BenchSettings:
     return BenchSettings(model=model, trace=trace, device="cpu", backend="torch_ref", gpu_pages=40, page_size=8,
                          chunk_tokens=32, host_budget_bytes=2**26, max_batched_tokens=1024, window_requests=8,
                          chunk_sweep=(16, 64), budget_sweep=(24, 48), lengths=(32, 128), new_events=4,
-                         simulation_workers=0)
+                         simulation_workers=0, prime_batches=1)
 
 
 @dataclass
@@ -155,13 +156,17 @@ class BenchRun:
             transfer.moves_data = True
         self.cursor += count
 
-    def window(self, batch_size: int, count: int) -> dict:
-        """Serve the next ``count`` steady requests in closed-loop batches of ``batch_size``."""
-        indices = self.steady[self.cursor:self.cursor + count]
-        if len(indices) < count:
+    def window(self, batch_size: int, count: int, prime_batches: int | None = None) -> dict:
+        """Serve the next ``count`` steady requests in closed-loop batches of ``batch_size``, after
+        ``prime_batches`` (default ``settings.prime_batches``) unmeasured batches: kernel compilation and
+        graph capture for new shapes happen there rather than in the measurement."""
+        prime = (self.settings.prime_batches if prime_batches is None else prime_batches) * batch_size
+        indices = self.steady[self.cursor:self.cursor + prime + count]
+        if len(indices) < prime + count:
             raise ValueError(f"the trace has too few steady-state requests for a window of {count}")
         self.cursor += len(indices)
-        return self._serve([self.trace.rank_request(i) for i in indices], batch_size).report()
+        self._serve([self.trace.rank_request(i) for i in indices[:prime]], batch_size)
+        return self._serve([self.trace.rank_request(i) for i in indices[prime:]], batch_size).report()
 
     def set_sync_phases(self, on: bool) -> None:
         self.engine.config = msgspec.structs.replace(self.engine.config, sync_phases=on)
@@ -348,7 +353,7 @@ def _length_scan(settings: BenchSettings) -> dict:
             pages = bs * 2 * (-(-(length + 8 * settings.new_events) // settings.page_size))
             run = BenchRun(settings, trace, cache_config(settings, mode, num_gpu_pages=pages), bs)
             run.warmup()
-            out[mode][length] = run.window(bs, len(trace.steady))
+            out[mode][length] = run.window(bs, len(trace.steady) - bs, prime_batches=1)
             run.close()
     return out
 

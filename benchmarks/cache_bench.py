@@ -137,7 +137,8 @@ def metadata_overhead(device, num_users=100_000, batch=8, steps=300, history=100
                          "onload_launch_median_ms": float(np.median(ms[:, 1])),
                          "commit_and_offload_launch_median_ms": float(np.median(ms[:, 2])),
                          "host_hit_tokens": int(host_hits), "gpu_hit_tokens": int(gpu_hits)}
-    torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return {"users_known": len(kv.users), "batch": batch, "history": history, "new_events": new_events, **results,
             "evicted_users": kv.stats.evicted_users}
 

@@ -98,6 +98,7 @@ class GREngine:
         Raises:
             RequestError: the request is invalid or its ``request_id`` is already in flight.
         """
+        t0 = time.perf_counter()
         arrays = validate_request(request, self.config, ranking=params is None)
         if request.request_id in self._in_flight:
             raise RequestError(f"request_id {request.request_id!r} is already in flight")
@@ -106,8 +107,11 @@ class GREngine:
             seq_id=next(self._seq), user_id=request.user_id, num_history=n,
             num_candidates=len(arrays.candidate_item_ids), reuse_limit=n if params is None else n - 1,
             token_hashes=self._hasher(request.user_id, arrays.item_ids, arrays.action_ids, arrays.timestamps),
-            payload=RequestPayload(request, arrays, params, time.perf_counter()),
+            payload=RequestPayload(request, arrays, params, t0),
         )
+        intake_s = time.perf_counter() - t0  # validation and prefix hashing (DESIGN.md section 3, step 2)
+        state.timings["intake"] = intake_s
+        self.stats.record_intake(intake_s)
         self._in_flight.add(request.request_id)
         self.scheduler.add(state)
         return state.seq_id

@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-PHASES = ("schedule", "prepare", "onload", "strip", "forward", "score", "commit")
+PHASES = ("intake", "schedule", "prepare", "onload", "strip", "forward", "score", "commit")
+"""Where time goes: ``intake`` (validating and hashing a request when it is added, per request), then the
+seven phases of every step (DESIGN.md section 3)."""
 
 
 @dataclass
@@ -76,6 +78,10 @@ class EngineStats:
         for name, seconds in step.phases.items():
             self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + seconds
         self.recent_steps.append(step)
+
+    def record_intake(self, seconds: float) -> None:
+        """A request was validated and hashed in ``seconds``."""
+        self.phase_seconds["intake"] = self.phase_seconds.get("intake", 0.0) + seconds
 
     def record_request(self, history_tokens: int, gpu_hits: int, host_hits: int = 0) -> None:
         self.num_requests += 1

@@ -7,8 +7,10 @@ import msgspec
 
 class StepTimings(msgspec.Struct, kw_only=True):
     """Seconds spent in each phase of the engine steps that served a request (DESIGN.md section 3),
-    summed over those steps. Each step's phases are shared by all requests in it."""
+    summed over those steps. Each step's phases are shared by all requests in it; ``intake`` (validating
+    and hashing the request when it was added) is the request's own."""
 
+    intake: float = 0.0
     schedule: float = 0.0
     prepare: float = 0.0
     onload: float = 0.0

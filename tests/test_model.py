@@ -70,11 +70,13 @@ def test_engine_recompute_matches_dense_oracle(architecture, time_buckets):
     outputs = engine.rank(requests, use_tqdm=False)
     for request, output in zip(requests, outputs):
         assert output.ok and output.timings.total > 0 and output.latency_s >= output.timings.total
+        assert 0 < output.timings.intake < output.latency_s  # validation + hashing, the request's own
         expected, _ = engine.model.forward_reference(torch.tensor(request.item_ids, dtype=torch.long),
                                                      torch.tensor(request.action_ids, dtype=torch.long),
                                                      torch.tensor(request.candidate_item_ids),
                                                      torch.tensor(request.timestamps, dtype=torch.long))
         np.testing.assert_allclose(output.scores, expected.numpy(), atol=1e-5, rtol=0)
+    assert engine.stats.phase_seconds["intake"] == pytest.approx(sum(o.timings.intake for o in outputs))
 
 
 @pytest.mark.parametrize("mode", ["recompute", "gpu_only"])

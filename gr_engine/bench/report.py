@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-PHASES = ("schedule", "prepare", "onload", "strip", "forward", "score", "commit")
+from ..metrics import PHASES
 
 
 def summarize(result: dict, bs: int = 8) -> dict:

@@ -21,6 +21,7 @@ runs eagerly in place of a replay, so the padding's inertness is tested without 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,8 @@ import numpy as np
 import torch
 
 from attention_backends import AttentionBackend, PagedBatchMetadata
+
+logger = logging.getLogger(__name__)
 
 # Per-step int32 fields in the static buffer, in order, and the capacity each is padded to ("requests":
 # max_requests, "requests1": max_requests + 1, "rows": max_rows); ``kv_indices`` (max_pages) goes last so that
@@ -108,6 +111,7 @@ class StepGraphs:
         self._graphs: dict[tuple[int, Hashable], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self._cuda else None
         self.num_replays = 0  # steps served from graphs (on CPU: from the padded eager forward)
+        self.enabled = True  # False after a capture failed: steps then run eagerly
         self.buckets = [b for b in (128 * 2**i for i in range(16)) if b < max_rows] + [max_rows]
 
     @staticmethod
@@ -120,9 +124,9 @@ class StepGraphs:
         return len(self._graphs)
 
     def fits(self, num_rows: int, num_requests: int, num_history_rows: int, num_pages: int) -> bool:
-        """Whether a step of this size can be staged."""
-        return (num_history_rows > 0 and num_rows <= self.max_rows and num_requests <= self.max_requests
-                and num_pages <= self.max_pages)
+        """Whether a step of this size can be staged (never after a failed capture)."""
+        return (self.enabled and num_history_rows > 0 and num_rows <= self.max_rows
+                and num_requests <= self.max_requests and num_pages <= self.max_pages)
 
     def stage(self, arrays: dict[str, np.ndarray], tokens: dict[str, np.ndarray]) -> StagedStep:
         """Write a step (:func:`~attention_backends.base.layout_arrays` output and its token arrays) into the
@@ -173,14 +177,18 @@ class StepGraphs:
         after ``layer_ready[l]`` (``None``: no wait); returns ``states [T, d_model]``, valid until the next
         replay."""
         key = (step.bucket, step.plan_key)
-        self.num_replays += 1
         if not self._cuda:
-            x = None
-            for segment in segments(*self._static_inputs(step)):
-                x = segment(x)
-            return x[: step.rows]
+            self.num_replays += 1
+            return self._run_eagerly(step, segments, layer_ready)
         if key not in self._graphs:
-            self._graphs[key] = self._capture(step, segments)
+            try:
+                self._graphs[key] = self._capture(step, segments)
+            except Exception:  # never fail a request over a capture: serve this step and later ones eagerly
+                logger.warning("CUDA graph capture failed; steps run eagerly from now on", exc_info=True)
+                self.enabled = False
+                torch.cuda.synchronize(self.device)
+                return self._run_eagerly(step, segments, layer_ready)
+        self.num_replays += 1
         entry = self._graphs[key]
         stream = torch.cuda.current_stream(self.device)
         for graph, ready in zip(entry.graphs, layer_ready, strict=True):
@@ -190,6 +198,16 @@ class StepGraphs:
         return entry.states[: step.rows]
 
     # ------------------------------------------------------------------ internals
+    def _run_eagerly(self, step: StagedStep, segments: SegmentsFn,
+                     layer_ready: list[torch.cuda.Event | None]) -> torch.Tensor:
+        """The padded forward a graph would replay, launched op by op (CPU, or after a failed capture)."""
+        x = None
+        for segment, ready in zip(segments(*self._static_inputs(step)), layer_ready, strict=True):
+            if ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(ready)
+            x = segment(x)
+        return x[: step.rows]
+
     def _view(self, name: str, length: int) -> torch.Tensor:
         return self._buffer[self._offsets[name]:self._offsets[name] + length]
 

@@ -96,3 +96,23 @@ def test_cuda_graph_replays_equal_recompute_and_eager(mode, dtype, tol):
     engine.close()
     engine.kv.check_invariants()
     np.testing.assert_equal(eager.runner.graphs, None)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_failed_capture_falls_back_to_eager_without_failing_requests(monkeypatch, caplog):
+    config = tiny_config(mode="gpu_only", num_gpu_pages=200, page_size=16, max_num_seqs=8, max_num_batched_tokens=256,
+                         d_model=64, num_heads=2, head_dim=32)
+    config = msgspec.structs.replace(config, device="cuda")
+    requests = stream(config, num_users=10, visits=6, seed=2)
+    expected = GREngine(with_cache(config, mode="recompute")).rank(requests, use_tqdm=False)
+
+    def broken_capture(self, step, segments):
+        raise RuntimeError("injected capture failure")
+
+    monkeypatch.setattr(StepGraphs, "_capture", broken_capture)
+    engine = graph_engine(config, max_rows=256)
+    got = engine.rank(requests, use_tqdm=False)
+    assert max_diff(got, expected) <= 1e-4  # every request served, none failed
+    assert not engine.runner.graphs.enabled and engine.runner.graphs.num_graphs == 0
+    assert "CUDA graph capture failed" in caplog.text

@@ -4,8 +4,9 @@
 
 1. Peak pinned host->device bandwidth (one 256 MiB copy), for reference.
 2. Onload bandwidth of the engine's pipeline (host chunks -> device onload buffer -> scatter into
-   pages, one event per layer) for chunk sizes 512..4096 tokens, benchmark model KV (8 layers,
-   4 heads x 128, bf16, page 32), and offload bandwidth (gather + device->host).
+   pages, one event per layer; with 1 and 2 copy streams; and the ``kernel`` engine, which reads host
+   pages directly) for chunk sizes 512..4096 tokens, benchmark model KV (8 layers, 4 heads x 128,
+   bf16, page 32), and offload bandwidth (gather + device->host).
 3. CPU time per batch of 8 returning users with 100,000 users known to the cache, split into metadata
    preparation + eviction (acquire, page table, batch metadata upload), launching onloads, and commit +
    release + launching offloads; for users drawn at random (mostly host hits and evictions) and among
@@ -50,7 +51,7 @@ def peak_h2d(device) -> float:
 
 
 def transfer_bandwidth(device, chunk_tokens: int, tokens: int, layers=8, heads=4, dim=128, page=32,
-                       streams: int = 1) -> dict:
+                       streams: int = 1, engine: str = "copy") -> dict:
     chunk_pages = chunk_tokens // page
     num_chunks = tokens // chunk_tokens
     kv = torch.zeros(layers, num_chunks * chunk_pages * 2, 2, page, heads, dim, dtype=torch.bfloat16, device=device)
@@ -59,7 +60,7 @@ def transfer_bandwidth(device, chunk_tokens: int, tokens: int, layers=8, heads=4
     store.wait_until_allocated()
     for s in range(num_chunks):
         store.slot(s).copy_(torch.randn(shape).to(torch.bfloat16))
-    transfer = TransferEngine(device, onload_streams=streams)
+    transfer = TransferEngine(device, onload_streams=streams, onload_kernel=engine == "kernel")
     pages = np.random.default_rng(0).permutation(kv.shape[1])[: num_chunks * chunk_pages].tolist()
     onload_jobs = [OnloadJob(c, store.slot(c), pages[c * chunk_pages:(c + 1) * chunk_pages]) for c in range(num_chunks)]
 
@@ -84,7 +85,8 @@ def transfer_bandwidth(device, chunk_tokens: int, tokens: int, layers=8, heads=4
 
     offload()
     offload_s = cuda_time(offload, 9)
-    return {"chunk_tokens": chunk_tokens, "onload_streams": streams, "tokens": tokens, "bytes": nbytes,
+    return {"chunk_tokens": chunk_tokens, "onload_engine": engine, "onload_streams": streams, "tokens": tokens,
+            "bytes": nbytes,
             "onload_ms": onload_s * 1e3, "onload_GBps": nbytes / onload_s / 1e9,
             "offload_ms": offload_s * 1e3, "offload_GBps": nbytes / offload_s / 1e9}
 
@@ -154,8 +156,8 @@ def main() -> None:
                                            text=True).stdout.strip()
     result = {"gpu": torch.cuda.get_device_name(), "commit": commit or "unknown", "torch": torch.__version__,
               "python": platform.python_version(), "peak_pinned_h2d_GBps": peak_h2d(device),
-              "transfers": [transfer_bandwidth(device, c, args.tokens, streams=s)
-                            for s in (1, 2) for c in (512, 1024, 2048, 4096)],
+              "transfers": [transfer_bandwidth(device, c, args.tokens, streams=s, engine=e)
+                            for e, s in (("copy", 1), ("copy", 2), ("kernel", 1)) for c in (512, 1024, 2048, 4096)],
               "metadata": metadata_overhead(device)}
     result["command"] = "python benchmarks/cache_bench.py --out " + args.out
     print(json.dumps(result, indent=2))

@@ -8,6 +8,7 @@ import msgspec
 
 CacheMode = Literal["recompute", "gpu_only", "hierarchical", "unlimited"]
 HostDType = Literal["kv", "float8_e4m3fn"]
+OnloadEngine = Literal["copy", "kernel"]
 
 
 class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -36,7 +37,11 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         host_dtype: ``"kv"`` keeps host chunks in the KV dtype (exact); ``"float8_e4m3fn"`` stores them in
             FP8 with one scale per (chunk, layer, K/V, head): half the host memory and PCIe bytes, scores
             no longer exactly equal to recomputing (the benchmark reports the drift).
-        onload_streams: CUDA streams the host-to-device chunk copies are spread over.
+        onload_streams: CUDA streams the host-to-device chunk copies are spread over (``copy`` engine).
+        onload_engine: how host chunks reach their pages on CUDA. ``"copy"``: a DMA copy per (layer, chunk)
+            into a device buffer, then a scatter into the pages. ``"kernel"``: one Triton kernel per layer
+            reads the host pages directly (pinned memory is device-addressable) and writes the pages
+            (:mod:`cache_engine.onload_kernel`; needs Triton). On CPU both are plain synchronous copies.
     """
 
     mode: CacheMode = "hierarchical"
@@ -49,6 +54,7 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     persist_tails: bool = True
     host_dtype: HostDType = "kv"
     onload_streams: int = 1
+    onload_engine: OnloadEngine = "copy"
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_gpu_pages", "chunk_tokens", "host_segment_bytes", "max_pending_offloads",

@@ -60,7 +60,8 @@ class KVCacheManager:
             scales = None  # FP8 host chunks: dequantisation scales per (slot, layer, K/V, head), on the device
             if config.host_dtype != "kv":
                 scales = torch.ones(num_slots, num_layers, 2, num_heads, dtype=torch.float32, device=device)
-            self.host = HostTier(config, store, TransferEngine(device, scales, config.onload_streams),
+            self.host = HostTier(config, store, TransferEngine(device, scales, config.onload_streams,
+                                                          onload_kernel=config.onload_engine == "kernel"),
                                  self.pool.kv, self.users, self.stats)
 
     @property

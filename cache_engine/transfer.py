@@ -12,6 +12,9 @@ On CUDA, three side streams keep copies off the compute stream:
 - **scatter**: per layer, waits for that layer's copies and scatters the buffer into the users'
   pages; its event for layer ``l`` is what the model's layer ``l`` waits for.
 
+With ``onload_kernel``, the scatter stream instead runs one kernel per layer that reads the host pages
+directly (:mod:`.onload_kernel`) and records that layer's event: no onload buffer, no DMA per chunk.
+
 Host chunks may be stored in FP8 (e4m3): chunks are quantised on the device before the copy out, with
 one scale per (slot, layer, K/V, head) kept in a small device table (``amax / 448``), and dequantised
 by the scatter. That halves host memory and PCIe bytes at a small, measured, cost in accuracy.
@@ -74,12 +77,15 @@ class TransferEngine:
             have the pool's dtype.
         onload_streams: streams the per-layer host-to-device copies are spread over (more than one lets
             several copy engines work at once).
+        onload_kernel: on CUDA, onload with :func:`.onload_kernel.onload_pages` instead of copies + scatter.
     """
 
-    def __init__(self, device: torch.device, scales: torch.Tensor | None = None, onload_streams: int = 1) -> None:
+    def __init__(self, device: torch.device, scales: torch.Tensor | None = None, onload_streams: int = 1,
+                 onload_kernel: bool = False) -> None:
         self.device = device
         self.scales = scales
         self.is_cuda = device.type == "cuda"
+        self.onload_kernel = onload_kernel and self.is_cuda
         if self.is_cuda:
             self.offload_stream = torch.cuda.Stream(device)
             self.onload_streams = [torch.cuda.Stream(device) for _ in range(max(1, onload_streams))]
@@ -165,6 +171,8 @@ class TransferEngine:
                 src = torch.cat([job.slot[layer, : len(job.pages)] for job in jobs])
                 kv[layer].index_copy_(0, dst, self._dequantize(src, scales, layer, kv.dtype))
             return [None] * num_layers
+        if self.onload_kernel:
+            return self._onload_by_kernel(kv, jobs, pages, page_slots)
         compute = torch.cuda.current_stream(self.device)
         buffers = self._onload_buffers(jobs[0].slot, len(pages))
         scattered: list[torch.cuda.Event] = []
@@ -202,6 +210,30 @@ class TransferEngine:
             scales.record_stream(self.scatter_stream)
         self._last_scatter = scattered[-1]
         return scattered
+
+    def _onload_by_kernel(self, kv: torch.Tensor, jobs: list[OnloadJob], pages: list[int],
+                          page_slots: list[int]) -> list[torch.cuda.Event]:
+        """Per layer, one kernel on the scatter stream reads every job's host pages (pinned, device-addressable)
+        into their GPU pages; returns the per-layer events."""
+        from .onload_kernel import onload_pages  # imports Triton
+
+        slot = jobs[0].slot  # [L, chunk_pages, 2, page_size, H, D], contiguous
+        page_bytes, layer_bytes = slot.stride(1) * slot.element_size(), slot.stride(0) * slot.element_size()
+        addresses = [job.slot.data_ptr() + p * page_bytes for job in jobs for p in range(len(job.pages))]
+        compute = torch.cuda.current_stream(self.device)
+        events: list[torch.cuda.Event] = []
+        with torch.cuda.stream(self.scatter_stream):
+            self.scatter_stream.wait_stream(compute)  # the pages were just handed out on the host side
+            index = self._upload(pages + page_slots + addresses)
+            count = len(pages)
+            dst, slot_ids, src = index[:count], index[count:2 * count], index[2 * count:]
+            for layer in range(kv.shape[0]):
+                onload_pages(kv[layer], src, dst, layer * layer_bytes, slot.dtype, layer, slot_ids, self.scales)
+                events.append(torch.cuda.Event())
+                events[-1].record()
+        index.record_stream(self.scatter_stream)
+        self._last_scatter = events[-1]
+        return events
 
     @staticmethod
     def _dequantize(pages: torch.Tensor, scales: torch.Tensor | None, layer: int, dtype: torch.dtype) -> torch.Tensor:

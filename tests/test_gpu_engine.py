@@ -67,3 +67,19 @@ def test_onload_waits_per_layer_event():
     assert engine.stats.host_hit_tokens > 0
     assert max(float(np.abs(a - b).max()) for a, b in zip(scores(outputs), expected)) <= 1e-4
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("host_dtype", ["kv", "float8_e4m3fn"])
+def test_kernel_onload_engine_equals_copy_engine(host_dtype):
+    """The onload kernel reads host pages directly; scores equal the copy engine's exactly (same dequantisation)."""
+    config = cuda_config("bfloat16", mode="hierarchical", num_gpu_pages=200, host_dtype=host_dtype)
+    requests = stream(config, num_users=30, visits=20, seed=6)
+    outputs = {}
+    for engine_name in ("copy", "kernel"):
+        engine = GREngine(with_cache(config, onload_engine=engine_name))
+        engine.kv.host.store.wait_until_allocated()
+        outputs[engine_name] = scores(engine.rank(requests, use_tqdm=False))
+        assert engine.stats.host_hit_tokens > 0
+        engine.close()
+        engine.kv.check_invariants()
+    assert all(np.array_equal(a, b) for a, b in zip(outputs["kernel"], outputs["copy"]))

@@ -1,0 +1,75 @@
+"""Onload by kernel: GPU programs read host chunk pages directly and write them into the pool's pages.
+
+Pinned host memory is mapped into the device's address space (unified virtual addressing), so a kernel
+can load from it over PCIe. One launch per layer then replaces a DMA copy per (layer, chunk) into the
+onload buffer plus the scatter out of it: no per-copy set-up cost, no staging buffer, FP8 dequantised on
+the way. ``CacheConfig.onload_engine = "kernel"`` selects it (see :class:`~.transfer.TransferEngine`).
+
+This module imports Triton; :mod:`cache_engine` imports it only when that engine is chosen. On CPU the
+kernel runs in Triton's interpreter (tests), where "host memory" is simply memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_POINTER_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
+                   torch.float8_e4m3fn: tl.float8e4nv}
+
+
+@triton.jit(do_not_specialize=["SrcAddr", "DstPage", "SlotIds", "layer_offset", "layer"])
+def _onload_pages_kernel(
+    Kv, SrcAddr, DstPage, SlotIds, Scales, layer_offset, layer,
+    num_layers, num_heads, page_size,
+    SRC_DTYPE: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+):
+    """Program ``(i, r)`` copies row ``r`` (``r // page_size``: K or V; ``r % page_size``: the token) of
+    page ``i``: ``ROW = H * D`` values from host address ``SrcAddr[i] + layer_offset`` (bytes) to pool page
+    ``DstPage[i]`` of this layer (``Kv``: ``[num_pages, 2, page_size, H, D]``, contiguous); with
+    ``HAS_SCALES``, times ``Scales[SlotIds[i], layer, K/V, head]`` (``[slots, L, 2, H]`` float32)."""
+    page = tl.program_id(0)
+    row = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    valid = cols < ROW
+    src = (tl.load(SrcAddr + page) + layer_offset).to(tl.pointer_type(SRC_DTYPE))
+    values = tl.load(src + row * ROW + cols, mask=valid, other=0.0).to(tl.float32)
+    if HAS_SCALES:
+        slot = tl.load(SlotIds + page)
+        kv = row // page_size
+        scale_at = ((slot * num_layers + layer) * 2 + kv) * num_heads + cols // HEAD_DIM
+        values *= tl.load(Scales + scale_at, mask=valid, other=1.0)
+    dst = tl.load(DstPage + page).to(tl.int64) * (2 * page_size * ROW) + row * ROW
+    tl.store(Kv + dst + cols, values.to(Kv.dtype.element_ty), mask=valid)
+
+
+def onload_pages(kv_layer: torch.Tensor, src_addr: torch.Tensor, dst_pages: torch.Tensor, layer_offset: int,
+                 src_dtype: torch.dtype, layer: int = 0, slot_ids: torch.Tensor | None = None,
+                 scales: torch.Tensor | None = None) -> None:
+    """Write host pages into one layer of the pool, on the current stream.
+
+    Args:
+        kv_layer: ``[num_pages, 2, page_size, H, D]`` one layer of the pool, contiguous, written in place.
+        src_addr: int64 ``[P]`` host byte address of each page's first layer (``[2, page_size, H, D]`` of
+            ``src_dtype``, contiguous); pinned memory on CUDA.
+        dst_pages: int64 ``[P]`` pool page of each.
+        layer_offset: bytes from a page's first-layer address to this layer's.
+        src_dtype: dtype of the host pages (the pool's, or ``torch.float8_e4m3fn``).
+        layer: this layer's index (for the scales).
+        slot_ids: int64 ``[P]`` host slot of each page, with ``scales``.
+        scales: float32 ``[num_slots, L, 2, H]`` dequantisation scales of FP8 pages, or ``None``.
+    """
+    num_pages = src_addr.shape[0]
+    if num_pages == 0:
+        return
+    _, two, page_size, num_heads, head_dim = kv_layer.shape
+    row = num_heads * head_dim
+    has_scales = scales is not None
+    _onload_pages_kernel[(num_pages, two * page_size)](
+        kv_layer, src_addr, dst_pages, slot_ids if has_scales else dst_pages, scales if has_scales else kv_layer,
+        layer_offset, layer, scales.shape[1] if has_scales else 1, num_heads, page_size,
+        SRC_DTYPE=_POINTER_DTYPES[src_dtype], ROW=row, BLOCK=triton.next_power_of_2(row), HEAD_DIM=head_dim,
+        HAS_SCALES=has_scales, num_warps=4,
+    )

@@ -1,0 +1,68 @@
+"""The onload kernel (:mod:`cache_engine.onload_kernel`) against plain indexing: host pages of any layer into
+pool pages, with and without FP8 dequantisation. CPU runs it in Triton's interpreter (``TRITON_INTERPRET=1``
+is set before the module imports Triton, as in ``test_hstu_triton``); CUDA reads pinned host memory."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def host_slots(num_slots: int, layers: int, chunk_pages: int, page: int, heads: int, dim: int, dtype, gen):
+    """Host chunk slots ``[slots, L, chunk_pages, 2, page, H, D]`` (pinned on CUDA) and their fp32 values."""
+    values = torch.randn(num_slots, layers, chunk_pages, 2, page, heads, dim, generator=gen)
+    slots = values.to(dtype)
+    return (slots.pin_memory() if DEVICE == "cuda" else slots), values
+
+
+@pytest.mark.parametrize("dtype,heads,dim", [(torch.float32, 2, 16), (torch.bfloat16, 3, 32), (torch.float16, 1, 8)])
+def test_pages_of_every_layer_land_in_their_pool_pages(dtype, heads, dim):
+    from cache_engine.onload_kernel import onload_pages
+
+    gen = torch.Generator().manual_seed(0)
+    layers, chunk_pages, page = 3, 4, 8
+    slots, _ = host_slots(5, layers, chunk_pages, page, heads, dim, dtype, gen)
+    pool = torch.zeros(layers, 40, 2, page, heads, dim, dtype=dtype, device=DEVICE)
+    picks = [(4, 0), (1, 3), (1, 0), (2, 2), (0, 1)]  # (slot, page within the chunk), any order
+    dst = torch.tensor([7, 0, 39, 12, 21])
+    addr = torch.tensor([slots[s, 0, p].data_ptr() for s, p in picks])
+    layer_bytes = slots.stride(1) * slots.element_size()
+    for layer in range(layers):
+        onload_pages(pool[layer], addr.to(DEVICE), dst.to(DEVICE), layer * layer_bytes, dtype, layer)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    for (s, p), d in zip(picks, dst.tolist()):
+        torch.testing.assert_close(pool[:, d].cpu(), slots[s, :, p], rtol=0, atol=0)
+    untouched = sorted(set(range(40)) - set(dst.tolist()))
+    assert not pool[:, untouched].any()
+
+
+def test_fp8_pages_are_dequantised_with_their_slot_scales():
+    from cache_engine.onload_kernel import onload_pages
+
+    gen = torch.Generator().manual_seed(1)
+    layers, chunk_pages, page, heads, dim = 2, 2, 4, 2, 16
+    slots, _ = host_slots(3, layers, chunk_pages, page, heads, dim, torch.float8_e4m3fn, gen)
+    scales = torch.rand(3, layers, 2, heads, generator=gen) + 0.5
+    # bf16 on CUDA; float32 in the interpreter, whose float32 -> bf16 conversion does not round to nearest
+    pool_dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    pool = torch.zeros(layers, 10, 2, page, heads, dim, dtype=pool_dtype, device=DEVICE)
+    picks, dst = [(2, 1), (0, 0), (1, 1)], torch.tensor([9, 3, 5])
+    addr = torch.tensor([slots[s, 0, p].data_ptr() for s, p in picks])
+    slot_ids = torch.tensor([s for s, _ in picks])
+    layer_bytes = slots.stride(1) * slots.element_size()
+    for layer in range(layers):
+        onload_pages(pool[layer], addr.to(DEVICE), dst.to(DEVICE), layer * layer_bytes, torch.float8_e4m3fn, layer,
+                     slot_ids.to(DEVICE), scales.to(DEVICE))
+    for (s, p), d in zip(picks, dst.tolist()):
+        expected = slots[s, :, p].float() * scales[s][:, :, None, :, None]  # [L, 2, page, H, D]
+        torch.testing.assert_close(pool[:, d].cpu(), expected.to(pool_dtype), rtol=0, atol=0)

@@ -70,7 +70,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     settings = quick_settings() if args.quick else BenchSettings()
     changes = {k: v for k, v in (("device", args.device), ("backend", args.backend),
-                                 ("window_requests", args.window), ("host_dtype", args.host_dtype)) if v is not None}
+                                 ("window_requests", args.window), ("host_dtype", args.host_dtype),
+                                 ("onload_engine", args.onload_engine)) if v is not None}
     if args.host_budget_gib is not None:
         changes["host_budget_bytes"] = int(args.host_budget_gib * 2**30)
     if args.users is not None:
@@ -139,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--window", type=int, help="measured requests per mode and batch size")
     bench.add_argument("--host-budget-gib", type=float, help="host chunk pool size")
     bench.add_argument("--host-dtype", choices=["kv", "float8_e4m3fn"], help="host chunk dtype (default kv)")
+    bench.add_argument("--onload-engine", choices=["copy", "kernel"],
+                       help="how host chunks reach GPU pages (default copy; see cache.onload_engine)")
     bench.add_argument("--commit", help="commit id to record (when the checkout has no .git)")
     bench.add_argument("--calibrate", action="store_true",
                        help="only check the trace's calibration: gpu_only hit ratios by policy simulation (CPU)")

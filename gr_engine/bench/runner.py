@@ -57,6 +57,7 @@ class BenchSettings:
     chunk_tokens: int = 1024
     host_budget_bytes: int = 96 * 2**30
     host_dtype: str = "kv"
+    onload_engine: str = "copy"
     max_batched_tokens: int = 163_840  # a batch of 8 whole histories (up to 20,000 events) in one step
     window_requests: int = 240
     skip_fraction: float = 0.5
@@ -218,7 +219,7 @@ def _sync(engine: GREngine) -> None:
 def cache_config(settings: BenchSettings, mode: str, **changes: object) -> CacheConfig:
     fields = dict(mode=mode, page_size=settings.page_size, num_gpu_pages=settings.gpu_pages,
                   chunk_tokens=settings.chunk_tokens, host_budget_bytes=settings.host_budget_bytes,
-                  host_dtype=settings.host_dtype)
+                  host_dtype=settings.host_dtype, onload_engine=settings.onload_engine)
     fields.update(changes)
     return CacheConfig(**fields)
 

@@ -36,17 +36,17 @@ from .hstu_triton_plan import (
     default_tile_config,
     plan_tile_map,
 )
-from .paged import write_appended
 
 try:
     import triton
     import triton.language as tl
+
+    from .hstu_triton_append import append_rows
 except ImportError:  # the backend then reports itself unusable (reasons_unsupported)
-    triton = tl = None
+    triton = tl = append_rows = None
 _jit: Callable[[Callable], Callable] = (lambda fn: fn) if triton is None else triton.jit  # no Triton: never called
-# Per-step values Triton must not specialise on (``== 1``, divisibility by 16, pointer alignment): each new
-# combination would compile the kernel again (seconds) in the middle of serving. They are read once per
-# program, so specialising them gains nothing.
+# Per-step values Triton must not specialise on (``== 1``, divisibility by 16, alignment): each new combination
+# would recompile the kernel (seconds) mid-serving; they are read once per program, so that gains nothing.
 _STEP_ARGS = ["Tiles", "Items", "QueryStartLoc", "NumHistory", "SeqLens", "KvIndptr", "KvIndices", "TimeBias",
               "QueryTimes", "KeyTimes", "KeyStart", "max_bucket", "num_tiles", "num_items", "num_work", "num_rounds"]
 
@@ -57,6 +57,8 @@ def _step_kernel(fn: Callable) -> Callable:
         return fn
     names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
     return triton.jit(fn, do_not_specialize=[name for name in _STEP_ARGS if name in names])
+
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # what triton.jit sees when the kernels below are defined
 
 
@@ -342,7 +344,7 @@ class HSTUTritonBackend(AttentionBackend):
     def append_kv(
         self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: HSTUTritonMetadata
     ) -> None:
-        write_appended(kv_cache, key, value, metadata.common.append_pages, metadata.common.append_entries)
+        append_rows(kv_cache, key, value, metadata.common.append_pages, metadata.common.append_entries)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                metadata: HSTUTritonMetadata, time_bias: torch.Tensor | None = None) -> torch.Tensor:

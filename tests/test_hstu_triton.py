@@ -590,3 +590,28 @@ def test_gpu_steps_of_any_shape_share_one_compiled_kernel():
         variants.append(sum(len(c[0]) for c in kernel.device_caches.values()))
     torch.cuda.synchronize()
     assert variants[-1] <= 2, variants  # with and without split-KV partial buffers at most
+
+
+@needs_triton
+@pytest.mark.skipif(not torch.cuda.is_available() and not (HAS_TRITON and hstu_triton.INTERPRETED),
+                    reason="needs CUDA or the interpreter")
+@pytest.mark.parametrize("head_major_cache", [False, True])
+def test_append_kernel_equals_indexed_writes(head_major_cache):
+    from attention_backends.hstu_triton_append import append_rows
+    from attention_backends.paged import write_appended
+
+    gen = torch.Generator().manual_seed(4)
+    heads, dim, page = 3, 16, 8
+    shape = (12, 2, heads, page, dim) if head_major_cache else (12, 2, page, heads, dim)
+    cache = torch.randn(shape, generator=gen).to(DEVICE)
+    if head_major_cache:
+        cache = cache.transpose(2, 3)
+    qkv = torch.randn(7, 3, heads, dim, generator=gen).to(DEVICE)  # strided k/v views, as the model makes them
+    key, value = qkv[:, 1], qkv[:, 2]
+    pages = torch.tensor([3, 3, 0, 11, 5, 5, 5], dtype=torch.int32, device=DEVICE)
+    entries = torch.tensor([0, 7, 4, 2, 1, 1, 1], dtype=torch.int32, device=DEVICE)
+    key[5:], value[5:] = key[4], value[4]  # repeated targets carry equal rows (graph padding)
+    expected = cache.clone()
+    write_appended(expected, key, value, pages.long(), entries.long())
+    append_rows(cache, key, value, pages, entries)
+    torch.testing.assert_close(cache, expected, rtol=0, atol=0)

@@ -43,10 +43,10 @@ def graph_engine(config, max_rows: int) -> GREngine:
 
 
 @needs_interpreter
-@pytest.mark.parametrize("mode,pages", [("gpu_only", 45), ("unlimited", 500)])
+@pytest.mark.parametrize("mode,pages", [("gpu_only", 45), ("hierarchical", 45), ("unlimited", 500)])
 def test_staged_steps_equal_recompute_on_cpu(mode, pages):
     config = tiny_config(mode=mode, num_gpu_pages=pages, page_size=16, max_num_seqs=3, max_num_batched_tokens=96,
-                         head_dim=16)
+                         head_dim=16, chunk_pages=2, host_chunks=200)
     requests = stream(config, num_users=8, visits=5, seed=11)
     expected = GREngine(with_cache(config, mode="recompute")).rank(requests, use_tqdm=False)
     engine = graph_engine(config, max_rows=64)
@@ -54,8 +54,8 @@ def test_staged_steps_equal_recompute_on_cpu(mode, pages):
     assert max_diff(got, expected) <= 1e-4
     graphs = engine.runner.graphs
     assert 0 < graphs.num_replays < engine.stats.num_steps  # both paths ran: staged steps and eager ones
-    assert (engine.kv.stats.evicted_users > 0) == (mode == "gpu_only")
-    assert engine.stats.gpu_hit_tokens > 0
+    assert (engine.kv.stats.evicted_users > 0) == (mode != "unlimited")
+    assert engine.stats.gpu_hit_tokens > 0 and (engine.stats.host_hit_tokens > 0) == (mode == "hierarchical")
     engine.kv.check_invariants()
 
 

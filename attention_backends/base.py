@@ -103,7 +103,9 @@ class BackendSupport:
 
 @dataclass
 class StepTimestamps:
-    """Event times of one step, for the relative time bias; int64 on the device.
+    """Event times of one step, for the relative time bias, on the device: int64, or int32 offsets from the
+    step's earliest time when the step spans less than ``2**31 - 1`` units (:meth:`PagedBatchMetadata.from_layout`
+    does so; the bias depends only on differences, and 32-bit arithmetic is cheaper in kernels).
 
     Attributes:
         query: ``[T]`` time of each row: a history row's own event; a candidate's, its request's last
@@ -206,7 +208,10 @@ class PagedBatchMetadata:
         arrays = layout_arrays(history_start, num_history_rows, num_candidate_rows, kv_indptr, kv_indices, page_size)
         timestamps = None
         if query_timestamps is not None and key_timestamps is not None:
-            times = upload(np.concatenate([query_timestamps, key_timestamps]).astype(np.int64), device)
+            times = np.concatenate([query_timestamps, key_timestamps]).astype(np.int64)
+            if len(times) and int(times.max()) - int(times.min()) < 2**31 - 1:
+                times = (times - times.min()).astype(np.int32)
+            times = upload(times, device)
             key_start = upload(np.concatenate([[0], np.cumsum(arrays["kv_seq_lens"])[:-1]]).astype(np.int32), device)
             timestamps = StepTimestamps(times[: len(query_timestamps)], times[len(query_timestamps):], key_start)
         return cls.from_arrays(arrays, upload_int32(arrays, device), page_size, timestamps)

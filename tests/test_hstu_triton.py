@@ -615,3 +615,29 @@ def test_append_kernel_equals_indexed_writes(head_major_cache):
     write_appended(expected, key, value, pages.long(), entries.long())
     append_rows(cache, key, value, pages, entries)
     torch.testing.assert_close(cache, expected, rtol=0, atol=0)
+
+
+@needs_triton
+@cpu_only
+def test_time_bias_same_with_32_and_64_bit_times():
+    """A step spanning less than 2**31 time units gets int32 offsets; spreading its requests far apart in time
+    (int64) changes no difference within a request, so no output."""
+    gen = torch.Generator().manual_seed(9)
+    layout = [(40, 9, 3), (0, 7, 2), (70, 1, 4)]
+    spec = with_time_bias(make_spec(16, 2, 16, torch.float32), 40)
+    near = [t - 1_700_000_000 for t in random_times(layout, gen)]
+    near = [np.cumsum(np.minimum(np.diff(t, prepend=t[:1]), 2**20)) for t in near]  # span < 2**31
+    far = [t + b * 2**40 for b, t in enumerate(near)]
+    outputs = []
+    for times in (near, far):
+        common, q, k, v, cache = make_batch(layout, spec, torch.Generator().manual_seed(1), times=times)
+        outputs.append((common.timestamps.keys.dtype, q, k, v, cache, common))
+    assert [o[0] for o in outputs] == [torch.int32, torch.int64]
+    backend = make_backend(spec, TileConfig(16, 32, 4, 1))
+    table = torch.randn(40, 2, generator=gen)
+    got = []
+    for _, q, k, v, cache, common in outputs:
+        meta = backend.build_metadata(common)
+        backend.append_kv(cache, k[common.history_rows.long()], v[common.history_rows.long()], meta)
+        got.append(backend.attend(q, k, v, cache, meta, time_bias=table))
+    torch.testing.assert_close(got[0], got[1], rtol=0, atol=0)

@@ -63,6 +63,7 @@ class IncrementalHasher:
     A returning user's history usually extends the previous request's. The previous request's events are
     kept (for the ``max_users`` most recent users); if the new history starts with them (an exact array
     comparison, cheaper than hashing), only the pages from the last page boundary on are hashed again.
+    :meth:`many` hashes the new parts of several requests in one vectorised pass.
 
     Args:
         page_size: tokens per page.
@@ -77,16 +78,47 @@ class IncrementalHasher:
     def __call__(self, user_id: Hashable, item_ids: np.ndarray, action_ids: np.ndarray,
                  timestamps: np.ndarray) -> np.ndarray:
         """uint64 ``[n]``, equal to ``page_prefix_hashes(item_ids, action_ids, timestamps, page_size)``."""
-        fields = (item_ids, action_ids, timestamps)
-        reuse = 0
-        previous = self._last.pop(user_id, None)
-        if previous is not None:
-            common = min(len(previous[0]), len(item_ids)) // self.page_size * self.page_size
-            if all(np.array_equal(old[:common], new[:common]) for old, new in zip(previous, fields)):
-                reuse = common
-        tail = page_prefix_hashes(*(f[reuse:] for f in fields), self.page_size)
-        hashes = np.concatenate([previous[3][:reuse], tail]) if reuse else tail
-        self._last[user_id] = (*(np.array(f, copy=True) for f in fields), hashes)
-        if len(self._last) > self.max_users:
-            self._last.popitem(last=False)
-        return hashes
+        return self.many([(user_id, item_ids, action_ids, timestamps)])[0]
+
+    def many(self, requests: list[tuple[Hashable, np.ndarray, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+        """:meth:`__call__` of each ``(user_id, item_ids, action_ids, timestamps)``, in order (a user may recur:
+        its later request reuses the earlier one's result)."""
+        results: list[np.ndarray] = []
+        pending: list[tuple[Hashable, tuple[np.ndarray, ...], np.ndarray]] = []  # user, fields, reused hashes
+        for user_id, *fields in requests:
+            if any(user == user_id for user, _, _ in pending):
+                results += self._finish(pending)  # its previous request must be hashed and kept first
+                pending = []
+            previous = self._last.pop(user_id, None)
+            reuse = 0
+            if previous is not None:
+                common = min(len(previous[0]), len(fields[0])) // self.page_size * self.page_size
+                if all(np.array_equal(old[:common], new[:common]) for old, new in zip(previous, fields)):
+                    reuse = common
+            pending.append((user_id, tuple(fields), previous[3][:reuse] if reuse else np.zeros(0, np.uint64)))
+        return results + self._finish(pending)
+
+    def _finish(self, pending: list[tuple[Hashable, tuple[np.ndarray, ...], np.ndarray]]) -> list[np.ndarray]:
+        """Hash the un-reused tails of ``pending`` in one call (each tail starts on a page boundary and is
+        padded to whole pages, so pages never mix requests) and remember each user's history."""
+        if not pending:
+            return []
+        ps = self.page_size
+        tails = [[f[len(reused):] for f in fields] for _, fields, reused in pending]
+        padded = [-(-len(t[0]) // ps) * ps for t in tails]
+        joined = [np.zeros(sum(padded), dtype=np.int64) for _ in range(3)]
+        at = 0
+        for tail, size in zip(tails, padded, strict=True):
+            for column, field in zip(joined, tail, strict=True):
+                column[at:at + len(field)] = field
+            at += size
+        hashed = page_prefix_hashes(*joined, ps)
+        results, at = [], 0
+        for (user_id, fields, reused), tail, size in zip(pending, tails, padded, strict=True):
+            hashes = np.concatenate([reused, hashed[at:at + len(tail[0])]])
+            at += size
+            self._last[user_id] = (*(np.array(f, copy=True) for f in fields), hashes)
+            if len(self._last) > self.max_users:
+                self._last.popitem(last=False)
+            results.append(hashes)
+        return results

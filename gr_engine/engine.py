@@ -32,6 +32,7 @@ from .validation import RequestError, validate_request
 logger = logging.getLogger(__name__)
 
 Output = RankOutput | GenerateOutput
+_INTAKE_BATCH = 64  # requests validated and hashed together by rank/generate (bounds the hashing buffers)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -98,23 +99,10 @@ class GREngine:
         Raises:
             RequestError: the request is invalid or its ``request_id`` is already in flight.
         """
-        t0 = time.perf_counter()
-        arrays = validate_request(request, self.config, ranking=params is None)
-        if request.request_id in self._in_flight:
-            raise RequestError(f"request_id {request.request_id!r} is already in flight")
-        n = arrays.num_history
-        state = RequestState(
-            seq_id=next(self._seq), user_id=request.user_id, num_history=n,
-            num_candidates=len(arrays.candidate_item_ids), reuse_limit=n if params is None else n - 1,
-            token_hashes=self._hasher(request.user_id, arrays.item_ids, arrays.action_ids, arrays.timestamps),
-            payload=RequestPayload(request, arrays, params, t0),
-        )
-        intake_s = time.perf_counter() - t0  # validation and prefix hashing (DESIGN.md section 3, step 2)
-        state.timings["intake"] = intake_s
-        self.stats.record_intake(intake_s)
-        self._in_flight.add(request.request_id)
-        self.scheduler.add(state)
-        return state.seq_id
+        result = self._add([request], params)[0]
+        if isinstance(result, RequestError):
+            raise result
+        return result
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -142,12 +130,14 @@ class GREngine:
         results: list[Any] = [None] * len(requests)
         index: dict[int, int] = {}
         failed_type = RankOutput if params is None else GenerateOutput
-        for i, request in enumerate(requests):
-            try:
-                index[self.add_request(request, params)] = i
-            except RequestError as exc:
-                results[i] = failed_type(request_id=str(getattr(request, "request_id", "")),
-                                         user_id=_safe_user(request), error=str(exc))
+        for start in range(0, len(requests), _INTAKE_BATCH):
+            part = requests[start:start + _INTAKE_BATCH]
+            for i, (request, added) in enumerate(zip(part, self._add(part, params), strict=True), start):
+                if isinstance(added, RequestError):
+                    results[i] = failed_type(request_id=str(getattr(request, "request_id", "")),
+                                             user_id=_safe_user(request), error=str(added))
+                else:
+                    index[added] = i
         with tqdm(total=len(requests), desc=desc, disable=not use_tqdm, unit="req") as bar:
             bar.update(len(requests) - len(index))
             while index:
@@ -169,6 +159,38 @@ class GREngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _add(self, requests: Sequence[Any], params: GenerateParams | None) -> list[int | RequestError]:
+        """Intake (DESIGN.md section 3, step 2's request side): validate each request, hash the new parts of
+        all valid histories in one pass, queue them. Returns each request's sequence number or its error."""
+        t0 = time.perf_counter()
+        added: list[int | RequestError | None] = [None] * len(requests)
+        valid, ids = [], set()
+        for i, request in enumerate(requests):
+            try:
+                arrays = validate_request(request, self.config, ranking=params is None)
+                if request.request_id in self._in_flight or request.request_id in ids:
+                    raise RequestError(f"request_id {request.request_id!r} is already in flight")
+            except RequestError as exc:
+                added[i] = exc
+                continue
+            ids.add(request.request_id)
+            valid.append((i, request, arrays))
+        hashes = self._hasher.many([(r.user_id, a.item_ids, a.action_ids, a.timestamps) for _, r, a in valid])
+        intake_s = (time.perf_counter() - t0) / max(len(valid), 1)  # each request's share
+        for (i, request, arrays), token_hashes in zip(valid, hashes, strict=True):
+            n = arrays.num_history
+            state = RequestState(
+                seq_id=next(self._seq), user_id=request.user_id, num_history=n,
+                num_candidates=len(arrays.candidate_item_ids), reuse_limit=n if params is None else n - 1,
+                token_hashes=token_hashes, payload=RequestPayload(request, arrays, params, t0),
+            )
+            state.timings["intake"] = intake_s
+            self.stats.record_intake(intake_s)
+            self._in_flight.add(request.request_id)
+            self.scheduler.add(state)
+            added[i] = state.seq_id
+        return added
 
     def _step(self) -> list[tuple[RequestState, Output]]:
         t0 = time.perf_counter()

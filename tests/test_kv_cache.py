@@ -195,3 +195,26 @@ def test_incremental_hasher_equals_full_hashing(page_size):
             [items, actions, times][int(rng.integers(0, 3))][int(rng.integers(0, n))] += 1  # an edited event
         got = hasher(user, items[:n], actions[:n], times[:n])
         assert np.array_equal(got, hashes(items[:n], actions[:n], times[:n], page_size))
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 32])
+def test_incremental_hasher_many_equals_full_hashing(page_size):
+    """Batched hashing: several users at once, a user recurring within a batch, edits, empty histories."""
+    from cache_engine import IncrementalHasher
+
+    rng = np.random.default_rng(10 + page_size)
+    hasher = IncrementalHasher(page_size, max_users=4)
+    streams = {u: [a.copy() for a in history(300, seed=u)] for u in range(6)}
+    for _ in range(60):
+        batch = []
+        for _ in range(int(rng.integers(1, 9))):
+            user = int(rng.integers(0, 6))
+            items, actions, times = (a.copy() for a in streams[user])
+            n = int(rng.integers(0, 301))
+            if rng.random() < 0.2 and n:
+                items[int(rng.integers(0, n))] += 1  # an edited event
+            batch.append((user, items[:n], actions[:n], times[:n]))
+        got = hasher.many(batch)
+        assert len(got) == len(batch)
+        for (_, items, actions, times), hashed in zip(batch, got):
+            assert np.array_equal(hashed, hashes(items, actions, times, page_size))

@@ -70,6 +70,7 @@ class KVCacheManager:
         return self.pool.kv
 
     def pages_for(self, num_tokens: int) -> int:
+        """Pages that hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.page_size)
 
     # ------------------------------------------------------------------ step hooks

@@ -113,6 +113,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``gr-engine`` command line: ``demo``, ``rank``, ``bench`` and ``config``."""
     parser = argparse.ArgumentParser(prog="gr-engine", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -154,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``gr-engine`` with ``argv`` (default: the process's arguments); returns the exit status."""
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)

@@ -105,6 +105,7 @@ class GREngine:
         return result
 
     def has_unfinished_requests(self) -> bool:
+        """Whether requests added with :meth:`add_request` are still waiting or running."""
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[Output]:

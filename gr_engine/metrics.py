@@ -71,6 +71,7 @@ class EngineStats:
     recent_steps: deque[StepMetrics] = field(default_factory=lambda: deque(maxlen=4096))
 
     def record_step(self, step: StepMetrics) -> None:
+        """Add one step's counters and phase times."""
         self.num_steps += 1
         self.num_computed_step_tokens += step.num_tokens
         self.onloaded_bytes += step.onloaded_bytes
@@ -84,6 +85,7 @@ class EngineStats:
         self.phase_seconds["intake"] = self.phase_seconds.get("intake", 0.0) + seconds
 
     def record_request(self, history_tokens: int, gpu_hits: int, host_hits: int = 0) -> None:
+        """A request finished: its history tokens and how many were GPU and host cache hits."""
         self.num_requests += 1
         self.history_tokens += history_tokens
         self.gpu_hit_tokens += gpu_hits

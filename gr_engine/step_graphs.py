@@ -121,6 +121,7 @@ class StepGraphs:
 
     @property
     def num_graphs(self) -> int:
+        """Captured (bucket, launch shape) forwards."""
         return len(self._graphs)
 
     def fits(self, num_rows: int, num_requests: int, num_history_rows: int, num_pages: int) -> bool:

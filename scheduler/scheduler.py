@@ -49,15 +49,19 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
+        """Requests waiting or running."""
         return sum(len(q) for q in self._queues.values()) + len(self.running)
 
     def add(self, request: RequestState) -> None:
+        """Queue ``request`` behind its user's earlier requests (served in arrival order)."""
         queue = self._queues.setdefault(request.user_id, deque())
         queue.append(request)
         if len(queue) == 1 and not self._is_running(request.user_id):
             heapq.heappush(self._ready, (request.seq_id, request.user_id))
 
     def schedule(self) -> SchedulerOutput:
+        """Plan the next step: running requests continue first, then idle users' oldest requests are admitted
+        (their KV acquired from the cache) while the batch and token budgets allow."""
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         failed: list[tuple[RequestState, str]] = []

@@ -36,12 +36,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--backend", default="hstu_triton")
+    parser.add_argument("--commit", default=None, help="commit id to record (the device copy has no .git)")
     args = parser.parse_args()
     model = ModelConfig(num_items=100_000, num_actions=256, d_model=512, num_layers=8, num_heads=4, head_dim=128,
                         max_history_len=20_000, max_candidates=100, num_tasks=8, ranking_hidden=512, dtype="bfloat16")
     rng = np.random.default_rng(0)
     lengths = rng.integers(5000, 7800, 8)
-    result = {"gpu": torch.cuda.get_device_name(), "lengths": lengths.tolist()}
+    result = {"gpu": torch.cuda.get_device_name(), "commit": args.commit or "unknown",
+              "command": "python benchmarks/engine_smoke.py --out " + args.out, "lengths": lengths.tolist()}
     for name, mode, graph_rows in (("recompute", "recompute", 4096), ("unlimited", "unlimited", 4096),
                                    ("unlimited_eager", "unlimited", 0)):
         config = EngineConfig(model=model, device="cuda", attention_backend=args.backend,

@@ -81,7 +81,7 @@ def test_cuda_graph_replays_equal_recompute_and_eager(mode, dtype, tol):
                          max_num_batched_tokens=256, host_chunks=400, d_model=64, num_heads=2, head_dim=32,
                          dtype=dtype)
     config = msgspec.structs.replace(config, device="cuda")
-    requests = stream(config, num_users=30, visits=20, seed=5)
+    requests = stream(config, num_users=20, visits=12, seed=5)
     expected = GREngine(with_cache(config, mode="recompute")).rank(requests, use_tqdm=False)
     eager = GREngine(msgspec.structs.replace(config, attention_backend="hstu_triton", cuda_graph_max_rows=0))
     eager_out = eager.rank(requests, use_tqdm=False)

@@ -53,7 +53,8 @@ def _int_array(name: str, value: Any) -> np.ndarray:
 
 
 def _check_range(name: str, array: np.ndarray, upper: int, what: str) -> None:
-    if len(array) and (array.min() < 0 or array.max() >= upper):
+    # One pass: viewed as unsigned, a negative int64 is >= 2**63, so the maximum alone decides.
+    if len(array) and array.view(np.uint64).max() >= upper:
         bad = array[(array < 0) | (array >= upper)][0]
         raise RequestError(f"{name} contains {bad}, outside the {what} [0, {upper})")
 
@@ -99,8 +100,8 @@ def validate_request(request: Any, config: EngineConfig, *, ranking: bool) -> Re
         )
     _check_range("item_ids", items, model.num_items, "item vocabulary")
     _check_range("action_ids", actions, model.num_actions, "action vocabulary")
-    if n > 1 and bool((np.diff(times) < 0).any()):
-        at = int(np.argmax(np.diff(times) < 0)) + 1
+    if n > 1 and bool((times[1:] < times[:-1]).any()):
+        at = int(np.argmax(times[1:] < times[:-1])) + 1
         raise RequestError(f"timestamps go backwards at event {at} ({times[at - 1]} -> {times[at]})")
 
     candidates = np.zeros(0, dtype=np.int64)

@@ -112,3 +112,11 @@ def test_bench_calibrate_prints_gpu_only_hit_ratios(capsys, tmp_path):
     assert [line.split(":")[0] for line in lines] == ["seed 0", "seed 1", "seed 2"]
     assert all("gpu_only at 40 pages hits" in line for line in lines)
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_module_entry_point_is_safe_to_reimport():
+    """Spawned workers (the benchmark's simulations) re-import ``python -m gr_engine``'s main module under
+    another name; that must not run the command line again."""
+    import runpy
+
+    runpy.run_module("gr_engine.__main__", run_name="__mp_main__")  # would raise SystemExit if it ran main()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -288,6 +289,13 @@ def _simulated(trace: Trace, cache: CacheConfig) -> dict:
             "evicted_users": r.evicted_users, "host_evicted_users": r.host_evicted_users}
 
 
+def _background_worker() -> None:
+    """Simulation workers yield the CPU to the measured engine (whose latency is largely host time) and
+    keep torch to one thread."""
+    os.nice(10)
+    torch.set_num_threads(1)
+
+
 def _simulate_in_worker(trace_config: TraceConfig, cache: CacheConfig) -> dict:
     return _simulated(generate_trace(trace_config), cache)
 
@@ -302,7 +310,8 @@ class Simulations:
         self._pool = None
         if workers:
             context = multiprocessing.get_context("spawn")  # a clean process: no CUDA state is inherited
-            self._pool = concurrent.futures.ProcessPoolExecutor(min(workers, len(caches)), mp_context=context)
+            self._pool = concurrent.futures.ProcessPoolExecutor(min(workers, len(caches)), mp_context=context,
+                                                                initializer=_background_worker)
             for cache in caches:
                 self._futures[msgspec.json.encode(cache)] = self._pool.submit(_simulate_in_worker, trace.config, cache)
         else:

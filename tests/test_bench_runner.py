@@ -36,3 +36,18 @@ def test_simulations_in_worker_processes_equal_inline():
     inline = Simulations(trace, caches, workers=0)
     assert [workers.get(c) for c in caches] == [inline.get(c) for c in caches]
     workers.close()
+
+
+def test_closed_run_frees_its_kv_pool():
+    """Each benchmark engine's pool must be gone before the next one allocates (unlimited mode's is ~100 GB)."""
+    import weakref
+
+    from gr_engine.bench.runner import BenchRun, cache_config, quick_settings
+    from gr_engine.bench.trace import generate_trace
+
+    settings = quick_settings()
+    run = BenchRun(settings, generate_trace(settings.trace), cache_config(settings, "hierarchical"), 8)
+    run.warmup()
+    pool = weakref.ref(run.engine.kv.pool.kv)
+    run.close()
+    assert pool() is None

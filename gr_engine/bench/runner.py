@@ -19,6 +19,7 @@ events, follow the same pattern.
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import multiprocessing
 import os
 import time
@@ -208,6 +209,7 @@ class BenchRun:
         self.engine.close()
         device = self.engine.device
         del self.engine
+        gc.collect()  # reference cycles (graphs, closures) would otherwise keep the pool alive a while
         if device.type == "cuda":
             torch.cuda.empty_cache()
 

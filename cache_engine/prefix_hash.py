@@ -98,6 +98,15 @@ class IncrementalHasher:
             pending.append((user_id, tuple(fields), previous[3][:reuse] if reuse else np.zeros(0, np.uint64)))
         return results + self._finish(pending)
 
+    def remember(self, user_id: Hashable, item_ids: np.ndarray, action_ids: np.ndarray, timestamps: np.ndarray,
+                 hashes: np.ndarray) -> None:
+        """Take ``hashes`` (:func:`page_prefix_hashes` of these events, computed elsewhere) as the user's last
+        request, without copying: the arrays must not change afterwards (e.g. a benchmark's fast-forward)."""
+        self._last.pop(user_id, None)
+        self._last[user_id] = (item_ids, action_ids, timestamps, hashes)
+        if len(self._last) > self.max_users:
+            self._last.popitem(last=False)
+
     def _finish(self, pending: list[tuple[Hashable, tuple[np.ndarray, ...], np.ndarray]]) -> list[np.ndarray]:
         """Hash the un-reused tails of ``pending`` in one call (each tail starts on a page boundary and is
         padded to whole pages, so pages never mix requests) and remember each user's history."""

@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -56,6 +57,10 @@ class GREngine:
         host_memory: optional preallocated flat uint8 host memory (pinned, for CUDA) for the host chunk
             pool, e.g. one arena reused by successive engines in a process (pinning is slow: ~0.7 s/GiB);
             it must not be used by another live engine.
+
+    Attributes (besides the config): ``model``, ``backend`` (attention), ``kv`` (the
+    :class:`~cache_engine.KVCacheManager`), ``scheduler``, ``runner`` (the :class:`ModelRunner`), ``hasher``
+    (the intake's :class:`~cache_engine.IncrementalHasher`), ``stats`` (:class:`EngineStats`).
     """
 
     def __init__(self, config: EngineConfig, *, model: GRModel | None = None,
@@ -77,7 +82,7 @@ class GREngine:
         self.kv = KVCacheManager(config.cache, mc.num_layers, mc.num_heads, mc.head_dim, mc.torch_dtype,
                                  self.device, host_memory=host_memory)
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        self._hasher = IncrementalHasher(config.cache.page_size)
+        self.hasher = IncrementalHasher(config.cache.page_size)
         graphs = None
         if self.device.type == "cuda" and config.cuda_graph_max_rows and StepGraphs.supported(self.backend):
             graphs = StepGraphs(self.backend, self.device, config.cache.page_size, config.cuda_graph_max_rows,
@@ -177,7 +182,10 @@ class GREngine:
                 continue
             ids.add(request.request_id)
             valid.append((i, request, arrays))
-        hashes = self._hasher.many([(r.user_id, a.item_ids, a.action_ids, a.timestamps) for _, r, a in valid])
+        if self.config.cache.mode == "recompute":  # nothing is ever reused: the prefix hashes are never read
+            hashes = [np.zeros(a.num_history, dtype=np.uint64) for _, _, a in valid]
+        else:
+            hashes = self.hasher.many([(r.user_id, a.item_ids, a.action_ids, a.timestamps) for _, r, a in valid])
         intake_s = (time.perf_counter() - t0) / max(len(valid), 1)  # each request's share
         for (i, request, arrays), token_hashes in zip(valid, hashes, strict=True):
             n = arrays.num_history

@@ -218,3 +218,17 @@ def test_incremental_hasher_many_equals_full_hashing(page_size):
         assert len(got) == len(batch)
         for (_, items, actions, times), hashed in zip(batch, got):
             assert np.array_equal(hashed, hashes(items, actions, times, page_size))
+
+
+def test_incremental_hasher_remembered_history_is_reused_exactly():
+    from cache_engine import IncrementalHasher
+
+    items, actions, times = history(300, seed=3)
+    hasher = IncrementalHasher(8)
+    hasher.remember("u", items[:200], actions[:200], times[:200], hashes(items[:200], actions[:200], times[:200], 8))
+    got = hasher.many([("u", items[:260], actions[:260], times[:260])])[0]
+    assert np.array_equal(got, hashes(items[:260], actions[:260], times[:260], 8))
+    edited = items.copy()
+    edited[5] += 1  # a changed old event: nothing reused, still exact
+    got = hasher.many([("u", edited[:260], actions[:260], times[:260])])[0]
+    assert np.array_equal(got, hashes(edited[:260], actions[:260], times[:260], 8))

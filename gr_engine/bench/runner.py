@@ -136,7 +136,8 @@ class BenchRun:
 
     def fast_forward(self, count: int) -> None:
         """Move the cache state over the next ``count`` steady requests without running the model or
-        moving KV between host and GPU (the bookkeeping is the engine's own)."""
+        moving KV between host and GPU (the bookkeeping is the engine's own); the engine's intake then
+        knows each of those users' last history, as after serving them."""
         engine, trace = self.engine, self.trace
         transfer = engine.kv.host.transfer if engine.kv.host is not None else None
         if transfer is not None:
@@ -154,6 +155,11 @@ class BenchRun:
             engine.kv.launch_onloads()
             engine.scheduler.complete(plan.chunks)
             engine.kv.end_step()
+        last = {trace.requests[i].user: trace.requests[i] for i in self.steady[self.cursor:self.cursor + count]}
+        for user, r in last.items():  # as if served: the engine's intake reuses these users' hashes next time
+            e = trace.users[user]
+            engine.hasher.remember(user, e.item_ids[: r.history_len], e.action_ids[: r.history_len],
+                                    e.timestamps[: r.history_len], self._user_hashes(user)[: r.history_len])
         if transfer is not None:
             engine.kv.host.poll(wait=True)
             transfer.moves_data = True

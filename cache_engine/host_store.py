@@ -35,6 +35,7 @@ class HostChunkStore:
         self.slot_shape = slot_shape
         self.dtype = dtype
         self._segments: list[torch.Tensor] = []
+        self._slots: list[torch.Tensor] = []  # per slot id, a view into its segment
         self._free: list[int] = []
         self._ready: queue.Queue[torch.Tensor] = queue.Queue()
         self._stop = threading.Event()
@@ -84,6 +85,7 @@ class HostChunkStore:
                 return added
             base = self.num_allocated
             self._segments.append(segment)
+            self._slots.extend(segment.unbind(0))  # one view per slot, made once (slicing per use costs µs)
             self._free.extend(range(base + len(segment) - 1, base - 1, -1))
             added += len(segment)
 
@@ -102,8 +104,7 @@ class HostChunkStore:
 
     def slot(self, slot_id: int) -> torch.Tensor:
         """The slot's memory, ``[num_layers, chunk_pages, 2, page_size, H, D]``."""
-        segment = self._segments[slot_id // self.segment_slots]
-        return segment[slot_id % self.segment_slots]
+        return self._slots[slot_id]
 
     def free_slot_ids(self) -> list[int]:
         return list(self._free)

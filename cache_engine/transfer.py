@@ -67,6 +67,15 @@ class OffloadHandle:
         return self.copied is None or self.copied.query()
 
 
+def host_page_addresses(jobs: list[OnloadJob]) -> tuple[list[int], int]:
+    """For :func:`~.onload_kernel.onload_pages`: the host address of each job page's first layer, in job
+    order, and the bytes from one layer of a page to the next (slots ``[L, chunk_pages, 2, page_size, H, D]``,
+    contiguous)."""
+    slot = jobs[0].slot
+    page_bytes, layer_bytes = slot.stride(1) * slot.element_size(), slot.stride(0) * slot.element_size()
+    return [job.slot.data_ptr() + p * page_bytes for job in jobs for p in range(len(job.pages))], layer_bytes
+
+
 class TransferEngine:
     """Issues offloads and onloads for one device (streams on CUDA, synchronous copies on CPU).
 
@@ -217,9 +226,7 @@ class TransferEngine:
         into their GPU pages; returns the per-layer events."""
         from .onload_kernel import onload_pages  # imports Triton
 
-        slot = jobs[0].slot  # [L, chunk_pages, 2, page_size, H, D], contiguous
-        page_bytes, layer_bytes = slot.stride(1) * slot.element_size(), slot.stride(0) * slot.element_size()
-        addresses = [job.slot.data_ptr() + p * page_bytes for job in jobs for p in range(len(job.pages))]
+        addresses, layer_bytes = host_page_addresses(jobs)
         compute = torch.cuda.current_stream(self.device)
         events: list[torch.cuda.Event] = []
         with torch.cuda.stream(self.scatter_stream):
@@ -228,7 +235,8 @@ class TransferEngine:
             count = len(pages)
             dst, slot_ids, src = index[:count], index[count:2 * count], index[2 * count:]
             for layer in range(kv.shape[0]):
-                onload_pages(kv[layer], src, dst, layer * layer_bytes, slot.dtype, layer, slot_ids, self.scales)
+                onload_pages(kv[layer], src, dst, layer * layer_bytes, jobs[0].slot.dtype, layer, slot_ids,
+                             self.scales)
                 events.append(torch.cuda.Event())
                 events[-1].record()
         index.record_stream(self.scatter_stream)

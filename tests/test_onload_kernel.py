@@ -66,3 +66,31 @@ def test_fp8_pages_are_dequantised_with_their_slot_scales():
     for (s, p), d in zip(picks, dst.tolist()):
         expected = slots[s, :, p].float() * scales[s][:, :, None, :, None]  # [L, 2, page, H, D]
         torch.testing.assert_close(pool[:, d].cpu(), expected.to(pool_dtype), rtol=0, atol=0)
+
+
+def test_engine_job_addresses_load_like_the_copy_path():
+    """The transfer engine's job -> address plan, fed to the kernel, gives what the CPU copy path gives."""
+    from cache_engine import CacheConfig, KVCacheManager
+    from cache_engine.onload_kernel import onload_pages
+    from cache_engine.transfer import OnloadJob, host_page_addresses
+
+    gen = torch.Generator().manual_seed(2)
+    slot_bytes = 3 * 3 * 2 * 4 * 2 * 8 * 4  # layers, chunk pages, K/V, page size, heads, head dim, float32
+    config = CacheConfig(mode="hierarchical", page_size=4, num_gpu_pages=32, chunk_tokens=12,
+                         host_budget_bytes=8 * slot_bytes, host_segment_bytes=3 * slot_bytes)
+    kv = KVCacheManager(config, num_layers=3, num_heads=2, head_dim=8, dtype=torch.float32, device="cpu")
+    store = kv.host.store
+    assert store.num_slots == 8 and len(store._segments) == 3
+    for s in range(store.num_slots):
+        store.slot(s).copy_(torch.randn(store.slot(s).shape, generator=gen))
+    jobs = [OnloadJob(5, store.slot(5), [7, 2, 30]), OnloadJob(1, store.slot(1), [4]),
+            OnloadJob(7, store.slot(7), [0, 9])]  # slots in several segments, partial chunks
+    expected = torch.zeros_like(kv.kv_cache)
+    kv.host.transfer.onload(expected, jobs)  # the CPU path: plain indexed copies
+    got = torch.zeros_like(kv.kv_cache)
+    addresses, layer_bytes = host_page_addresses(jobs)
+    dst = torch.tensor([p for job in jobs for p in job.pages])
+    for layer in range(got.shape[0]):
+        onload_pages(got[layer], torch.tensor(addresses), dst, layer * layer_bytes, torch.float32, layer)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert expected.abs().sum() > 0

@@ -59,6 +59,24 @@ def test_staged_steps_equal_recompute_on_cpu(mode, pages):
     engine.kv.check_invariants()
 
 
+@needs_interpreter
+def test_staged_retrieval_steps_equal_recompute_on_cpu():
+    """``generate`` through staged steps: the heads read the last history row of the replayed states."""
+    from gr_engine import GenerateParams
+
+    config = tiny_config(mode="gpu_only", num_gpu_pages=300, page_size=16, max_num_seqs=3, max_num_batched_tokens=96,
+                         head_dim=16)
+    requests = [r for r in stream(config, num_users=6, visits=4, seed=4) if len(r.item_ids) > 0]
+    params = GenerateParams(top_k=5)
+    expected = GREngine(with_cache(config, mode="recompute")).generate(requests, params, use_tqdm=False)
+    engine = graph_engine(config, max_rows=64)
+    got = engine.generate(requests, params, use_tqdm=False)
+    for out, ref in zip(got, expected, strict=True):
+        assert out.error is None and out.item_ids == ref.item_ids
+        np.testing.assert_allclose(out.scores, ref.scores, atol=1e-4, rtol=0)
+    assert engine.runner.graphs.num_replays > 0
+
+
 def test_fits_bounds():
     config = tiny_config()
     engine = GREngine(config)

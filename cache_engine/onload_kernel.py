@@ -34,7 +34,8 @@ def _onload_pages_kernel(
     row = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     valid = cols < ROW
-    src = (tl.load(SrcAddr + page) + layer_offset).to(tl.pointer_type(SRC_DTYPE))
+    # Pages start 16-byte aligned (slots and pages are whole multiples of 16 bytes): say so, for wide loads.
+    src = tl.multiple_of(tl.load(SrcAddr + page) + layer_offset, 16).to(tl.pointer_type(SRC_DTYPE))
     values = tl.load(src + row * ROW + cols, mask=valid, other=0.0).to(tl.float32)
     if HAS_SCALES:
         slot = tl.load(SlotIds + page)

@@ -70,9 +70,11 @@ class OffloadHandle:
 def host_page_addresses(jobs: list[OnloadJob]) -> tuple[list[int], int]:
     """For :func:`~.onload_kernel.onload_pages`: the host address of each job page's first layer, in job
     order, and the bytes from one layer of a page to the next (slots ``[L, chunk_pages, 2, page_size, H, D]``,
-    contiguous)."""
+    contiguous, 16-byte aligned: the kernel loads 16 bytes at a time)."""
     slot = jobs[0].slot
     page_bytes, layer_bytes = slot.stride(1) * slot.element_size(), slot.stride(0) * slot.element_size()
+    if page_bytes % 16 or any(job.slot.data_ptr() % 16 for job in jobs):
+        raise ValueError("host pages must start 16-byte aligned for the onload kernel")
     return [job.slot.data_ptr() + p * page_bytes for job in jobs for p in range(len(job.pages))], layer_bytes
 
 

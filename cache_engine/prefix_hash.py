@@ -75,6 +75,10 @@ class IncrementalHasher:
         self.max_users = max_users
         self._last: OrderedDict[Hashable, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
 
+    def __contains__(self, user_id: Hashable) -> bool:
+        """Whether the user's last history is kept (its next request hashes only what is new)."""
+        return user_id in self._last
+
     def __call__(self, user_id: Hashable, item_ids: np.ndarray, action_ids: np.ndarray,
                  timestamps: np.ndarray) -> np.ndarray:
         """uint64 ``[n]``, equal to ``page_prefix_hashes(item_ids, action_ids, timestamps, page_size)``."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 FP8 = torch.float8_e4m3fn
@@ -67,7 +68,7 @@ class OffloadHandle:
         return self.copied is None or self.copied.query()
 
 
-def host_page_addresses(jobs: list[OnloadJob]) -> tuple[list[int], int]:
+def host_page_addresses(jobs: list[OnloadJob]) -> tuple[np.ndarray, int]:
     """For :func:`~.onload_kernel.onload_pages`: the host address of each job page's first layer, in job
     order, and the bytes from one layer of a page to the next (slots ``[L, chunk_pages, 2, page_size, H, D]``,
     contiguous, 16-byte aligned: the kernel loads 16 bytes at a time)."""
@@ -75,7 +76,10 @@ def host_page_addresses(jobs: list[OnloadJob]) -> tuple[list[int], int]:
     page_bytes, layer_bytes = slot.stride(1) * slot.element_size(), slot.stride(0) * slot.element_size()
     if page_bytes % 16 or any(job.slot.data_ptr() % 16 for job in jobs):
         raise ValueError("host pages must start 16-byte aligned for the onload kernel")
-    return [job.slot.data_ptr() + p * page_bytes for job in jobs for p in range(len(job.pages))], layer_bytes
+    counts = np.array([len(job.pages) for job in jobs])
+    first = np.repeat(np.cumsum(counts) - counts, counts)  # each page's job's first entry
+    bases = np.repeat(np.array([job.slot.data_ptr() for job in jobs], dtype=np.int64), counts)
+    return bases + (np.arange(int(counts.sum())) - first) * page_bytes, layer_bytes
 
 
 class TransferEngine:
@@ -233,7 +237,7 @@ class TransferEngine:
         events: list[torch.cuda.Event] = []
         with torch.cuda.stream(self.scatter_stream):
             self.scatter_stream.wait_stream(compute)  # the pages were just handed out on the host side
-            index = self._upload(pages + page_slots + addresses)
+            index = self._upload(np.concatenate([np.asarray(pages + page_slots, dtype=np.int64), addresses]))
             count = len(pages)
             dst, slot_ids, src = index[:count], index[count:2 * count], index[2 * count:]
             for layer in range(kv.shape[0]):
@@ -252,9 +256,9 @@ class TransferEngine:
             return pages
         return (pages.float() * scales[:, layer, :, None, :, None]).to(dtype)
 
-    def _upload(self, values: list[int]) -> torch.Tensor:
+    def _upload(self, values: list[int] | np.ndarray) -> torch.Tensor:
         """int64 ``[len(values)]`` on the device, copied without blocking (from pinned memory)."""
-        return torch.tensor(values, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
+        return torch.as_tensor(values, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
 
     def _onload_buffers(self, slot: torch.Tensor, num_pages: int) -> list[torch.Tensor]:
         """Two ``[>= num_pages, 2, page_size, H, D]`` device buffers of the host dtype. Replaced buffers are

@@ -26,7 +26,7 @@ from scheduler import ScheduledChunk
 
 from .models import GRModel
 from .request import GenerateParams
-from .step_graphs import StagedStep, StepGraphs
+from .step_graphs import StagedStep, StepGraphs, run_segments
 from .validation import RequestArrays
 
 
@@ -181,12 +181,7 @@ class ModelRunner:
 
     def _forward(self, tokens: StepTokens, common: PagedBatchMetadata, backend: Any,
                  layer_ready: list[torch.cuda.Event | None]) -> torch.Tensor:
-        x = None
-        for segment, ready in zip(self._segments(tokens, common, backend), layer_ready, strict=True):
-            if ready is not None:
-                torch.cuda.current_stream(self.device).wait_event(ready)
-            x = segment(x)
-        return x
+        return run_segments(self._segments(tokens, common, backend), layer_ready)
 
     @torch.no_grad()
     def score(self, chunks: list[ScheduledChunk], meta: StepMetadata, states: torch.Tensor) -> list[ChunkResult]:

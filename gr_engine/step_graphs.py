@@ -53,6 +53,16 @@ onload waits; the first takes ``None`` and embeds the tokens, each takes the pre
 the last returns the final states. ``tokens`` maps :data:`TOKEN_FIELDS` to int32 ``[T]`` tensors."""
 
 
+def run_segments(parts: list[Segment], layer_ready: list[torch.cuda.Event | None]) -> torch.Tensor:
+    """Run a forward's per-layer segments op by op, layer ``l`` after ``layer_ready[l]`` (``None``: no wait)."""
+    x = None
+    for part, ready in zip(parts, layer_ready, strict=True):
+        if ready is not None:
+            torch.cuda.current_stream().wait_event(ready)
+        x = part(x)
+    return x
+
+
 @dataclass
 class StagedStep:
     """A step written into the static buffers.
@@ -202,12 +212,7 @@ class StepGraphs:
     def _run_eagerly(self, step: StagedStep, segments: SegmentsFn,
                      layer_ready: list[torch.cuda.Event | None]) -> torch.Tensor:
         """The padded forward a graph would replay, launched op by op (CPU, or after a failed capture)."""
-        x = None
-        for segment, ready in zip(segments(*self._static_inputs(step)), layer_ready, strict=True):
-            if ready is not None:
-                torch.cuda.current_stream(self.device).wait_event(ready)
-            x = segment(x)
-        return x[: step.rows]
+        return run_segments(segments(*self._static_inputs(step)), layer_ready)[: step.rows]
 
     def _view(self, name: str, length: int) -> torch.Tensor:
         return self._buffer[self._offsets[name]:self._offsets[name] + length]

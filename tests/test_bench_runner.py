@@ -51,3 +51,25 @@ def test_closed_run_frees_its_kv_pool():
     pool = weakref.ref(run.engine.kv.pool.kv)
     run.close()
     assert pool() is None
+
+
+def test_fast_forward_leaves_intake_knowing_each_users_history():
+    """After the bookkeeping-only fast-forward, a user's next request reuses its hashes, as after serving."""
+    from cache_engine import page_prefix_hashes
+    from gr_engine.bench.runner import BenchRun, cache_config, quick_settings
+    from gr_engine.bench.trace import generate_trace
+
+    settings = quick_settings()
+    trace = generate_trace(settings.trace)
+    run = BenchRun(settings, trace, cache_config(settings, "hierarchical"), 8)
+    run.warmup()
+    users = {trace.requests[i].user for i in run.steady[:40]}
+    run.engine.hasher = type(run.engine.hasher)(settings.page_size)  # forget what the warm-up served
+    run.fast_forward(40)
+    assert all(user in run.engine.hasher for user in users)
+    nxt = trace.requests[run.steady[40]]
+    e = trace.users[nxt.user]
+    got = run.engine.hasher(nxt.user, *(a[: nxt.history_len] for a in (e.item_ids, e.action_ids, e.timestamps)))
+    assert (got == page_prefix_hashes(e.item_ids[: nxt.history_len], e.action_ids[: nxt.history_len],
+                                      e.timestamps[: nxt.history_len], settings.page_size)).all()
+    run.close()

@@ -91,6 +91,6 @@ def test_engine_job_addresses_load_like_the_copy_path():
     addresses, layer_bytes = host_page_addresses(jobs)
     dst = torch.tensor([p for job in jobs for p in job.pages])
     for layer in range(got.shape[0]):
-        onload_pages(got[layer], torch.tensor(addresses), dst, layer * layer_bytes, torch.float32, layer)
+        onload_pages(got[layer], torch.from_numpy(addresses), dst, layer * layer_bytes, torch.float32, layer)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert expected.abs().sum() > 0

@@ -57,6 +57,14 @@ def page_prefix_hashes(
         return np.cumsum(padded.reshape(num_pages, page_size), axis=1, dtype=np.uint64).reshape(-1)[:n]
 
 
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two int arrays hold the same values (a byte comparison when the dtypes match: a few times
+    faster than :func:`numpy.array_equal`, which builds a boolean array first)."""
+    if a.dtype == b.dtype and len(a) == len(b):
+        return a.tobytes() == b.tobytes()
+    return bool(np.array_equal(a, b))
+
+
 class IncrementalHasher:
     """:func:`page_prefix_hashes` that reuses each user's previous result.
 
@@ -97,7 +105,7 @@ class IncrementalHasher:
             reuse = 0
             if previous is not None:
                 common = min(len(previous[0]), len(fields[0])) // self.page_size * self.page_size
-                if all(np.array_equal(old[:common], new[:common]) for old, new in zip(previous, fields)):
+                if all(_same(old[:common], new[:common]) for old, new in zip(previous, fields)):
                     reuse = common
             pending.append((user_id, tuple(fields), previous[3][:reuse] if reuse else np.zeros(0, np.uint64)))
         return results + self._finish(pending)

@@ -133,16 +133,16 @@ def build_parser() -> argparse.ArgumentParser:
     rank.set_defaults(run=_cmd_rank)
 
     bench = commands.add_parser("bench", help="run the benchmark (the MTServe paper's experiments)")
-    bench.add_argument("--out", default="benchmarks/results", help="folder for the results")
+    bench.add_argument("--out", default="benchmarks/results/bench", help="folder for the results")
     bench.add_argument("--quick", action="store_true", help="a tiny CPU run of every part (seconds)")
     bench.add_argument("--device", help="override the device (default: cuda; cpu with --quick)")
     bench.add_argument("--backend", help="attention backend (default: auto)")
     bench.add_argument("--users", type=int, help="users in the generated trace")
     bench.add_argument("--window", type=int, help="measured requests per mode and batch size")
-    bench.add_argument("--host-budget-gib", type=float, help="host chunk pool size")
-    bench.add_argument("--host-dtype", choices=["kv", "float8_e4m3fn"], help="host chunk dtype (default kv)")
+    bench.add_argument("--host-budget-gib", type=float, help="host chunk pool size (default 64)")
+    bench.add_argument("--host-dtype", choices=["kv", "float8_e4m3fn"], help="host chunk dtype (default float8_e4m3fn)")
     bench.add_argument("--onload-engine", choices=["copy", "kernel"],
-                       help="how host chunks reach GPU pages (default copy; see cache.onload_engine)")
+                       help="how host chunks reach GPU pages (default kernel; see cache.onload_engine)")
     bench.add_argument("--commit", help="commit id to record (when the checkout has no .git)")
     bench.add_argument("--calibrate", action="store_true",
                        help="only check the trace's calibration: gpu_only hit ratios by policy simulation (CPU)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 from gr_engine.cli import main
 
 
@@ -20,13 +22,18 @@ def test_quick_bench_writes_reports(tmp_path, capsys):
     assert breakdown["batches"] > 0 and breakdown["phase_ms_per_step"]["forward"] > 0
     assert result["simulated"]["hierarchical"]["total_hit_ratio"] > result["simulated"]["gpu_only"]["total_hit_ratio"]
     assert set(result["chunk_sweep"]["hierarchical"]) and set(result["budget_sweep"]) == {"gpu_only", "hierarchical"}
+    drift = result["score_drift"]  # float32 on CPU: host chunks in the KV dtype are exact, FP8 ones are not
+    assert drift["kv"]["requests_from_host"] > 0 and drift["kv"]["max_abs"] < 1e-5
+    assert drift["float8_e4m3fn"]["requests_from_host"] > 0 and drift["float8_e4m3fn"]["max_abs"] > 1e-4
     text = (tmp_path / "bench.md").read_text()
+    assert "Score drift" in text
     assert "Table 1" in text and "Table 2" in text and "Table 3" in text and "Table 6" in text
     assert "speedup_bs8" in capsys.readouterr().out
 
 
 def test_simulations_in_worker_processes_equal_inline():
-    from gr_engine.bench.runner import Simulations, cache_config, quick_settings
+    from gr_engine.bench.runner import cache_config, quick_settings
+    from gr_engine.bench.simulate import Simulations
     from gr_engine.bench.trace import generate_trace
 
     settings = quick_settings()
@@ -73,3 +80,27 @@ def test_fast_forward_leaves_intake_knowing_each_users_history():
     assert (got == page_prefix_hashes(e.item_ids[: nxt.history_len], e.action_ids[: nxt.history_len],
                                       e.timestamps[: nxt.history_len], settings.page_size)).all()
     run.close()
+
+
+def test_windows_measure_every_stretch_of_the_trace(monkeypatch):
+    """The trace's load is not stationary: the measured requests must come from each of the strata, not one place."""
+    from gr_engine.bench.runner import BenchRun, cache_config, quick_settings
+    from gr_engine.bench.trace import generate_trace
+
+    settings = quick_settings()
+    trace = generate_trace(settings.trace)
+    run = BenchRun(settings, trace, cache_config(settings, "gpu_only"), 8)
+    run.warmup()
+    served: list[int] = []
+    rank_request = trace.rank_request
+    monkeypatch.setattr(trace, "rank_request", lambda i: served.append(i) or rank_request(i))
+    report, = run.windows([(8, False)])
+    run.close()
+    assert report["batches"] == settings.window_requests // 8
+    position = {index: p for p, index in enumerate(run.steady)}
+    strata = settings.window_strata
+    per = settings.window_requests // strata
+    measured = [position[i] for i in served[settings.prime_batches * 8:]]  # the priming batches come first
+    starts = [k * len(run.steady) // strata for k in range(strata)]
+    counts = np.bincount(np.searchsorted(starts, measured, side="right") - 1, minlength=strata)
+    assert counts.tolist() == [per] * strata

@@ -35,6 +35,8 @@ def summarize(result: dict, bs: int = 8) -> dict:
         summary["overhead_ms_bs8"] = sum(v for k, v in phases.items() if k not in ("forward", "score"))
     if "gpu_only" in modes:
         summary["gpu_only_hit_ratio_bs8"] = modes["gpu_only"]["batch_sizes"][bs]["gpu_hit_ratio"]
+    if "score_drift" in result:
+        summary["fp8_score_drift_max_rel"] = result["score_drift"].get("float8_e4m3fn", {}).get("max_rel")
     summary["simulated_total_hit_ratio"] = result["simulated"].get("hierarchical", {}).get("total_hit_ratio")
     return summary
 
@@ -76,6 +78,14 @@ def markdown(result: dict) -> str:
     scan = result.get("lengths", {})
     for length in next(iter(scan.values()), {}):
         lines.append(f"| {length} | " + " | ".join(f"{scan[m][length]['median_ms']:.2f}" for m in scan) + " |")
+    if "score_drift" in result:
+        lines += ["", "## Score drift of host chunks (requests served from host, against recompute)", "",
+                  "| host dtype | max abs | mean abs | max / score std | host hit | requests |",
+                  "|---|---|---|---|---|---|"]
+        for dtype, d in result["score_drift"].items():
+            rel = f"{d['max_rel']:.2%}" if d["max_rel"] is not None else "-"
+            lines.append(f"| {dtype} | {d['max_abs']:.3g} | {d['mean_abs']:.3g} | {rel} | {d['host_hit_ratio']:.1%} | "
+                         f"{d['requests_from_host']} |")
     return "\n".join(lines) + "\n"
 
 

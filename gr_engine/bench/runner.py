@@ -3,14 +3,20 @@
 For each cache mode one engine is built (the paper's model: 8 layers, 4 heads x 128, d 512, bf16), then:
 
 1. **Warm-up**: every user's first visit (the history so far) is encoded; timed and reported apart.
-2. **Fast-forward**: the first ``skip_fraction`` of the steady-state requests only move the cache state
-   (the engine's own scheduler and cache manager, transfers included, but no model), so that the
-   measured window sees the trace's steady state without the time of serving all of it. Their K/V
-   values are not computed: the window's scores are meaningless, its timings are not (they do not
-   depend on values). Correctness of cached scores is the test suite's job.
-3. **Windows**: for each batch size, the next ``window_requests`` requests are served in closed-loop
-   batches of that size; the median batch latency, hit ratios and bytes moved are recorded. Hit ratios
-   over the whole trace come from :func:`~gr_engine.bench.simulate.simulate_policy` (same code, no model).
+2. **Strata**: the steady-state requests are cut into ``window_strata`` equal stretches of the trace. The
+   trace's load is not stationary (every user's first and last sessions bunch at its two ends, where the
+   working set exceeds any GPU budget), so one window in the middle would show hit ratios far above the
+   whole trace's; measuring a little of every stretch gives the whole trace's mix.
+3. **Fast-forward**: between strata, requests only move the cache state (the engine's own scheduler and
+   cache manager, transfers included, but no model), so that each stratum sees the cache state of that
+   point of the trace without the time of serving all of it. Their K/V values are not computed: the
+   measured scores are meaningless, their timings are not (they do not depend on values). Correctness of
+   cached scores is the test suite's job.
+4. **Windows**: at each stratum, for each batch size in turn, the next ``window_requests / window_strata``
+   requests are served in closed-loop batches of that size (after ``prime_batches`` unmeasured batches at
+   the first stratum: compilation and graph capture); the median batch latency over all strata, hit ratios
+   and bytes moved are recorded. Hit ratios over the whole trace come from
+   :func:`~gr_engine.bench.simulate.simulate_policy` (same code, no model).
 
 Sweeps over chunk size and GPU budget, and latency against history length at a fixed number of new
 events, follow the same pattern.
@@ -18,10 +24,7 @@ events, follow the same pattern.
 
 from __future__ import annotations
 
-import concurrent.futures
 import gc
-import multiprocessing
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -34,9 +37,11 @@ from cache_engine import CacheConfig, page_prefix_hashes
 from scheduler import RequestState
 
 from ..config import EngineConfig, ModelConfig, SchedulerConfig
-from ..engine import GREngine
+from ..engine import GREngine, resolve_device
+from ..models import GRModel
 from ..request import RankRequest
-from .simulate import simulate_policy
+from .drift import score_drift
+from .simulate import Simulations
 from .trace import Trace, TraceConfig, generate_trace
 
 PAPER_MODEL = ModelConfig(num_items=1_000_000, num_actions=256, d_model=512, num_layers=8, num_heads=4, head_dim=128,
@@ -57,16 +62,17 @@ class BenchSettings:
     gpu_pages: int = 40_960
     page_size: int = 32
     chunk_tokens: int = 1024
-    host_budget_bytes: int = 96 * 2**30
-    host_dtype: str = "kv"
-    onload_engine: str = "copy"
+    host_budget_bytes: int = 64 * 2**30
+    host_dtype: str = "float8_e4m3fn"  # half the PCIe bytes; the score drift it causes is measured
+    onload_engine: str = "kernel"
     max_batched_tokens: int = 163_840  # a batch of 8 whole histories (up to 20,000 events) in one step
     window_requests: int = 240
-    skip_fraction: float = 0.5
+    window_strata: int = 10
     chunk_sweep: tuple[int, ...] = (512, 1024, 2048, 4096)
     budget_sweep: tuple[int, ...] = (20_480, 30_720, 40_960, 51_200, 61_440)
     lengths: tuple[int, ...] = (1024, 2048, 4096, 8192, 16_384)
     new_events: int = 8
+    drift_history: int = 4096
     simulation_workers: int = 8
     prime_batches: int = 3
 
@@ -78,8 +84,10 @@ def quick_settings() -> BenchSettings:
     trace = TraceConfig(num_users=16, mean_log_len=4.5, sigma_log_len=0.4, max_history_len=2048, num_candidates=8,
                         num_items=5000, num_actions=16, horizon_s=600, new_fraction=(0.3, 0.5))
     return BenchSettings(model=model, trace=trace, device="cpu", backend="torch_ref", gpu_pages=40, page_size=8,
-                         chunk_tokens=32, host_budget_bytes=2**26, max_batched_tokens=1024, window_requests=8,
+                         chunk_tokens=32, host_budget_bytes=2**26, max_batched_tokens=1024, window_requests=16,
+                         window_strata=2,
                          chunk_sweep=(16, 64), budget_sweep=(24, 48), lengths=(32, 128), new_events=4,
+                         drift_history=100,
                          simulation_workers=0, prime_batches=1)
 
 
@@ -111,14 +119,14 @@ class BenchRun:
     """One engine over one trace: warm-up, fast-forward, measured windows."""
 
     def __init__(self, settings: BenchSettings, trace: Trace, cache: CacheConfig, max_batch: int,
-                 host_memory: torch.Tensor | None = None) -> None:
+                 host_memory: torch.Tensor | None = None, model: GRModel | None = None) -> None:
         self.settings, self.trace = settings, trace
         config = EngineConfig(model=settings.model, cache=cache, device=settings.device,
                               attention_backend=settings.backend,
                               scheduler=SchedulerConfig(max_num_seqs=max_batch,
                                                         max_num_batched_tokens=settings.max_batched_tokens))
         t0 = time.perf_counter()
-        self.engine = GREngine(config, host_memory=host_memory)
+        self.engine = GREngine(config, host_memory=host_memory, model=model)
         if self.engine.kv.host is not None:
             self.engine.kv.host.store.wait_until_allocated()
         self.startup_s = time.perf_counter() - t0
@@ -177,11 +185,44 @@ class BenchRun:
         self._serve([self.trace.rank_request(i) for i in indices[:prime]], batch_size)
         return self._serve([self.trace.rank_request(i) for i in indices[prime:]], batch_size).report()
 
+    def windows(self, plan: list[tuple[int, bool]]) -> list[dict]:
+        """The measured windows, spread over the trace: at each of ``window_strata`` evenly spaced points of the
+        steady requests (the cache state fast-forwarded there; recompute mode has none and skips), for each
+        ``(batch_size, sync_phases)`` of ``plan`` in turn, ``window_requests / window_strata`` requests in
+        closed-loop batches of that size (``sync_phases``: device-synchronised phase times, for the per-step
+        breakdown), after ``prime_batches`` unmeasured batches at the first point. Returns each plan entry's
+        report over all strata."""
+        settings, steady = self.settings, self.steady
+        per = settings.window_requests // settings.window_strata
+        if any(per % bs for bs, _ in plan) or per == 0:
+            raise ValueError(f"window_requests / window_strata = {per} is not a multiple of every batch size")
+        phases = [Phase() for _ in plan]
+        for k in range(settings.window_strata):
+            start = k * len(steady) // settings.window_strata
+            if start < self.cursor:
+                raise ValueError("the trace has too few steady-state requests for the windows")
+            if self.engine.config.cache.mode == "recompute":
+                self.cursor = start
+            else:
+                self.fast_forward(start - self.cursor)
+            for (bs, sync), phase in zip(plan, phases, strict=True):
+                prime = settings.prime_batches * bs if k == 0 else 0
+                indices = steady[self.cursor:self.cursor + prime + per]
+                if len(indices) < prime + per:
+                    raise ValueError("the trace has too few steady-state requests for the windows")
+                self.cursor += len(indices)
+                self.set_sync_phases(sync)
+                self._serve([self.trace.rank_request(i) for i in indices[:prime]], bs)
+                self._serve([self.trace.rank_request(i) for i in indices[prime:]], bs, phase)
+        self.set_sync_phases(False)
+        return [phase.report() for phase in phases]
+
     def set_sync_phases(self, on: bool) -> None:
         self.engine.config = msgspec.structs.replace(self.engine.config, sync_phases=on)
 
-    def _serve(self, requests: list[RankRequest], batch_size: int) -> Phase:
-        engine, phase = self.engine, Phase()
+    def _serve(self, requests: list[RankRequest], batch_size: int, phase: Phase | None = None) -> Phase:
+        """Serve ``requests`` in closed-loop batches; their timings and counters are added to ``phase``."""
+        engine, phase = self.engine, phase if phase is not None else Phase()
         engine.scheduler.config = msgspec.structs.replace(engine.scheduler.config, max_num_seqs=batch_size)
         for start in range(0, len(requests), batch_size):
             batch = requests[start:start + batch_size]
@@ -245,8 +286,6 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print,
     ``checkpoint(results_so_far)`` is called after each part (so that a run cut short keeps what it measured)."""
     checkpoint = checkpoint or (lambda partial: None)
     trace = generate_trace(settings.trace)
-    steady = len(trace.steady)
-    skip = int(steady * settings.skip_fraction)
     echo(f"trace: {trace.summary()}")
     result: dict = {"trace": trace.summary(), "settings": _settings_dict(settings), "modes": {}, "simulated": {}}
     main = {"gpu_only": cache_config(settings, "gpu_only"), "hierarchical": cache_config(settings, "hierarchical"),
@@ -255,86 +294,41 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print,
     sweeps += [cache_config(settings, m, num_gpu_pages=p) for m in ("gpu_only", "hierarchical")
                for p in settings.budget_sweep]
     simulations = Simulations(trace, [*main.values(), *sweeps], settings.simulation_workers)
+    device = resolve_device(settings.device)  # one model, shared by every engine (its weights are read-only)
+    model = GRModel(settings.model).to(device=device, dtype=settings.model.torch_dtype).eval()
     t0 = time.perf_counter()
     arena = _host_arena(settings)  # pinned once, shared by every hierarchical engine of the run
     result["host_arena_pin_s"] = time.perf_counter() - t0
     for mode in settings.modes:
         pages = unlimited_pages(settings, trace) if mode == "unlimited" else settings.gpu_pages
         run = BenchRun(settings, trace, cache_config(settings, mode, num_gpu_pages=pages), max(settings.batch_sizes),
-                       arena)
+                       arena, model)
         entry = {"startup_s": run.startup_s, "gpu_pages": pages}
         if mode != "recompute":
             entry["warmup"] = run.warmup()
-            run.fast_forward(skip)
-        else:
-            run.cursor = skip
-        entry["batch_sizes"] = {}
+        largest = max(settings.batch_sizes)
+        reports = run.windows([(bs, False) for bs in settings.batch_sizes] + [(largest, True)])
+        entry["batch_sizes"] = dict(zip(settings.batch_sizes, reports, strict=False))
+        entry["breakdown_bs8"] = reports[-1]
         for bs in settings.batch_sizes:
-            entry["batch_sizes"][bs] = run.window(bs, settings.window_requests)
             echo(f"{mode:<12} bs={bs}: {entry['batch_sizes'][bs]['median_ms']:.2f} ms, "
                  f"hit {entry['batch_sizes'][bs]['total_hit_ratio']:.1%}")
-        run.set_sync_phases(True)
-        entry["breakdown_bs8"] = run.window(max(settings.batch_sizes), settings.window_requests)
         run.close()
         result["modes"][mode] = entry
         checkpoint(result)
-    result["chunk_sweep"] = _sweep(settings, trace, skip, "chunk_tokens", settings.chunk_sweep, ("hierarchical",),
-                                   arena, simulations)
+    result["chunk_sweep"] = _sweep(settings, trace, "chunk_tokens", settings.chunk_sweep, ("hierarchical",),
+                                   arena, simulations, model)
     checkpoint(result)
-    result["budget_sweep"] = _sweep(settings, trace, skip, "num_gpu_pages", settings.budget_sweep,
-                                    ("gpu_only", "hierarchical"), arena, simulations)
+    result["budget_sweep"] = _sweep(settings, trace, "num_gpu_pages", settings.budget_sweep,
+                                    ("gpu_only", "hierarchical"), arena, simulations, model)
     checkpoint(result)
-    result["lengths"] = _length_scan(settings)
+    result["lengths"] = _length_scan(settings, model)
+    checkpoint(result)
+    result["score_drift"] = _score_drift(settings, model)
     result["peak_pinned_h2d_GBps"] = _peak_h2d(settings.device)
     result["simulated"] = {name: simulations.get(cache) for name, cache in main.items()}
     simulations.close()
     return result
-
-
-def _simulated(trace: Trace, cache: CacheConfig) -> dict:
-    r = simulate_policy(trace, cache)
-    return {"gpu_hit_ratio": r.gpu_hit_ratio, "total_hit_ratio": r.total_hit_ratio, "lost_tokens": r.lost_tokens,
-            "evicted_users": r.evicted_users, "host_evicted_users": r.host_evicted_users}
-
-
-def _background_worker() -> None:
-    """Simulation workers yield the CPU to the measured engine (whose latency is largely host time) and
-    keep torch to one thread."""
-    os.nice(10)
-    torch.set_num_threads(1)
-
-
-def _simulate_in_worker(trace_config: TraceConfig, cache: CacheConfig) -> dict:
-    return _simulated(generate_trace(trace_config), cache)
-
-
-class Simulations:
-    """Whole-trace policy simulations (:func:`simulate_policy`) of several cache configurations, run in
-    ``workers`` spawned processes while the GPU runs go on (inline when ``workers`` is 0)."""
-
-    def __init__(self, trace: Trace, caches: list[CacheConfig], workers: int) -> None:
-        self._results: dict[bytes, dict] = {}
-        self._futures: dict[bytes, concurrent.futures.Future] = {}
-        self._pool = None
-        if workers:
-            context = multiprocessing.get_context("spawn")  # a clean process: no CUDA state is inherited
-            self._pool = concurrent.futures.ProcessPoolExecutor(min(workers, len(caches)), mp_context=context,
-                                                                initializer=_background_worker)
-            for cache in caches:
-                self._futures[msgspec.json.encode(cache)] = self._pool.submit(_simulate_in_worker, trace.config, cache)
-        else:
-            for cache in caches:
-                self._results[msgspec.json.encode(cache)] = _simulated(trace, cache)
-
-    def get(self, cache: CacheConfig) -> dict:
-        key = msgspec.json.encode(cache)
-        if key not in self._results:
-            self._results[key] = self._futures[key].result()
-        return self._results[key]
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
 
 
 def _host_arena(settings: BenchSettings) -> torch.Tensor | None:
@@ -344,23 +338,22 @@ def _host_arena(settings: BenchSettings) -> torch.Tensor | None:
     return torch.empty(settings.host_budget_bytes, dtype=torch.uint8, pin_memory=True)
 
 
-def _sweep(settings: BenchSettings, trace: Trace, skip: int, name: str, values: tuple[int, ...],
-           modes: tuple[str, ...], arena: torch.Tensor | None, simulations: Simulations) -> dict:
+def _sweep(settings: BenchSettings, trace: Trace, name: str, values: tuple[int, ...],
+           modes: tuple[str, ...], arena: torch.Tensor | None, simulations: Simulations, model: GRModel) -> dict:
     out: dict = {}
     bs = max(settings.batch_sizes)
     for mode in modes:
         out[mode] = {}
         for value in values:
             cache = cache_config(settings, mode, **{name: value})
-            run = BenchRun(settings, trace, cache, bs, arena)
+            run = BenchRun(settings, trace, cache, bs, arena, model)
             run.warmup()
-            run.fast_forward(skip)
-            out[mode][value] = {**run.window(bs, settings.window_requests), "simulated": simulations.get(cache)}
+            out[mode][value] = {**run.windows([(bs, False)])[0], "simulated": simulations.get(cache)}
             run.close()
     return out
 
 
-def _length_scan(settings: BenchSettings) -> dict:
+def _length_scan(settings: BenchSettings, model: GRModel) -> dict:
     """Latency against history length (``new_events`` new events per visit): recompute vs unlimited."""
     bs = max(settings.batch_sizes)
     out: dict = {}
@@ -369,11 +362,28 @@ def _length_scan(settings: BenchSettings) -> dict:
         for length in settings.lengths:
             trace = _fixed_length_trace(settings, length, bs)
             pages = bs * 2 * (-(-(length + 8 * settings.new_events) // settings.page_size))
-            run = BenchRun(settings, trace, cache_config(settings, mode, num_gpu_pages=pages), bs)
+            run = BenchRun(settings, trace, cache_config(settings, mode, num_gpu_pages=pages), bs, model=model)
             run.warmup()
             out[mode][length] = run.window(bs, len(trace.steady) - bs, prime_batches=1)
             run.close()
     return out
+
+
+def _score_drift(settings: BenchSettings, model: GRModel) -> dict:
+    """Cached-from-host scores against recomputed ones, host chunks in the KV dtype and in FP8
+    (:mod:`.drift`): 2 batches of users with ``drift_history``-event histories on a GPU budget of one batch."""
+    bs = max(settings.batch_sizes)
+    trace = _fixed_length_trace(settings, settings.drift_history, 2 * bs)
+    pages = bs * (-(-(settings.drift_history + 8 * settings.new_events) // settings.page_size) + 1)
+    chunks = 2 * bs * -(-(settings.drift_history + 8 * settings.new_events) // settings.chunk_tokens)
+    token_bytes = 2 * settings.model.num_layers * settings.model.num_heads * settings.model.head_dim * 4
+    cache = cache_config(settings, "hierarchical", num_gpu_pages=pages,
+                         host_budget_bytes=2 * chunks * settings.chunk_tokens * token_bytes)
+    config = EngineConfig(model=settings.model, cache=cache, device=settings.device,
+                          attention_backend=settings.backend,
+                          scheduler=SchedulerConfig(max_num_seqs=bs,
+                                                    max_num_batched_tokens=settings.max_batched_tokens))
+    return score_drift(config, trace, ("kv", "float8_e4m3fn"), model)
 
 
 def _fixed_length_trace(settings: BenchSettings, length: int, users: int) -> Trace:

@@ -8,6 +8,9 @@ come from real runs on the GPU.
 
 from __future__ import annotations
 
+import concurrent.futures
+import multiprocessing
+import os
 from dataclasses import dataclass
 
 import msgspec
@@ -18,7 +21,7 @@ from tqdm.auto import tqdm
 from cache_engine import CacheConfig, KVCacheManager, page_prefix_hashes
 from scheduler import RequestState, Scheduler, SchedulerConfig
 
-from .trace import Trace
+from .trace import Trace, TraceConfig, generate_trace
 
 
 @dataclass
@@ -72,3 +75,49 @@ def simulate_policy(trace: Trace, cache: CacheConfig, max_num_seqs: int = 8, max
     s = kv.stats
     return PolicyResult(float(totals[1] / tokens), float((totals[1] + totals[2]) / tokens), int(totals[0]),
                         s.evicted_users, s.host_evicted_users, s.lost_tokens, s.tail_persisted_tokens)
+
+
+def _simulated(trace: Trace, cache: CacheConfig) -> dict:
+    r = simulate_policy(trace, cache)
+    return {"gpu_hit_ratio": r.gpu_hit_ratio, "total_hit_ratio": r.total_hit_ratio, "lost_tokens": r.lost_tokens,
+            "evicted_users": r.evicted_users, "host_evicted_users": r.host_evicted_users}
+
+
+def _background_worker() -> None:
+    """Simulation workers yield the CPU to the measured engine (whose latency is largely host time) and
+    keep torch to one thread."""
+    os.nice(10)
+    torch.set_num_threads(1)
+
+
+def _simulate_in_worker(trace_config: TraceConfig, cache: CacheConfig) -> dict:
+    return _simulated(generate_trace(trace_config), cache)
+
+
+class Simulations:
+    """Whole-trace policy simulations (:func:`simulate_policy`) of several cache configurations, run in
+    ``workers`` spawned processes while the GPU runs go on (inline when ``workers`` is 0)."""
+
+    def __init__(self, trace: Trace, caches: list[CacheConfig], workers: int) -> None:
+        self._results: dict[bytes, dict] = {}
+        self._futures: dict[bytes, concurrent.futures.Future] = {}
+        self._pool = None
+        if workers:
+            context = multiprocessing.get_context("spawn")  # a clean process: no CUDA state is inherited
+            self._pool = concurrent.futures.ProcessPoolExecutor(min(workers, len(caches)), mp_context=context,
+                                                                initializer=_background_worker)
+            for cache in caches:
+                self._futures[msgspec.json.encode(cache)] = self._pool.submit(_simulate_in_worker, trace.config, cache)
+        else:
+            for cache in caches:
+                self._results[msgspec.json.encode(cache)] = _simulated(trace, cache)
+
+    def get(self, cache: CacheConfig) -> dict:
+        key = msgspec.json.encode(cache)
+        if key not in self._results:
+            self._results[key] = self._futures[key].result()
+        return self._results[key]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()

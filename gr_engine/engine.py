@@ -28,7 +28,7 @@ from .models import GRModel
 from .outputs import GenerateOutput, RankOutput, StepTimings
 from .request import GenerateParams, GenerateRequest, RankRequest
 from .step_graphs import StepGraphs
-from .validation import RequestError, validate_request
+from .validation import RequestError, check_events, parse_request
 
 logger = logging.getLogger(__name__)
 
@@ -171,21 +171,28 @@ class GREngine:
         all valid histories in one pass, queue them. Returns each request's sequence number or its error."""
         t0 = time.perf_counter()
         added: list[int | RequestError | None] = [None] * len(requests)
-        valid, ids = [], set()
+        valid, ids, matches = [], set(), []
+        caching = self.config.cache.mode != "recompute"  # recompute never reads the prefix hashes
         for i, request in enumerate(requests):
             try:
-                arrays = validate_request(request, self.config, ranking=params is None)
+                arrays = parse_request(request, self.config, ranking=params is None)
                 if request.request_id in self._in_flight or request.request_id in ids:
                     raise RequestError(f"request_id {request.request_id!r} is already in flight")
+                # Events equal to the user's last validated history need no second check.
+                match = self.hasher.match(request.user_id, arrays.item_ids, arrays.action_ids,
+                                          arrays.timestamps) if caching else None
+                check_events(arrays, self.config, match.length if match else 0)
             except RequestError as exc:
                 added[i] = exc
                 continue
             ids.add(request.request_id)
             valid.append((i, request, arrays))
-        if self.config.cache.mode == "recompute":  # nothing is ever reused: the prefix hashes are never read
-            hashes = [np.zeros(a.num_history, dtype=np.uint64) for _, _, a in valid]
+            matches.append(match)
+        if caching:
+            hashes = self.hasher.many([(r.user_id, a.item_ids, a.action_ids, a.timestamps) for _, r, a in valid],
+                                      matches)
         else:
-            hashes = self.hasher.many([(r.user_id, a.item_ids, a.action_ids, a.timestamps) for _, r, a in valid])
+            hashes = [np.zeros(a.num_history, dtype=np.uint64) for _, _, a in valid]
         intake_s = (time.perf_counter() - t0) / max(len(valid), 1)  # each request's share
         for (i, request, arrays), token_hashes in zip(valid, hashes, strict=True):
             n = arrays.num_history

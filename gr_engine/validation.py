@@ -60,7 +60,8 @@ def _check_range(name: str, array: np.ndarray, upper: int, what: str) -> None:
 
 
 def validate_request(request: Any, config: EngineConfig, *, ranking: bool) -> RequestArrays:
-    """Check one request against the model and cache limits.
+    """Check one request against the model and cache limits (:func:`parse_request`, then
+    :func:`check_events` over the whole history).
 
     Args:
         request: a :class:`RankRequest` (``ranking=True``), or a :class:`GenerateRequest` or
@@ -71,6 +72,14 @@ def validate_request(request: Any, config: EngineConfig, *, ranking: bool) -> Re
     Raises:
         RequestError: what is wrong with the request.
     """
+    arrays = parse_request(request, config, ranking=ranking)
+    check_events(arrays, config)
+    return arrays
+
+
+def parse_request(request: Any, config: EngineConfig, *, ranking: bool) -> RequestArrays:
+    """Everything :func:`validate_request` checks except the history's values (:func:`check_events`): types,
+    lengths, limits, candidates. Arguments and errors as there."""
     wanted = RankRequest if ranking else GenerateRequest
     if not isinstance(request, wanted):
         raise RequestError(f"expected a {wanted.__name__}, got {type(request).__name__}")
@@ -98,12 +107,6 @@ def validate_request(request: Any, config: EngineConfig, *, ranking: bool) -> Re
             f"history of {n} events needs {pages} KV pages but cache.num_gpu_pages is "
             f"{config.cache.num_gpu_pages}"
         )
-    _check_range("item_ids", items, model.num_items, "item vocabulary")
-    _check_range("action_ids", actions, model.num_actions, "action vocabulary")
-    if n > 1 and bool((times[1:] < times[:-1]).any()):
-        at = int(np.argmax(times[1:] < times[:-1])) + 1
-        raise RequestError(f"timestamps go backwards at event {at} ({times[at - 1]} -> {times[at]})")
-
     candidates = np.zeros(0, dtype=np.int64)
     if ranking:
         candidates = _int_array("candidate_item_ids", request.candidate_item_ids)
@@ -115,3 +118,21 @@ def validate_request(request: Any, config: EngineConfig, *, ranking: bool) -> Re
             )
         _check_range("candidate_item_ids", candidates, model.num_items, "item vocabulary")
     return RequestArrays(items, actions, times, candidates)
+
+
+def check_events(arrays: RequestArrays, config: EngineConfig, start: int = 0) -> None:
+    """Check the history's events from ``start`` on: ids within the vocabularies, timestamps never going
+    backwards (from event ``start - 1``). ``start > 0`` when the first ``start`` events are known valid (equal
+    to a history this engine validated before), so that a returning user's events are not checked again.
+
+    Raises:
+        RequestError: the first problem found.
+    """
+    model = config.model
+    _check_range("item_ids", arrays.item_ids[start:], model.num_items, "item vocabulary")
+    _check_range("action_ids", arrays.action_ids[start:], model.num_actions, "action vocabulary")
+    first = max(start - 1, 0)
+    times = arrays.timestamps[first:]
+    if len(times) > 1 and bool((times[1:] < times[:-1]).any()):
+        at = int(np.argmax(times[1:] < times[:-1])) + 1
+        raise RequestError(f"timestamps go backwards at event {first + at} ({times[at - 1]} -> {times[at]})")

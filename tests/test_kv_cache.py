@@ -232,3 +232,67 @@ def test_incremental_hasher_remembered_history_is_reused_exactly():
     edited[5] += 1  # a changed old event: nothing reused, still exact
     got = hasher.many([("u", edited[:260], actions[:260], times[:260])])[0]
     assert np.array_equal(got, hashes(edited[:260], actions[:260], times[:260], 8))
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 32])
+def test_incremental_hasher_with_matches_taken_first_equals_full_hashing(page_size):
+    """The engine's order: every request of a batch is matched first (to validate only the new events), then
+    hashed; kept histories grow in place. Users recur within batches; histories grow, shrink and get edited."""
+    from cache_engine import IncrementalHasher
+
+    rng = np.random.default_rng(20 + page_size)
+    hasher = IncrementalHasher(page_size, max_users=4)
+    streams = {u: [a.copy() for a in history(400, seed=u)] for u in range(6)}
+    lengths = dict.fromkeys(range(6), 0)
+    for _ in range(80):
+        batch = []
+        for _ in range(int(rng.integers(1, 9))):
+            user = int(rng.integers(0, 6))
+            lengths[user] = n = int(min(400, lengths[user] + rng.integers(0, 40))) if rng.random() < 0.8 \
+                else int(rng.integers(0, 401))
+            items, actions, times = (a[:n].copy() for a in streams[user])
+            if rng.random() < 0.15 and n:
+                times[int(rng.integers(0, n))] += 1  # an edited event
+            batch.append((user, items, actions, times))
+        matches = [hasher.match(*request) for request in batch]
+        for (_, items, actions, times), match in zip(batch, matches):
+            assert np.array_equal(match.hashes, hashes(items, actions, times, page_size)[: match.length])
+        got = hasher.many(batch, matches)
+        for (_, items, actions, times), hashed in zip(batch, got):
+            assert np.array_equal(hashed, hashes(items, actions, times, page_size))
+
+
+def test_incremental_hasher_never_writes_remembered_arrays():
+    """Remembered arrays are the caller's: a longer next history is copied, not written into them."""
+    from cache_engine import IncrementalHasher
+
+    items, actions, times = history(300, seed=5)
+    originals = [a.copy() for a in (items, actions, times)]
+    hasher = IncrementalHasher(4)
+    hasher.remember("u", items[:100], actions[:100], times[:100], hashes(items[:100], actions[:100], times[:100], 4))
+    other = [a.copy() for a in (items, actions, times)]
+    other[0][97:] += 7  # past the last whole page (96) the next histories differ from the remembered one
+    for n in (99, 150, 200, 300):  # 99: fits the remembered arrays, whose first 96 events it shares
+        got = hasher.many([("u", *(a[:n] for a in other))])[0]
+        assert np.array_equal(got, hashes(*(a[:n] for a in other), 4))
+    for array, original in zip((items, actions, times), originals):
+        assert np.array_equal(array, original)
+
+
+def test_incremental_hasher_second_request_of_a_batch_never_writes_over_the_first():
+    """Two requests of one user matched against the same kept history: the first (shorter, its last partial page
+    edited) is kept in place; the second must then be copied, or the kept events would mix both."""
+    from cache_engine import IncrementalHasher
+
+    items, actions, times = history(80, seed=6)
+    hasher = IncrementalHasher(8)
+    hasher(0, items[:64], actions[:64], times[:64])
+    first = [a[:60].copy() for a in (items, actions, times)]
+    first[0][58] += 1
+    second = [a[:80] for a in (items, actions, times)]
+    batch = [(0, *first), (0, *second)]
+    hasher.many(batch, [hasher.match(*request) for request in batch])
+    mixed = [a.copy() for a in second]
+    mixed[0][56:60] = first[0][56:60]  # what the kept events would hold had the second written over the first
+    got = hasher(0, *mixed)
+    assert np.array_equal(got, hashes(*mixed, 8))

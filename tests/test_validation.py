@@ -137,3 +137,29 @@ def test_failing_step_is_retried_alone_so_only_the_culprit_fails(monkeypatch):
         np.testing.assert_allclose(outputs[i].scores, expected[i].scores, atol=1e-6)
     assert not engine.has_unfinished_requests()
     engine.kv.check_invariants()
+
+
+@pytest.mark.parametrize("mode", ["gpu_only", "recompute"])
+def test_returning_users_new_and_changed_events_are_still_checked(mode):
+    """Events equal to a user's last validated history are not checked again; everything else is, at the right
+    event index: new events, the step from the last known event to the first new one, and a changed prefix."""
+    engine = GREngine(tiny_config(mode=mode))
+    items, actions, times = list(range(1, 19)), [0, 1] * 9, list(range(100, 118))
+
+    def visit(request_id, n, **changes):
+        fields = dict(item_ids=items[:n], action_ids=actions[:n], timestamps=times[:n])
+        fields.update(changes)
+        return engine.rank([good(request_id=request_id, **fields)], use_tqdm=False)[0]
+
+    assert visit("v1", 12).ok
+    cases = {  # each against the 12 validated events, 8 of them whole pages of 4 (those reused)
+        "new_item": (dict(item_ids=items[:14] + [200, 3]), "item_ids contains 200"),
+        "new_action": (dict(action_ids=actions[:15] + [8]), "action_ids contains 8"),
+        "back_at_boundary": (dict(timestamps=times[:12] + [50] + times[13:16]), "timestamps go backwards at event 12"),
+        "back_in_partial_page": (dict(timestamps=times[:9] + [0] + times[10:16]), "at event 9"),
+        "changed_prefix": (dict(item_ids=[1, 2, 999] + items[3:16]), "item_ids contains 999"),
+    }
+    for name, (changes, message) in cases.items():
+        out = visit(name, 16, **changes)
+        assert not out.ok and message in out.error, (name, out.error)
+    assert visit("v2", 16).ok and visit("v3", 18).ok

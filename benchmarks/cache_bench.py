@@ -81,6 +81,7 @@ def transfer_bandwidth(device, chunk_tokens: int, tokens: int, layers=8, heads=4
 
     def offload():
         handle = transfer.offload(kv, offload_jobs)
+        transfer.issue_deferred()
         torch.cuda.current_stream().wait_event(handle.copied)
 
     offload()

@@ -72,7 +72,9 @@ class HostTier:
 
     # ------------------------------------------------------------------ completions
     def poll(self, wait: bool = False) -> None:
-        """Apply finished transfers (all of them, waiting, if ``wait``)."""
+        """Apply finished transfers (all of them, waiting, if ``wait``: deferred copies out are issued first)."""
+        if wait:
+            self.transfer.issue_deferred()
         self.store.adopt_ready_segments()
         for handle, _, readers in self._in_flight:
             if readers and (wait or handle.gather_done()):

@@ -75,8 +75,10 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ step hooks
     def begin_step(self) -> None:
-        """Apply transfers that finished since the last step."""
+        """Issue the copies out still deferred (:meth:`issue_deferred_offloads`) and apply transfers that
+        finished since the last step."""
         if self.host is not None:
+            self.host.transfer.issue_deferred()
             self.host.poll()
 
     def launch_onloads(self) -> list[torch.cuda.Event | None]:
@@ -84,6 +86,12 @@ class KVCacheManager:
         if self.host is None:
             return [None] * self.pool.kv.shape[0]
         return self.host.launch_onloads()
+
+    def issue_deferred_offloads(self) -> None:
+        """Issue the copies to host of the offloads gathered so far (the engine calls this once the step's
+        forward is queued: the host work then overlaps the device's)."""
+        if self.host is not None:
+            self.host.transfer.issue_deferred()
 
     def end_step(self) -> None:
         """Start offloads of chunks that became full (within the admission cap)."""

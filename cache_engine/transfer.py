@@ -3,9 +3,10 @@
 On CUDA, three side streams keep copies off the compute stream:
 
 - **offload**: waits for the step's compute, gathers the pages of all chunks into a transient device
-  buffer (one ``index_select``), lays each chunk out like its host slot, and copies it there (one DMA
-  per chunk). The gather's event tells when the pages may be written again; the copy's event when the
-  host data is complete.
+  buffer (one ``index_select``); later, at :meth:`TransferEngine.issue_deferred` (the engine calls it once
+  the step's forward is queued, so this host work overlaps the device's), lays each chunk out like its
+  host slot and copies it there (one DMA per chunk). The gather's event tells when the pages may be
+  written again; the copy's event when the host data is complete.
 - **onload** (one or more streams): per layer, copies the layer's block of each host chunk into a device
   onload buffer (double-buffered: layer ``l`` reuses the buffer of layer ``l - 2`` once that one is
   scattered).
@@ -55,17 +56,19 @@ class OnloadJob:
 
 @dataclass
 class OffloadHandle:
-    """An offload in flight. ``gathered``/``copied`` are CUDA events (``None`` on CPU: already done)."""
+    """An offload in flight. ``gathered``/``copied`` are CUDA events (``None`` on CPU: already done);
+    ``deferred``: the copy out is not issued yet (``copied`` is set when it is)."""
 
     gathered: torch.cuda.Event | None
     copied: torch.cuda.Event | None
-    buffer: torch.Tensor | None = field(default=None, repr=False)  # kept alive until ``copied``
+    buffer: tuple[torch.Tensor, ...] = field(default=(), repr=False)  # kept alive until ``copied``
+    deferred: bool = False
 
     def gather_done(self) -> bool:
         return self.gathered is None or self.gathered.query()
 
     def copy_done(self) -> bool:
-        return self.copied is None or self.copied.query()
+        return not self.deferred and (self.copied is None or self.copied.query())
 
 
 def host_page_addresses(jobs: list[OnloadJob]) -> tuple[np.ndarray, int]:
@@ -106,6 +109,7 @@ class TransferEngine:
             self.onload_streams = [torch.cuda.Stream(device) for _ in range(max(1, onload_streams))]
             self.scatter_stream = torch.cuda.Stream(device)
         self._buffers: list[torch.Tensor] = []  # the two onload buffers, grown on demand
+        self._deferred: list[tuple[OffloadHandle, list[OffloadJob]]] = []  # gathered, not yet copied out
         self.last_gather: torch.cuda.Event | None = None
         self._last_scatter: torch.cuda.Event | None = None
         #: When False, offloads and onloads move no data and complete at once: the cache's bookkeeping
@@ -137,17 +141,26 @@ class TransferEngine:
             gathered_pages = kv.index_select(1, index[: len(pages)])  # [L, jobs * slot_pages, 2, ps, H, D]
             gathered = torch.cuda.Event()
             gathered.record()
-            num_layers = kv.shape[0]
-            buffer = gathered_pages.view(num_layers, len(jobs), slot_pages, *kv.shape[2:]).transpose(0, 1)
-            buffer = self._quantize(buffer.contiguous(), index[len(pages):])  # [jobs, L, slot_pages, ...]
-            for job, block in zip(jobs, buffer, strict=True):
-                job.slot.copy_(block, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        gathered_pages.record_stream(self.offload_stream)
-        buffer.record_stream(self.offload_stream)
         self.last_gather = gathered
-        return OffloadHandle(gathered, copied, buffer)
+        handle = OffloadHandle(gathered, None, (gathered_pages, index), deferred=True)
+        self._deferred.append((handle, jobs))
+        return handle
+
+    def issue_deferred(self) -> None:
+        """Issue the copies out of the offloads gathered so far (FP8 quantisation, one DMA per chunk) on the
+        offload stream; each handle's ``copied`` event is set."""
+        for handle, jobs in self._deferred:
+            gathered_pages, index = handle.buffer
+            num_layers, slot_pages = gathered_pages.shape[0], jobs[0].slot.shape[1]
+            with torch.cuda.stream(self.offload_stream):
+                buffer = gathered_pages.view(num_layers, len(jobs), slot_pages, *gathered_pages.shape[2:])
+                buffer = self._quantize(buffer.transpose(0, 1).contiguous(), index[-len(jobs):])
+                for job, block in zip(jobs, buffer, strict=True):
+                    job.slot.copy_(block, non_blocking=True)
+                handle.copied = torch.cuda.Event()
+                handle.copied.record()
+            handle.buffer, handle.deferred = (*handle.buffer, buffer), False
+        self._deferred.clear()
 
     def _quantize(self, chunks: torch.Tensor, slot_ids: torch.Tensor | list[int]) -> torch.Tensor:
         """``chunks [J, L, pages, 2, page_size, H, D]`` -> FP8 with per (slot, layer, K/V, head) scales

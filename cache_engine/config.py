@@ -38,10 +38,12 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             FP8 with one scale per (chunk, layer, K/V, head): half the host memory and PCIe bytes, scores
             no longer exactly equal to recomputing (the benchmark reports the drift).
         onload_streams: CUDA streams the host-to-device chunk copies are spread over (``copy`` engine).
-        onload_engine: how host chunks reach their pages on CUDA. ``"copy"``: a DMA copy per (layer, chunk)
-            into a device buffer, then a scatter into the pages. ``"kernel"``: one Triton kernel per layer
-            reads the host pages directly (pinned memory is device-addressable) and writes the pages
-            (:mod:`cache_engine.onload_kernel`; needs Triton). On CPU both are plain synchronous copies.
+        onload_engine: how host chunks reach their pages on CUDA. ``"kernel"`` (default): one Triton kernel
+            per layer reads the host pages directly (pinned memory is device-addressable) and writes the
+            pages (:mod:`cache_engine.onload_kernel`; without Triton installed, ``"copy"`` is used).
+            ``"copy"``: a DMA copy per (layer, chunk) into a device buffer, then a scatter into the pages.
+            Same bandwidth on an H200 (``benchmarks/results/cache_bench.json``); the kernel issues one
+            launch per layer instead of one copy per chunk and layer. On CPU both are synchronous copies.
     """
 
     mode: CacheMode = "hierarchical"
@@ -54,7 +56,7 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     persist_tails: bool = True
     host_dtype: HostDType = "kv"
     onload_streams: int = 1
-    onload_engine: OnloadEngine = "copy"
+    onload_engine: OnloadEngine = "kernel"
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_gpu_pages", "chunk_tokens", "host_segment_bytes", "max_pending_offloads",

@@ -25,6 +25,7 @@ Nothing here synchronises the device. On CPU the same calls copy synchronously a
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -95,7 +96,8 @@ class TransferEngine:
             have the pool's dtype.
         onload_streams: streams the per-layer host-to-device copies are spread over (more than one lets
             several copy engines work at once).
-        onload_kernel: on CUDA, onload with :func:`.onload_kernel.onload_pages` instead of copies + scatter.
+        onload_kernel: on CUDA, onload with :func:`.onload_kernel.onload_pages` instead of copies + scatter
+            (when Triton is installed; otherwise copies + scatter).
     """
 
     def __init__(self, device: torch.device, scales: torch.Tensor | None = None, onload_streams: int = 1,
@@ -103,7 +105,7 @@ class TransferEngine:
         self.device = device
         self.scales = scales
         self.is_cuda = device.type == "cuda"
-        self.onload_kernel = onload_kernel and self.is_cuda
+        self.onload_kernel = onload_kernel and self.is_cuda and importlib.util.find_spec("triton") is not None
         if self.is_cuda:
             self.offload_stream = torch.cuda.Stream(device)
             self.onload_streams = [torch.cuda.Stream(device) for _ in range(max(1, onload_streams))]

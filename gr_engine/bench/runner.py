@@ -27,7 +27,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
@@ -42,7 +42,7 @@ from ..models import GRModel
 from ..request import RankRequest
 from .drift import score_drift
 from .simulate import Simulations
-from .trace import Trace, TraceConfig, generate_trace
+from .trace import Trace, TraceConfig, fixed_length_trace, generate_trace
 
 PAPER_MODEL = ModelConfig(num_items=1_000_000, num_actions=256, d_model=512, num_layers=8, num_heads=4, head_dim=128,
                           max_history_len=20_000, max_candidates=100, num_tasks=8, ranking_hidden=512,
@@ -360,7 +360,7 @@ def _length_scan(settings: BenchSettings, model: GRModel) -> dict:
     for mode in ("recompute", "unlimited"):
         out[mode] = {}
         for length in settings.lengths:
-            trace = _fixed_length_trace(settings, length, bs)
+            trace = fixed_length_trace(settings.trace, length, bs, settings.new_events)
             pages = bs * 2 * (-(-(length + 8 * settings.new_events) // settings.page_size))
             run = BenchRun(settings, trace, cache_config(settings, mode, num_gpu_pages=pages), bs, model=model)
             run.warmup()
@@ -373,7 +373,7 @@ def _score_drift(settings: BenchSettings, model: GRModel) -> dict:
     """Cached-from-host scores against recomputed ones, host chunks in the KV dtype and in FP8
     (:mod:`.drift`): 2 batches of users with ``drift_history``-event histories on a GPU budget of one batch."""
     bs = max(settings.batch_sizes)
-    trace = _fixed_length_trace(settings, settings.drift_history, 2 * bs)
+    trace = fixed_length_trace(settings.trace, settings.drift_history, 2 * bs, settings.new_events)
     pages = bs * (-(-(settings.drift_history + 8 * settings.new_events) // settings.page_size) + 1)
     chunks = 2 * bs * -(-(settings.drift_history + 8 * settings.new_events) // settings.chunk_tokens)
     token_bytes = 2 * settings.model.num_layers * settings.model.num_heads * settings.model.head_dim * 4
@@ -384,18 +384,6 @@ def _score_drift(settings: BenchSettings, model: GRModel) -> dict:
                           scheduler=SchedulerConfig(max_num_seqs=bs,
                                                     max_num_batched_tokens=settings.max_batched_tokens))
     return score_drift(config, trace, ("kv", "float8_e4m3fn"), model)
-
-
-def _fixed_length_trace(settings: BenchSettings, length: int, users: int) -> Trace:
-    """``users`` users with ``length``-event histories, each then visiting 6 times with ``new_events`` more."""
-    config = replace(settings.trace, num_users=users, max_history_len=length + 8 * settings.new_events)
-    base = generate_trace(replace(config, num_users=users, mean_log_len=20.0, sigma_log_len=0.01,
-                                  new_fraction=(0.0, 0.0)))
-    requests = [replace(r, history_len=length, warmup=True) for r in base.requests[:users]]
-    for visit in range(1, 7):
-        requests += [replace(r, history_len=length + visit * settings.new_events, warmup=False, time=float(visit))
-                     for r in base.requests[:users]]
-    return Trace(config, base.users, requests)
 
 
 def _peak_h2d(device: str) -> float | None:

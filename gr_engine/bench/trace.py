@@ -12,7 +12,7 @@ of 32 tokens hits 60-68% of history tokens (``gr-engine bench --calibrate`` re-m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -172,3 +172,15 @@ def _event_times(rng: np.random.Generator, first: int, times: np.ndarray, sizes:
     during = [t - 60 + np.sort(rng.uniform(0, 60, s)) for t, s in zip(times, sizes)]
     stamps = np.concatenate([before, *during]) if during else before
     return np.maximum.accumulate(np.floor(stamps)).astype(np.int64) + 1_700_000_000
+
+
+def fixed_length_trace(config: TraceConfig, length: int, users: int, new_events: int) -> Trace:
+    """``users`` users with ``length``-event histories (their first visits), each then visiting 6 times with
+    ``new_events`` more events; other fields as in ``config``."""
+    config = replace(config, num_users=users, max_history_len=length + 8 * new_events)
+    base = generate_trace(replace(config, mean_log_len=20.0, sigma_log_len=0.01, new_fraction=(0.0, 0.0)))
+    requests = [replace(r, history_len=length, warmup=True) for r in base.requests[:users]]
+    for visit in range(1, 7):
+        requests += [replace(r, history_len=length + visit * new_events, warmup=False, time=float(visit))
+                     for r in base.requests[:users]]
+    return Trace(config, base.users, requests)

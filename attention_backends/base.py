@@ -308,28 +308,6 @@ class AttentionBackend(abc.ABC):
         """Derive the backend's own per-step metadata from ``common`` (called once per step)."""
         return common
 
-    def graph_plan(self, common_host: dict[str, np.ndarray], max_rows: int,
-                   max_requests: int) -> tuple[Hashable, np.ndarray] | None:
-        """This step's own metadata for CUDA-graph replay, or ``None`` if the backend cannot be replayed (the
-        default; the engine then runs it eagerly).
-
-        Args:
-            common_host: :attr:`PagedBatchMetadata.host` of the step.
-            max_rows, max_requests: capacities the step is padded to (``T <= max_rows``, ``B <= max_requests``).
-
-        Returns:
-            ``(key, plan)``: ``plan`` is a flat int32 array whose length and layout depend only on ``key`` (the
-            launch shape); steps with equal keys and capacities share one captured graph.
-        """
-        return None
-
-    def graph_metadata(self, common: PagedBatchMetadata, key: Hashable, plan: torch.Tensor) -> Any:
-        """The metadata :meth:`attend` gets inside a captured graph: ``plan`` is :meth:`graph_plan`'s array for
-        ``key`` on the device, at a fixed address, and ``common``'s tensors are padded to the capacities (spare
-        requests have no rows; spare append rows repeat the last real one). Everything a launch reads about
-        the step must come from these tensors, never from host values that change between steps."""
-        raise NotImplementedError(f"attention backend {self.name!r} does not support CUDA graphs")
-
     @abc.abstractmethod
     def append_kv(
         self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: Any
@@ -363,3 +341,29 @@ class AttentionBackend(abc.ABC):
             ``[T, H, D]`` attention output in ``q``'s dtype. For ``hstu`` it is
             ``sum_j silu(alpha q.k_j) / scaling_seqlen * v_j`` over the row's allowed keys.
         """
+
+
+class GraphReplayable(abc.ABC):
+    """What an :class:`AttentionBackend` also implements to be replayed from CUDA graphs
+    (:mod:`gr_engine.step_graphs`); backends without it run every step eagerly."""
+
+    @abc.abstractmethod
+    def graph_plan(self, common_host: dict[str, np.ndarray], max_rows: int,
+                   max_requests: int) -> tuple[Hashable, np.ndarray]:
+        """This step's own metadata for CUDA-graph replay.
+
+        Args:
+            common_host: :attr:`PagedBatchMetadata.host` of the step.
+            max_rows, max_requests: capacities the step is padded to (``T <= max_rows``, ``B <= max_requests``).
+
+        Returns:
+            ``(key, plan)``: ``plan`` is a flat int32 array whose length and layout depend only on ``key`` (the
+            launch shape); steps with equal keys and capacities share one captured graph.
+        """
+
+    @abc.abstractmethod
+    def graph_metadata(self, common: PagedBatchMetadata, key: Hashable, plan: torch.Tensor) -> Any:
+        """The metadata ``attend`` gets inside a captured graph: ``plan`` is :meth:`graph_plan`'s array for
+        ``key`` on the device, at a fixed address, and ``common``'s tensors are padded to the capacities (spare
+        requests have no rows; spare append rows repeat the last real one). Everything a launch reads about
+        the step must come from these tensors, never from host values that change between steps."""

@@ -27,7 +27,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from .base import AttentionBackend, AttentionSpec, BackendSupport, PagedBatchMetadata
+from .base import AttentionBackend, AttentionSpec, BackendSupport, GraphReplayable, PagedBatchMetadata
 from .hstu_triton_plan import (
     MAX_PROGRAMS_PER_SM,
     MIN_TILES_PER_SPLIT,
@@ -265,7 +265,7 @@ def _sum_partials_kernel(
              mask=valid[:, None])
 
 
-class HSTUTritonBackend(AttentionBackend):
+class HSTUTritonBackend(AttentionBackend, GraphReplayable):
     """HSTU attention over the paged cache with a Triton kernel (CUDA; CPU through the interpreter).
 
     Args:

@@ -135,11 +135,12 @@ class TransferEngine:
             return OffloadHandle(None, None)
         # Pad every job to a whole slot so each chunk is one contiguous device->host copy.
         slot_pages = jobs[0].slot.shape[1]
-        pages = [p for job in jobs for p in job.pages + job.pages[-1:] * (slot_pages - len(job.pages))]
+        pages = np.concatenate([np.asarray(job.pages + job.pages[-1:] * (slot_pages - len(job.pages)), dtype=np.int64)
+                                for job in jobs])
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.offload_stream):
             self.offload_stream.wait_stream(compute)
-            index = self._upload(pages + [job.slot_id for job in jobs])
+            index = self._upload(np.concatenate([pages, np.array([job.slot_id for job in jobs], dtype=np.int64)]))
             gathered_pages = kv.index_select(1, index[: len(pages)])  # [L, jobs * slot_pages, 2, ps, H, D]
             gathered = torch.cuda.Event()
             gathered.record()
@@ -192,11 +193,12 @@ class TransferEngine:
         num_layers = kv.shape[0]
         if not jobs or not self.moves_data:
             return [None] * num_layers
-        pages = [p for job in jobs for p in job.pages]
-        page_slots = [job.slot_id for job in jobs for _ in job.pages]
+        counts = [len(job.pages) for job in jobs]
+        pages = np.concatenate([np.asarray(job.pages, dtype=np.int64) for job in jobs])
+        page_slots = np.repeat(np.array([job.slot_id for job in jobs], dtype=np.int64), counts)
         if not self.is_cuda:
-            dst = torch.tensor(pages, dtype=torch.long)
-            scales = None if self.scales is None else self.scales[page_slots]
+            dst = torch.from_numpy(pages)
+            scales = None if self.scales is None else self.scales[torch.from_numpy(page_slots)]
             for layer in range(num_layers):
                 src = torch.cat([job.slot[layer, : len(job.pages)] for job in jobs])
                 kv[layer].index_copy_(0, dst, self._dequantize(src, scales, layer, kv.dtype))
@@ -211,12 +213,10 @@ class TransferEngine:
                 stream.wait_event(self._last_scatter)
         with torch.cuda.stream(self.scatter_stream):
             self.scatter_stream.wait_stream(compute)  # the pages were just handed out on the host side
-            index = self._upload(pages + page_slots)
+            index = self._upload(np.concatenate([pages, page_slots]))
             dst = index[: len(pages)]
             scales = None if self.scales is None else self.scales[index[len(pages):]]
-        starts = [0]
-        for job in jobs:
-            starts.append(starts[-1] + len(job.pages))
+        starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
         for layer in range(num_layers):
             buffer = buffers[layer % 2][: len(pages)]
             copied = []
@@ -241,8 +241,8 @@ class TransferEngine:
         self._last_scatter = scattered[-1]
         return scattered
 
-    def _onload_by_kernel(self, kv: torch.Tensor, jobs: list[OnloadJob], pages: list[int],
-                          page_slots: list[int]) -> list[torch.cuda.Event]:
+    def _onload_by_kernel(self, kv: torch.Tensor, jobs: list[OnloadJob], pages: np.ndarray,
+                          page_slots: np.ndarray) -> list[torch.cuda.Event]:
         """Per layer, one kernel on the scatter stream reads every job's host pages (pinned, device-addressable)
         into their GPU pages; returns the per-layer events."""
         from .onload_kernel import onload_pages  # imports Triton
@@ -252,7 +252,7 @@ class TransferEngine:
         events: list[torch.cuda.Event] = []
         with torch.cuda.stream(self.scatter_stream):
             self.scatter_stream.wait_stream(compute)  # the pages were just handed out on the host side
-            index = self._upload(np.concatenate([np.asarray(pages + page_slots, dtype=np.int64), addresses]))
+            index = self._upload(np.concatenate([pages, page_slots, addresses]))
             count = len(pages)
             dst, slot_ids, src = index[:count], index[count:2 * count], index[2 * count:]
             for layer in range(kv.shape[0]):
@@ -271,7 +271,7 @@ class TransferEngine:
             return pages
         return (pages.float() * scales[:, layer, :, None, :, None]).to(dtype)
 
-    def _upload(self, values: list[int] | np.ndarray) -> torch.Tensor:
+    def _upload(self, values: np.ndarray) -> torch.Tensor:
         """int64 ``[len(values)]`` on the device, copied without blocking (from pinned memory)."""
         return torch.as_tensor(values, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
 

@@ -4,7 +4,7 @@ Launching a step's kernels one by one from Python costs milliseconds of host tim
 for a batch of returning users (a few new events and the candidates over cached histories). A step that
 fits a capture bucket (at most ``max_rows`` rows, ``max_requests`` requests, at least one new history row,
 no relative time bias) is instead *staged*: its tokens, page tables and the attention backend's plan
-(:meth:`~attention_backends.AttentionBackend.graph_plan`) are written, padded to the bucket, into static
+(:meth:`~attention_backends.GraphReplayable.graph_plan`) are written, padded to the bucket, into static
 device buffers with two host-to-device copies, and the forward captured for that bucket is replayed.
 Padding is inert: spare requests have no rows, spare append rows repeat the step's last real append (the
 same values written to the same slot), spare token rows are computed and never read.
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from attention_backends import AttentionBackend, PagedBatchMetadata
+from attention_backends import AttentionBackend, GraphReplayable, PagedBatchMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class StagedStep:
         tokens: int32 ``[T]`` token tensors at their real length, keyed by :data:`TOKEN_FIELDS`.
         rows: ``T``, the step's rows.
         bucket: rows of the capture bucket (``>= T``).
-        plan_key: the backend's launch-shape key for :meth:`AttentionBackend.graph_plan`.
+        plan_key: the backend's launch-shape key for :meth:`GraphReplayable.graph_plan`.
     """
 
     common: PagedBatchMetadata
@@ -93,7 +93,7 @@ class StepGraphs:
     """Static buffers and captured forwards of one engine.
 
     Args:
-        backend: the engine's attention backend; it must implement ``graph_plan`` (see :meth:`supported`).
+        backend: the engine's attention backend; it must be :class:`GraphReplayable` (see :meth:`supported`).
         device: the CUDA device.
         page_size: tokens per KV page.
         max_rows, max_requests, max_pages: the largest step replayed from a graph (rows, requests, pages in
@@ -126,8 +126,8 @@ class StepGraphs:
 
     @staticmethod
     def supported(backend: AttentionBackend) -> bool:
-        """Whether ``backend`` overrides :meth:`AttentionBackend.graph_plan`."""
-        return type(backend).graph_plan is not AttentionBackend.graph_plan
+        """Whether ``backend`` can be replayed from graphs (is :class:`GraphReplayable`)."""
+        return isinstance(backend, GraphReplayable)
 
     @property
     def num_graphs(self) -> int:

@@ -90,6 +90,13 @@ def test_fits_bounds():
     assert not StepGraphs.supported(engine.backend)  # torch_ref: eager only
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_hstu_triton_is_replayable():
+    config = tiny_config(page_size=16, num_heads=2, head_dim=16)
+    engine = GREngine(msgspec.structs.replace(config, attention_backend="hstu_triton"))
+    assert StepGraphs.supported(engine.backend)
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 5e-2)])

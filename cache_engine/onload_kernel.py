@@ -15,6 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+# Launch shape (H200, benchmark KV of 4 x 128 bf16 / FP8 rows; see benchmarks/onload_sweep.py): rows per program
+# and warps per program.
+ROWS_PER_PROGRAM, NUM_WARPS = 1, 4
 _POINTER_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
                    torch.float8_e4m3fn: tl.float8e4nv}
 
@@ -24,31 +27,34 @@ def _onload_pages_kernel(
     Kv, SrcAddr, DstPage, SlotIds, Scales, layer_offset, layer,
     num_layers, num_heads, page_size,
     SRC_DTYPE: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_SCALES: tl.constexpr,
+    ROWS: tl.constexpr, HAS_SCALES: tl.constexpr,
 ):
-    """Program ``(i, r)`` copies row ``r`` (``r // page_size``: K or V; ``r % page_size``: the token) of
-    page ``i``: ``ROW = H * D`` values from host address ``SrcAddr[i] + layer_offset`` (bytes) to pool page
-    ``DstPage[i]`` of this layer (``Kv``: ``[num_pages, 2, page_size, H, D]``, contiguous); with
-    ``HAS_SCALES``, times ``Scales[SlotIds[i], layer, K/V, head]`` (``[slots, L, 2, H]`` float32)."""
+    """Program ``(i, r)`` copies rows ``r * ROWS ..`` (+ ``ROWS``) of page ``i``, a row being ``ROW = H * D``
+    values of one token's K or V (row ``j``: ``j // page_size`` is K or V, ``j % page_size`` the token), from
+    host address ``SrcAddr[i] + layer_offset`` (bytes) to pool page ``DstPage[i]`` of this layer (``Kv``:
+    ``[num_pages, 2, page_size, H, D]``, contiguous); with ``HAS_SCALES``, times
+    ``Scales[SlotIds[i], layer, K/V, head]`` (``[slots, L, 2, H]`` float32)."""
     page = tl.program_id(0)
-    row = tl.program_id(1)
-    cols = tl.arange(0, BLOCK)
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
     valid = cols < ROW
+    offsets = rows * ROW + cols
     # Pages start 16-byte aligned (slots and pages are whole multiples of 16 bytes): say so, for wide loads.
     src = tl.multiple_of(tl.load(SrcAddr + page) + layer_offset, 16).to(tl.pointer_type(SRC_DTYPE))
-    values = tl.load(src + row * ROW + cols, mask=valid, other=0.0).to(tl.float32)
+    values = tl.load(src + offsets, mask=valid, other=0.0).to(tl.float32)
     if HAS_SCALES:
         slot = tl.load(SlotIds + page)
-        kv = row // page_size
+        kv = rows // page_size
         scale_at = ((slot * num_layers + layer) * 2 + kv) * num_heads + cols // HEAD_DIM
         values *= tl.load(Scales + scale_at, mask=valid, other=1.0)
-    dst = tl.load(DstPage + page).to(tl.int64) * (2 * page_size * ROW) + row * ROW
-    tl.store(Kv + dst + cols, values.to(Kv.dtype.element_ty), mask=valid)
+    dst = tl.load(DstPage + page).to(tl.int64) * (2 * page_size * ROW)
+    tl.store(Kv + dst + offsets, values.to(Kv.dtype.element_ty), mask=valid)
 
 
 def onload_pages(kv_layer: torch.Tensor, src_addr: torch.Tensor, dst_pages: torch.Tensor, layer_offset: int,
                  src_dtype: torch.dtype, layer: int = 0, slot_ids: torch.Tensor | None = None,
-                 scales: torch.Tensor | None = None) -> None:
+                 scales: torch.Tensor | None = None, rows_per_program: int = ROWS_PER_PROGRAM,
+                 num_warps: int = NUM_WARPS) -> None:
     """Write host pages into one layer of the pool, on the current stream.
 
     Args:
@@ -61,16 +67,20 @@ def onload_pages(kv_layer: torch.Tensor, src_addr: torch.Tensor, dst_pages: torc
         layer: this layer's index (for the scales).
         slot_ids: int64 ``[P]`` host slot of each page, with ``scales``.
         scales: float32 ``[num_slots, L, 2, H]`` dequantisation scales of FP8 pages, or ``None``.
+        rows_per_program: K/V rows (one token's ``H * D`` values each) copied by one program, a power of two;
+            capped at the largest power of two dividing ``2 * page_size``.
+        num_warps: warps per program.
     """
     num_pages = src_addr.shape[0]
     if num_pages == 0:
         return
     _, two, page_size, num_heads, head_dim = kv_layer.shape
     row = num_heads * head_dim
+    rows = min(rows_per_program, (two * page_size) & -(two * page_size))  # a power of two dividing 2 * page_size
     has_scales = scales is not None
-    _onload_pages_kernel[(num_pages, two * page_size)](
+    _onload_pages_kernel[(num_pages, two * page_size // rows)](
         kv_layer, src_addr, dst_pages, slot_ids if has_scales else dst_pages, scales if has_scales else kv_layer,
         layer_offset, layer, scales.shape[1] if has_scales else 1, num_heads, page_size,
         SRC_DTYPE=_POINTER_DTYPES[src_dtype], ROW=row, BLOCK=triton.next_power_of_2(row), HEAD_DIM=head_dim,
-        HAS_SCALES=has_scales, num_warps=4,
+        ROWS=rows, HAS_SCALES=has_scales, num_warps=num_warps,
     )

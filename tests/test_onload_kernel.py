@@ -24,8 +24,9 @@ def host_slots(num_slots: int, layers: int, chunk_pages: int, page: int, heads: 
     return (slots.pin_memory() if DEVICE == "cuda" else slots), values
 
 
+@pytest.mark.parametrize("rows_per_program", [1, 4, 64])  # 64: capped at the page's 2 * 8 rows
 @pytest.mark.parametrize("dtype,heads,dim", [(torch.float32, 2, 16), (torch.bfloat16, 3, 32), (torch.float16, 1, 8)])
-def test_pages_of_every_layer_land_in_their_pool_pages(dtype, heads, dim):
+def test_pages_of_every_layer_land_in_their_pool_pages(dtype, heads, dim, rows_per_program):
     from cache_engine.onload_kernel import onload_pages
 
     gen = torch.Generator().manual_seed(0)
@@ -37,7 +38,8 @@ def test_pages_of_every_layer_land_in_their_pool_pages(dtype, heads, dim):
     addr = torch.tensor([slots[s, 0, p].data_ptr() for s, p in picks])
     layer_bytes = slots.stride(1) * slots.element_size()
     for layer in range(layers):
-        onload_pages(pool[layer], addr.to(DEVICE), dst.to(DEVICE), layer * layer_bytes, dtype, layer)
+        onload_pages(pool[layer], addr.to(DEVICE), dst.to(DEVICE), layer * layer_bytes, dtype, layer,
+                     rows_per_program=rows_per_program)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     for (s, p), d in zip(picks, dst.tolist()):
@@ -46,7 +48,8 @@ def test_pages_of_every_layer_land_in_their_pool_pages(dtype, heads, dim):
     assert not pool[:, untouched].any()
 
 
-def test_fp8_pages_are_dequantised_with_their_slot_scales():
+@pytest.mark.parametrize("rows_per_program", [1, 2, 8])  # 8: K and V rows in one program
+def test_fp8_pages_are_dequantised_with_their_slot_scales(rows_per_program):
     from cache_engine.onload_kernel import onload_pages
 
     gen = torch.Generator().manual_seed(1)
@@ -62,7 +65,7 @@ def test_fp8_pages_are_dequantised_with_their_slot_scales():
     layer_bytes = slots.stride(1) * slots.element_size()
     for layer in range(layers):
         onload_pages(pool[layer], addr.to(DEVICE), dst.to(DEVICE), layer * layer_bytes, torch.float8_e4m3fn, layer,
-                     slot_ids.to(DEVICE), scales.to(DEVICE))
+                     slot_ids.to(DEVICE), scales.to(DEVICE), rows_per_program=rows_per_program)
     for (s, p), d in zip(picks, dst.tolist()):
         expected = slots[s, :, p].float() * scales[s][:, :, None, :, None]  # [L, 2, page, H, D]
         torch.testing.assert_close(pool[:, d].cpu(), expected.to(pool_dtype), rtol=0, atol=0)

@@ -16,7 +16,7 @@ import io
 import pstats
 from pathlib import Path
 
-from gr_engine.bench.runner import BenchRun, BenchSettings, _host_arena, cache_config
+from gr_engine.bench.runner import BenchRun, BenchSettings, _host_arena, cache_config, unlimited_pages
 from gr_engine.bench.trace import generate_trace
 
 
@@ -35,7 +35,8 @@ def main() -> None:
     skip = len(trace.steady) // 2
     arena = _host_arena(settings)
     for mode in args.modes:
-        run = BenchRun(settings, trace, cache_config(settings, mode), 8, arena)
+        pages = unlimited_pages(settings, trace) if mode == "unlimited" else settings.gpu_pages
+        run = BenchRun(settings, trace, cache_config(settings, mode, num_gpu_pages=pages), 8, arena)
         run.warmup()
         run.fast_forward(skip)
         run.window(8, 8 * 4, prime_batches=0)  # compile and capture outside the profile

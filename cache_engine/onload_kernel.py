@@ -15,9 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-# Launch shape (H200, benchmark KV of 4 x 128 bf16 / FP8 rows; see benchmarks/onload_sweep.py): rows per program
-# and warps per program.
-ROWS_PER_PROGRAM, NUM_WARPS = 1, 4
+# Launch shape: rows and warps per program. On the H200 with benchmark KV (4 x 128, page 32) every shape from 1 to
+# 64 rows with enough warps reads host memory at 49.5-51 GB/s of its 55 GB/s copy peak; 8 rows x 8 warps was the
+# best for bf16 host pages and within 1% of the best for FP8 (benchmarks/results/onload_sweep.json).
+ROWS_PER_PROGRAM, NUM_WARPS = 8, 8
 _POINTER_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
                    torch.float8_e4m3fn: tl.float8e4nv}
 

@@ -44,7 +44,11 @@ _FIELDS = {
     "item_ids": "rows", "action_ids": "rows", "positions": "rows",
 }
 _APPEND_FIELDS = ("append_batch_indices", "append_positions", "append_pages", "append_entries", "history_rows")
+_CANDIDATE_FIELDS = ("candidate_rows", "candidate_batch_indices")
+_PADDED_WITH_LAST = (*_APPEND_FIELDS, "query_start_loc", "kv_indptr")  # spare append rows repeat, spare requests empty
 TOKEN_FIELDS = ("item_ids", "action_ids", "positions")
+_ZERO = np.zeros(1, dtype=np.int64)
+_LAYOUT_CACHE_SIZE = 64  # step shapes (requests, history rows, rows) whose staging layouts are kept
 
 Segment = Callable[[torch.Tensor | None], torch.Tensor]
 SegmentsFn = Callable[[dict[str, torch.Tensor], PagedBatchMetadata, Any], list[Segment]]
@@ -84,6 +88,24 @@ class StagedStep:
 
 
 @dataclass
+class _Layout:
+    """How a step of one shape is written into the static buffer (cached per shape).
+
+    Attributes:
+        gather: int64 ``[size]``: for each buffer entry before ``kv_indices``, its index in the step's source
+            array (every field's values in :data:`_FIELDS` order, then one zero, then the page ids).
+        size: the buffer entries before ``kv_indices``.
+        views: each field of :data:`_FIELDS` but the tokens, as a view of the device buffer at its real length.
+        tokens: :data:`TOKEN_FIELDS` views at the step's rows.
+    """
+
+    gather: np.ndarray
+    size: int
+    views: dict[str, torch.Tensor]
+    tokens: dict[str, torch.Tensor]
+
+
+@dataclass
 class _Graph:
     graphs: list[torch.cuda.CUDAGraph]  # one per layer
     states: torch.Tensor  # [bucket, d_model], written by each replay
@@ -104,25 +126,28 @@ class StepGraphs:
                  max_requests: int, max_pages: int) -> None:
         self.backend, self.device, self.page_size = backend, device, page_size
         self.max_rows, self.max_requests, self.max_pages = max_rows, max_requests, max_pages
-        caps = {"requests": max_requests, "requests1": max_requests + 1, "rows": max_rows}
-        self._offsets: dict[str, int] = {}
-        end = 0
-        for name, cap in _FIELDS.items():
-            self._offsets[name] = end
-            end += caps[cap]
-        self._offsets["kv_indices"] = end
-        self._caps = {name: caps[cap] for name, cap in _FIELDS.items()}
+        self.buckets = [b for b in (128 * 2**i for i in range(16)) if b < max_rows] + [max_rows]
+        # Per bucket: each field's capacity and offset in the static buffer (rows fields hold the bucket's rows, so
+        # that a step writes one contiguous prefix); kv_indices (max_pages) goes last.
+        self._caps: dict[int, dict[str, int]] = {}
+        self._offsets: dict[int, dict[str, int]] = {}
+        for bucket in self.buckets:
+            sizes = {"requests": max_requests, "requests1": max_requests + 1, "rows": bucket}
+            self._caps[bucket] = {name: sizes[cap] for name, cap in _FIELDS.items()}
+            ends = np.cumsum(list(self._caps[bucket].values())).tolist()
+            self._offsets[bucket] = dict(zip([*_FIELDS, "kv_indices"], [0, *ends], strict=True))
+        end = self._offsets[max_rows]["kv_indices"]
         self._cuda = device.type == "cuda"
         self._buffer = torch.zeros(end + max_pages, dtype=torch.int32, device=device)
         self._staging = [torch.zeros(end + max_pages, dtype=torch.int32, pin_memory=self._cuda) for _ in range(2)]
         self._copied = [self._event(), self._event()]  # the last copy out of each staging buffer
         self._turn = 0
         self._plans: dict[Hashable, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = {}
+        self._layouts: dict[tuple[int, int, int], _Layout] = {}
         self._graphs: dict[tuple[int, Hashable], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self._cuda else None
         self.num_replays = 0  # steps served from graphs (on CPU: from the padded eager forward)
         self.enabled = True  # False after a capture failed: steps then run eagerly
-        self.buckets = [b for b in (128 * 2**i for i in range(16)) if b < max_rows] + [max_rows]
 
     @staticmethod
     def supported(backend: AttentionBackend) -> bool:
@@ -150,20 +175,14 @@ class StepGraphs:
         if copied is not None:
             copied.synchronize()  # a step ago at the latest: its buffer is free
         host = staging.numpy()
-        for name, cap in self._caps.items():
-            value = arrays[name] if name in arrays else tokens[name]
-            at, n = self._offsets[name], len(value)
-            host[at:at + n] = value
-            if name in _APPEND_FIELDS:
-                host[at + n:at + cap] = value[-1]  # inert: the last append again
-            elif name in ("query_start_loc", "kv_indptr"):
-                host[at + n:at + cap] = value[-1]  # spare requests: empty
-            else:
-                host[at + n:at + cap] = 0
         pages = arrays["kv_indices"]
-        start = self._offsets["kv_indices"]
-        host[start:start + len(pages)] = pages
-        used = start + len(pages)
+        num_history = len(arrays["history_rows"])
+        layout = self._layout(len(arrays["num_history_rows"]), num_history, rows, bucket)
+        source = np.concatenate([arrays[name] if name in arrays else tokens[name] for name in _FIELDS] + [_ZERO],
+                                dtype=np.int32)
+        used = layout.size + len(pages)
+        np.take(source, layout.gather, out=host[:layout.size])
+        host[layout.size:used] = pages
         self._buffer[:used].copy_(staging[:used], non_blocking=True)
         device_plan, pinned_plan, plan_copied = self._plan_buffers(plan_key, len(plan))
         if self._cuda:
@@ -173,9 +192,8 @@ class StepGraphs:
         device_plan.copy_(pinned_plan, non_blocking=True)
         if self._cuda:
             plan_copied.record()
-        views = {name: self._view(name, len(arrays[name])) for name in arrays}
-        token_views = {name: self._view(name, rows) for name in TOKEN_FIELDS}
-        return StagedStep(PagedBatchMetadata.from_arrays(arrays, views, self.page_size), token_views, rows, bucket,
+        views = dict(layout.views, kv_indices=self._buffer[layout.size:used])
+        return StagedStep(PagedBatchMetadata.from_arrays(arrays, views, self.page_size), layout.tokens, rows, bucket,
                           plan_key)
 
     def backend_metadata(self, step: StagedStep) -> Any:
@@ -214,8 +232,32 @@ class StepGraphs:
         """The padded forward a graph would replay, launched op by op (CPU, or after a failed capture)."""
         return run_segments(segments(*self._static_inputs(step)), layer_ready)[: step.rows]
 
-    def _view(self, name: str, length: int) -> torch.Tensor:
-        return self._buffer[self._offsets[name]:self._offsets[name] + length]
+    def _layout(self, num_requests: int, num_history: int, rows: int, bucket: int) -> _Layout:
+        """The staging layout of a step with these requests, new history rows and rows, in ``bucket`` (built
+        once per shape)."""
+        key = (num_requests, num_history, rows)
+        if key in self._layouts:
+            return self._layouts[key]
+        caps = {"requests": num_requests, "requests1": num_requests + 1, "rows": num_history}
+        lengths = {name: rows if name in TOKEN_FIELDS else rows - num_history if name in _CANDIDATE_FIELDS
+                   else caps[cap] for name, cap in _FIELDS.items()}
+        zero_at = sum(lengths.values())
+        gather, source_at = [], 0
+        for name, n in lengths.items():
+            pad = source_at + n - 1 if name in _PADDED_WITH_LAST else zero_at
+            gather += [np.arange(source_at, source_at + n), np.full(self._caps[bucket][name] - n, pad)]
+            source_at += n
+        views = {name: self._view(bucket, name, n) for name, n in lengths.items() if name not in TOKEN_FIELDS}
+        tokens = {name: self._view(bucket, name, rows) for name in TOKEN_FIELDS}
+        layout = _Layout(np.concatenate(gather), self._offsets[bucket]["kv_indices"], views, tokens)
+        if len(self._layouts) >= _LAYOUT_CACHE_SIZE:
+            del self._layouts[next(iter(self._layouts))]  # the oldest shape
+        self._layouts[key] = layout
+        return layout
+
+    def _view(self, bucket: int, name: str, length: int) -> torch.Tensor:
+        at = self._offsets[bucket][name]
+        return self._buffer[at:at + length]
 
     def _event(self) -> torch.cuda.Event | None:
         return torch.cuda.Event() if self._cuda else None
@@ -228,10 +270,10 @@ class StepGraphs:
 
     def _static_inputs(self, step: StagedStep) -> tuple[dict[str, torch.Tensor], PagedBatchMetadata, Any]:
         """A bucket's graph inputs: tokens, page tables padded to the capacities, the backend's metadata."""
-        lengths = {"requests": self.max_requests, "requests1": self.max_requests + 1, "rows": step.bucket}
-        views = {name: self._view(name, lengths[cap]) for name, cap in _FIELDS.items()}
-        tokens = {name: views.pop(name) for name in TOKEN_FIELDS}
-        views["kv_indices"] = self._view("kv_indices", self.max_pages)
+        caps = self._caps[step.bucket]
+        views = {name: self._view(step.bucket, name, caps[name]) for name in _FIELDS if name not in TOKEN_FIELDS}
+        tokens = {name: self._view(step.bucket, name, caps[name]) for name in TOKEN_FIELDS}
+        views["kv_indices"] = self._view(step.bucket, "kv_indices", self.max_pages)
         common = PagedBatchMetadata(**views, page_size=self.page_size, max_query_len=step.bucket,
                                     max_kv_len=self.max_pages * self.page_size, max_pages=self.max_pages)
         return tokens, common, self.backend.graph_metadata(common, step.plan_key, self._plans[step.plan_key][0])

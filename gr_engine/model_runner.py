@@ -12,6 +12,7 @@ into static buffers by ``strip`` and its forward replayed from a captured CUDA g
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -62,7 +63,8 @@ class StepMetadata:
     ``retrieval_rows``: int64 ``[R]`` rows of the last history token of each finishing retrieval
     request, whose chunk indices are ``retrieval_chunks`` (``None`` when there is none).
     A step replayed from a CUDA graph has ``layout`` (host arrays, set by ``prepare``) and, once ``strip``
-    has staged it, ``staged``; until then its ``common`` and ``backend`` are ``None``."""
+    has staged it, ``staged``; until then its ``common`` and ``backend`` are ``None``; its replay sets ``logits``
+    (float32 ``[C, num_tasks]``)."""
 
     common: PagedBatchMetadata | None
     backend: Any
@@ -70,13 +72,15 @@ class StepMetadata:
     retrieval_chunks: list[int]
     layout: dict[str, np.ndarray] | None = None
     staged: StagedStep | None = None
+    logits: torch.Tensor | None = None  # the candidates' logits, when the replayed graph computed them
 
 
 @dataclass
 class ChunkResult:
-    """A finishing request's result: ranking ``logits [c, num_tasks]`` or retrieval ``(items, scores)``."""
+    """A finishing request's result: ranking ``logits`` (float32 ``[c, num_tasks]`` on the host) or retrieval
+    ``(items, scores)``."""
 
-    logits: torch.Tensor | None = None
+    logits: np.ndarray | None = None
     item_ids: list[int] | None = None
     scores: list[float] | None = None
 
@@ -152,8 +156,14 @@ class ModelRunner:
                 loaded from host), or ``None``; a graph replay waits for it before the layer's graph.
         """
         if meta.staged is not None:
-            return self.graphs.replay(meta.staged, lambda t, c, b: self._segments(StepTokens(**t), c, b), layer_ready)
+            states, meta.logits = self.graphs.replay(
+                meta.staged, lambda t, c, b: self._segments(StepTokens(**t), c, b), self._rank_head, layer_ready)
+            return states
         return self._forward(tokens, meta.common, meta.backend, layer_ready)
+
+    def _rank_head(self, states: torch.Tensor, candidate_rows: torch.Tensor) -> torch.Tensor:
+        """Float32 ``[C, num_tasks]`` logits of the candidates at int32 ``candidate_rows [C]`` of ``states``."""
+        return self.model.rank_logits(states.index_select(0, candidate_rows)).float()
 
     def _segments(self, tokens: StepTokens, common: PagedBatchMetadata,
                   backend: Any) -> list[Callable[[torch.Tensor | None], torch.Tensor]]:
@@ -187,12 +197,12 @@ class ModelRunner:
     def score(self, chunks: list[ScheduledChunk], meta: StepMetadata, states: torch.Tensor) -> list[ChunkResult]:
         """Heads for the requests that finish this step; one :class:`ChunkResult` per chunk."""
         results = [ChunkResult() for _ in chunks]
-        cand_rows = meta.common.candidate_rows.long()
-        if len(cand_rows):
-            logits = self.model.rank_logits(states[cand_rows]).float().cpu()
-            counts = [c.num_candidate_rows for c in chunks]
-            for result, part in zip(results, torch.split(logits, counts), strict=True):
-                result.logits = part
+        counts = [c.num_candidate_rows for c in chunks]
+        if sum(counts):
+            logits = meta.logits if meta.logits is not None else self._rank_head(states, meta.common.candidate_rows)
+            host = logits.cpu().numpy()
+            for result, end, count in zip(results, itertools.accumulate(counts), counts, strict=True):
+                result.logits = host[end - count:end]
         if meta.retrieval_chunks:
             self._retrieve(chunks, meta, states, results)
         return results

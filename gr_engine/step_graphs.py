@@ -13,7 +13,8 @@ Buckets are powers of two from 128 rows to ``max_rows``; graphs are captured the
 the backend's launch shape occur (one eager warm-up forward of that step on a side stream, then the
 capture). A forward is captured as one graph per layer, so that a replay still waits for each layer's
 onload event just before that layer (layer ``l`` computes while layer ``l + 1``'s KV is still crossing
-PCIe). All graphs share one memory pool: replays never overlap, a layer's output is written and read
+PCIe). The last layer's graph also runs the ranking head over the candidate rows, so that scoring a
+replayed step is one device-to-host copy. All graphs share one memory pool: replays never overlap, a layer's output is written and read
 within one replay, and each bucket's final states (read by the heads before the next replay) stay held,
 so memory is the largest bucket's, not the sum over buckets. On CPU (for tests) the same padded forward
 runs eagerly in place of a replay, so the padding's inertness is tested without a GPU.
@@ -55,6 +56,11 @@ SegmentsFn = Callable[[dict[str, torch.Tensor], PagedBatchMetadata, Any], list[S
 """``segments(tokens, common, backend_metadata)``: the forward cut into one callable per layer, without
 onload waits; the first takes ``None`` and embeds the tokens, each takes the previous one's output ``[T, d]``,
 the last returns the final states. ``tokens`` maps :data:`TOKEN_FIELDS` to int32 ``[T]`` tensors."""
+
+
+HeadFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``head(states, candidate_rows)``: the ranking head's logits ``[C, num_tasks]`` from the final states ``[T, d]``
+and the int32 ``[C]`` rows of the candidates."""
 
 
 def run_segments(parts: list[Segment], layer_ready: list[torch.cuda.Event | None]) -> torch.Tensor:
@@ -107,8 +113,9 @@ class _Layout:
 
 @dataclass
 class _Graph:
-    graphs: list[torch.cuda.CUDAGraph]  # one per layer
+    graphs: list[torch.cuda.CUDAGraph]  # one per layer; the last one also runs the ranking head
     states: torch.Tensor  # [bucket, d_model], written by each replay
+    logits: torch.Tensor  # [bucket, num_tasks], the head over the (padded) candidate rows
 
 
 class StepGraphs:
@@ -200,23 +207,23 @@ class StepGraphs:
         """The backend's metadata of a staged step (over the padded plan; valid for eager use too)."""
         return self.backend.graph_metadata(step.common, step.plan_key, self._plans[step.plan_key][0])
 
-    def replay(self, step: StagedStep, segments: SegmentsFn,
-               layer_ready: list[torch.cuda.Event | None]) -> torch.Tensor:
-        """Run the forward over the staged step from its bucket's graphs (captured now if new), layer ``l``
-        after ``layer_ready[l]`` (``None``: no wait); returns ``states [T, d_model]``, valid until the next
-        replay."""
+    def replay(self, step: StagedStep, segments: SegmentsFn, head: HeadFn,
+               layer_ready: list[torch.cuda.Event | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the forward and the ranking head over the staged step from its bucket's graphs (captured now if
+        new), layer ``l`` after ``layer_ready[l]`` (``None``: no wait). Returns ``states [T, d_model]`` and the
+        candidates' ``logits [C, num_tasks]``, both valid until the next replay."""
         key = (step.bucket, step.plan_key)
         if not self._cuda:
             self.num_replays += 1
-            return self._run_eagerly(step, segments, layer_ready)
+            return self._run_eagerly(step, segments, head, layer_ready)
         if key not in self._graphs:
             try:
-                self._graphs[key] = self._capture(step, segments)
+                self._graphs[key] = self._capture(step, segments, head)
             except Exception:  # never fail a request over a capture: serve this step and later ones eagerly
                 logger.warning("CUDA graph capture failed; steps run eagerly from now on", exc_info=True)
                 self.enabled = False
                 torch.cuda.synchronize(self.device)
-                return self._run_eagerly(step, segments, layer_ready)
+                return self._run_eagerly(step, segments, head, layer_ready)
         self.num_replays += 1
         entry = self._graphs[key]
         stream = torch.cuda.current_stream(self.device)
@@ -224,13 +231,15 @@ class StepGraphs:
             if ready is not None:
                 stream.wait_event(ready)
             graph.replay()
-        return entry.states[: step.rows]
+        return entry.states[: step.rows], entry.logits[: len(step.common.candidate_rows)]
 
     # ------------------------------------------------------------------ internals
-    def _run_eagerly(self, step: StagedStep, segments: SegmentsFn,
-                     layer_ready: list[torch.cuda.Event | None]) -> torch.Tensor:
-        """The padded forward a graph would replay, launched op by op (CPU, or after a failed capture)."""
-        return run_segments(segments(*self._static_inputs(step)), layer_ready)[: step.rows]
+    def _run_eagerly(self, step: StagedStep, segments: SegmentsFn, head: HeadFn,
+                     layer_ready: list[torch.cuda.Event | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The padded forward and head a graph would replay, launched op by op (CPU, or after a failed capture)."""
+        tokens, common, backend = self._static_inputs(step)
+        states = run_segments(segments(tokens, common, backend), layer_ready)
+        return states[: step.rows], head(states, common.candidate_rows)[: len(step.common.candidate_rows)]
 
     def _layout(self, num_requests: int, num_history: int, rows: int, bucket: int) -> _Layout:
         """The staging layout of a step with these requests, new history rows and rows, in ``bucket`` (built
@@ -278,20 +287,24 @@ class StepGraphs:
                                     max_kv_len=self.max_pages * self.page_size, max_pages=self.max_pages)
         return tokens, common, self.backend.graph_metadata(common, step.plan_key, self._plans[step.plan_key][0])
 
-    def _capture(self, step: StagedStep, segments: SegmentsFn) -> _Graph:
-        parts = segments(*self._static_inputs(step))
+    def _capture(self, step: StagedStep, segments: SegmentsFn, head: HeadFn) -> _Graph:
+        tokens, common, backend = self._static_inputs(step)
+        parts = segments(tokens, common, backend)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # compiles and autotunes outside the capture; appends are idempotent
             x = None
             for part in parts:
                 x = part(x)
+            head(x, common.candidate_rows)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graphs, x = [], None
-        for part in parts:  # each layer's output lives in its graph's pool, read by the next graph
+        for index, part in enumerate(parts):  # each layer's output lives in its graph's pool, read by the next graph
             graph = torch.cuda.CUDAGraph()
             # thread_local: the host tier's worker threads may call CUDA (events, pinning) during the capture
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 x = part(x)
+                if index == len(parts) - 1:
+                    logits = head(x, common.candidate_rows)
             graphs.append(graph)
-        return _Graph(graphs, x)
+        return _Graph(graphs, x, logits)

@@ -14,10 +14,10 @@ the backend's launch shape occur (one eager warm-up forward of that step on a si
 capture). A forward is captured as one graph per layer, so that a replay still waits for each layer's
 onload event just before that layer (layer ``l`` computes while layer ``l + 1``'s KV is still crossing
 PCIe). The last layer's graph also runs the ranking head over the candidate rows, so that scoring a
-replayed step is one device-to-host copy. All graphs share one memory pool: replays never overlap, a layer's output is written and read
-within one replay, and each bucket's final states (read by the heads before the next replay) stay held,
-so memory is the largest bucket's, not the sum over buckets. On CPU (for tests) the same padded forward
-runs eagerly in place of a replay, so the padding's inertness is tested without a GPU.
+replayed step is one device-to-host copy. All graphs share one memory pool: replays never overlap, a layer's
+output is written and read within one replay, and each bucket's final states and logits (read before the next
+replay) stay held, so memory is the largest bucket's, not the sum over buckets. On CPU (for tests) the same
+padded forward runs eagerly in place of a replay, so the padding's inertness is tested without a GPU.
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ class StagedStep:
         rows: ``T``, the step's rows.
         bucket: rows of the capture bucket (``>= T``).
         plan_key: the backend's launch-shape key for :meth:`GraphReplayable.graph_plan`.
+        stream: the CUDA stream its copies were queued on, where it is replayed (``None`` on CPU).
     """
 
     common: PagedBatchMetadata
@@ -91,6 +92,7 @@ class StagedStep:
     rows: int
     bucket: int
     plan_key: Hashable
+    stream: torch.cuda.Stream | None
 
 
 @dataclass
@@ -192,16 +194,17 @@ class StepGraphs:
         host[layout.size:used] = pages
         self._buffer[:used].copy_(staging[:used], non_blocking=True)
         device_plan, pinned_plan, plan_copied = self._plan_buffers(plan_key, len(plan))
-        if self._cuda:
-            copied.record()
+        stream = torch.cuda.current_stream(self.device) if self._cuda else None  # looked up once: slow on some hosts
+        if stream is not None:
+            copied.record(stream)
             plan_copied.synchronize()
         pinned_plan.numpy()[:] = plan
         device_plan.copy_(pinned_plan, non_blocking=True)
-        if self._cuda:
-            plan_copied.record()
+        if stream is not None:
+            plan_copied.record(stream)
         views = dict(layout.views, kv_indices=self._buffer[layout.size:used])
         return StagedStep(PagedBatchMetadata.from_arrays(arrays, views, self.page_size), layout.tokens, rows, bucket,
-                          plan_key)
+                          plan_key, stream)
 
     def backend_metadata(self, step: StagedStep) -> Any:
         """The backend's metadata of a staged step (over the padded plan; valid for eager use too)."""
@@ -226,10 +229,9 @@ class StepGraphs:
                 return self._run_eagerly(step, segments, head, layer_ready)
         self.num_replays += 1
         entry = self._graphs[key]
-        stream = torch.cuda.current_stream(self.device)
         for graph, ready in zip(entry.graphs, layer_ready, strict=True):
             if ready is not None:
-                stream.wait_event(ready)
+                step.stream.wait_event(ready)
             graph.replay()
         return entry.states[: step.rows], entry.logits[: len(step.common.candidate_rows)]
 

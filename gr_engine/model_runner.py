@@ -95,6 +95,7 @@ class ModelRunner:
         self.kv = kv
         self.device = device
         self.graphs = graphs
+        self._candidate_actions = np.full(model.config.max_candidates, model.candidate_action, dtype=np.int64)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepMetadata:
         """Page tables (after this step's append) and row layout of the step."""
@@ -131,15 +132,20 @@ class ModelRunner:
     def strip(self, chunks: list[ScheduledChunk], meta: StepMetadata) -> StepTokens:
         """Model input: each request's uncached history ``[start, end)``, then its candidates if final.
         A step to be replayed from a graph (``meta.layout``) is staged here, tokens and metadata together."""
-        items, actions, positions = [], [], []
-        for chunk in chunks:
+        items, actions, num_history = [], [], np.empty(len(chunks), dtype=np.int64)
+        for i, chunk in enumerate(chunks):
             arrays: RequestArrays = chunk.request.payload.arrays
             s, e, c = chunk.start, chunk.end, chunk.num_candidate_rows
             items += [arrays.item_ids[s:e], arrays.candidate_item_ids[:c]]
-            actions += [arrays.action_ids[s:e], np.full(c, self.model.candidate_action)]
-            positions += [np.arange(s, e), np.full(c, arrays.num_history)]
-        arrays = {"item_ids": np.concatenate(items), "action_ids": np.concatenate(actions),
-                  "positions": np.concatenate(positions)}
+            actions += [arrays.action_ids[s:e], self._candidate_actions[:c]]
+            num_history[i] = arrays.num_history
+        # History rows sit at their event's position, candidates one past the user's last event.
+        layout = meta.layout if meta.layout is not None else meta.common.host
+        item_ids = np.concatenate(items)
+        positions = np.empty(len(item_ids), dtype=np.int64)
+        positions[layout["history_rows"]] = layout["append_positions"]
+        positions[layout["candidate_rows"]] = num_history[layout["candidate_batch_indices"]]
+        arrays = {"item_ids": item_ids, "action_ids": np.concatenate(actions), "positions": positions}
         if meta.layout is not None:
             meta.staged = self.graphs.stage(meta.layout, arrays)
             meta.common, meta.backend = meta.staged.common, self.graphs.backend_metadata(meta.staged)

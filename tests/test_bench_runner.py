@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 
 import numpy as np
@@ -20,13 +21,15 @@ def test_quick_bench_writes_reports(tmp_path, capsys):
     result = json.loads((tmp_path / "bench.json").read_text())
     breakdown = result["modes"]["hierarchical"]["breakdown_bs8"]
     assert breakdown["batches"] > 0 and breakdown["phase_ms_per_step"]["forward"] > 0
+    assert all(e["gc_ms_per_batch"] >= 0 for m in result["modes"].values() for e in m["batch_sizes"].values())
+    assert gc.get_freeze_count() == 0  # every run unfroze what its windows froze
     assert result["simulated"]["hierarchical"]["total_hit_ratio"] > result["simulated"]["gpu_only"]["total_hit_ratio"]
     assert set(result["chunk_sweep"]["hierarchical"]) and set(result["budget_sweep"]) == {"gpu_only", "hierarchical"}
     drift = result["score_drift"]  # float32 on CPU: host chunks in the KV dtype are exact, FP8 ones are not
     assert drift["kv"]["requests_from_host"] > 0 and drift["kv"]["max_abs"] < 1e-5
     assert drift["float8_e4m3fn"]["requests_from_host"] > 0 and drift["float8_e4m3fn"]["max_abs"] > 1e-4
     text = (tmp_path / "bench.md").read_text()
-    assert "Score drift" in text
+    assert "Score drift" in text and "Host time per batch" in text
     assert "Table 1" in text and "Table 2" in text and "Table 3" in text and "Table 6" in text
     assert "speedup_bs8" in capsys.readouterr().out
 

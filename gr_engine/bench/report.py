@@ -65,6 +65,15 @@ def markdown(result: dict) -> str:
     for name, entry in modes.items():
         phases = entry["breakdown_bs8"]["phase_ms_per_step"]
         lines.append(f"| {name} | " + " | ".join(f"{phases.get(p, 0):.3f}" for p in PHASES) + " |")
+    largest = max(sizes)
+    lines += ["", f"Host time per batch at BS={largest} (not synchronised: forward and score include waiting for the "
+              "device; gc: the garbage collector's pauses inside the batches):", "",
+              "| mode | " + " | ".join(PHASES) + " | gc |", "|---|" + "---|" * (len(PHASES) + 1)]
+    for name, entry in modes.items():
+        e = entry["batch_sizes"][largest]
+        phases = e["phase_ms_per_batch"]
+        lines.append(f"| {name} | " + " | ".join(f"{phases.get(p, 0):.3f}" for p in PHASES)
+                     + f" | {e.get('gc_ms_per_batch', 0):.3f} |")
     for title, key in (("Table 3: chunk size", "chunk_sweep"), ("Table 6: GPU budget (pages)", "budget_sweep")):
         lines += ["", f"## {title}", "", "| mode | value | ms | total hit (window) | total hit (whole trace) |",
                   "|---|---|---|---|---|"]

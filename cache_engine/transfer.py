@@ -86,6 +86,9 @@ def host_page_addresses(jobs: list[OnloadJob]) -> tuple[np.ndarray, int]:
     return bases + (np.arange(int(counts.sum())) - first) * page_bytes, layer_bytes
 
 
+_UPLOAD_BUFFERS = 8  # pinned buffers for index uploads (a step makes a few: onload, offloads)
+
+
 class TransferEngine:
     """Issues offloads and onloads for one device (streams on CUDA, synchronous copies on CPU).
 
@@ -114,6 +117,10 @@ class TransferEngine:
         self._deferred: list[tuple[OffloadHandle, list[OffloadJob]]] = []  # gathered, not yet copied out
         self.last_gather: torch.cuda.Event | None = None
         self._last_scatter: torch.cuda.Event | None = None
+        # Pinned staging of index uploads, reused in turn; each with the event after its last copy.
+        self._upload_buffers: list[torch.Tensor | None] = [None] * _UPLOAD_BUFFERS
+        self._upload_copied: list[torch.cuda.Event | None] = [None] * _UPLOAD_BUFFERS
+        self._upload_turn = 0
         #: When False, offloads and onloads move no data and complete at once: the cache's bookkeeping
         #: runs as usual but KV contents go stale. Only for fast-forwarding a benchmark's cache state.
         self.moves_data = True
@@ -272,8 +279,22 @@ class TransferEngine:
         return (pages.float() * scales[:, layer, :, None, :, None]).to(dtype)
 
     def _upload(self, values: np.ndarray) -> torch.Tensor:
-        """int64 ``[len(values)]`` on the device, copied without blocking (from pinned memory)."""
-        return torch.as_tensor(values, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
+        """int64 ``[len(values)]`` on the device, copied on the current stream without blocking, from the next of
+        a ring of reused pinned buffers (pinning a fresh tensor per copy cost ~0.5 ms on the GPU machine's host);
+        if that buffer's last copy is still queued, from a freshly pinned one."""
+        slot = self._upload_turn
+        self._upload_turn = (slot + 1) % len(self._upload_buffers)
+        buffer, copied = self._upload_buffers[slot], self._upload_copied[slot]
+        if copied is not None and not copied.query():
+            return torch.as_tensor(values, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
+        if buffer is None or len(buffer) < len(values):
+            buffer = self._upload_buffers[slot] = torch.empty(max(1024, 2 * len(values)), dtype=torch.long,
+                                                              pin_memory=True)
+        buffer.numpy()[: len(values)] = values
+        uploaded = buffer[: len(values)].to(self.device, non_blocking=True)
+        self._upload_copied[slot] = torch.cuda.Event()
+        self._upload_copied[slot].record()
+        return uploaded
 
     def _onload_buffers(self, slot: torch.Tensor, num_pages: int) -> list[torch.Tensor]:
         """Two ``[>= num_pages, 2, page_size, H, D]`` device buffers of the host dtype. Replaced buffers are

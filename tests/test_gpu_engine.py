@@ -83,3 +83,19 @@ def test_kernel_onload_engine_equals_copy_engine(host_dtype):
         engine.close()
         engine.kv.check_invariants()
     assert all(np.array_equal(a, b) for a, b in zip(outputs["kernel"], outputs["copy"]))
+
+
+def test_index_uploads_never_rewrite_a_pinned_buffer_whose_copy_is_queued():
+    """Uploads reuse a ring of pinned buffers; while the stream is busy (copies still queued), a buffer in use
+    is skipped for a freshly pinned one, so every upload arrives intact."""
+    from cache_engine.transfer import TransferEngine
+
+    transfer = TransferEngine(torch.device("cuda"))
+    rng = np.random.default_rng(0)
+    expected = [rng.integers(0, 2**40, n) for n in (5, 3000, 17, 1, 9000, 64, 2, 100, 5000, 7, 11, 13, 4000, 3)]
+    torch.cuda._sleep(100_000_000)  # the copies below queue behind this
+    got = [transfer._upload(values) for values in expected]
+    torch.cuda.synchronize()
+    assert all(np.array_equal(g.cpu().numpy(), e) for g, e in zip(got, expected, strict=True))
+    again = [transfer._upload(values) for values in expected[:3]]  # reused buffers, now free
+    assert all(np.array_equal(g.cpu().numpy(), e) for g, e in zip(again, expected, strict=True))

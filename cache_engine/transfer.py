@@ -147,10 +147,11 @@ class TransferEngine:
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.offload_stream):
             self.offload_stream.wait_stream(compute)
-            index = self._upload(np.concatenate([pages, np.array([job.slot_id for job in jobs], dtype=np.int64)]))
+            index = self._upload(np.concatenate([pages, np.array([job.slot_id for job in jobs], dtype=np.int64)]),
+                                 self.offload_stream)
             gathered_pages = kv.index_select(1, index[: len(pages)])  # [L, jobs * slot_pages, 2, ps, H, D]
             gathered = torch.cuda.Event()
-            gathered.record()
+            gathered.record(self.offload_stream)
         self.last_gather = gathered
         handle = OffloadHandle(gathered, None, (gathered_pages, index), deferred=True)
         self._deferred.append((handle, jobs))
@@ -159,17 +160,19 @@ class TransferEngine:
     def issue_deferred(self) -> None:
         """Issue the copies out of the offloads gathered so far (FP8 quantisation, one DMA per chunk) on the
         offload stream; each handle's ``copied`` event is set."""
-        for handle, jobs in self._deferred:
-            gathered_pages, index = handle.buffer
-            num_layers, slot_pages = gathered_pages.shape[0], jobs[0].slot.shape[1]
-            with torch.cuda.stream(self.offload_stream):
+        if not self._deferred:
+            return
+        with torch.cuda.stream(self.offload_stream):
+            for handle, jobs in self._deferred:
+                gathered_pages, index = handle.buffer
+                num_layers, slot_pages = gathered_pages.shape[0], jobs[0].slot.shape[1]
                 buffer = gathered_pages.view(num_layers, len(jobs), slot_pages, *gathered_pages.shape[2:])
                 buffer = self._quantize(buffer.transpose(0, 1).contiguous(), index[-len(jobs):])
                 for job, block in zip(jobs, buffer, strict=True):
                     job.slot.copy_(block, non_blocking=True)
                 handle.copied = torch.cuda.Event()
-                handle.copied.record()
-            handle.buffer, handle.deferred = (*handle.buffer, buffer), False
+                handle.copied.record(self.offload_stream)
+                handle.buffer, handle.deferred = (*handle.buffer, buffer), False
         self._deferred.clear()
 
     def _quantize(self, chunks: torch.Tensor, slot_ids: torch.Tensor | list[int]) -> torch.Tensor:
@@ -220,7 +223,7 @@ class TransferEngine:
                 stream.wait_event(self._last_scatter)
         with torch.cuda.stream(self.scatter_stream):
             self.scatter_stream.wait_stream(compute)  # the pages were just handed out on the host side
-            index = self._upload(np.concatenate([pages, page_slots]))
+            index = self._upload(np.concatenate([pages, page_slots]), self.scatter_stream)
             dst = index[: len(pages)]
             scales = None if self.scales is None else self.scales[index[len(pages):]]
         starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
@@ -235,13 +238,13 @@ class TransferEngine:
                         n = len(jobs[j].pages)
                         buffer[starts[j]:starts[j] + n].copy_(jobs[j].slot[layer, :n], non_blocking=True)
                     copied.append(torch.cuda.Event())
-                    copied[-1].record()
+                    copied[-1].record(stream)
             with torch.cuda.stream(self.scatter_stream):
                 for event in copied:
                     self.scatter_stream.wait_event(event)
                 kv[layer].index_copy_(0, dst, self._dequantize(buffer, scales, layer, kv.dtype))
                 scattered.append(torch.cuda.Event())
-                scattered[-1].record()
+                scattered[-1].record(self.scatter_stream)
         index.record_stream(self.scatter_stream)
         if scales is not None:
             scales.record_stream(self.scatter_stream)
@@ -259,14 +262,14 @@ class TransferEngine:
         events: list[torch.cuda.Event] = []
         with torch.cuda.stream(self.scatter_stream):
             self.scatter_stream.wait_stream(compute)  # the pages were just handed out on the host side
-            index = self._upload(np.concatenate([pages, page_slots, addresses]))
+            index = self._upload(np.concatenate([pages, page_slots, addresses]), self.scatter_stream)
             count = len(pages)
             dst, slot_ids, src = index[:count], index[count:2 * count], index[2 * count:]
             for layer in range(kv.shape[0]):
                 onload_pages(kv[layer], src, dst, layer * layer_bytes, jobs[0].slot.dtype, layer, slot_ids,
                              self.scales)
                 events.append(torch.cuda.Event())
-                events[-1].record()
+                events[-1].record(self.scatter_stream)
         index.record_stream(self.scatter_stream)
         self._last_scatter = events[-1]
         return events
@@ -278,10 +281,10 @@ class TransferEngine:
             return pages
         return (pages.float() * scales[:, layer, :, None, :, None]).to(dtype)
 
-    def _upload(self, values: np.ndarray) -> torch.Tensor:
-        """int64 ``[len(values)]`` on the device, copied on the current stream without blocking, from the next of
-        a ring of reused pinned buffers (pinning a fresh tensor per copy cost ~0.5 ms on the GPU machine's host);
-        if that buffer's last copy is still queued, from a freshly pinned one."""
+    def _upload(self, values: np.ndarray, stream: torch.cuda.Stream) -> torch.Tensor:
+        """int64 ``[len(values)]`` on the device, copied on ``stream`` (the current one) without blocking, from
+        the next of a ring of reused pinned buffers (pinning a fresh tensor per copy cost ~0.5 ms on the GPU
+        machine's host); if that buffer's last copy is still queued, from a freshly pinned one."""
         slot = self._upload_turn
         self._upload_turn = (slot + 1) % len(self._upload_buffers)
         buffer, copied = self._upload_buffers[slot], self._upload_copied[slot]
@@ -293,7 +296,7 @@ class TransferEngine:
         buffer.numpy()[: len(values)] = values
         uploaded = buffer[: len(values)].to(self.device, non_blocking=True)
         self._upload_copied[slot] = torch.cuda.Event()
-        self._upload_copied[slot].record()
+        self._upload_copied[slot].record(stream)
         return uploaded
 
     def _onload_buffers(self, slot: torch.Tensor, num_pages: int) -> list[torch.Tensor]:

@@ -94,8 +94,9 @@ def test_index_uploads_never_rewrite_a_pinned_buffer_whose_copy_is_queued():
     rng = np.random.default_rng(0)
     expected = [rng.integers(0, 2**40, n) for n in (5, 3000, 17, 1, 9000, 64, 2, 100, 5000, 7, 11, 13, 4000, 3)]
     torch.cuda._sleep(100_000_000)  # the copies below queue behind this
-    got = [transfer._upload(values) for values in expected]
+    stream = torch.cuda.current_stream()
+    got = [transfer._upload(values, stream) for values in expected]
     torch.cuda.synchronize()
     assert all(np.array_equal(g.cpu().numpy(), e) for g, e in zip(got, expected, strict=True))
-    again = [transfer._upload(values) for values in expected[:3]]  # reused buffers, now free
+    again = [transfer._upload(values, stream) for values in expected[:3]]  # reused buffers, now free
     assert all(np.array_equal(g.cpu().numpy(), e) for g, e in zip(again, expected, strict=True))

@@ -84,12 +84,15 @@ def plan_tile_map(query_start_loc: np.ndarray, num_history_rows: np.ndarray, kv_
     parts = np.where(in_use, np.maximum(-(-blocks // max_part), 1), 0)
     part_len = -(-blocks // np.maximum(parts, 1))  # so no part is empty
     items = parts.sum(1)
-    ok = np.flatnonzero((items <= num_items) & (np.diff(max_part[:, 0], prepend=-1) != 0))
+    within = items <= num_items
+    within[1:] &= max_part[1:, 0] != max_part[:-1, 0]
+    ok = np.flatnonzero(within)
     plan_len, columns = part_len[ok][..., None], np.arange(min(parts[ok].max() + 1, MAX_SPLITS))
     lengths = np.minimum(np.maximum(blocks[:, None] - columns * plan_len, 0), plan_len)
     lengths = lengths.reshape(len(ok), -1)
     longest_part = lengths.max(1)
-    waves = -(-(4 * lengths >= 3 * longest_part[:, None]).sum(1) * num_heads // num_sms)
+    near_longest = np.count_nonzero(lengths >= (-(-3 * longest_part // 4))[:, None], axis=1)  # 4 l >= 3 longest
+    waves = -(-near_longest * num_heads // num_sms)
     ranks = [min(r, lengths.shape[1] - 1) for r in ((num_sms - 1) // num_heads, num_sms // num_heads)]
     ranked = -np.partition(-lengths, sorted(set(ranks)), axis=1)  # ranked[:, r]: the r-th longest
     bound = np.maximum(waves * longest_part, ranked[:, ranks[0]] + ranked[:, ranks[1]]).astype(np.float32)

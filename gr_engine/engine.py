@@ -23,12 +23,12 @@ from scheduler import RequestState, ScheduledChunk, Scheduler
 
 from .config import EngineConfig
 from .metrics import EngineStats, StepMetrics
-from .model_runner import ChunkResult, ModelRunner, RequestPayload
+from .model_runner import ChunkResult, ModelRunner, RequestPayload, StepMetadata
 from .models import GRModel
 from .outputs import GenerateOutput, RankOutput, StepTimings
 from .request import GenerateParams, GenerateRequest, RankRequest
 from .step_graphs import StepGraphs
-from .validation import RequestError, check_events, parse_request
+from .validation import RequestError, check_candidates, check_events, parse_fields, values_valid
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +144,9 @@ class GREngine:
                                              user_id=_safe_user(request), error=str(added))
                 else:
                     index[added] = i
-        with tqdm(total=len(requests), desc=desc, disable=not use_tqdm, unit="req") as bar:
-            bar.update(len(requests) - len(index))
+        # No bar object at all without tqdm: even a disabled one costs ~0.1 ms per call on a slow host.
+        bar = tqdm(total=len(requests), desc=desc, unit="req", initial=len(requests) - len(index)) if use_tqdm else None
+        try:
             while index:
                 for state, output in self._step():
                     slot = index.pop(state.seq_id, None)
@@ -153,7 +154,11 @@ class GREngine:
                         self._undelivered.append(output)  # added earlier through add_request
                     else:
                         results[slot] = output
-                        bar.update(1)
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
         return results
 
     def close(self) -> None:
@@ -168,20 +173,34 @@ class GREngine:
 
     def _add(self, requests: Sequence[Any], params: GenerateParams | None) -> list[int | RequestError]:
         """Intake (DESIGN.md section 3, step 2's request side): validate each request, hash the new parts of
-        all valid histories in one pass, queue them. Returns each request's sequence number or its error."""
+        all valid histories in one pass, queue them. Returns each request's sequence number or its error.
+
+        Candidates and the events not equal to the user's last validated history are value-checked for the
+        whole batch at once (:func:`values_valid`); only when that finds a problem are they checked request by
+        request, in :func:`parse_request` then :func:`check_events`' order, to say which request fails and why."""
         t0 = time.perf_counter()
         added: list[int | RequestError | None] = [None] * len(requests)
-        valid, ids, matches = [], set(), []
+        parsed, valid, ids, matches = [], [], set(), []
         caching = self.config.cache.mode != "recompute"  # recompute never reads the prefix hashes
         for i, request in enumerate(requests):
             try:
-                arrays = parse_request(request, self.config, ranking=params is None)
+                arrays = parse_fields(request, self.config, ranking=params is None)
+            except RequestError as exc:
+                added[i] = exc
+                continue
+            # Events equal to the user's last validated history need no second check.
+            match = self.hasher.match(request.user_id, arrays.item_ids, arrays.action_ids,
+                                      arrays.timestamps) if caching else None
+            parsed.append((i, request, arrays, match, match.length if match else 0))
+        checked = values_valid([(arrays, start) for _, _, arrays, _, start in parsed], self.config)
+        for i, request, arrays, match, start in parsed:
+            try:
+                if not checked:
+                    check_candidates(arrays, self.config)
                 if request.request_id in self._in_flight or request.request_id in ids:
                     raise RequestError(f"request_id {request.request_id!r} is already in flight")
-                # Events equal to the user's last validated history need no second check.
-                match = self.hasher.match(request.user_id, arrays.item_ids, arrays.action_ids,
-                                          arrays.timestamps) if caching else None
-                check_events(arrays, self.config, match.length if match else 0)
+                if not checked:
+                    check_events(arrays, self.config, start)
             except RequestError as exc:
                 added[i] = exc
                 continue
@@ -220,7 +239,7 @@ class GREngine:
         phases = {"schedule": time.perf_counter() - t0 - plan.prepare_s - poll_s}
         transferred = (self.kv.stats.onloaded_bytes, self.kv.stats.offloaded_bytes)
         try:
-            results = self._execute(chunks, phases, plan.prepare_s + poll_s)
+            meta, states = self._launch(chunks, phases, plan.prepare_s + poll_s)
         except Exception as exc:  # never crash the caller: retry batch-mates alone, fail the culprit
             logger.exception("engine step failed")
             for chunk in chunks:
@@ -231,10 +250,17 @@ class GREngine:
                 done.append((chunk.request, self._output(chunk.request, None,
                                                          error=f"engine step failed: {exc!r}")))
             return done
+        # Step 7's bookkeeping runs while the device computes the forward: it needs the appended K/V to be
+        # queued, not done (offloads wait for the compute stream).
         t = time.perf_counter()
         finished = {id(state) for state in self.scheduler.complete(chunks)}
         self.kv.end_step()
         phases["commit"] += time.perf_counter() - t
+        try:
+            results, error = self._timed(phases, "score", self.runner.score, chunks, meta, states), None
+        except Exception as exc:  # the requests are committed: fail the finishing ones, keep their cached K/V
+            logger.exception("engine step failed while scoring")
+            results, error = [None] * len(chunks), f"engine step failed: {exc!r}"
         self.stats.record_step(StepMetrics(
             num_requests=len(chunks), num_tokens=sum(c.num_tokens for c in chunks),
             gpu_hit_tokens=sum(r.num_gpu_hits for r in plan.admitted),
@@ -248,18 +274,20 @@ class GREngine:
             for name, seconds in phases.items():
                 state.timings[name] = state.timings.get(name, 0.0) + seconds
             if id(state) in finished:
-                done.append((state, self._output(state, result)))
+                done.append((state, self._output(state, result, error=error)))
         return done
 
-    def _execute(self, chunks: list[ScheduledChunk], phases: dict[str, float],
-                 prepare_s: float) -> list[ChunkResult]:
+    def _launch(self, chunks: list[ScheduledChunk], phases: dict[str, float],
+                prepare_s: float) -> tuple[StepMetadata, torch.Tensor]:
+        """Steps 3-5 and the issue of step 7's copies: returns the step's metadata and its final states, whose
+        computation is queued on the device."""
         # Onloads first: the PCIe copies then run while the host builds the step's metadata.
         layer_ready = self._timed(phases, "onload", self.kv.launch_onloads)
         meta = self._timed(phases, "prepare", self.runner.prepare, chunks, already=prepare_s)
         tokens = self._timed(phases, "strip", self.runner.strip, chunks, meta)
         states = self._timed(phases, "forward", self.runner.forward, tokens, meta, layer_ready)
         self._timed(phases, "commit", self.kv.issue_deferred_offloads)  # step 7's copies, while the device works
-        return self._timed(phases, "score", self.runner.score, chunks, meta, states)
+        return meta, states
 
     def _timed(self, phases: dict[str, float], name: str, fn: Any, *args: Any, already: float = 0.0) -> Any:
         """Run ``fn(*args)`` as phase ``name``; with ``config.sync_phases`` the device work it queued

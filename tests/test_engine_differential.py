@@ -180,3 +180,30 @@ def test_time_bias_model_equal_to_recompute_with_caching():
         engine = GREngine(with_cache(config, mode=mode, num_gpu_pages=160))
         assert max_diff(engine.rank(requests, use_tqdm=False), expected) <= 1e-5
         assert engine.stats.total_hit_ratio > 0.1
+
+
+@pytest.mark.parametrize("mode", ["gpu_only", "hierarchical"])
+def test_a_failed_scoring_fails_only_that_steps_requests_and_loses_no_cache(monkeypatch, mode):
+    """Step 7's bookkeeping runs before scoring: when scoring fails, the step's finishing requests get an error,
+    the K/V they appended stays committed, and every later request scores as under recompute."""
+    config = with_cache(tiny_config(max_num_seqs=4, max_num_batched_tokens=200), mode=mode, num_gpu_pages=60)
+    requests = stream(config, num_users=8, visits=6, seed=11)
+    expected = {r.request_id: r for r in GREngine(with_cache(config, mode="recompute")).rank(requests, use_tqdm=False)}
+    engine = GREngine(config)
+    score, calls = engine.runner.score, []
+
+    def failing_score(chunks, meta, states):
+        calls.append(len(calls))
+        if len(calls) == 3:
+            raise RuntimeError("injected scoring failure")
+        return score(chunks, meta, states)
+
+    monkeypatch.setattr(engine.runner, "score", failing_score)
+    outputs = engine.rank(requests, use_tqdm=False)
+    failed = [o for o in outputs if o.error]
+    assert 1 <= len(failed) <= 4 and all("injected scoring failure" in o.error for o in failed)
+    served = [o for o in outputs if o.error is None]
+    assert len(served) + len(failed) == len(requests)
+    assert max_diff(served, [expected[o.request_id] for o in served]) <= 1e-5
+    assert not engine.has_unfinished_requests()
+    engine.kv.check_invariants()

@@ -38,12 +38,14 @@ class HostChunkStore:
         self._slots: list[torch.Tensor] = []  # per slot id, a view into its segment
         self._free: list[int] = []
         self._ready: queue.Queue[torch.Tensor] = queue.Queue()
+        self._coming = 0  # segments not adopted yet
         self._stop = threading.Event()
         self._thread = None
         if memory is not None:
             self.num_slots = min(num_slots, memory.numel() // self.slot_bytes)
             self.segment_slots = max(self.num_slots, 1)
             if self.num_slots:
+                self._coming = 1
                 flat = memory[: self.num_slots * self.slot_bytes].view(dtype)
                 self._ready.put(flat.view(self.num_slots, *slot_shape))
                 self.adopt_ready_segments()
@@ -51,6 +53,7 @@ class HostChunkStore:
         self.num_slots = num_slots
         self.segment_slots = max(1, segment_slots)
         sizes = [min(self.segment_slots, num_slots - s) for s in range(0, num_slots, self.segment_slots)]
+        self._coming = len(sizes)
         if pin:
             self._thread = threading.Thread(target=self._allocate, args=(sizes, True), daemon=True,
                                             name="gr-engine-host-pool")
@@ -78,16 +81,18 @@ class HostChunkStore:
     def adopt_ready_segments(self) -> int:
         """Make the slots of segments allocated since the last call available; returns how many."""
         added = 0
-        while True:
+        while self._coming:  # once every segment is adopted, this costs nothing per step
             try:
                 segment = self._ready.get_nowait()
             except queue.Empty:
                 return added
+            self._coming -= 1
             base = self.num_allocated
             self._segments.append(segment)
             self._slots.extend(segment.unbind(0))  # one view per slot, made once (slicing per use costs µs)
             self._free.extend(range(base + len(segment) - 1, base - 1, -1))
             added += len(segment)
+        return added
 
     def wait_until_allocated(self, timeout: float | None = None) -> None:
         """Block until the whole pool exists (tests and benchmarks; the engine never calls this)."""

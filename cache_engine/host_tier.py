@@ -10,14 +10,15 @@
 - **Host LRU**: when no slot is free, the least recently used user without a running request loses
   its host copy (it will be recomputed). A slot still being read by an onload is freed only once that onload finishes.
 - Completions are applied by :meth:`HostTier.poll` (start of each step); a transfer whose user's
-  history was cut back meanwhile (``generation`` changed) is discarded. On CPU transfers are
-  synchronous but still take effect at the next poll, so both paths run the same state machine.
+  history was cut back meanwhile, or whose record was deleted (``generation`` changed), is discarded. On
+  CPU transfers are synchronous but still take effect at the next poll, so both paths run the same state
+  machine.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -29,11 +30,13 @@ from .records import CacheStats, UserRecord
 from .transfer import OffloadHandle, OffloadJob, OnloadJob, TransferEngine
 
 
-@dataclass
+@dataclass(eq=False, slots=True)
 class _Persist:
-    """One chunk copy in flight: tokens ``[chunk * C, end)`` of ``user`` into ``slot``."""
+    """One chunk copy in flight: tokens ``[chunk * C, end)`` of ``user`` (its ``record`` at ``generation``)
+    into ``slot``."""
 
     user: Hashable
+    record: UserRecord
     generation: int
     chunk: int
     end: int
@@ -52,12 +55,15 @@ class HostTier:
         self.users = users
         self.stats = stats
         self.chunk = config.chunk_tokens
+        self.page_size = config.page_size
         self.token_bytes = kv[:, 0, :, 0].numel() * store.dtype.itemsize  # host bytes: all layers, K and V
-        self.lru = LRUIndex()  # users with host data, least recently used first
+        self.lru = LRUIndex()  # users with host data -> their records, least recently used first
         self._queue: deque[tuple[Hashable, int, int]] = deque()  # (user, generation, chunk) to offload
         self._pending: set[tuple[Hashable, int, int]] = set()  # queued or in flight
         # (handle, chunk copies, records whose pages the copy still reads)
         self._in_flight: deque[tuple[OffloadHandle, list[_Persist], list[UserRecord]]] = deque()
+        self._in_flight_chunks = 0  # chunk copies in ``_in_flight``
+        self._writing: dict[Hashable, list[_Persist]] | None = None  # those per user, built when first needed
         self._onloads: deque[tuple[list[torch.cuda.Event | None], list[int]]] = deque()
         self._batch: list[_Persist] = []  # chunk copies decided this step, launched by flush()
         self._batch_jobs: list[OffloadJob] = []
@@ -68,7 +74,8 @@ class HostTier:
 
     @property
     def pending_chunks(self) -> int:
-        return sum(len(entries) for _, entries, _ in self._in_flight) + len(self._batch)
+        """Chunk copies launched and not finished, or decided and not launched yet."""
+        return self._in_flight_chunks + len(self._batch)
 
     # ------------------------------------------------------------------ completions
     def poll(self, wait: bool = False) -> None:
@@ -83,12 +90,15 @@ class HostTier:
                 for record in readers:
                     record.readers -= 1
                 readers.clear()
+        pending, busy = self._pending, self._busy
         while self._in_flight and (wait or self._in_flight[0][0].copy_done()):
             handle, entries, _ = self._in_flight.popleft()
             if wait and handle.copied is not None:
                 handle.copied.synchronize()
+            self._in_flight_chunks -= len(entries)
+            self._writing = None
             for entry in entries:
-                self._pending.discard((entry.user, entry.generation, entry.chunk))
+                pending.discard((entry.user, entry.generation, entry.chunk))
                 self._finish_persist(entry)
         while self._onloads and (wait or all(e is None or e.query() for e in self._onloads[0][0])):
             events, slots = self._onloads.popleft()
@@ -96,29 +106,33 @@ class HostTier:
                 if wait and event is not None:
                     event.synchronize()
             for slot in slots:
-                self._busy[slot] -= 1
-                if not self._busy[slot]:
-                    del self._busy[slot]
+                readers = busy[slot] - 1
+                if readers:
+                    busy[slot] = readers
+                else:
+                    del busy[slot]
                     if slot in self._deferred:
                         self._deferred.discard(slot)
                         self.store.free([slot])
 
     def _finish_persist(self, entry: _Persist) -> None:
-        record = self.users.get(entry.user)
-        stale = (record is None or record.generation != entry.generation
-                 or record.host_tokens < entry.chunk * self.chunk or entry.end <= record.host_tokens)
-        if stale:
-            self._release([entry.slot])
-            if record is not None and not (record.pages or record.host_slots or record.locked):
+        record = entry.record  # generations are unique, and 0 once deleted: no lookup needed
+        if (record.generation != entry.generation or record.host_tokens < entry.chunk * self.chunk
+                or entry.end <= record.host_tokens):
+            self._release((entry.slot,))
+            if record.generation and not (record.num_pages or record.host_slots or record.locked):
                 del self.users[entry.user]  # evicted, and its copy came too late to be used
+                record.retire()
             return
-        if entry.chunk < len(record.host_slots):
-            self._release([record.host_slots[entry.chunk]])
-            record.host_slots[entry.chunk] = entry.slot
+        slots = record.host_slots
+        if entry.chunk < len(slots):
+            old = slots[entry.chunk]
+            slots[entry.chunk] = entry.slot
+            self._release((old,))
         else:
-            record.host_slots.append(entry.slot)
+            slots.append(entry.slot)
         record.host_tokens = entry.end
-        self.lru.touch(entry.user)
+        self.lru.touch(entry.user, record)
 
     # ------------------------------------------------------------------ offload
     def queue_full_chunks(self, user: Hashable, record: UserRecord) -> None:
@@ -132,81 +146,90 @@ class HostTier:
 
     def launch_offloads(self) -> None:
         """Start queued chunk offloads, within the cap on chunks in flight."""
-        persists: list[_Persist] = []
-        while self._queue and self.pending_chunks + len(persists) < self.config.max_pending_offloads:
+        while self._queue and self.pending_chunks < self.config.max_pending_offloads:
             user, generation, chunk = self._queue.popleft()
             record = self.users.get(user)
             end = (chunk + 1) * self.chunk
             if (record is None or record.generation != generation or record.num_tokens < end
-                    or record.host_tokens >= end or len(record.pages) * self.config.page_size < end):
+                    or record.host_tokens >= end or record.num_pages * self.page_size < end):
                 self._pending.discard((user, generation, chunk))
                 continue  # already persisted, cut back, evicted or gone
             slot = self._allocate_slot(user)
             if slot is None:
                 self._queue.appendleft((user, generation, chunk))
                 break
-            persists.append(_Persist(user, generation, chunk, end, slot))
+            self._add(user, record, chunk, end, slot)
         self.stats.deferred_offloads += len(self._queue)  # chunk-steps spent waiting for admission
-        self._add(persists)
         self.flush()
 
     def persist_all(self, user: Hashable, record: UserRecord) -> bool:
         """Persist everything of the user's GPU history not yet on host (before its pages are reused).
         The copies start at the next :meth:`flush`, which must come before any write to the pages.
         Returns whether any copy is now pending for the user."""
-        in_flight = {(e.chunk, e.end) for _, entries, _ in self._in_flight for e in entries
-                     if e.user == user and e.generation == record.generation}
-        persists = []
-        for chunk in range(record.host_tokens // self.chunk, -(-record.num_tokens // self.chunk)):
-            end = min((chunk + 1) * self.chunk, record.num_tokens)
-            if end <= record.host_tokens or (chunk, end) in in_flight:
+        writing = self._copies_in_flight(user) if self._in_flight else None
+        in_flight = {(e.chunk, e.end) for e in writing if e.generation == record.generation} if writing else ()
+        added = False
+        size, tokens, on_host = self.chunk, record.num_tokens, record.host_tokens
+        for chunk in range(on_host // size, -(-tokens // size)):
+            end = min((chunk + 1) * size, tokens)
+            if end <= on_host or (chunk, end) in in_flight:
                 continue
             slot = self._allocate_slot(user)
             if slot is None:
-                self.stats.lost_tokens += record.num_tokens - chunk * self.chunk
+                self.stats.lost_tokens += tokens - chunk * size
                 break
-            persists.append(_Persist(user, record.generation, chunk, end, slot))
-            if end % self.chunk:
-                self.stats.tail_persisted_tokens += end - chunk * self.chunk
-        self._add(persists)
-        return bool(persists or in_flight)
+            self._add(user, record, chunk, end, slot)
+            added = True
+            if end % size:
+                self.stats.tail_persisted_tokens += end - chunk * size
+        return added or bool(in_flight)
 
-    def _add(self, persists: list[_Persist]) -> None:
-        """Resolve the pages of each chunk copy now (they may be handed to another user right after)."""
-        page_size = self.config.page_size
-        per_chunk = self.chunk // page_size
-        for p in persists:
-            record = self.users[p.user]
-            first = p.chunk * per_chunk
-            pages = record.pages[first: first + -(-(p.end - p.chunk * self.chunk) // page_size)]
-            self._batch.append(p)
-            self._batch_jobs.append(OffloadJob(pages, p.slot, self.store.slot(p.slot)))
-            self.stats.offloaded_tokens += p.end - p.chunk * self.chunk
-            self.stats.offloaded_bytes += len(pages) * page_size * self.token_bytes
+    def _add(self, user: Hashable, record: UserRecord, chunk: int, end: int, slot: int) -> None:
+        """Decide to copy tokens ``[chunk * chunk_tokens, end)`` of ``record`` into ``slot``; its pages are
+        resolved now (they may be handed to another user right after)."""
+        page_size, start = self.page_size, chunk * self.chunk
+        first, count = start // page_size, -(-(end - start) // page_size)  # within the record's pages
+        self._batch.append(_Persist(user, record, record.generation, chunk, end, slot))
+        self._batch_jobs.append(OffloadJob(record.page_buffer[first: first + count].tolist(), slot,
+                                           self.store.slot(slot)))
+        self.stats.offloaded_tokens += end - start
+        self.stats.offloaded_bytes += count * page_size * self.token_bytes
 
     def flush(self) -> None:
         """Launch the chunk copies collected so far, as one offload."""
         if not self._batch:
             return
-        readers = list({id(r): r for p in self._batch if (r := self.users.get(p.user)) and r.pages}.values())
+        readers = list({id(p.record): p.record for p in self._batch if p.record.num_pages}.values())
         for record in readers:
             record.readers += 1
         handle = self.transfer.offload(self.kv, self._batch_jobs)
         self._in_flight.append((handle, self._batch, readers))
+        self._in_flight_chunks += len(self._batch)
+        self._writing = None
         self._batch, self._batch_jobs = [], []
+
+    def _copies_in_flight(self, user: Hashable) -> list[_Persist]:
+        """The user's chunk copies launched and not finished (the per-user index is rebuilt once after each
+        change of ``_in_flight``, so an eviction never scans every copy in flight)."""
+        if self._writing is None:
+            self._writing = {}
+            for _, entries, _ in self._in_flight:
+                for entry in entries:
+                    self._writing.setdefault(entry.user, []).append(entry)
+        return self._writing.get(user, [])
 
     # ------------------------------------------------------------------ onload
     def plan_onload(self, record: UserRecord, tokens: int) -> None:
         """Queue copying the user's first ``tokens`` host tokens into its (new) pages."""
-        page_size = self.config.page_size
-        per_chunk = self.chunk // page_size
-        for chunk in range(-(-tokens // self.chunk)):
-            count = -(-(min((chunk + 1) * self.chunk, tokens) - chunk * self.chunk) // page_size)
-            slot = record.host_slots[chunk]
-            self._planned.append(OnloadJob(slot, self.store.slot(slot), record.pages[chunk * per_chunk:][:count]))
+        page_size, size, busy = self.page_size, self.chunk, self._busy
+        pages, slots = record.page_buffer, record.host_slots  # the pages cover ``tokens``: no bound needed
+        for start in range(0, tokens, size):
+            first, count = start // page_size, -(-(min(start + size, tokens) - start) // page_size)
+            slot = slots[start // size]
+            self._planned.append(OnloadJob(slot, self.store.slot(slot), pages[first: first + count].tolist()))
             self._planned_slots.append(slot)
-            self._busy[slot] = self._busy.get(slot, 0) + 1
-            self.stats.onloaded_bytes += count * page_size * self.token_bytes
+            busy[slot] = busy.get(slot, 0) + 1
+        self.stats.onloaded_bytes += -(-tokens // page_size) * page_size * self.token_bytes
         self.stats.onloaded_tokens += tokens
 
     def launch_onloads(self) -> list[torch.cuda.Event | None]:
@@ -224,8 +247,9 @@ class HostTier:
     def cut(self, user: Hashable, record: UserRecord, tokens: int) -> None:
         """Keep only the host copy of the first ``tokens`` tokens."""
         keep = -(-min(tokens, record.host_tokens) // self.chunk)
-        self._release(record.host_slots[keep:])
-        del record.host_slots[keep:]
+        if keep < len(record.host_slots):
+            self._release(record.host_slots[keep:])
+            del record.host_slots[keep:]
         record.host_tokens = min(record.host_tokens, tokens)
         if not record.host_slots:
             self.lru.remove(user)
@@ -242,14 +266,16 @@ class HostTier:
             slot = self.store.allocate()
             if slot is not None:
                 return slot
-            victim = next((u for u in self.lru if u != user and not self.users[u].locked), None)
-            if victim is None:
+            for victim, record in self.lru.items():  # least recently used first
+                if victim != user and not record.locked:
+                    break
+            else:
                 return None
-            record = self.users[victim]
             self.drop(victim, record)
             self.stats.host_evicted_users += 1
-            if not record.pages and not record.locked:
+            if not record.num_pages:
                 del self.users[victim]
+                record.retire()
 
     def check_slots(self) -> None:
         """Every allocated slot is free, owned by one user, being written, or awaiting a deferred free."""
@@ -259,9 +285,10 @@ class HostTier:
         every = owned + writing + free + list(self._deferred)
         assert len(every) == len(set(every)), "a host slot is used twice"
         assert len(every) == self.store.num_allocated, "a host slot leaked"
-        assert all(self.users[u].host_slots for u in self.lru), "host LRU holds a user without host data"
+        assert all(self.users[u] is r and r.host_slots for u, r in self.lru.items()), "host LRU is stale"
+        assert self._in_flight_chunks == sum(len(entries) for _, entries, _ in self._in_flight)
 
-    def _release(self, slots: list[int]) -> None:
+    def _release(self, slots: Iterable[int]) -> None:
         for slot in slots:
             if slot in self._busy:
                 self._deferred.add(slot)

@@ -19,6 +19,7 @@ before the forward pass, and :meth:`end_step` after it (start offloads).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Sequence
 
 import numpy as np
@@ -29,7 +30,7 @@ from .host_store import HostChunkStore
 from .host_tier import HostTier
 from .lru import LRUIndex
 from .page_pool import PagePool
-from .records import CacheHit, CacheStats, UserRecord
+from .records import CacheHit, CacheStats, UserRecord, grown
 from .transfer import TransferEngine
 
 
@@ -45,8 +46,14 @@ class KVCacheManager:
         device = torch.device(device)
         self.pool = PagePool(num_layers, config.num_gpu_pages, config.page_size, num_heads, head_dim, dtype, device)
         self.users: dict[Hashable, UserRecord] = {}
-        self._lru = LRUIndex()  # unlocked users that hold pages, least recently used first
+        self._lru = LRUIndex()  # unlocked users that hold pages -> their records, least recently used first
         self._evictable_pages = 0  # pages held by users in the LRU
+        self._reuses = config.mode != "recompute"  # records persist across requests
+        self._evicts = config.mode in ("gpu_only", "hierarchical")  # users in the LRU may lose their pages
+        # Record generations are unique across records (0 once deleted): a copy to host still in flight for a
+        # user's deleted record can never be mistaken for one of the user's next record (whose history may
+        # differ), and a completing copy needs no lookup to know whether its record is still current.
+        self._generations = itertools.count(1)
         self.stats = CacheStats()
         self.host: HostTier | None = None
         if config.mode == "hierarchical":
@@ -119,51 +126,62 @@ class KVCacheManager:
             How many leading history tokens are reused from GPU pages and from host chunks, or
             ``None`` if the pages cannot be found now (nothing was changed).
         """
-        n = len(token_hashes)
         record = self.users.get(user_id)
-        if record is not None and record.locked:
-            raise RuntimeError(f"user {user_id!r} already has a running request")
-        gpu = host = 0
-        if record is not None and self.config.mode != "recompute":
-            reuse = min(self._verified_prefix(record, token_hashes), reuse_limit)
-            gpu = min(reuse, record.num_tokens)
-            if not record.pages and self.host is not None:
-                host = min(reuse, record.host_tokens)
-        held = len(record.pages) if record is not None else 0
-        deficit = self.pages_for(n) - held
+        gpu = host = held = 0
+        if record is not None:
+            if record.locked:
+                raise RuntimeError(f"user {user_id!r} already has a running request")
+            held = record.num_pages
+            if record.hashed_tokens and self._reuses:
+                reuse = min(self._verified_prefix(record, token_hashes), reuse_limit)
+                gpu = min(reuse, record.num_tokens)
+                if not held and self.host is not None:
+                    host = min(reuse, record.host_tokens)
+        # An unlocked record holding pages is in the LRU (``check_invariants``), so ``held`` tells membership.
+        deficit = -(-len(token_hashes) // self.page_size) - held
         if deficit > self.pool.num_free:
-            reclaimable = self._evictable_pages if self.config.mode in ("gpu_only", "hierarchical") else 0
-            if record is not None and user_id in self._lru:
-                reclaimable -= held
+            reclaimable = self._evictable_pages - held if self._evicts else 0
             if deficit > self.pool.num_free + reclaimable:
                 return None
 
         if record is None:
-            record = self.users[user_id] = UserRecord()
-        self._lock(user_id, record)
-        self._cut(user_id, record, gpu + host, token_hashes)
+            record = self.users[user_id] = UserRecord(generation=next(self._generations))
+        elif held:
+            del self._lru[user_id]
+            self._evictable_pages -= held
+        record.locked = True
+        if gpu + host < record.hashed_tokens:
+            self._cut(user_id, record, gpu + host, token_hashes)
         if deficit > 0:
-            self._evict_until_free(deficit)
-            record.set_pages(record.pages + self.pool.allocate(deficit))
+            if deficit > self.pool.num_free:
+                self._evict_until_free(deficit)
+            self._take_pages(record, deficit)
         elif deficit < 0:
-            self.pool.free(record.pages[deficit:])
-            record.set_pages(record.pages[:deficit])
+            self._drop_pages(record, held + deficit)
         if host:
             self.host.plan_onload(record, host)
             record.num_tokens = host
-        if self.host is not None and (record.host_slots or host):
-            self.host.lru.touch(user_id)
+        if self.host is not None and (host or record.host_slots):
+            self.host.lru.touch(user_id, record)
         return CacheHit(gpu, host)
 
     def commit(self, user_id: Hashable, num_tokens: int, token_hashes: np.ndarray) -> None:
-        """The user's pages now hold the first ``num_tokens`` history tokens of the running request."""
+        """The user's pages now hold the first ``num_tokens`` history tokens of the running request
+        (``token_hashes``: uint64 ``[n >= num_tokens]``, the request's, as given to :meth:`acquire`)."""
         record = self.users[user_id]
-        if not record.locked or not record.num_tokens <= num_tokens <= len(record.pages) * self.page_size:
+        ps = self.page_size
+        if not record.locked or not record.num_tokens <= num_tokens <= record.num_pages * ps:
             raise RuntimeError(f"commit of {num_tokens} tokens for user {user_id!r}: not locked, shrinking "
-                               f"from {record.num_tokens}, or beyond its {len(record.pages)} pages")
-        first = record.num_tokens // self.page_size
-        ends = np.minimum((np.arange(first, self.pages_for(num_tokens)) + 1) * self.page_size, num_tokens) - 1
-        record.page_hashes = np.concatenate([record.page_hashes[:first], token_hashes[ends]])
+                               f"from {record.num_tokens}, or beyond its {record.num_pages} pages")
+        # Pages before ``first`` keep their (verified) hashes; the others get the request's, in place.
+        first = record.num_tokens // ps
+        full, part = divmod(num_tokens, ps)
+        if full + (part > 0) > len(record.hash_buffer):
+            record.hash_buffer = grown(record.hash_buffer, first, full + (part > 0))
+        if full > first:
+            record.hash_buffer[first:full] = token_hashes[first * ps + ps - 1: full * ps: ps]
+        if part:
+            record.hash_buffer[full] = token_hashes[num_tokens - 1]
         record.num_tokens = record.hashed_tokens = num_tokens
         if self.host is not None:
             self.host.queue_full_chunks(user_id, record)
@@ -172,15 +190,15 @@ class KVCacheManager:
         """Unlock the record after its request finished (or failed); keep it for the next visit."""
         record = self.users[user_id]
         record.locked = False
-        keep = 0 if self.config.mode == "recompute" else self.pages_for(record.num_tokens)
-        if keep < len(record.pages):
-            self.pool.free(record.pages[keep:])
-            record.set_pages(record.pages[:keep])
-        if record.pages:
-            self._lru.touch(user_id)
-            self._evictable_pages += len(record.pages)
+        keep = -(-record.num_tokens // self.page_size) if self._reuses else 0
+        if keep < record.num_pages:
+            self._drop_pages(record, keep)
+        if record.num_pages:
+            self._lru.touch(user_id, record)
+            self._evictable_pages += record.num_pages
         elif not record.host_slots:
             del self.users[user_id]
+            record.retire()
 
     def why_no_room(self, num_tokens: int) -> str | None:
         """Why a history of ``num_tokens`` can never get pages while nothing else runs, or ``None``
@@ -201,34 +219,43 @@ class KVCacheManager:
         Returns:
             ``(kv_indptr [B + 1], kv_indices [nnz])``, int32, FlashInfer semantics.
         """
-        counts = -(-np.asarray(seq_lens, dtype=np.int64) // self.page_size)
-        indptr = np.zeros(len(counts) + 1, dtype=np.int32)
-        np.cumsum(counts, out=indptr[1:])
-        arrays = [self.users[uid].page_array()[:c] for uid, c in zip(user_ids, counts)]
+        ps, users = self.page_size, self.users
+        if isinstance(seq_lens, np.ndarray):
+            seq_lens = seq_lens.tolist()
+        arrays, offsets = [], [0]
+        for uid, seq_len in zip(user_ids, seq_lens, strict=True):
+            record = users[uid]
+            count = -(-seq_len // ps)
+            if count > record.num_pages:
+                raise ValueError(f"user {uid!r} holds {record.num_pages} pages, fewer than the {count} asked")
+            arrays.append(record.page_buffer[:count])  # a view of the user's own page ids: nothing is rebuilt
+            offsets.append(offsets[-1] + count)
         indices = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int32)
-        return indptr, indices
+        return np.array(offsets, dtype=np.int32), indices
 
     def cached_tokens(self, user_id: Hashable) -> int:
         """History tokens of the user the cache can serve (GPU, or host when not on the GPU)."""
         record = self.users.get(user_id)
         if record is None:
             return 0
-        return record.num_tokens if record.pages else record.host_tokens
+        return record.num_tokens if record.num_pages else record.host_tokens
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if a page or slot is owned twice or leaked, or a counter is off."""
-        owned = [p for r in self.users.values() for p in r.pages]
+        owned = [p for r in self.users.values() for p in r.pages.tolist()]
         free = self.pool.free_page_ids()
         assert len(owned) == len(set(owned)), "a page is owned by two users"
         assert not set(owned) & set(free), "a page is both owned and free"
         assert len(owned) + len(free) == self.pool.num_pages, "a page leaked"
-        assert self._evictable_pages == sum(len(self.users[u].pages) for u in self._lru)
+        assert all(self.users[u] is r for u, r in self._lru.items()), "LRU holds a stale record"
+        assert self._evictable_pages == sum(r.num_pages for r in self._lru.values())
         for uid, r in self.users.items():
-            assert (uid in self._lru) == (bool(r.pages) and not r.locked), f"user {uid!r}: LRU disagrees"
-            assert len(r.page_hashes) == self.pages_for(r.hashed_tokens)
+            assert (uid in self._lru) == (r.num_pages > 0 and not r.locked), f"user {uid!r}: LRU disagrees"
+            assert len(r.page_buffer) >= r.num_pages and len(r.hash_buffer) >= self.pages_for(r.hashed_tokens)
             assert r.num_tokens <= r.hashed_tokens and r.host_tokens <= r.hashed_tokens
-            assert r.locked or len(r.pages) == self.pages_for(r.num_tokens)
+            assert r.locked or r.num_pages == self.pages_for(r.num_tokens)
             assert len(r.host_slots) == -(-r.host_tokens // self.config.chunk_tokens)
+            assert r.generation > 0, f"user {uid!r}: a deleted record is still listed"
         if self.host is not None:
             self.host.check_slots()
 
@@ -237,58 +264,66 @@ class KVCacheManager:
         """Known tokens of ``record`` whose pages match the request's history, page by page."""
         ps, known, n = self.page_size, record.hashed_tokens, len(token_hashes)
         full = min(known, n) // ps  # pages the request can verify in full
-        ok = token_hashes[ps - 1: full * ps: ps] == record.page_hashes[:full]
-        if not ok.all():
-            return int(np.argmin(ok)) * ps
+        ends, cached = token_hashes[ps - 1: full * ps: ps], record.hash_buffer[:full]
+        if ends.tobytes() != cached.tobytes():  # one memcmp decides the usual case: all pages match
+            return int(np.argmin(ends == cached)) * ps
         if full * ps == known:
             return known
-        last = min(known, (full + 1) * ps)  # the record's partly filled last page, or a page the request cuts
-        if last <= n and token_hashes[last - 1] == record.page_hashes[full]:
-            return last
+        # The record's partly filled last page, when the request covers it (else the request cuts a page).
+        if known <= n and token_hashes.item(known - 1) == record.hash_buffer.item(full):
+            return known
         return full * ps
 
     def _cut(self, user_id: Hashable, record: UserRecord, num_tokens: int, token_hashes: np.ndarray) -> None:
-        """Cut ``record`` back to its first ``num_tokens`` tokens (verified against ``token_hashes``)."""
+        """Cut ``record`` back to its first ``num_tokens < hashed_tokens`` tokens (verified against
+        ``token_hashes``)."""
         if num_tokens < max(record.num_tokens, record.host_tokens):
             self.stats.truncated_tokens += max(record.num_tokens, record.host_tokens) - num_tokens
-        if num_tokens < record.hashed_tokens:
-            record.generation += 1  # transfers in flight beyond the cut are now stale
-            keep = self.pages_for(num_tokens)
-            record.page_hashes = record.page_hashes[:keep].copy()
-            if num_tokens % self.page_size:
-                record.page_hashes[-1] = token_hashes[num_tokens - 1]
-            record.hashed_tokens = num_tokens
+        record.generation = next(self._generations)  # transfers in flight beyond the cut are now stale
+        if num_tokens % self.page_size:
+            record.hash_buffer[num_tokens // self.page_size] = token_hashes[num_tokens - 1]
+        record.hashed_tokens = num_tokens
         record.num_tokens = min(record.num_tokens, num_tokens)
         if self.host is not None:
             self.host.cut(user_id, record, num_tokens)
 
-    def _lock(self, user_id: Hashable, record: UserRecord) -> None:
-        if user_id in self._lru:
-            self._lru.remove(user_id)
-            self._evictable_pages -= len(record.pages)
-        record.locked = True
+    def _take_pages(self, record: UserRecord, count: int) -> None:
+        """Append ``count`` pages from the pool to ``record``'s pages."""
+        held = record.num_pages
+        if held + count > len(record.page_buffer):
+            record.page_buffer = grown(record.page_buffer, held, held + count)
+        self.pool.allocate(record.page_buffer[held: held + count])
+        record.num_pages = held + count
+
+    def _drop_pages(self, record: UserRecord, keep: int) -> None:
+        """Give ``record``'s pages after the first ``keep`` back to the pool."""
+        self.pool.free(record.page_buffer[keep: record.num_pages])
+        if keep:
+            record.num_pages = keep
+        else:
+            record.forget_pages()
 
     def _evict_until_free(self, count: int) -> None:
         while self.pool.num_free < count:
-            victim = next((u for u in self._lru if not self.users[u].readers), None)
-            if victim is None:  # only users whose pages are still being gathered: let that finish
+            for victim, record in self._lru.items():  # least recently used first
+                if not record.readers:
+                    self._evict(victim, record)
+                    break  # the LRU changed: walk it again from the start
+            else:  # only users whose pages are still being gathered: let that finish
                 self.host.poll(wait=True)
-                continue
-            self._evict(victim)
 
-    def _evict(self, user_id: Hashable) -> None:
-        record = self.users[user_id]
-        self._lru.remove(user_id)
-        self._evictable_pages -= len(record.pages)
+    def _evict(self, user_id: Hashable, record: UserRecord) -> None:
+        del self._lru[user_id]
+        self._evictable_pages -= record.num_pages
         persisting = False
         if self.host is not None and self.config.persist_tails:
             persisting = self.host.persist_all(user_id, record)
         elif self.host is not None:
             self.stats.lost_tokens += record.num_tokens - record.host_tokens
-        self.pool.free(record.pages)
+        self._drop_pages(record, 0)
         self.stats.evicted_users += 1
         self.stats.evicted_tokens += record.num_tokens
-        record.set_pages([])
         record.num_tokens = 0
         if not record.host_slots and not persisting:
             del self.users[user_id]
+            record.retire()

@@ -3,34 +3,25 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
+from typing import Any
 
 
-class LRUIndex:
-    """Keys ordered from least to most recently used; every operation is O(1).
+class LRUIndex(OrderedDict[Hashable, Any]):
+    """Keys ordered from least to most recently used (iteration order); every operation is O(1).
 
-    ``collections.OrderedDict`` is exactly a hash map threaded by a doubly linked list, so it is used
-    as the storage; this class only names the operations an eviction policy needs.
+    ``collections.OrderedDict`` is exactly a hash map threaded by a doubly linked list, so this class is
+    one: membership, ``len``, lookup and iteration (least recently used first) are the dict's own C code,
+    and it only adds the two operations an eviction policy names. A key may carry a value (e.g. the user's
+    record, so that a policy walking the order needs no second lookup).
     """
 
-    def __init__(self) -> None:
-        self._order: OrderedDict[Hashable, None] = OrderedDict()
-
-    def touch(self, key: Hashable) -> None:
-        """Insert ``key`` or mark it most recently used."""
-        self._order[key] = None
-        self._order.move_to_end(key)
+    def touch(self, key: Hashable, value: Any = None) -> None:
+        """Insert ``key`` (with ``value``) or mark it most recently used (and set its value)."""
+        self[key] = value
+        self.move_to_end(key)
 
     def remove(self, key: Hashable) -> None:
         """Drop ``key`` if present."""
-        self._order.pop(key, None)
+        self.pop(key, None)
 
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._order
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def __iter__(self) -> Iterator[Hashable]:
-        """Keys from least to most recently used."""
-        return iter(self._order)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -30,27 +31,29 @@ class PagePool:
         self.kv = torch.zeros(
             num_layers, num_pages, 2, page_size, num_heads, head_dim, dtype=dtype, device=device
         )
-        # A stack: allocation pops from the end, freeing pushes back; both O(1) per page.
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        # A stack in ``_stack[:num_free]``: allocation takes from the end, freeing pushes back; one numpy
+        # slice copy per call, whatever the page count.
+        self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int32)
+        self.num_free = num_pages  #: pages free now (read-only outside this class)
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
+    def allocate(self, out: np.ndarray) -> None:
+        """Fill ``out`` (int32 ``[count]``, e.g. a slice of a user's page buffer) with ``count`` free page ids
+        (``RuntimeError`` if fewer are free; callers check first)."""
+        count = len(out)
+        if count > self.num_free:
+            raise RuntimeError(f"page pool exhausted: {count} pages asked, {self.num_free} free")
+        start = self.num_free - count
+        out[:] = self._stack[start: self.num_free]
+        self.num_free = start
 
-    def allocate(self, count: int) -> list[int]:
-        """Take ``count`` free pages (``RuntimeError`` if fewer are free; callers check first)."""
-        if count > len(self._free):
-            raise RuntimeError(f"page pool exhausted: {count} pages asked, {len(self._free)} free")
-        if count <= 0:
-            return []
-        pages = self._free[-count:]
-        del self._free[-count:]
-        return pages
-
-    def free(self, pages: list[int]) -> None:
-        """Return pages to the pool (zero-copy: their contents are simply forgotten)."""
-        self._free.extend(pages)
+    def free(self, pages: np.ndarray) -> None:
+        """Return pages (int ``[count]``) to the pool (zero-copy: their contents are simply forgotten)."""
+        end = self.num_free + len(pages)
+        if end > self.num_pages:
+            raise RuntimeError(f"freeing {len(pages)} pages would exceed the pool's {self.num_pages}: double free")
+        self._stack[self.num_free: end] = pages
+        self.num_free = end
 
     def free_page_ids(self) -> list[int]:
         """A copy of the free list (for invariant checks)."""
-        return list(self._free)
+        return self._stack[: self.num_free].tolist()

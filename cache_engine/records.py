@@ -8,47 +8,71 @@ from typing import NamedTuple
 import numpy as np
 
 
-@dataclass(eq=False)
+def grown(buffer: np.ndarray, keep: int, need: int) -> np.ndarray:
+    """A new buffer of ``buffer``'s dtype with room for at least ``need`` entries (25% headroom, so that a
+    history growing a page at a time is copied O(log) times), holding ``buffer[:keep]`` first."""
+    new = np.empty(need + need // 4 + 4, dtype=buffer.dtype)
+    if keep:
+        new[:keep] = buffer[:keep]
+    return new
+
+
+@dataclass(eq=False, slots=True)
 class UserRecord:
     """One user's cached history, across both tiers.
 
+    The GPU pages and page hashes live in numpy buffers with spare capacity that are written in place:
+    taking pages, committing tokens and verifying a prefix then cost a slice or two, not a rebuilt array.
+
     Attributes:
-        pages: GPU page ids in logical order (empty when the user is not on the GPU; may exceed what
-            ``num_tokens`` needs while a request that will fill them is running).
+        page_buffer: int32 ``[>= num_pages]``; ``page_buffer[:num_pages]`` (:attr:`pages`) are the user's GPU
+            page ids in logical order; entries beyond are garbage.
+        num_pages: GPU pages held (0 when the user is not on the GPU; may exceed what ``num_tokens`` needs
+            while a request that will fill them is running).
         num_tokens: leading history tokens whose K/V the GPU pages hold.
         host_slots: host chunk slots in logical order; slot ``i`` holds tokens
             ``[i * chunk_tokens, (i + 1) * chunk_tokens)`` (the last one possibly partly).
         host_tokens: leading history tokens whose K/V is complete on host.
-        hashed_tokens: tokens covered by ``page_hashes`` (``>= num_tokens`` and ``>= host_tokens``).
-        page_hashes: uint64 ``[ceil(hashed_tokens / page_size)]``; entry ``k`` hashes the tokens of page
-            ``k`` (see :mod:`cache_engine.prefix_hash`).
+        hashed_tokens: tokens covered by the page hashes (``>= num_tokens`` and ``>= host_tokens``).
+        hash_buffer: uint64 ``[>= ceil(hashed_tokens / page_size)]``; entry ``k < ceil(hashed_tokens /
+            page_size)`` hashes the tokens of page ``k`` that are known (see :mod:`cache_engine.prefix_hash`);
+            entries beyond are garbage.
         locked: a running request owns the record.
         readers: offloads in flight still reading its GPU pages (it cannot be evicted meanwhile).
-        generation: bumped whenever the cached history is cut back; transfers of an older generation
-            are discarded when they complete.
+        generation: changed whenever the cached history is cut back, unique to the record (see
+            :class:`~cache_engine.KVCacheManager`) and 0 once the record is deleted (:meth:`retire`);
+            transfers of another generation are discarded when they complete.
     """
 
-    pages: list[int] = field(default_factory=list)
+    page_buffer: np.ndarray = field(default_factory=lambda: _NO_PAGES)
+    num_pages: int = 0
     num_tokens: int = 0
     host_slots: list[int] = field(default_factory=list)
     host_tokens: int = 0
     hashed_tokens: int = 0
-    page_hashes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
+    hash_buffer: np.ndarray = field(default_factory=lambda: _NO_HASHES)
     locked: bool = False
     readers: int = 0
     generation: int = 0
-    _page_array: np.ndarray | None = field(default=None, repr=False)
 
-    def set_pages(self, pages: list[int]) -> None:
-        """Replace the page list (the only way it changes, so :meth:`page_array` stays in step)."""
-        self.pages = pages
-        self._page_array = None
+    @property
+    def pages(self) -> np.ndarray:
+        """int32 ``[num_pages]``: the GPU page ids in logical order (a view: do not keep it across changes)."""
+        return self.page_buffer[: self.num_pages]
 
-    def page_array(self) -> np.ndarray:
-        """``pages`` as int32 numpy, cached until :meth:`set_pages`."""
-        if self._page_array is None:
-            self._page_array = np.asarray(self.pages, dtype=np.int32)
-        return self._page_array
+    def retire(self) -> None:
+        """Mark the record deleted from the cache's users (generation 0): copies still in flight for it are
+        then discarded when they complete."""
+        self.generation = 0
+
+    def forget_pages(self) -> None:
+        """Hold no pages (the caller has given them back), releasing the buffer's memory."""
+        self.page_buffer = _NO_PAGES
+        self.num_pages = 0
+
+
+_NO_PAGES = np.zeros(0, dtype=np.int32)  # shared by records without pages: capacity 0, so never written
+_NO_HASHES = np.zeros(0, dtype=np.uint64)
 
 
 class CacheHit(NamedTuple):

@@ -53,7 +53,7 @@ def test_evicted_user_comes_back_from_host_with_identical_kv():
     run(kv, "a", h)
     before = kv_of(kv, "a", 19)
     run(kv, "b", hashes(16, 1))  # needs 4 pages: "a" is evicted, its tail persisted first
-    assert not kv.users["a"].pages
+    assert not kv.users["a"].num_pages
     kv.begin_step()
     assert kv.users["a"].host_tokens == 19 and kv.stats.tail_persisted_tokens == 3
     hit = run(kv, "a", h)
@@ -98,7 +98,7 @@ def test_lru_skips_users_whose_pages_are_being_read():
     kv.release("b")
     hit = kv.acquire("c", hashes(16, 2), 16)  # needs 4 pages, 3 free: someone must go
     assert hit is not None
-    assert kv.users["a"].pages and not kv.users["b"].pages  # oldest "a" was skipped, "b" evicted
+    assert kv.users["a"].num_pages and not kv.users["b"].num_pages  # oldest "a" was skipped, "b" evicted
     kv.check_invariants()
 
 

@@ -141,3 +141,43 @@ def test_failed_capture_falls_back_to_eager_without_failing_requests(monkeypatch
     assert max_diff(got, expected) <= 1e-4  # every request served, none failed
     assert not engine.runner.graphs.enabled and engine.runner.graphs.num_graphs == 0
     assert "CUDA graph capture failed" in caplog.text
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_staging_writes_every_field_and_pads_inertly():
+    """Steps of many shapes (more than the layout cache keeps) are staged into the static buffer: every field reads
+    back at its real length, and the bucket-padded views a graph reads repeat the last append row and the last
+    offsets, with zeros elsewhere."""
+    from attention_backends.base import layout_arrays
+    from gr_engine.step_graphs import _APPEND_FIELDS, _FIELDS, _LAYOUT_CACHE_SIZE, TOKEN_FIELDS
+
+    config = tiny_config(page_size=16, num_heads=2, head_dim=16)
+    engine = GREngine(msgspec.structs.replace(config, attention_backend="hstu_triton"))
+    graphs = StepGraphs(engine.backend, engine.device, 16, max_rows=300, max_requests=4, max_pages=200)
+    rng = np.random.default_rng(0)
+    steps = []
+    for _ in range(_LAYOUT_CACHE_SIZE + 20):
+        b = int(rng.integers(1, 5))
+        start, hist, cand = rng.integers(0, 160, b), rng.integers(0, 6, b), rng.integers(0, 7, b)
+        hist[0] = max(hist[0], 1)
+        pages = -(-(start + hist) // 16)
+        indptr = np.concatenate([[0], np.cumsum(pages)])
+        arrays = layout_arrays(start, hist, cand, indptr, rng.permutation(200)[: indptr[-1]], 16)
+        rows = int(arrays["query_start_loc"][-1])
+        steps.append((arrays, {name: rng.integers(0, 1000, rows) for name in TOKEN_FIELDS}))
+    for arrays, tokens in steps + steps[:3]:  # the first shapes again, after the cache dropped them
+        staged = graphs.stage(arrays, tokens)
+        for name, values in arrays.items():
+            assert np.array_equal(getattr(staged.common, name).numpy(), values), name
+        for name, values in tokens.items():
+            assert np.array_equal(staged.tokens[name].numpy(), values), name
+        static, common, _ = graphs._static_inputs(staged)
+        for name in _FIELDS:
+            view = (static[name] if name in TOKEN_FIELDS else getattr(common, name)).numpy()
+            n = len(tokens[name]) if name in TOKEN_FIELDS else len(arrays[name])
+            spare = view[n:]
+            if name in _APPEND_FIELDS or name in ("query_start_loc", "kv_indptr"):
+                assert (spare == arrays[name][-1]).all(), name
+            else:
+                assert not spare.any(), name
+    assert len(graphs._layouts) <= _LAYOUT_CACHE_SIZE

@@ -18,21 +18,9 @@ from functools import partial
 
 import numpy as np
 import torch
+from cache_bench import cuda_time  # this script's folder is on the path when run as a script
 
 from cache_engine.onload_kernel import onload_pages
-
-
-def cuda_ms(fn, reps: int = 9) -> float:
-    """Median milliseconds of ``fn`` on the current stream."""
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return float(np.median(times))
 
 
 def onload_all_layers(pool: torch.Tensor, addr: torch.Tensor, dst_pages: torch.Tensor, layer_bytes: int,
@@ -52,8 +40,8 @@ def main() -> None:
     layers, heads, dim, page, chunk_pages, tokens = 8, 4, 128, 32, 32, 49_152
     num_pages = tokens // page
     src = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
-    peak = src.numel() / cuda_ms(partial(torch.Tensor.copy_, torch.empty_like(src, device="cuda"), src,
-                                         non_blocking=True)) / 1e6
+    peak = src.numel() / cuda_time(partial(torch.Tensor.copy_, torch.empty_like(src, device="cuda"), src,
+                                           non_blocking=True), 9) / 1e9
     pool = torch.zeros(layers, 2 * num_pages, 2, page, heads, dim, dtype=torch.bfloat16, device="cuda")
     dst_pages = torch.from_numpy(np.random.default_rng(0).permutation(2 * num_pages)[:num_pages]).cuda()
     results = []
@@ -74,7 +62,7 @@ def main() -> None:
                 pool.zero_()
                 run()
                 assert torch.equal(pool[0, dst_pages].cpu(), expected), (rows, warps)
-                ms = cuda_ms(run)
+                ms = cuda_time(run, 9) * 1e3
                 results.append({"host_dtype": str(dtype).removeprefix("torch."), "rows_per_program": rows,
                                 "num_warps": warps, "ms": ms, "GBps": nbytes / ms / 1e6,
                                 "bf16_equivalent_GBps": 2 * tokens * layers * heads * dim * 2 / ms / 1e6})

@@ -26,6 +26,8 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["hierarchical", "unlimited"])
     parser.add_argument("--batches", type=int, default=30)
     parser.add_argument("--host-budget-gib", type=int, default=24)
+    parser.add_argument("--prime", type=int, default=40, help="unprofiled batches first (compilation, graph capture)")
+    parser.add_argument("--rows", type=int, default=150, help="functions listed per ordering")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -39,7 +41,7 @@ def main() -> None:
         run = BenchRun(settings, trace, cache_config(settings, mode, num_gpu_pages=pages), 8, arena)
         run.warmup()
         run.fast_forward(skip)
-        run.window(8, 8 * 4, prime_batches=0)  # compile and capture outside the profile
+        run.window(8, 8 * args.prime, prime_batches=0)  # compile and capture outside the profile
         profiler = cProfile.Profile()
         profiler.enable()
         report = run.window(8, 8 * args.batches, prime_batches=0)
@@ -48,8 +50,8 @@ def main() -> None:
         text.write(f"# {mode}, bs=8, {args.batches} batches: median {report['median_ms']:.2f} ms (under cProfile), "
                    f"phases ms/batch {({k: round(v, 3) for k, v in report['phase_ms_per_batch'].items()})}\n")
         stats = pstats.Stats(profiler, stream=text)
-        stats.sort_stats("tottime").print_stats(60)
-        stats.sort_stats("cumulative").print_stats(60)
+        stats.sort_stats("tottime").print_stats(args.rows)
+        stats.sort_stats("cumulative").print_stats(args.rows)
         (out / f"host_{mode}.txt").write_text(text.getvalue())
         print(text.getvalue().splitlines()[0], flush=True)
         run.close()

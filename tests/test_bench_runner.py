@@ -6,6 +6,7 @@ import gc
 import json
 
 import numpy as np
+import pytest
 
 from gr_engine.cli import main
 
@@ -18,6 +19,13 @@ def test_quick_bench_writes_reports(tmp_path, capsys):
         assert key in summary, key
     assert set(summary["latency_ms"]) == {"recompute", "gpu_only", "hierarchical", "unlimited"}
     assert summary["commit"] == "test" and summary["total_hit_ratio_bs8"] > 0.5
+    # Steps 1-7's CPU time leaves out intake (before step 1) and the phases that wait for the device.
+    bs = max(int(b) for b in summary["latency_ms"]["hierarchical"])
+    phases = json.loads((tmp_path / "bench.json").read_text())["modes"]["hierarchical"]["batch_sizes"][str(bs)]
+    phases = phases["phase_ms_per_batch"]
+    steps = ("schedule", "prepare", "onload", "strip", "commit")
+    assert summary["overhead_ms_bs8"] == pytest.approx(sum(phases[k] for k in steps))
+    assert summary["intake_ms_bs8"] == pytest.approx(phases["intake"])
     result = json.loads((tmp_path / "bench.json").read_text())
     breakdown = result["modes"]["hierarchical"]["breakdown_bs8"]
     assert breakdown["batches"] > 0 and breakdown["phase_ms_per_step"]["forward"] > 0

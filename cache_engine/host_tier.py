@@ -190,7 +190,7 @@ class HostTier:
         page_size, start = self.page_size, chunk * self.chunk
         first, count = start // page_size, -(-(end - start) // page_size)  # within the record's pages
         self._batch.append(_Persist(user, record, record.generation, chunk, end, slot))
-        self._batch_jobs.append(OffloadJob(record.page_buffer[first: first + count].tolist(), slot,
+        self._batch_jobs.append(OffloadJob(record.page_buffer[first: first + count].copy(), slot,
                                            self.store.slot(slot)))
         self.stats.offloaded_tokens += end - start
         self.stats.offloaded_bytes += count * page_size * self.token_bytes
@@ -226,7 +226,7 @@ class HostTier:
         for start in range(0, tokens, size):
             first, count = start // page_size, -(-(min(start + size, tokens) - start) // page_size)
             slot = slots[start // size]
-            self._planned.append(OnloadJob(slot, self.store.slot(slot), pages[first: first + count].tolist()))
+            self._planned.append(OnloadJob(slot, self.store.slot(slot), pages[first: first + count].copy()))
             self._planned_slots.append(slot)
             busy[slot] = busy.get(slot, 0) + 1
         self.stats.onloaded_bytes += -(-tokens // page_size) * page_size * self.token_bytes

@@ -27,9 +27,13 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from .onload_kernel import OnloadLauncher
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -37,22 +41,23 @@ FP8_MAX = 448.0
 
 @dataclass
 class OffloadJob:
-    """Copy GPU pages ``pages`` (at most a chunk's worth, in order) into host slot ``slot_id``
-    (memory ``slot``: ``[L, chunk_pages, 2, page_size, H, D]``); the rest of the slot may be
+    """Copy GPU pages ``pages`` (int64 ``[n]``, at most a chunk's worth, in order; or a list) into host slot
+    ``slot_id`` (memory ``slot``: ``[L, chunk_pages, 2, page_size, H, D]``); the rest of the slot may be
     overwritten with copies of the last page."""
 
-    pages: list[int]
+    pages: np.ndarray
     slot_id: int
     slot: torch.Tensor
 
 
 @dataclass
 class OnloadJob:
-    """Copy host slot ``slot_id`` (memory ``slot``), its first ``len(pages)`` pages, into GPU ``pages``."""
+    """Copy host slot ``slot_id`` (memory ``slot``), its first ``len(pages)`` pages, into GPU ``pages`` (int64
+    ``[n]``, or a list)."""
 
     slot_id: int
     slot: torch.Tensor
-    pages: list[int]
+    pages: np.ndarray
 
 
 @dataclass
@@ -117,6 +122,8 @@ class TransferEngine:
         self._deferred: list[tuple[OffloadHandle, list[OffloadJob]]] = []  # gathered, not yet copied out
         self.last_gather: torch.cuda.Event | None = None
         self._last_scatter: torch.cuda.Event | None = None
+        self._launcher: OnloadLauncher | None = None  # the onload kernel's, created at the first kernel onload
+        self._layer_events: list[torch.cuda.Event] = []  # recorded after each layer's kernel, reused every step
         # Pinned staging of index uploads, reused in turn; each with the event after its last copy.
         self._upload_buffers: list[torch.Tensor | None] = [None] * _UPLOAD_BUFFERS
         self._upload_copied: list[torch.cuda.Event | None] = [None] * _UPLOAD_BUFFERS
@@ -142,8 +149,11 @@ class TransferEngine:
             return OffloadHandle(None, None)
         # Pad every job to a whole slot so each chunk is one contiguous device->host copy.
         slot_pages = jobs[0].slot.shape[1]
-        pages = np.concatenate([np.asarray(job.pages + job.pages[-1:] * (slot_pages - len(job.pages)), dtype=np.int64)
-                                for job in jobs])
+        pages = np.empty((len(jobs), slot_pages), dtype=np.int64)
+        for row, job in zip(pages, jobs, strict=True):  # per chunk
+            row[:len(job.pages)] = job.pages
+            row[len(job.pages):] = job.pages[-1]
+        pages = pages.ravel()
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.offload_stream):
             self.offload_stream.wait_stream(compute)
@@ -255,24 +265,27 @@ class TransferEngine:
                           page_slots: np.ndarray) -> list[torch.cuda.Event]:
         """Per layer, one kernel on the scatter stream reads every job's host pages (pinned, device-addressable)
         into their GPU pages; returns the per-layer events."""
-        from .onload_kernel import onload_pages  # imports Triton
+        if self._launcher is None:
+            from .onload_kernel import OnloadLauncher  # imports Triton
 
+            self._launcher = OnloadLauncher()
+            self._layer_events = [torch.cuda.Event() for _ in range(kv.shape[0])]
         addresses, layer_bytes = host_page_addresses(jobs)
         compute = torch.cuda.current_stream(self.device)
-        events: list[torch.cuda.Event] = []
+        # The same events every step: a stream that waits on one waits for its latest record at that time, and each
+        # step's waits are queued before the next step records again.
+        events, src_dtype = self._layer_events, jobs[0].slot.dtype
         with torch.cuda.stream(self.scatter_stream):
             self.scatter_stream.wait_stream(compute)  # the pages were just handed out on the host side
             index = self._upload(np.concatenate([pages, page_slots, addresses]), self.scatter_stream)
             count = len(pages)
             dst, slot_ids, src = index[:count], index[count:2 * count], index[2 * count:]
-            for layer in range(kv.shape[0]):
-                onload_pages(kv[layer], src, dst, layer * layer_bytes, jobs[0].slot.dtype, layer, slot_ids,
-                             self.scales)
-                events.append(torch.cuda.Event())
-                events[-1].record(self.scatter_stream)
+            for layer, event in enumerate(events):
+                self._launcher(kv[layer], src, dst, layer * layer_bytes, src_dtype, layer, slot_ids, self.scales)
+                event.record(self.scatter_stream)
         index.record_stream(self.scatter_stream)
         self._last_scatter = events[-1]
-        return events
+        return list(events)
 
     @staticmethod
     def _dequantize(pages: torch.Tensor, scales: torch.Tensor | None, layer: int, dtype: torch.dtype) -> torch.Tensor:

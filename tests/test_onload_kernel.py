@@ -71,6 +71,42 @@ def test_fp8_pages_are_dequantised_with_their_slot_scales(rows_per_program):
         torch.testing.assert_close(pool[:, d].cpu(), expected.to(pool_dtype), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_launcher_reused_over_layers_and_page_counts_loads_every_page(fp8):
+    """One :class:`OnloadLauncher` for many launches, as the transfer engine uses it: on CUDA every launch after
+    the first of a specialisation goes through the kept compiled kernel (other grids, offsets, index tensors)."""
+    from cache_engine.onload_kernel import OnloadLauncher
+
+    gen = torch.Generator().manual_seed(2)
+    layers, chunk_pages, page, heads, dim, num_slots = 3, 4, 8, 2, 16, 6
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    slots, _ = host_slots(num_slots, layers, chunk_pages, page, heads, dim, dtype, gen)
+    scales = (torch.rand(num_slots, layers, 2, heads, generator=gen) + 0.5) if fp8 else None
+    pool_dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    layer_bytes = slots.stride(1) * slots.element_size()
+    launcher = OnloadLauncher()
+    for count in (1, 7, 3, 12):  # a new set of (slot, page) -> pool page picks each round, of another size
+        pool = torch.zeros(layers, 50, 2, page, heads, dim, dtype=pool_dtype, device=DEVICE)
+        flat = torch.randperm(num_slots * chunk_pages, generator=gen)[:count]
+        picks = [(int(f) // chunk_pages, int(f) % chunk_pages) for f in flat]
+        dst = torch.randperm(50, generator=gen)[:count]
+        addr = torch.tensor([slots[s, 0, p].data_ptr() for s, p in picks], device=DEVICE)
+        slot_ids = torch.tensor([s for s, _ in picks], device=DEVICE)
+        for layer in range(layers):
+            launcher(pool[layer], addr, dst.to(DEVICE), layer * layer_bytes, dtype, layer, slot_ids,
+                     None if scales is None else scales.to(DEVICE))
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+            assert len(launcher._compiled) == 1  # one specialisation, kept after the first launch
+        for (s, p), d in zip(picks, dst.tolist()):
+            expected = slots[s, :, p].float()
+            if scales is not None:
+                expected = expected * scales[s][:, :, None, :, None]
+            torch.testing.assert_close(pool[:, d].cpu(), expected.to(pool_dtype), rtol=0, atol=0)
+        untouched = sorted(set(range(50)) - set(dst.tolist()))
+        assert not pool[:, untouched].any()
+
+
 def test_engine_job_addresses_load_like_the_copy_path():
     """The transfer engine's job -> address plan, fed to the kernel, gives what the CPU copy path gives."""
     from cache_engine import CacheConfig, KVCacheManager

@@ -83,12 +83,12 @@ def host_page_addresses(jobs: list[OnloadJob]) -> tuple[np.ndarray, int]:
     contiguous, 16-byte aligned: the kernel loads 16 bytes at a time)."""
     slot = jobs[0].slot
     page_bytes, layer_bytes = slot.stride(1) * slot.element_size(), slot.stride(0) * slot.element_size()
-    if page_bytes % 16 or any(job.slot.data_ptr() % 16 for job in jobs):
+    slot_addresses = np.fromiter((job.slot.data_ptr() for job in jobs), dtype=np.int64, count=len(jobs))
+    if page_bytes % 16 or (slot_addresses % 16).any():
         raise ValueError("host pages must start 16-byte aligned for the onload kernel")
-    counts = np.array([len(job.pages) for job in jobs])
+    counts = np.fromiter((len(job.pages) for job in jobs), dtype=np.int64, count=len(jobs))
     first = np.repeat(np.cumsum(counts) - counts, counts)  # each page's job's first entry
-    bases = np.repeat(np.array([job.slot.data_ptr() for job in jobs], dtype=np.int64), counts)
-    return bases + (np.arange(int(counts.sum())) - first) * page_bytes, layer_bytes
+    return np.repeat(slot_addresses, counts) + (np.arange(int(counts.sum())) - first) * page_bytes, layer_bytes
 
 
 _UPLOAD_BUFFERS = 8  # pinned buffers for index uploads (a step makes a few: onload, offloads)
@@ -213,9 +213,9 @@ class TransferEngine:
         num_layers = kv.shape[0]
         if not jobs or not self.moves_data:
             return [None] * num_layers
-        counts = [len(job.pages) for job in jobs]
-        pages = np.concatenate([np.asarray(job.pages, dtype=np.int64) for job in jobs])
-        page_slots = np.repeat(np.array([job.slot_id for job in jobs], dtype=np.int64), counts)
+        counts = np.fromiter((len(job.pages) for job in jobs), dtype=np.int64, count=len(jobs))
+        pages = np.concatenate([job.pages for job in jobs], dtype=np.int64)
+        page_slots = np.repeat(np.fromiter((job.slot_id for job in jobs), dtype=np.int64, count=len(jobs)), counts)
         if not self.is_cuda:
             dst = torch.from_numpy(pages)
             scales = None if self.scales is None else self.scales[torch.from_numpy(page_slots)]

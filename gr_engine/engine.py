@@ -314,8 +314,7 @@ class GREngine:
         if ok:
             self.stats.record_request(state.num_history, state.num_gpu_hits, state.num_host_hits)
         if payload.params is None:
-            scores = result.logits.tolist() if ok else []
-            return RankOutput(scores=scores, **fields)
+            return RankOutput(scores=result.logits, **fields) if ok else RankOutput(**fields)
         return GenerateOutput(item_ids=result.item_ids if ok else [], scores=result.scores if ok else [],
                               **fields)
 

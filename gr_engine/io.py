@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from .outputs import RankOutput
 from .request import RankRequest
@@ -75,7 +76,7 @@ def read_requests(path: str | Path) -> list[RankRequest | RankOutput]:
 def write_outputs(path: str | Path, outputs: list[RankOutput]) -> None:
     """Write outputs as JSONL (one object per line) or Parquet, by ``path``'s extension."""
     path = Path(path)
-    rows = msgspec.to_builtins(outputs)
+    rows = msgspec.to_builtins(outputs, enc_hook=_array_as_lists)
     if file_format(path) == "jsonl":
         encoder = msgspec.json.Encoder()
         with path.open("wb") as f:
@@ -87,3 +88,10 @@ def write_outputs(path: str | Path, outputs: list[RankOutput]) -> None:
         for r in rows:  # a Parquet column has one type: mixed int/str user ids become strings
             r["user_id"] = None if r["user_id"] is None else str(r["user_id"])
     pa.parquet.write_table(pa.Table.from_pylist(rows), path)
+
+
+def _array_as_lists(value: object) -> object:
+    """``msgspec.to_builtins`` hook: numpy arrays (ranking scores) as nested lists."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise NotImplementedError(f"cannot write {type(value).__name__}")

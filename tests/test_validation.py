@@ -46,7 +46,7 @@ def test_bad_request_rejected_with_clear_error(name):
         engine.add_request(good(**changes))
     [output] = engine.rank([good(**changes)], use_tqdm=False)
     assert not output.ok and message.split()[0] in output.error
-    assert output.scores == []
+    assert output.scores.size == 0
 
 
 def test_not_a_request_object():
@@ -163,3 +163,22 @@ def test_returning_users_new_and_changed_events_are_still_checked(mode):
         out = visit(name, 16, **changes)
         assert not out.ok and message in out.error, (name, out.error)
     assert visit("v2", 16).ok and visit("v3", 18).ok
+
+
+def test_scores_are_float32_arrays_per_candidate_and_task_and_are_written_as_lists(tmp_path):
+    """``RankOutput.scores`` is float32 ``[num_candidates, num_tasks]`` (``[0, 0]`` when the request failed), and
+    ``write_outputs`` turns it into nested lists in JSONL."""
+    import msgspec
+
+    from gr_engine.io import write_outputs
+
+    config = tiny_config()
+    engine = GREngine(config)
+    outputs = engine.rank([good(candidate_item_ids=[4, 5, 6]), good(request_id="bad", item_ids=[1, 2, 200])],
+                          use_tqdm=False)
+    ok, bad = outputs
+    assert ok.scores.dtype == np.float32 and ok.scores.shape == (3, config.model.num_tasks)
+    assert bad.scores.shape == (0, 0)
+    write_outputs(tmp_path / "out.jsonl", outputs)
+    rows = [msgspec.json.decode(line) for line in (tmp_path / "out.jsonl").read_bytes().splitlines()]
+    assert rows[0]["scores"] == ok.scores.tolist() and rows[1]["scores"] == []

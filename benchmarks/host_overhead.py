@@ -1,16 +1,19 @@
 """Host time of each engine phase for benchmark-sized requests, on the CPU, without a GPU.
 
-    python benchmarks/host_overhead.py [--mode unlimited] [--batches 50] [--profile]
+    python benchmarks/host_overhead.py [--mode unlimited] [--batches 50] [--profile] [--graph-path]
 
-The engine runs on the CPU with the ``torch_ref`` backend and a model of the benchmark's depth and
-vocabularies but tiny widths, so that the forward pass is cheap-ish and what remains is the host work that
-also runs in front of a GPU: intake (validation, prefix hashes), schedule, prepare (cache lookup, page
-tables), strip, score and commit. 32 users with 3,000-9,000-event histories return in batches of 8 with 8
-new events and 100 candidates each; the heap is frozen after the first visits, as in the benchmark. Prints
-the median batch's phase times (ms); ``--profile`` adds a cProfile of the whole loop. A dev-box probe for
-intake, schedule, score and commit: the GPU machine's host runs the same Python about 3x slower, and there
-prepare and strip build ``hstu_triton``'s plan and stage the step for CUDA graphs, which this CPU run does
-not exercise (its prepare is ``torch_ref``'s metadata).
+The engine runs on the CPU with a model of the benchmark's depth and vocabularies but tiny widths. 32 users
+with 3,000-9,000-event histories return in batches of 8 with 8 new events and 100 candidates each; the heap
+is frozen after the first visits, as in the benchmark. Prints the median batch's phase times (ms);
+``--profile`` adds a cProfile of the whole loop.
+
+By default the forward runs eagerly with the ``torch_ref`` backend (cheap-ish at these widths), so prepare is
+``torch_ref``'s metadata. ``--graph-path`` runs the host work of the GPU engine's path instead: the
+``hstu_triton`` backend (imported under Triton's interpreter, never launched) plans each step and
+:class:`~gr_engine.step_graphs.StepGraphs` stages it as for CUDA graphs, while the device work (the forward's
+replay, the host tier's copies) is skipped; what remains is intake, schedule, prepare, strip (tile plan and
+staging), score and commit as the GPU machine's host runs them, minus the CUDA calls. That host runs the same
+Python about 3x slower than a dev box.
 """
 
 from __future__ import annotations
@@ -18,11 +21,47 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
+import os
 import pstats
+import sys
+from typing import Any
 
 import numpy as np
 
+if "--graph-path" in sys.argv:  # before anything imports Triton: its interpreter serves hstu_triton on the CPU
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch
+
 from gr_engine import CacheConfig, EngineConfig, GREngine, ModelConfig, RankRequest, SchedulerConfig
+from gr_engine.step_graphs import StagedStep, StepGraphs
+
+
+class HostOnlyGraphs(StepGraphs):
+    """Stages each step exactly as for CUDA graphs but replays nothing: zero states and logits stand in for the
+    device's results (this probe measures the host's work). ``num_tasks``: the logits' width."""
+
+    def __init__(self, num_tasks: int, *args: Any) -> None:
+        super().__init__(*args)
+        self.num_tasks = num_tasks
+
+    def replay(self, step: StagedStep, segments: Any, head: Any,
+               layer_ready: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        self.num_replays += 1
+        return torch.zeros(step.rows, 1), torch.zeros(len(step.common.candidate_rows), self.num_tasks)
+
+
+def use_graph_path(engine: GREngine) -> HostOnlyGraphs:
+    """Serve ``engine``'s steps the GPU path's way on the host, device work skipped (see the module docstring)."""
+    config = engine.config
+    graphs = HostOnlyGraphs(config.model.num_tasks, engine.backend, engine.device, config.cache.page_size,
+                            config.cuda_graph_max_rows, config.scheduler.max_num_seqs, config.cache.num_gpu_pages)
+    engine.runner.graphs = graphs
+    width = config.model.d_model  # eager steps (longer than a graph holds) get zero states the heads can read
+    engine.runner._forward = lambda tokens, common, backend, ready: torch.zeros(len(tokens.item_ids), width)
+    if engine.kv.host is not None:
+        engine.kv.host.transfer.moves_data = False  # bookkeeping as usual; no copies
+    return graphs
 
 
 def main() -> None:
@@ -30,14 +69,20 @@ def main() -> None:
     parser.add_argument("--mode", default="unlimited", choices=["gpu_only", "hierarchical", "unlimited"])
     parser.add_argument("--batches", type=int, default=50)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--graph-path", action="store_true", help="the GPU path's host work (see above)")
+    parser.add_argument("--gpu-pages", type=int, default=None,
+                        help="KV pages (default: all histories fit for unlimited; about 60%% of them otherwise, "
+                             "like the benchmark's GPU hit ratio, so users are evicted and onloaded)")
     args = parser.parse_args()
     model = ModelConfig(num_items=1_000_000, num_actions=256, d_model=16, num_layers=8, num_heads=1, head_dim=16,
                         max_history_len=20_000, max_candidates=100, num_tasks=8, ranking_hidden=16, dtype="float32")
-    config = EngineConfig(model=model, device="cpu", attention_backend="torch_ref",
-                          cache=CacheConfig(mode=args.mode, num_gpu_pages=40_000, page_size=32,
-                                            host_budget_bytes=2**30),
+    backend = "hstu_triton" if args.graph_path else "torch_ref"
+    pages = args.gpu_pages or (40_000 if args.mode == "unlimited" else 3_600)
+    config = EngineConfig(model=model, device="cpu", attention_backend=backend,
+                          cache=CacheConfig(mode=args.mode, page_size=32, num_gpu_pages=pages, host_budget_bytes=2**30),
                           scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=163_840))
     engine = GREngine(config)
+    graphs = use_graph_path(engine) if args.graph_path else None
     rng = np.random.default_rng(0)
     users = 32
     events = {u: (rng.integers(0, 1_000_000, 20_000), rng.integers(0, 256, 20_000),
@@ -69,11 +114,13 @@ def main() -> None:
             profiler.disable()
         if b >= 5:
             per_batch.append({k: (v - before.get(k, 0.0)) * 1e3 for k, v in engine.stats.phase_seconds.items()})
-    host = [sum(v for k, v in p.items() if k not in ("forward", "score")) for p in per_batch]
+    # Steps 1-7's host time, as the benchmark's overhead_ms_bs8: without intake and the device waits.
+    host = [sum(v for k, v in p.items() if k not in ("intake", "forward", "score")) for p in per_batch]
     median = per_batch[int(np.argsort(host)[len(host) // 2])]
     print(f"{args.mode}, batches of 8: host phases (ms) of the median batch: "
-          f"{ {k: round(v, 3) for k, v in median.items()} }, sum without forward and score "
-          f"{np.median(host):.3f}")
+          f"{ {k: round(v, 3) for k, v in median.items()} }; steps 1-7 without forward and score "
+          f"{np.median(host):.3f}, intake {np.median([p['intake'] for p in per_batch]):.3f}"
+          + (f"; {graphs.num_replays} steps staged for graphs" if graphs is not None else ""))
     if args.profile:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 

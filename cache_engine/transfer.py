@@ -273,7 +273,8 @@ class TransferEngine:
         addresses, layer_bytes = host_page_addresses(jobs)
         compute = torch.cuda.current_stream(self.device)
         # The same events every step: a stream that waits on one waits for its latest record at that time, and each
-        # step's waits are queued before the next step records again.
+        # step's waits are queued before the next step records again. The host tier frees the host slots an onload
+        # reads once its events report done, which a later record can only delay (one stream, in order).
         events, src_dtype = self._layer_events, jobs[0].slot.dtype
         with torch.cuda.stream(self.scatter_stream):
             self.scatter_stream.wait_stream(compute)  # the pages were just handed out on the host side

@@ -4,12 +4,12 @@ from .base import AttentionBackend, AttentionKind, AttentionSpec, BackendSupport
 from .registry import ENTRY_POINT_GROUP, BackendRegistry
 
 __all__ = [
-                   "ENTRY_POINT_GROUP",
-                   "AttentionBackend",
-                   "AttentionKind",
-                   "AttentionSpec",
-                   "BackendRegistry",
-                   "BackendSupport",
-                   "GraphReplayable",
-                   "PagedBatchMetadata",
+    "ENTRY_POINT_GROUP",
+    "AttentionBackend",
+    "AttentionKind",
+    "AttentionSpec",
+    "BackendRegistry",
+    "BackendSupport",
+    "GraphReplayable",
+    "PagedBatchMetadata",
 ]

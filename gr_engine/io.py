@@ -91,7 +91,7 @@ def write_outputs(path: str | Path, outputs: list[RankOutput]) -> None:
 
 
 def _array_as_lists(value: object) -> object:
-    """``msgspec.to_builtins`` hook: numpy arrays (ranking scores) as nested lists."""
+    """``msgspec.to_builtins`` hook: numpy arrays (ranking scores) as nested lists; any other type is an error."""
     if isinstance(value, np.ndarray):
         return value.tolist()
-    raise NotImplementedError(f"cannot write {type(value).__name__}")
+    raise TypeError(f"write_outputs cannot write a {type(value).__name__}")

@@ -60,7 +60,7 @@ def transfer_bandwidth(device, chunk_tokens: int, tokens: int, layers=8, heads=4
     store.wait_until_allocated()
     for s in range(num_chunks):
         store.slot(s).copy_(torch.randn(shape).to(torch.bfloat16))
-    transfer = TransferEngine(device, onload_streams=streams, onload_kernel=engine == "kernel")
+    transfer = TransferEngine(device, onload_streams=streams, kernels=engine == "kernel")
     # Job pages as the engine's cache manager hands them over: int64 arrays.
     pages = np.random.default_rng(0).permutation(kv.shape[1])[: num_chunks * chunk_pages]
     onload_jobs = [OnloadJob(c, store.slot(c), pages[c * chunk_pages:(c + 1) * chunk_pages]) for c in range(num_chunks)]

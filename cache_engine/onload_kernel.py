@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.compiler import CompiledKernel
+
+from .kernel_cache import CompiledKernels
 
 # Launch shape: rows and warps per program. On the H200 with benchmark KV (4 x 128, page 32) every shape from 1 to
 # 64 rows with enough warps reads host memory at 49.5-51 GB/s of its 55 GB/s copy peak; 8 rows x 8 warps was the
@@ -79,16 +80,13 @@ def onload_pages(kv_layer: torch.Tensor, src_addr: torch.Tensor, dst_pages: torc
 
 
 class OnloadLauncher:
-    """Launches the onload kernel (arguments as :func:`onload_pages`) and keeps each specialisation's compiled
-    kernel, which Triton returns from its first launch: later launches call it directly, skipping the JIT's
-    argument binding and cache lookup (34 -> 13 us per launch on the GPU machine's host,
-    ``benchmarks/results/host_api_costs.json``). The key holds everything the compiled kernel was specialised
-    on: dtypes, the values of the specialised integers, the pool and scale pointers' 16-byte alignment.
-    Under Triton's interpreter (CPU tests) every launch goes through the JIT."""
+    """Launches the onload kernel (arguments as :func:`onload_pages`), keeping each specialisation's compiled
+    kernel (:class:`~.kernel_cache.CompiledKernels`). The key holds everything the compiled kernel is specialised
+    on: dtypes, the values of the specialised integers, the pool and scale pointers' 16-byte alignment."""
 
     def __init__(self, rows_per_program: int = ROWS_PER_PROGRAM, num_warps: int = NUM_WARPS) -> None:
-        self.rows_per_program, self.num_warps = rows_per_program, num_warps
-        self._compiled: dict[tuple, CompiledKernel] = {}
+        self.rows_per_program = rows_per_program
+        self._kernels = CompiledKernels(_onload_pages_kernel, num_warps)
 
     def __call__(self, kv_layer: torch.Tensor, src_addr: torch.Tensor, dst_pages: torch.Tensor, layer_offset: int,
                  src_dtype: torch.dtype, layer: int = 0, slot_ids: torch.Tensor | None = None,
@@ -105,14 +103,7 @@ class OnloadLauncher:
         args = (kv_layer, src_addr, dst_pages, slot_ids, scales, layer_offset, layer, num_layers, num_heads, page_size)
         constants = {"SRC_DTYPE": _POINTER_DTYPES[src_dtype], "ROW": row, "BLOCK": triton.next_power_of_2(row),
                      "HEAD_DIM": head_dim, "ROWS": rows, "HAS_SCALES": has_scales}
-        grid = (num_pages, two * page_size // rows, 1)
         key = (kv_layer.dtype, src_dtype, src_addr.dtype, dst_pages.dtype, slot_ids.dtype, scales.dtype, num_layers,
                num_heads, page_size, row, head_dim, rows, has_scales, kv_layer.data_ptr() % 16, scales.data_ptr() % 16,
                -(2**31) <= layer_offset < 2**31)  # the type (i32 / i64) Triton gives the offset
-        compiled = self._compiled.get(key)
-        if compiled is not None:
-            compiled[grid](*args, *constants.values())
-            return
-        compiled = _onload_pages_kernel[grid](*args, **constants, num_warps=self.num_warps)
-        if isinstance(compiled, CompiledKernel):
-            self._compiled[key] = compiled
+        self._kernels.launch(key, (num_pages, two * page_size // rows), args, constants)

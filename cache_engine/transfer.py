@@ -3,17 +3,18 @@
 On CUDA, three side streams keep copies off the compute stream:
 
 - **offload**: waits for the step's compute, gathers the pages of all chunks into a transient device
-  buffer (one ``index_select``); later, at :meth:`TransferEngine.issue_deferred` (the engine calls it once
-  the step's forward is queued, so this host work overlaps the device's), lays each chunk out like its
-  host slot and copies it there (one DMA per chunk). The gather's event tells when the pages may be
-  written again; the copy's event when the host data is complete.
+  buffer laid out like their host slots (with ``kernels``: one Triton kernel, :mod:`.offload_kernel`, that
+  also quantises to FP8; otherwise an ``index_select``, quantised and laid out later); at
+  :meth:`TransferEngine.issue_deferred` (the engine calls it once the step's forward is queued, so this
+  host work overlaps the device's), copies each chunk to its host slot (one DMA per chunk). The gather's
+  event tells when the pages may be written again; the copy's event when the host data is complete.
 - **onload** (one or more streams): per layer, copies the layer's block of each host chunk into a device
   onload buffer (double-buffered: layer ``l`` reuses the buffer of layer ``l - 2`` once that one is
   scattered).
 - **scatter**: per layer, waits for that layer's copies and scatters the buffer into the users'
   pages; its event for layer ``l`` is what the model's layer ``l`` waits for.
 
-With ``onload_kernel``, the scatter stream instead runs one kernel per layer that reads the host pages
+With ``kernels``, the scatter stream instead runs one kernel per layer that reads the host pages
 directly (:mod:`.onload_kernel`) and records that layer's event: no onload buffer, no DMA per chunk.
 
 Host chunks may be stored in FP8 (e4m3): chunks are quantised on the device before the copy out, with
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from .offload_kernel import ChunkPacker
     from .onload_kernel import OnloadLauncher
 
 FP8 = torch.float8_e4m3fn
@@ -91,9 +93,6 @@ def host_page_addresses(jobs: list[OnloadJob]) -> tuple[np.ndarray, int]:
     return np.repeat(slot_addresses, counts) + (np.arange(int(counts.sum())) - first) * page_bytes, layer_bytes
 
 
-_UPLOAD_BUFFERS = 8  # pinned buffers for index uploads (a step makes a few: onload, offloads)
-
-
 class TransferEngine:
     """Issues offloads and onloads for one device (streams on CUDA, synchronous copies on CPU).
 
@@ -104,16 +103,17 @@ class TransferEngine:
             have the pool's dtype.
         onload_streams: streams the per-layer host-to-device copies are spread over (more than one lets
             several copy engines work at once).
-        onload_kernel: on CUDA, onload with :func:`.onload_kernel.onload_pages` instead of copies + scatter
-            (when Triton is installed; otherwise copies + scatter).
+        kernels: on CUDA, move data with Triton kernels (when Triton is installed): offloads gather and
+            quantise with :class:`.offload_kernel.ChunkPacker`, onloads read host pages with
+            :class:`.onload_kernel.OnloadLauncher`; otherwise torch operations, copies and scatters.
     """
 
     def __init__(self, device: torch.device, scales: torch.Tensor | None = None, onload_streams: int = 1,
-                 onload_kernel: bool = False) -> None:
+                 kernels: bool = False) -> None:
         self.device = device
         self.scales = scales
         self.is_cuda = device.type == "cuda"
-        self.onload_kernel = onload_kernel and self.is_cuda and importlib.util.find_spec("triton") is not None
+        self.kernels = kernels and self.is_cuda and importlib.util.find_spec("triton") is not None
         if self.is_cuda:
             self.offload_stream = torch.cuda.Stream(device)
             self.onload_streams = [torch.cuda.Stream(device) for _ in range(max(1, onload_streams))]
@@ -123,11 +123,8 @@ class TransferEngine:
         self.last_gather: torch.cuda.Event | None = None
         self._last_scatter: torch.cuda.Event | None = None
         self._launcher: OnloadLauncher | None = None  # the onload kernel's, created at the first kernel onload
+        self._packer: ChunkPacker | None = None  # the offload kernel's, created at the first kernel offload
         self._layer_events: list[torch.cuda.Event] = []  # recorded after each layer's kernel, reused every step
-        # Pinned staging of index uploads, reused in turn; each with the event after its last copy.
-        self._upload_buffers: list[torch.Tensor | None] = [None] * _UPLOAD_BUFFERS
-        self._upload_copied: list[torch.cuda.Event | None] = [None] * _UPLOAD_BUFFERS
-        self._upload_turn = 0
         #: When False, offloads and onloads move no data and complete at once: the cache's bookkeeping
         #: runs as usual but KV contents go stale. Only for fast-forwarding a benchmark's cache state.
         self.moves_data = True
@@ -154,16 +151,19 @@ class TransferEngine:
             row[:len(job.pages)] = job.pages
             row[len(job.pages):] = job.pages[-1]
         pages = pages.ravel()
+        slot_ids = np.fromiter((job.slot_id for job in jobs), dtype=np.int64, count=len(jobs))
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.offload_stream):
             self.offload_stream.wait_stream(compute)
-            index = self._upload(np.concatenate([pages, np.array([job.slot_id for job in jobs], dtype=np.int64)]),
-                                 self.offload_stream)
-            gathered_pages = kv.index_select(1, index[: len(pages)])  # [L, jobs * slot_pages, 2, ps, H, D]
+            index = self._upload(np.concatenate([pages, slot_ids]))
+            if self.kernels:
+                packed = self._pack(kv, index[: len(pages)], index[len(pages):], jobs[0].slot)
+            else:  # [L, jobs * slot_pages, 2, ps, H, D], laid out and quantised by issue_deferred
+                packed = kv.index_select(1, index[: len(pages)])
             gathered = torch.cuda.Event()
             gathered.record(self.offload_stream)
         self.last_gather = gathered
-        handle = OffloadHandle(gathered, None, (gathered_pages, index), deferred=True)
+        handle = OffloadHandle(gathered, None, (packed, index), deferred=True)
         self._deferred.append((handle, jobs))
         return handle
 
@@ -174,16 +174,29 @@ class TransferEngine:
             return
         with torch.cuda.stream(self.offload_stream):
             for handle, jobs in self._deferred:
-                gathered_pages, index = handle.buffer
-                num_layers, slot_pages = gathered_pages.shape[0], jobs[0].slot.shape[1]
-                buffer = gathered_pages.view(num_layers, len(jobs), slot_pages, *gathered_pages.shape[2:])
-                buffer = self._quantize(buffer.transpose(0, 1).contiguous(), index[-len(jobs):])
+                buffer, index = handle.buffer
+                if not self.kernels:  # lay the gathered pages out like the slots, quantise
+                    num_layers, slot_pages = buffer.shape[0], jobs[0].slot.shape[1]
+                    buffer = buffer.view(num_layers, len(jobs), slot_pages, *buffer.shape[2:])
+                    buffer = self._quantize(buffer.transpose(0, 1).contiguous(), index[-len(jobs):])
                 for job, block in zip(jobs, buffer, strict=True):
                     job.slot.copy_(block, non_blocking=True)
                 handle.copied = torch.cuda.Event()
                 handle.copied.record(self.offload_stream)
                 handle.buffer, handle.deferred = (*handle.buffer, buffer), False
         self._deferred.clear()
+
+    def _pack(self, kv: torch.Tensor, pages: torch.Tensor, slot_ids: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """Chunks of ``pages`` (int64 ``[J * slot_pages]``) laid out like host slots (``slot``'s shape and dtype),
+        ``[J, L, slot_pages, 2, page_size, H, D]`` on the device, quantised with scales for ``slot_ids`` (int64
+        ``[J]``) when host chunks are FP8; one kernel on the current stream."""
+        if self._packer is None:
+            from .offload_kernel import ChunkPacker  # imports Triton
+
+            self._packer = ChunkPacker()
+        packed = torch.empty((len(slot_ids), *slot.shape), dtype=slot.dtype, device=self.device)
+        self._packer(kv, pages, packed, slot_ids, self.scales)
+        return packed
 
     def _quantize(self, chunks: torch.Tensor, slot_ids: torch.Tensor | list[int]) -> torch.Tensor:
         """``chunks [J, L, pages, 2, page_size, H, D]`` -> FP8 with per (slot, layer, K/V, head) scales
@@ -223,7 +236,7 @@ class TransferEngine:
                 src = torch.cat([job.slot[layer, : len(job.pages)] for job in jobs])
                 kv[layer].index_copy_(0, dst, self._dequantize(src, scales, layer, kv.dtype))
             return [None] * num_layers
-        if self.onload_kernel:
+        if self.kernels:
             return self._onload_by_kernel(kv, jobs, pages, page_slots)
         compute = torch.cuda.current_stream(self.device)
         buffers = self._onload_buffers(jobs[0].slot, len(pages))
@@ -233,7 +246,7 @@ class TransferEngine:
                 stream.wait_event(self._last_scatter)
         with torch.cuda.stream(self.scatter_stream):
             self.scatter_stream.wait_stream(compute)  # the pages were just handed out on the host side
-            index = self._upload(np.concatenate([pages, page_slots]), self.scatter_stream)
+            index = self._upload(np.concatenate([pages, page_slots]))
             dst = index[: len(pages)]
             scales = None if self.scales is None else self.scales[index[len(pages):]]
         starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
@@ -278,7 +291,7 @@ class TransferEngine:
         events, src_dtype = self._layer_events, jobs[0].slot.dtype
         with torch.cuda.stream(self.scatter_stream):
             self.scatter_stream.wait_stream(compute)  # the pages were just handed out on the host side
-            index = self._upload(np.concatenate([pages, page_slots, addresses]), self.scatter_stream)
+            index = self._upload(np.concatenate([pages, page_slots, addresses]))
             count = len(pages)
             dst, slot_ids, src = index[:count], index[count:2 * count], index[2 * count:]
             for layer, event in enumerate(events):
@@ -295,25 +308,12 @@ class TransferEngine:
             return pages
         return (pages.float() * scales[:, layer, :, None, :, None]).to(dtype)
 
-    def _upload(self, values: np.ndarray, stream: torch.cuda.Stream) -> torch.Tensor:
-        """int64 ``[len(values)]`` on the device, copied on ``stream`` (the current one) without blocking, from
-        the next of a ring of reused pinned buffers (pinning a fresh tensor per copy cost ~0.5 ms on the GPU
-        machine's host); if that buffer's last copy is still queued, from one of torch's caching host allocator."""
-        slot = self._upload_turn
-        self._upload_turn = (slot + 1) % len(self._upload_buffers)
-        buffer, copied = self._upload_buffers[slot], self._upload_copied[slot]
-        if copied is not None and not copied.query():
-            fresh = torch.empty(len(values), dtype=torch.long, pin_memory=True)  # torch's caching host allocator
-            fresh.numpy()[:] = values
-            return fresh.to(self.device, non_blocking=True)
-        if buffer is None or len(buffer) < len(values):
-            buffer = self._upload_buffers[slot] = torch.empty(max(1024, 2 * len(values)), dtype=torch.long,
-                                                              pin_memory=True)
-        buffer.numpy()[: len(values)] = values
-        uploaded = buffer[: len(values)].to(self.device, non_blocking=True)
-        self._upload_copied[slot] = torch.cuda.Event()
-        self._upload_copied[slot].record(stream)
-        return uploaded
+    def _upload(self, values: np.ndarray) -> torch.Tensor:
+        """int64 ``[len(values)]`` on the device, copied without blocking on the current stream from pinned memory
+        of torch's caching host allocator, which reuses it once that copy is done."""
+        staged = torch.empty(len(values), dtype=torch.long, pin_memory=True)
+        staged.numpy()[:] = values
+        return staged.to(self.device, non_blocking=True)
 
     def _onload_buffers(self, slot: torch.Tensor, num_pages: int) -> list[torch.Tensor]:
         """Two ``[>= num_pages, 2, page_size, H, D]`` device buffers of the host dtype. Replaced buffers are

@@ -71,7 +71,8 @@ def test_onload_waits_per_layer_event():
 
 @pytest.mark.parametrize("host_dtype", ["kv", "float8_e4m3fn"])
 def test_kernel_onload_engine_equals_copy_engine(host_dtype):
-    """The onload kernel reads host pages directly; scores equal the copy engine's exactly (same dequantisation)."""
+    """The transfer kernels (offloads packed and quantised by one kernel, onloads read from host pages) give
+    exactly the copy engine's scores: the same quantisation and dequantisation."""
     config = cuda_config("bfloat16", mode="hierarchical", num_gpu_pages=200, host_dtype=host_dtype)
     requests = stream(config, num_users=30, visits=20, seed=6)
     outputs = {}
@@ -86,17 +87,17 @@ def test_kernel_onload_engine_equals_copy_engine(host_dtype):
 
 
 def test_index_uploads_never_rewrite_a_pinned_buffer_whose_copy_is_queued():
-    """Uploads reuse a ring of pinned buffers; while the stream is busy (copies still queued), a buffer in use
-    is skipped for a freshly pinned one, so every upload arrives intact."""
+    """Uploads stage through torch's caching host allocator and drop the staging tensor at once; while the stream
+    is busy (copies still queued) its memory must not be handed to the next upload, so every upload arrives
+    intact, and so do later ones that reuse the freed blocks."""
     from cache_engine.transfer import TransferEngine
 
     transfer = TransferEngine(torch.device("cuda"))
     rng = np.random.default_rng(0)
     expected = [rng.integers(0, 2**40, n) for n in (5, 3000, 17, 1, 9000, 64, 2, 100, 5000, 7, 11, 13, 4000, 3)]
     torch.cuda._sleep(100_000_000)  # the copies below queue behind this
-    stream = torch.cuda.current_stream()
-    got = [transfer._upload(values, stream) for values in expected]
+    got = [transfer._upload(values) for values in expected]
     torch.cuda.synchronize()
     assert all(np.array_equal(g.cpu().numpy(), e) for g, e in zip(got, expected, strict=True))
-    again = [transfer._upload(values, stream) for values in expected[:3]]  # reused buffers, now free
+    again = [transfer._upload(values) for values in expected[:3]]  # freed blocks, now reusable
     assert all(np.array_equal(g.cpu().numpy(), e) for g, e in zip(again, expected[:3], strict=True))

@@ -97,7 +97,7 @@ def test_a_launcher_reused_over_layers_and_page_counts_loads_every_page(fp8):
                      None if scales is None else scales.to(DEVICE))
         if DEVICE == "cuda":
             torch.cuda.synchronize()
-            assert len(launcher._compiled) == 1  # one specialisation, kept after the first launch
+            assert len(launcher._kernels) == 1  # one specialisation, kept after the first launch
         for (s, p), d in zip(picks, dst.tolist()):
             expected = slots[s, :, p].float()
             if scales is not None:

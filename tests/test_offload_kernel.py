@@ -1,0 +1,85 @@
+"""The offload kernel (:mod:`cache_engine.offload_kernel`) against plain indexing and the copy path's
+quantisation: chunks of pool pages gathered into host-slot layout, exact, and FP8 with the same scales and
+values. CPU runs it in Triton's interpreter (``TRITON_INTERPRET=1`` set before the module imports Triton)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP8 = torch.float8_e4m3fn
+
+
+def chunk_pages(gen: torch.Generator, pool_pages: int, slot_pages: int, lengths: list[int]) -> torch.Tensor:
+    """int64 ``[J * slot_pages]``: distinct random pool pages per chunk, partial chunks padded with their last."""
+    picked = torch.randperm(pool_pages, generator=gen)[: sum(lengths)].tolist()
+    rows = []
+    for n in lengths:
+        row, picked = picked[:n], picked[n:]
+        rows += row + row[-1:] * (slot_pages - n)
+    return torch.tensor(rows)
+
+
+@pytest.mark.parametrize("heads,dim,page", [(2, 16, 4), (3, 8, 2), (1, 32, 8)])
+def test_chunks_are_gathered_into_slot_layout_exactly(heads, dim, page):
+    from cache_engine.offload_kernel import ChunkPacker
+
+    gen = torch.Generator().manual_seed(0)
+    layers, pool_pages, slot_pages = 3, 30, 4
+    kv = torch.randn(layers, pool_pages, 2, page, heads, dim, generator=gen).to(DEVICE)
+    pages = chunk_pages(gen, pool_pages, slot_pages, [4, 1, 3])
+    out = torch.full((3, layers, slot_pages, 2, page, heads, dim), float("nan"), device=DEVICE)
+    ChunkPacker()(kv, pages.to(DEVICE), out)
+    expected = kv.cpu()[:, pages].view(layers, 3, slot_pages, 2, page, heads, dim).transpose(0, 1)
+    torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=0)
+
+
+def test_fp8_chunks_match_the_copy_paths_quantisation():
+    """Values and scales as :meth:`TransferEngine._quantize` computes them; other slots' scales untouched."""
+    from cache_engine.offload_kernel import ChunkPacker
+    from cache_engine.transfer import TransferEngine
+
+    gen = torch.Generator().manual_seed(1)
+    layers, pool_pages, slot_pages, page, heads, dim = 2, 24, 3, 4, 2, 16
+    kv = torch.randn(layers, pool_pages, 2, page, heads, dim, generator=gen)
+    kv[1, :, 1, :, 0] *= 300.0  # one (layer, V, head) far larger: its own scale
+    kv[0, :, 0, :, 1] = 0.0  # an all-zero (layer, K, head): the smallest scale, zeros out
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # the interpreter's bf16 casts differ from torch's
+    kv = kv.to(dtype)
+    pages = chunk_pages(gen, pool_pages, slot_pages, [3, 2])
+    slot_ids = torch.tensor([4, 1])
+    scales = torch.full((6, layers, 2, heads), -1.0)
+    expected_scales = scales.clone()
+    reference = TransferEngine(torch.device("cpu"), expected_scales)
+    chunks = kv[:, pages].view(layers, 2, slot_pages, 2, page, heads, dim).transpose(0, 1)
+    expected = reference._quantize(chunks, slot_ids.tolist())
+    got_scales = scales.to(DEVICE)
+    # The interpreter's FP8 cast is not torch's (it rounds values just below a power of two down to half of it):
+    # there, the scaled values before the cast are compared, in float32.
+    out = torch.empty((2, layers, slot_pages, 2, page, heads, dim), dtype=FP8 if DEVICE == "cuda" else torch.float32,
+                      device=DEVICE)
+    ChunkPacker()(kv.to(DEVICE), pages.to(DEVICE), out, slot_ids.to(DEVICE), got_scales)
+    torch.testing.assert_close(got_scales.cpu(), expected_scales, rtol=0, atol=0)
+    if DEVICE != "cuda":
+        expected = chunks.float() / expected_scales[slot_ids][:, :, None, :, None, :, None]
+    torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=0, atol=0)
+    assert (out.cpu().float()[:, 0, :, 0, :, 1] == 0).all()  # the all-zero head stays zero
+    assert (got_scales.cpu()[[0, 2, 3, 5]] == -1).all()
+
+
+def test_scales_need_slot_ids():
+    from cache_engine.offload_kernel import ChunkPacker
+
+    kv = torch.zeros(1, 4, 2, 2, 1, 8, device=DEVICE)
+    out = torch.empty((1, 1, 2, 2, 2, 1, 8), dtype=FP8, device=DEVICE)
+    with pytest.raises(ValueError, match="slot_ids"):
+        ChunkPacker()(kv, torch.zeros(2, dtype=torch.long, device=DEVICE), out, None, torch.ones(1, 1, 2, 1,
+                                                                                              device=DEVICE))

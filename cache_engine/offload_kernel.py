@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .kernel_cache import CompiledKernels
 
-FP8_MAX = 448.0
+FP8_MAX = tl.constexpr(448.0)  # a constexpr: jitted code reads no other globals
 NUM_WARPS = 4
 
 

@@ -50,14 +50,15 @@ def _pack_chunks_kernel(
             page = tl.load(Pages + job * SLOT_PAGES + p).to(tl.int64)
             values = tl.load(src_layer + page * page_values + within, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(values))
-        scale = tl.maximum(tl.max(tl.max(amax, axis=1), axis=0) / FP8_MAX, 1.1754943508222875e-38)
+        peak = tl.max(tl.max(amax, axis=1), axis=0)
+        scale = tl.maximum(tl.math.div_rn(peak, tl.full([], FP8_MAX, tl.float32)), 1.1754943508222875e-38)
         slot = tl.load(SlotIds + job)
         tl.store(Scales + ((slot * NUM_LAYERS + layer) * 2 + kv) * NUM_HEADS + head, scale)
     for p in range(SLOT_PAGES):
         page = tl.load(Pages + job * SLOT_PAGES + p).to(tl.int64)
         values = tl.load(src_layer + page * page_values + within, mask=mask, other=0.0)
         if QUANTISE:
-            values = tl.math.div_rn(values.to(tl.float32), scale)  # IEEE division, as torch's
+            values = tl.math.div_rn(values.to(tl.float32), scale)  # IEEE divisions (not Triton's default), as torch's
         tl.store(dst + p * page_values + within, values.to(Out.dtype.element_ty), mask=mask)
 
 

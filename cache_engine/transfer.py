@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from .streams import indexed, on_stream
+
 if TYPE_CHECKING:
     from .offload_kernel import ChunkPacker
     from .onload_kernel import OnloadLauncher
@@ -110,7 +112,7 @@ class TransferEngine:
 
     def __init__(self, device: torch.device, scales: torch.Tensor | None = None, onload_streams: int = 1,
                  kernels: bool = False) -> None:
-        self.device = device
+        self.device = indexed(device)
         self.scales = scales
         self.is_cuda = device.type == "cuda"
         self.kernels = kernels and self.is_cuda and importlib.util.find_spec("triton") is not None
@@ -153,7 +155,7 @@ class TransferEngine:
         pages = pages.ravel()
         slot_ids = np.fromiter((job.slot_id for job in jobs), dtype=np.int64, count=len(jobs))
         compute = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self.offload_stream):
+        with on_stream(self.offload_stream, self.device):
             self.offload_stream.wait_stream(compute)
             index = self._upload(np.concatenate([pages, slot_ids]))
             if self.kernels:
@@ -172,7 +174,7 @@ class TransferEngine:
         offload stream; each handle's ``copied`` event is set."""
         if not self._deferred:
             return
-        with torch.cuda.stream(self.offload_stream):
+        with on_stream(self.offload_stream, self.device):
             for handle, jobs in self._deferred:
                 buffer, index = handle.buffer
                 if not self.kernels:  # lay the gathered pages out like the slots, quantise
@@ -244,7 +246,7 @@ class TransferEngine:
         if self._last_scatter is not None:  # the previous step's scatters still read the buffers
             for stream in self.onload_streams:
                 stream.wait_event(self._last_scatter)
-        with torch.cuda.stream(self.scatter_stream):
+        with on_stream(self.scatter_stream, self.device):
             self.scatter_stream.wait_stream(compute)  # the pages were just handed out on the host side
             index = self._upload(np.concatenate([pages, page_slots]))
             dst = index[: len(pages)]
@@ -254,7 +256,7 @@ class TransferEngine:
             buffer = buffers[layer % 2][: len(pages)]
             copied = []
             for s, stream in enumerate(self.onload_streams):
-                with torch.cuda.stream(stream):
+                with on_stream(stream, self.device):
                     if layer >= 2:
                         stream.wait_event(scattered[layer - 2])
                     for j in range(s, len(jobs), len(self.onload_streams)):  # jobs dealt round-robin
@@ -262,7 +264,7 @@ class TransferEngine:
                         buffer[starts[j]:starts[j] + n].copy_(jobs[j].slot[layer, :n], non_blocking=True)
                     copied.append(torch.cuda.Event())
                     copied[-1].record(stream)
-            with torch.cuda.stream(self.scatter_stream):
+            with on_stream(self.scatter_stream, self.device):
                 for event in copied:
                     self.scatter_stream.wait_event(event)
                 kv[layer].index_copy_(0, dst, self._dequantize(buffer, scales, layer, kv.dtype))
@@ -289,7 +291,7 @@ class TransferEngine:
         # step's waits are queued before the next step records again. The host tier frees the host slots an onload
         # reads once its events report done, which a later record can only delay (one stream, in order).
         events, src_dtype = self._layer_events, jobs[0].slot.dtype
-        with torch.cuda.stream(self.scatter_stream):
+        with on_stream(self.scatter_stream, self.device):
             self.scatter_stream.wait_stream(compute)  # the pages were just handed out on the host side
             index = self._upload(np.concatenate([pages, page_slots, addresses]))
             count = len(pages)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from attention_backends import AttentionBackend, GraphReplayable, PagedBatchMetadata
+from cache_engine.streams import indexed
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ class StepGraphs:
 
     def __init__(self, backend: AttentionBackend, device: torch.device, page_size: int, max_rows: int,
                  max_requests: int, max_pages: int) -> None:
-        self.backend, self.device, self.page_size = backend, device, page_size
+        self.backend, self.device, self.page_size = backend, indexed(device), page_size
         self.max_rows, self.max_requests, self.max_pages = max_rows, max_requests, max_pages
         self.buckets = [b for b in (128 * 2**i for i in range(16)) if b < max_rows] + [max_rows]
         # Per bucket: each field's capacity and offset in the static buffer (rows fields hold the bucket's rows, so
@@ -194,7 +195,7 @@ class StepGraphs:
         host[layout.size:used] = pages
         self._buffer[:used].copy_(staging[:used], non_blocking=True)
         device_plan, pinned_plan, plan_copied = self._plan_buffers(plan_key, len(plan))
-        stream = torch.cuda.current_stream(self.device) if self._cuda else None  # looked up once: slow on some hosts
+        stream = torch.cuda.current_stream(self.device) if self._cuda else None
         if stream is not None:
             copied.record(stream)
             plan_copied.synchronize()

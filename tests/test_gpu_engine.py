@@ -101,3 +101,25 @@ def test_index_uploads_never_rewrite_a_pinned_buffer_whose_copy_is_queued():
     assert all(np.array_equal(g.cpu().numpy(), e) for g, e in zip(got, expected, strict=True))
     again = [transfer._upload(values) for values in expected[:3]]  # freed blocks, now reusable
     assert all(np.array_equal(g.cpu().numpy(), e) for g, e in zip(again, expected[:3], strict=True))
+
+
+def test_on_stream_switches_and_restores_the_current_stream():
+    """Work inside ``on_stream`` is queued on that stream; the previous stream is current again afterwards, also
+    after an exception."""
+    from cache_engine.streams import indexed, on_stream
+
+    device = indexed(torch.device("cuda"))
+    assert device.index == torch.cuda.current_device()
+    before, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+    x = torch.zeros(1 << 20, device=device)
+    with on_stream(side, device):
+        assert torch.cuda.current_stream(device) == side
+        torch.cuda._sleep(50_000_000)
+        x.add_(1)
+    assert torch.cuda.current_stream(device) == before
+    assert not side.query()  # the work went to the side stream, still busy sleeping
+    side.synchronize()
+    assert x.eq(1).all()
+    with pytest.raises(RuntimeError, match="inside"), on_stream(side, device):
+        raise RuntimeError("inside")
+    assert torch.cuda.current_stream(device) == before

@@ -206,7 +206,8 @@ class TransferEngine:
         if self.scales is None:
             return chunks
         amax = chunks.abs().amax(dim=(2, 4, 6)).float()  # [J, L, 2, H]
-        scale = (amax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+        # By a tensor: CUDA torch divides by a Python number as a product with its reciprocal, not exactly.
+        scale = (amax / torch.full((), FP8_MAX, device=amax.device)).clamp_min(torch.finfo(torch.float32).tiny)
         self.scales[torch.as_tensor(slot_ids, device=self.scales.device)] = scale
         return (chunks.float() / scale[:, :, None, :, None, :, None]).to(FP8)
 

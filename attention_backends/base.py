@@ -355,7 +355,7 @@ class GraphReplayable(abc.ABC):
 
     @abc.abstractmethod
     def graph_plan(self, common_host: dict[str, np.ndarray], max_rows: int,
-                   max_requests: int) -> tuple[Hashable, np.ndarray]:
+                   max_requests: int) -> tuple[Hashable, np.ndarray | None]:
         """This step's own metadata for CUDA-graph replay.
 
         Args:
@@ -363,9 +363,21 @@ class GraphReplayable(abc.ABC):
             max_rows, max_requests: capacities the step is padded to (``T <= max_rows``, ``B <= max_requests``).
 
         Returns:
-            ``(key, plan)``: ``plan`` is a flat int32 array whose length and layout depend only on ``key`` (the
-            launch shape); steps with equal keys and capacities share one captured graph.
+            ``(key, plan)``: ``plan`` is a flat int32 array of :meth:`graph_plan_size` entries whose layout depends
+            only on ``key`` (the launch shape), uploaded for the replay; or ``None`` when, for this key, the backend
+            writes it on the device inside the replay (:meth:`write_graph_plan`). Steps with equal keys and
+            capacities share one captured graph.
         """
+
+    @abc.abstractmethod
+    def graph_plan_size(self, key: Hashable) -> int:
+        """Entries of the plan array of ``key``."""
+
+    def write_graph_plan(self, common: PagedBatchMetadata, key: Hashable, plan: torch.Tensor) -> None:
+        """Write the plan of the step in ``common`` (padded to the capacities, on the device) into ``plan``, on the
+        current stream, capturable in a graph; called before the first layer of each replay of a key whose
+        :meth:`graph_plan` returned ``None``."""
+        raise NotImplementedError(f"{type(self).__name__} plans every step on the host")
 
     @abc.abstractmethod
     def graph_metadata(self, common: PagedBatchMetadata, key: Hashable, plan: torch.Tensor) -> Any:

@@ -286,6 +286,8 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
         if self.tiles.block_n % spec.page_size:
             raise ValueError(f"block_n {self.tiles.block_n} is not a multiple of page_size {spec.page_size}")
         self.overhead_keys, self.min_tiles_per_split = SPLIT_OVERHEAD_KEYS, MIN_TILES_PER_SPLIT  # split-KV knobs
+        #: Replayed steps plan on the device when the key's capacities allow (:mod:`.hstu_triton_device_plan`).
+        self.plan_on_device = True
         cuda = spec.device_type == "cuda"  # processors planned for; on CPU (the interpreter, for tests) a nominal 4
         self.num_sms = torch.cuda.get_device_properties("cuda").multi_processor_count if cuda else 4
 
@@ -314,22 +316,40 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
                                   self.num_sms, common.max_kv_len > self.min_tiles_per_split * config.block_n, config)
 
     def graph_plan(self, common_host: dict[str, np.ndarray], max_rows: int,
-                   max_requests: int) -> tuple[Hashable, np.ndarray]:
+                   max_requests: int) -> tuple[Hashable, np.ndarray | None]:
         """The tile map padded to the most tiles and items a step within the capacities can have: spare tiles
         (request ``-1``, no parts) and spare items (tile ``-1``) are skipped by the kernels. Key: the launch
-        shape and the two capacities."""
+        shape, the two capacities and whether the plan is written on the device (``None`` returned: with
+        ``plan_on_device``, when :func:`.hstu_triton_device_plan.fits` the capacities)."""
         config = self._config(int(np.diff(common_host["query_start_loc"]).max(initial=0)))
         num_tiles = (max_rows + max_requests * (config.block_m - 1)) // config.block_m  # plan_tile_map's bound
         num_items = max(num_tiles, -(-MAX_PROGRAMS_PER_SM * self.num_sms // self.spec.num_heads))
+        if self.plan_on_device:
+            from .hstu_triton_device_plan import fits
+
+            if fits(num_tiles, num_items, max_requests):
+                return (config, num_tiles, num_items, True), None
         tiles, items = self._plan(common_host, config)
         plan = np.zeros(5 * num_tiles + 2 * num_items, dtype=np.int32)
         padded_tiles, padded_items = plan[: 5 * num_tiles].reshape(5, -1), plan[5 * num_tiles:].reshape(2, -1)
         padded_tiles[0], padded_items[0] = -1, -1
         padded_tiles[:, : tiles.shape[1]], padded_items[:, : items.shape[1]] = tiles, items
-        return (config, num_tiles, num_items), plan
+        return (config, num_tiles, num_items, False), plan
+
+    def graph_plan_size(self, key: Hashable) -> int:
+        _, num_tiles, num_items, _ = key
+        return 5 * num_tiles + 2 * num_items
+
+    def write_graph_plan(self, common: PagedBatchMetadata, key: Hashable, plan: torch.Tensor) -> None:
+        """:func:`.hstu_triton_device_plan.write_plan` of the padded step: what :meth:`graph_plan` would upload."""
+        from .hstu_triton_device_plan import write_plan
+
+        config, num_tiles, num_items, _ = key
+        write_plan(plan, common.query_start_loc, common.num_history_rows, common.kv_seq_lens, config, num_tiles,
+                   num_items, self.spec.num_heads, self.num_sms, self.overhead_keys, self.min_tiles_per_split)
 
     def graph_metadata(self, common: PagedBatchMetadata, key: Hashable, plan: torch.Tensor) -> HSTUTritonMetadata:
-        config, num_tiles, num_items = key
+        config, num_tiles, num_items, _ = key
         return HSTUTritonMetadata(common, plan[: 5 * num_tiles].view(5, num_tiles),
                                   plan[5 * num_tiles: 5 * num_tiles + 2 * num_items].view(2, num_items),
                                   self.num_sms, True, config)

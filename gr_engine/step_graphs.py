@@ -5,7 +5,8 @@ for a batch of returning users (a few new events and the candidates over cached 
 fits a capture bucket (at most ``max_rows`` rows, ``max_requests`` requests, at least one new history row,
 no relative time bias) is instead *staged*: its tokens, page tables and the attention backend's plan
 (:meth:`~attention_backends.GraphReplayable.graph_plan`) are written, padded to the bucket, into static
-device buffers with two host-to-device copies, and the forward captured for that bucket is replayed.
+device buffers with two host-to-device copies (one, when the backend writes its plan on the device as the
+replay's first work), and the forward captured for that bucket is replayed.
 Padding is inert: spare requests have no rows, spare append rows repeat the step's last real append (the
 same values written to the same slot), spare token rows are computed and never read.
 
@@ -85,6 +86,7 @@ class StagedStep:
         rows: ``T``, the step's rows.
         bucket: rows of the capture bucket (``>= T``).
         plan_key: the backend's launch-shape key for :meth:`GraphReplayable.graph_plan`.
+        plan_on_device: the backend writes the plan inside the replay (nothing was uploaded for it).
         stream: the CUDA stream its copies were queued on, where it is replayed (``None`` on CPU).
     """
 
@@ -93,6 +95,7 @@ class StagedStep:
     rows: int
     bucket: int
     plan_key: Hashable
+    plan_on_device: bool
     stream: torch.cuda.Stream | None
 
 
@@ -194,18 +197,20 @@ class StepGraphs:
         np.take(source, layout.gather, out=host[:layout.size])
         host[layout.size:used] = pages
         self._buffer[:used].copy_(staging[:used], non_blocking=True)
-        device_plan, pinned_plan, plan_copied = self._plan_buffers(plan_key, len(plan))
+        device_plan, pinned_plan, plan_copied = self._plan_buffers(plan_key)
         stream = torch.cuda.current_stream(self.device) if self._cuda else None
         if stream is not None:
             copied.record(stream)
-            plan_copied.synchronize()
-        pinned_plan.numpy()[:] = plan
-        device_plan.copy_(pinned_plan, non_blocking=True)
-        if stream is not None:
-            plan_copied.record(stream)
+        if plan is not None:  # else the backend writes it inside the replay
+            if stream is not None:
+                plan_copied.synchronize()
+            pinned_plan.numpy()[:] = plan
+            device_plan.copy_(pinned_plan, non_blocking=True)
+            if stream is not None:
+                plan_copied.record(stream)
         views = dict(layout.views, kv_indices=self._buffer[layout.size:used])
         return StagedStep(PagedBatchMetadata.from_arrays(arrays, views, self.page_size), layout.tokens, rows, bucket,
-                          plan_key, stream)
+                          plan_key, plan is None, stream)
 
     def backend_metadata(self, step: StagedStep) -> Any:
         """The backend's metadata of a staged step (over the padded plan; valid for eager use too)."""
@@ -241,6 +246,7 @@ class StepGraphs:
                      layer_ready: list[torch.cuda.Event | None]) -> tuple[torch.Tensor, torch.Tensor]:
         """The padded forward and head a graph would replay, launched op by op (CPU, or after a failed capture)."""
         tokens, common, backend = self._static_inputs(step)
+        self._write_plan(step, common)
         states = run_segments(segments(tokens, common, backend), layer_ready)
         return states[: step.rows], head(states, common.candidate_rows)[: len(step.common.candidate_rows)]
 
@@ -274,8 +280,14 @@ class StepGraphs:
     def _event(self) -> torch.cuda.Event | None:
         return torch.cuda.Event() if self._cuda else None
 
-    def _plan_buffers(self, key: Hashable, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
+    def _write_plan(self, step: StagedStep, common: PagedBatchMetadata) -> None:
+        """A device-planned step's plan, from the padded static inputs ``common`` (queued on the current stream)."""
+        if step.plan_on_device:
+            self.backend.write_graph_plan(common, step.plan_key, self._plans[step.plan_key][0])
+
+    def _plan_buffers(self, key: Hashable) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
         if key not in self._plans:
+            length = self.backend.graph_plan_size(key)
             self._plans[key] = (torch.zeros(length, dtype=torch.int32, device=self.device),
                                 torch.zeros(length, dtype=torch.int32, pin_memory=self._cuda), self._event())
         return self._plans[key]
@@ -296,6 +308,7 @@ class StepGraphs:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # compiles and autotunes outside the capture; appends are idempotent
+            self._write_plan(step, common)
             x = None
             for part in parts:
                 x = part(x)
@@ -306,6 +319,8 @@ class StepGraphs:
             graph = torch.cuda.CUDAGraph()
             # thread_local: the host tier's worker threads may call CUDA (events, pinning) during the capture
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                if index == 0:  # the plan, if the backend writes it, comes first in each replay
+                    self._write_plan(step, common)
                 x = part(x)
                 if index == len(parts) - 1:
                     logits = head(x, common.candidate_rows)

@@ -8,10 +8,11 @@ masked, and none past the tile's last visible key is visited. Candidates add the
 relative time bias, ``table[bucket(t_query - t_key), head]`` (:func:`_time_bias`) is added to ``alpha q.k``
 before the SiLU; without one (a constexpr flag) the kernel loads nothing more.
 
-:func:`~.hstu_triton_plan.plan_tile_map` (numpy on the host, uploaded in one copy) cuts the step into (query
-tile, key-range part) items, longest first; a persistent grid (one program per processor) walks them in
-snake order. Split tiles write fp32 partials that a second kernel sums in part order: HSTU has no softmax,
-so partials simply add, deterministically.
+:func:`~.hstu_triton_plan.plan_tile_map` (numpy on the host, uploaded in one copy; for steps replayed from CUDA
+graphs, the same plan written on the device by :mod:`.hstu_triton_device_plan`) cuts the step into (query tile,
+key-range part) items, longest first; a persistent grid (one program per processor) walks them in snake order.
+Split tiles write fp32 partials that a second kernel sums in part order: HSTU has no softmax, so partials
+simply add, deterministically.
 
 ``import attention_backends`` never imports Triton (this module does). On CPU the kernel runs in
 Triton's interpreter, which needs ``TRITON_INTERPRET=1`` when this module is imported (tests).
@@ -34,6 +35,7 @@ from .hstu_triton_plan import (
     SPLIT_OVERHEAD_KEYS,
     TileConfig,
     default_tile_config,
+    padded_plan,
     plan_tile_map,
 )
 
@@ -329,11 +331,7 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
 
             if fits(num_tiles, num_items, max_requests):
                 return (config, num_tiles, num_items, True), None
-        tiles, items = self._plan(common_host, config)
-        plan = np.zeros(5 * num_tiles + 2 * num_items, dtype=np.int32)
-        padded_tiles, padded_items = plan[: 5 * num_tiles].reshape(5, -1), plan[5 * num_tiles:].reshape(2, -1)
-        padded_tiles[0], padded_items[0] = -1, -1
-        padded_tiles[:, : tiles.shape[1]], padded_items[:, : items.shape[1]] = tiles, items
+        plan = padded_plan(*self._plan(common_host, config), num_tiles, num_items)
         return (config, num_tiles, num_items, False), plan
 
     def graph_plan_size(self, key: Hashable) -> int:

@@ -112,3 +112,14 @@ def plan_tile_map(query_start_loc: np.ndarray, num_history_rows: np.ndarray, kv_
     return tile_arrays, np.array([np.where(item_in_use, item_tile, -1)[order], item_split[order]], np.int32)
 
 
+
+
+def padded_plan(tiles: np.ndarray, items: np.ndarray, num_tiles: int, num_items: int) -> np.ndarray:
+    """:func:`plan_tile_map`'s ``tiles [5, n]`` and ``items [2, m]`` as one flat int32 array ``[5 * num_tiles + 2 *
+    num_items]`` padded to those capacities (``n <= num_tiles``, ``m <= num_items``): spare tiles have request
+    ``-1`` and zeros, spare items tile ``-1`` and part 0 (the kernels skip both)."""
+    plan = np.zeros(5 * num_tiles + 2 * num_items, dtype=np.int32)
+    padded_tiles, padded_items = plan[: 5 * num_tiles].reshape(5, -1), plan[5 * num_tiles:].reshape(2, -1)
+    padded_tiles[0], padded_items[0] = -1, -1
+    padded_tiles[:, : tiles.shape[1]], padded_items[:, : items.shape[1]] = tiles, items
+    return plan

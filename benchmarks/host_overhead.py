@@ -9,11 +9,12 @@ is frozen after the first visits, as in the benchmark. Prints the median batch's
 
 By default the forward runs eagerly with the ``torch_ref`` backend (cheap-ish at these widths), so prepare is
 ``torch_ref``'s metadata. ``--graph-path`` runs the host work of the GPU engine's path instead: the
-``hstu_triton`` backend (imported under Triton's interpreter, never launched) plans each step and
-:class:`~gr_engine.step_graphs.StepGraphs` stages it as for CUDA graphs, while the device work (the forward's
-replay, the host tier's copies) is skipped; what remains is intake, schedule, prepare, strip (tile plan and
-staging), score and commit as the GPU machine's host runs them, minus the CUDA calls. That host runs the same
-Python about 3x slower than a dev box.
+``hstu_triton`` backend (imported under Triton's interpreter, never launched) and
+:class:`~gr_engine.step_graphs.StepGraphs` stage each step as for CUDA graphs, while the device work (the forward's
+replay, which also writes the tile plan of keys planned on the device, and the host tier's copies) is skipped;
+what remains is intake, schedule, prepare, strip (staging; the tile plan of keys planned on the host), score and
+commit as the GPU machine's host runs them, minus the CUDA calls. That host runs the same Python about 3x slower
+than a dev box.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def _kth_longest(full, rem, part_len, k, bmax, entries, S: tl.constexpr):
     hi = tl.zeros([S], dtype=tl.int32) + bmax + 1  # count(parts >= hi) > k never holds
     for _ in range(_SEARCH_STEPS):
         mid = (lo + hi) // 2
-        at_least = tl.sum(full * (part_len >= mid[:, None]) + ((rem >= mid[:, None]) & (rem > 0)), 1)
+        at_least = tl.sum(full * (part_len >= mid[:, None]) + (rem >= mid[:, None]), 1)  # for mid >= 1
         good = tl.where(mid == 0, entries, at_least) > k
         lo, hi = tl.where(good, mid, lo), tl.where(good, hi, mid)
     return lo
@@ -112,7 +112,7 @@ def _plan_kernel(
     rem = blocks[None, :] - full * part_len
     longest = tl.max(part_len, 1)
     near = (3 * longest + 3) // 4
-    near_longest = tl.sum(full * (part_len >= near[:, None]) + ((rem >= near[:, None]) & (rem > 0)), 1)
+    near_longest = tl.sum(full * (part_len >= near[:, None]) + (rem >= near[:, None]), 1)  # for near >= 1
     near_longest = tl.where(near == 0, entries, near_longest)
     waves = (near_longest * NUM_HEADS + NUM_SMS - 1) // NUM_SMS
     pair = (_kth_longest(full, rem, part_len, tl.minimum(RANK0, entries - 1), bmax, entries, S)

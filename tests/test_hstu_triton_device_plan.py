@@ -81,6 +81,14 @@ def test_device_plan_equals_the_padded_host_plan(seed):
     assert planned >= 5  # most draws fit one program
 
 
+def test_a_step_where_the_near_longest_count_decides():
+    """Found by search: rounding ``3/4`` of the longest part down instead of up picks another plan here."""
+    rows, seq_lens = np.array([22, 50, 196, 18]), np.array([377, 814, 2215, 1805])
+    host = {"query_start_loc": np.concatenate([[0], np.cumsum(rows)]), "num_history_rows": rows,
+            "kv_seq_lens": seq_lens}
+    assert check(backend(2, 32, 32, 32), host, int(rows.sum()), 4)
+
+
 def test_a_step_of_spare_slots_only_gives_the_empty_padded_plan():
     host = {"query_start_loc": np.zeros(1, int), "num_history_rows": np.zeros(0, int), "kv_seq_lens": np.zeros(0, int)}
     assert check(backend(2, 16, 32, 32), host, 64, 4)

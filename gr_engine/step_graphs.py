@@ -232,7 +232,7 @@ class StepGraphs:
                 logger.warning("CUDA graph capture failed; steps run eagerly from now on", exc_info=True)
                 self.enabled = False
                 torch.cuda.synchronize(self.device)
-                return self._run_eagerly(step, segments, head, layer_ready)
+                return self._run_unpadded(step, segments, head, layer_ready)
         self.num_replays += 1
         entry = self._graphs[key]
         for graph, ready in zip(entry.graphs, layer_ready, strict=True):
@@ -249,6 +249,14 @@ class StepGraphs:
         self._write_plan(step, common)
         states = run_segments(segments(tokens, common, backend), layer_ready)
         return states[: step.rows], head(states, common.candidate_rows)[: len(step.common.candidate_rows)]
+
+    def _run_unpadded(self, step: StagedStep, segments: SegmentsFn, head: HeadFn,
+                      layer_ready: list[torch.cuda.Event | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The staged step at its real size with the backend's eager metadata (planned on the host): after a failed
+        capture, nothing the capture needed (a device-written plan, say) is relied on."""
+        backend = self.backend.build_metadata(step.common)
+        states = run_segments(segments(step.tokens, step.common, backend), layer_ready)
+        return states, head(states, step.common.candidate_rows)
 
     def _layout(self, num_requests: int, num_history: int, rows: int, bucket: int) -> _Layout:
         """The staging layout of a step with these requests, new history rows and rows, in ``bucket`` (built

@@ -60,6 +60,26 @@ def test_staged_steps_equal_recompute_on_cpu(mode, pages):
 
 
 @needs_interpreter
+def test_unpadded_fallback_equals_recompute_on_cpu(monkeypatch):
+    """The path a step takes after a failed capture (its real size, the backend's host-planned eager metadata, no
+    device plan) scores like recompute; on CPU it stands in for every replay here."""
+    config = tiny_config(mode="hierarchical", num_gpu_pages=45, page_size=16, max_num_seqs=3,
+                         max_num_batched_tokens=96, head_dim=16, chunk_pages=2, host_chunks=200)
+    requests = stream(config, num_users=8, visits=5, seed=3)
+    expected = GREngine(with_cache(config, mode="recompute")).rank(requests, use_tqdm=False)
+    engine = graph_engine(config, max_rows=64)
+
+    def no_device_plan(*args):
+        raise AssertionError("the fallback must not write a device plan")
+
+    monkeypatch.setattr(engine.backend, "write_graph_plan", no_device_plan)
+    monkeypatch.setattr(StepGraphs, "_run_eagerly", StepGraphs._run_unpadded)
+    got = engine.rank(requests, use_tqdm=False)
+    assert max_diff(got, expected) <= 1e-4 and all(out.error is None for out in got)
+    assert engine.runner.graphs.num_replays > 0
+
+
+@needs_interpreter
 def test_staged_retrieval_steps_equal_recompute_on_cpu():
     """``generate`` through staged steps: the heads read the last history row of the replayed states."""
     from gr_engine import GenerateParams
@@ -132,11 +152,12 @@ def test_failed_capture_falls_back_to_eager_without_failing_requests(monkeypatch
     requests = stream(config, num_users=10, visits=6, seed=2)
     expected = GREngine(with_cache(config, mode="recompute")).rank(requests, use_tqdm=False)
 
-    def broken_capture(self, step, segments):
-        raise RuntimeError("injected capture failure")
+    def broken(*args):
+        raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(StepGraphs, "_capture", broken_capture)
+    monkeypatch.setattr(StepGraphs, "_capture", broken)
     engine = graph_engine(config, max_rows=256)
+    engine.backend.write_graph_plan = broken  # the fallback must not need the device plan either
     got = engine.rank(requests, use_tqdm=False)
     assert max_diff(got, expected) <= 1e-4  # every request served, none failed
     assert not engine.runner.graphs.enabled and engine.runner.graphs.num_graphs == 0

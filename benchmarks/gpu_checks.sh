@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device command that validates the GPU code and re-measures the component benchmarks (about 8-9 minutes
 # on the H200): the GPU tests and the compiled kernels' tests, then cache_bench, kernel_bench and engine_smoke,
-# each under its own time limit, results under $OUT. Usage (device tool, with .whl carried): bash benchmarks/gpu_checks.sh <commit>
+# each under its own time limit, results under $OUT.
+# Usage (device tool, with .whl carried): bash benchmarks/gpu_checks.sh <commit>
 set -uo pipefail
 commit=${1:?usage: gpu_checks.sh <commit>}
 out=${OUT:?set OUT to the results folder}

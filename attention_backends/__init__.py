@@ -1,6 +1,14 @@
 """Attention over the paged KV cache: the backend interface, a registry, and implementations."""
 
-from .base import AttentionBackend, AttentionKind, AttentionSpec, BackendSupport, GraphReplayable, PagedBatchMetadata
+from .base import (
+    AttentionBackend,
+    AttentionKind,
+    AttentionSpec,
+    BackendSupport,
+    GraphReplayable,
+    PagedBatchMetadata,
+    PlanWriter,
+)
 from .registry import ENTRY_POINT_GROUP, BackendRegistry
 
 __all__ = [
@@ -12,4 +20,5 @@ __all__ = [
     "BackendSupport",
     "GraphReplayable",
     "PagedBatchMetadata",
+    "PlanWriter",
 ]

@@ -17,7 +17,7 @@ then its ``num_candidate_rows[b]`` candidate rows.
 from __future__ import annotations
 
 import abc
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -349,13 +349,18 @@ class AttentionBackend(abc.ABC):
         """
 
 
+PlanWriter = Callable[[PagedBatchMetadata, torch.Tensor], None]
+"""``writer(common, plan)``: write the plan of the step in ``common`` (its tensors padded to the capacities, on the
+device) into the int32 ``plan`` buffer, on the current stream, capturable in a CUDA graph."""
+
+
 class GraphReplayable(abc.ABC):
     """What an :class:`AttentionBackend` also implements to be replayed from CUDA graphs
     (:mod:`gr_engine.step_graphs`); backends without it run every step eagerly."""
 
     @abc.abstractmethod
     def graph_plan(self, common_host: dict[str, np.ndarray], max_rows: int,
-                   max_requests: int) -> tuple[Hashable, np.ndarray | None]:
+                   max_requests: int) -> tuple[Hashable, np.ndarray | PlanWriter]:
         """This step's own metadata for CUDA-graph replay.
 
         Args:
@@ -364,20 +369,14 @@ class GraphReplayable(abc.ABC):
 
         Returns:
             ``(key, plan)``: ``plan`` is a flat int32 array of :meth:`graph_plan_size` entries whose layout depends
-            only on ``key`` (the launch shape), uploaded for the replay; or ``None`` when, for this key, the backend
-            writes it on the device inside the replay (:meth:`write_graph_plan`). Steps with equal keys and
-            capacities share one captured graph.
+            only on ``key`` (the launch shape), uploaded for the replay; or, when for this key the backend writes it
+            on the device, a :data:`PlanWriter`, called before the first layer of each replay (and captured with
+            it). Steps with equal keys and capacities share one captured graph.
         """
 
     @abc.abstractmethod
     def graph_plan_size(self, key: Hashable) -> int:
         """Entries of the plan array of ``key``."""
-
-    def write_graph_plan(self, common: PagedBatchMetadata, key: Hashable, plan: torch.Tensor) -> None:
-        """Write the plan of the step in ``common`` (padded to the capacities, on the device) into ``plan``, on the
-        current stream, capturable in a graph; called before the first layer of each replay of a key whose
-        :meth:`graph_plan` returned ``None``."""
-        raise NotImplementedError(f"{type(self).__name__} plans every step on the host")
 
     @abc.abstractmethod
     def graph_metadata(self, common: PagedBatchMetadata, key: Hashable, plan: torch.Tensor) -> Any:

@@ -20,6 +20,7 @@ Triton's interpreter, which needs ``TRITON_INTERPRET=1`` when this module is imp
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from .base import AttentionBackend, AttentionSpec, BackendSupport, GraphReplayable, PagedBatchMetadata
+from .base import AttentionBackend, AttentionSpec, BackendSupport, GraphReplayable, PagedBatchMetadata, PlanWriter
 from .hstu_triton_plan import (
     MAX_PROGRAMS_PER_SM,
     MIN_TILES_PER_SPLIT,
@@ -318,11 +319,11 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
                                   self.num_sms, common.max_kv_len > self.min_tiles_per_split * config.block_n, config)
 
     def graph_plan(self, common_host: dict[str, np.ndarray], max_rows: int,
-                   max_requests: int) -> tuple[Hashable, np.ndarray | None]:
+                   max_requests: int) -> tuple[Hashable, np.ndarray | PlanWriter]:
         """The tile map padded to the most tiles and items a step within the capacities can have: spare tiles
         (request ``-1``, no parts) and spare items (tile ``-1``) are skipped by the kernels. Key: the launch
-        shape, the two capacities and whether the plan is written on the device (``None`` returned: with
-        ``plan_on_device``, when :func:`.hstu_triton_device_plan.fits` the capacities)."""
+        shape, the two capacities and whether the plan is written on the device (with ``plan_on_device``, when
+        :func:`.hstu_triton_device_plan.fits` the capacities; then :meth:`write_device_plan` is the writer)."""
         config = self._config(int(np.diff(common_host["query_start_loc"]).max(initial=0)))
         num_tiles = (max_rows + max_requests * (config.block_m - 1)) // config.block_m  # plan_tile_map's bound
         num_items = max(num_tiles, -(-MAX_PROGRAMS_PER_SM * self.num_sms // self.spec.num_heads))
@@ -330,7 +331,8 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
             from .hstu_triton_device_plan import fits
 
             if fits(num_tiles, num_items, max_requests):
-                return (config, num_tiles, num_items, True), None
+                key = (config, num_tiles, num_items, True)
+                return key, functools.partial(self.write_device_plan, key)
         plan = padded_plan(*self._plan(common_host, config), num_tiles, num_items)
         return (config, num_tiles, num_items, False), plan
 
@@ -338,8 +340,9 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
         _, num_tiles, num_items, _ = key
         return 5 * num_tiles + 2 * num_items
 
-    def write_graph_plan(self, common: PagedBatchMetadata, key: Hashable, plan: torch.Tensor) -> None:
-        """:func:`.hstu_triton_device_plan.write_plan` of the padded step: what :meth:`graph_plan` would upload."""
+    def write_device_plan(self, key: Hashable, common: PagedBatchMetadata, plan: torch.Tensor) -> None:
+        """:func:`.hstu_triton_device_plan.write_plan` of the padded step in ``common``: what :meth:`graph_plan`
+        would upload for it with ``plan_on_device`` off."""
         from .hstu_triton_device_plan import write_plan
 
         config, num_tiles, num_items, _ = key

@@ -181,11 +181,12 @@ class TransferEngine:
                     num_layers, slot_pages = buffer.shape[0], jobs[0].slot.shape[1]
                     buffer = buffer.view(num_layers, len(jobs), slot_pages, *buffer.shape[2:])
                     buffer = self._quantize(buffer.transpose(0, 1).contiguous(), index[-len(jobs):])
+                    handle.buffer = (*handle.buffer, buffer)
                 for job, block in zip(jobs, buffer, strict=True):
                     job.slot.copy_(block, non_blocking=True)
                 handle.copied = torch.cuda.Event()
                 handle.copied.record(self.offload_stream)
-                handle.buffer, handle.deferred = (*handle.buffer, buffer), False
+                handle.deferred = False
         self._deferred.clear()
 
     def _pack(self, kv: torch.Tensor, pages: torch.Tensor, slot_ids: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from attention_backends import AttentionBackend, GraphReplayable, PagedBatchMetadata
+from attention_backends import AttentionBackend, GraphReplayable, PagedBatchMetadata, PlanWriter
 from cache_engine.streams import indexed
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class StagedStep:
         rows: ``T``, the step's rows.
         bucket: rows of the capture bucket (``>= T``).
         plan_key: the backend's launch-shape key for :meth:`GraphReplayable.graph_plan`.
-        plan_on_device: the backend writes the plan inside the replay (nothing was uploaded for it).
+        plan_writer: writes the plan inside the replay (nothing was uploaded for it), or ``None``.
         stream: the CUDA stream its copies were queued on, where it is replayed (``None`` on CPU).
     """
 
@@ -95,7 +95,7 @@ class StagedStep:
     rows: int
     bucket: int
     plan_key: Hashable
-    plan_on_device: bool
+    plan_writer: PlanWriter | None
     stream: torch.cuda.Stream | None
 
 
@@ -201,7 +201,8 @@ class StepGraphs:
         stream = torch.cuda.current_stream(self.device) if self._cuda else None
         if stream is not None:
             copied.record(stream)
-        if plan is not None:  # else the backend writes it inside the replay
+        writer = plan if callable(plan) else None  # a writer: the backend writes the plan inside the replay
+        if writer is None:
             if stream is not None:
                 plan_copied.synchronize()
             pinned_plan.numpy()[:] = plan
@@ -210,7 +211,7 @@ class StepGraphs:
                 plan_copied.record(stream)
         views = dict(layout.views, kv_indices=self._buffer[layout.size:used])
         return StagedStep(PagedBatchMetadata.from_arrays(arrays, views, self.page_size), layout.tokens, rows, bucket,
-                          plan_key, plan is None, stream)
+                          plan_key, writer, stream)
 
     def backend_metadata(self, step: StagedStep) -> Any:
         """The backend's metadata of a staged step (over the padded plan; valid for eager use too)."""
@@ -290,8 +291,8 @@ class StepGraphs:
 
     def _write_plan(self, step: StagedStep, common: PagedBatchMetadata) -> None:
         """A device-planned step's plan, from the padded static inputs ``common`` (queued on the current stream)."""
-        if step.plan_on_device:
-            self.backend.write_graph_plan(common, step.plan_key, self._plans[step.plan_key][0])
+        if step.plan_writer is not None:
+            step.plan_writer(common, self._plans[step.plan_key][0])
 
     def _plan_buffers(self, key: Hashable) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
         if key not in self._plans:

@@ -72,7 +72,7 @@ def test_unpadded_fallback_equals_recompute_on_cpu(monkeypatch):
     def no_device_plan(*args):
         raise AssertionError("the fallback must not write a device plan")
 
-    monkeypatch.setattr(engine.backend, "write_graph_plan", no_device_plan)
+    monkeypatch.setattr(engine.backend, "write_device_plan", no_device_plan)
     monkeypatch.setattr(StepGraphs, "_run_eagerly", StepGraphs._run_unpadded)
     got = engine.rank(requests, use_tqdm=False)
     assert max_diff(got, expected) <= 1e-4 and all(out.error is None for out in got)
@@ -157,7 +157,7 @@ def test_failed_capture_falls_back_to_eager_without_failing_requests(monkeypatch
 
     monkeypatch.setattr(StepGraphs, "_capture", broken)
     engine = graph_engine(config, max_rows=256)
-    engine.backend.write_graph_plan = broken  # the fallback must not need the device plan either
+    engine.backend.write_device_plan = broken  # the fallback must not need the device plan either
     got = engine.rank(requests, use_tqdm=False)
     assert max_diff(got, expected) <= 1e-4  # every request served, none failed
     assert not engine.runner.graphs.enabled and engine.runner.graphs.num_graphs == 0

@@ -1,0 +1,120 @@
+"""Host time per batch of the engine's step functions, on the GPU machine (a diagnostic for ``gr-engine bench``).
+
+    python benchmarks/host_breakdown.py --out breakdown.json [--modes hierarchical unlimited] [--batches 60]
+
+cProfile's per-call cost inflates Python-heavy code unevenly; this wraps only the functions of the engine's step
+path (scheduling, metadata, the host tier's transfers, staging, replay, commit) with ``time.perf_counter`` and
+reports each one's inclusive milliseconds per batch of 8 in the benchmark's steady state (same set-up as
+``bench_profile.py``). Nested functions are included in their callers' times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from attention_backends import base as attention_base
+from attention_backends.hstu_triton import HSTUTritonBackend
+from cache_engine import transfer as transfer_module
+from cache_engine.host_tier import HostTier
+from cache_engine.kv_cache_manager import KVCacheManager
+from cache_engine.offload_kernel import ChunkPacker
+from cache_engine.onload_kernel import OnloadLauncher
+from cache_engine.transfer import TransferEngine
+from gr_engine import engine as engine_module
+from gr_engine import model_runner as runner_module
+from gr_engine.bench.runner import BenchRun, BenchSettings, _host_arena, cache_config, unlimited_pages
+from gr_engine.bench.trace import generate_trace
+from gr_engine.step_graphs import StepGraphs
+from scheduler.scheduler import Scheduler
+
+WRAPPED = {
+    "Scheduler.schedule": (Scheduler, "schedule"), "Scheduler.complete": (Scheduler, "complete"),
+    "kv.begin_step": (KVCacheManager, "begin_step"), "kv.acquire": (KVCacheManager, "acquire"),
+    "kv._evict": (KVCacheManager, "_evict"), "kv.page_table": (KVCacheManager, "page_table"),
+    "kv.commit": (KVCacheManager, "commit"), "kv.release": (KVCacheManager, "release"),
+    "kv.end_step": (KVCacheManager, "end_step"), "kv.issue_deferred_offloads": (KVCacheManager, "issue_deferred_offloads"),
+    "host.poll": (HostTier, "poll"), "host.persist_all": (HostTier, "persist_all"),
+    "host.plan_onload": (HostTier, "plan_onload"), "host.flush": (HostTier, "flush"),
+    "host.launch_onloads": (HostTier, "launch_onloads"), "host.launch_offloads": (HostTier, "launch_offloads"),
+    "transfer.offload": (TransferEngine, "offload"), "transfer.onload": (TransferEngine, "onload"),
+    "transfer.before_writes": (TransferEngine, "before_writes"), "transfer._upload": (TransferEngine, "_upload"),
+    "transfer.issue_deferred": (TransferEngine, "issue_deferred"),
+    "transfer.host_page_addresses": (transfer_module, "host_page_addresses"),
+    "runner.prepare": (runner_module.ModelRunner, "prepare"), "runner.strip": (runner_module.ModelRunner, "strip"),
+    "runner.forward": (runner_module.ModelRunner, "forward"), "runner.score": (runner_module.ModelRunner, "score"),
+    "runner.layout_arrays": (runner_module, "layout_arrays"), "graphs.stage": (StepGraphs, "stage"),
+    "graphs.replay": (StepGraphs, "replay"), "backend.graph_plan": (HSTUTritonBackend, "graph_plan"),
+    "backend.graph_metadata": (HSTUTritonBackend, "graph_metadata"),
+    "engine._output": (engine_module.GREngine, "_output"), "engine._add": (engine_module.GREngine, "_add"),
+    "torch.Event.record": (torch.cuda.Event, "record"), "torch.CUDAGraph.replay": (torch.cuda.CUDAGraph, "replay"),
+    "from_arrays": (attention_base.PagedBatchMetadata, "from_arrays"),
+    "OnloadLauncher.__call__": (OnloadLauncher, "__call__"), "ChunkPacker.__call__": (ChunkPacker, "__call__"),
+}
+
+
+def instrument(totals: dict[str, list[float]]) -> None:
+    for name, (owner, attr) in WRAPPED.items():
+        raw = owner.__dict__[attr]
+        is_static = isinstance(raw, staticmethod)
+        fn = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+
+        def timed(*args: Any, _fn: Any = fn, _name: str = name, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                entry = totals[_name]
+                entry[0] += time.perf_counter() - t
+                entry[1] += 1
+
+        wrapped = functools.wraps(fn)(timed)
+        if isinstance(raw, classmethod):
+            wrapped = classmethod(wrapped)
+        elif is_static:
+            wrapped = staticmethod(wrapped)
+        setattr(owner, attr, wrapped)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--modes", nargs="+", default=["hierarchical", "unlimited"])
+    parser.add_argument("--batches", type=int, default=60)
+    parser.add_argument("--host-budget-gib", type=int, default=24)
+    parser.add_argument("--prime", type=int, default=40)
+    args = parser.parse_args()
+    settings = BenchSettings(simulation_workers=0, host_dtype="float8_e4m3fn", onload_engine="kernel",
+                             host_budget_bytes=args.host_budget_gib * 2**30, modes=tuple(args.modes))
+    trace = generate_trace(settings.trace)
+    skip = len(trace.steady) // 2
+    arena = _host_arena(settings)
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    instrument(totals)
+    result = {}
+    for mode in args.modes:
+        pages = unlimited_pages(settings, trace) if mode == "unlimited" else settings.gpu_pages
+        run = BenchRun(settings, trace, cache_config(settings, mode, num_gpu_pages=pages), 8, arena)
+        run.warmup()
+        run.fast_forward(skip)
+        run.window(8, 8 * args.prime, prime_batches=0)
+        totals.clear()
+        report = run.window(8, 8 * args.batches, prime_batches=0)
+        per_batch = {name: {"ms": round(t / args.batches * 1e3, 4), "calls": round(n / args.batches, 2)}
+                     for name, (t, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])}
+        result[mode] = {"median_ms": report["median_ms"], "phase_ms_per_batch": report["phase_ms_per_batch"],
+                        "functions_ms_per_batch": per_batch}
+        print(mode, json.dumps(result[mode], indent=1), flush=True)
+        run.close()
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

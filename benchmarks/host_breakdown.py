@@ -4,7 +4,8 @@
 
 cProfile's per-call cost inflates Python-heavy code unevenly; this wraps only the functions of the engine's step
 path (scheduling, metadata, the host tier's transfers, staging, replay, commit) with ``time.perf_counter`` and
-reports each one's inclusive milliseconds per batch of 8 in the benchmark's steady state (same set-up as
+reports each one's inclusive time (mean milliseconds per batch of 8; median, p90 and max microseconds per call) in
+the benchmark's steady state (same set-up as
 ``bench_profile.py``). Nested functions are included in their callers' times.
 """
 
@@ -17,6 +18,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
+import numpy as np
 import torch
 
 from attention_backends import base as attention_base
@@ -46,7 +48,7 @@ WRAPPED = {
     "host.launch_onloads": (HostTier, "launch_onloads"), "host.launch_offloads": (HostTier, "launch_offloads"),
     "transfer.offload": (TransferEngine, "offload"), "transfer.onload": (TransferEngine, "onload"),
     "transfer.before_writes": (TransferEngine, "before_writes"), "transfer._upload": (TransferEngine, "_upload"),
-    "transfer.issue_deferred": (TransferEngine, "issue_deferred"),
+    "transfer.issue_deferred": (TransferEngine, "issue_deferred"), "transfer._pack": (TransferEngine, "_pack"),
     "transfer.host_page_addresses": (transfer_module, "host_page_addresses"),
     "runner.prepare": (runner_module.ModelRunner, "prepare"), "runner.strip": (runner_module.ModelRunner, "strip"),
     "runner.forward": (runner_module.ModelRunner, "forward"), "runner.score": (runner_module.ModelRunner, "score"),
@@ -60,7 +62,8 @@ WRAPPED = {
 }
 
 
-def instrument(totals: dict[str, list[float]]) -> None:
+def instrument(calls: dict[str, list[float]]) -> None:
+    """Wrap every function of :data:`WRAPPED`; each call's seconds are appended to ``calls[name]``."""
     for name, (owner, attr) in WRAPPED.items():
         raw = owner.__dict__[attr]
         is_static = isinstance(raw, staticmethod)
@@ -71,9 +74,7 @@ def instrument(totals: dict[str, list[float]]) -> None:
             try:
                 return _fn(*args, **kwargs)
             finally:
-                entry = totals[_name]
-                entry[0] += time.perf_counter() - t
-                entry[1] += 1
+                calls[_name].append(time.perf_counter() - t)
 
         wrapped = functools.wraps(fn)(timed)
         if isinstance(raw, classmethod):
@@ -96,8 +97,8 @@ def main() -> None:
     trace = generate_trace(settings.trace)
     skip = len(trace.steady) // 2
     arena = _host_arena(settings)
-    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    instrument(totals)
+    calls: dict[str, list[float]] = defaultdict(list)
+    instrument(calls)
     result = {}
     for mode in args.modes:
         pages = unlimited_pages(settings, trace) if mode == "unlimited" else settings.gpu_pages
@@ -105,10 +106,14 @@ def main() -> None:
         run.warmup()
         run.fast_forward(skip)
         run.window(8, 8 * args.prime, prime_batches=0)
-        totals.clear()
+        calls.clear()
         report = run.window(8, 8 * args.batches, prime_batches=0)
-        per_batch = {name: {"ms": round(t / args.batches * 1e3, 4), "calls": round(n / args.batches, 2)}
-                     for name, (t, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])}
+        per_batch = {}
+        for name, seconds in sorted(calls.items(), key=lambda kv: -sum(kv[1])):
+            us = np.asarray(seconds) * 1e6
+            per_batch[name] = {"mean_ms": round(us.sum() / args.batches / 1e3, 4),
+                               "calls": round(len(us) / args.batches, 2), "median_us": round(float(np.median(us)), 1),
+                               "p90_us": round(float(np.percentile(us, 90)), 1), "max_us": round(float(us.max()), 1)}
         result[mode] = {"median_ms": report["median_ms"], "phase_ms_per_batch": report["phase_ms_per_batch"],
                         "functions_ms_per_batch": per_batch}
         print(mode, json.dumps(result[mode], indent=1), flush=True)

@@ -2,19 +2,22 @@
 
 A ``@triton.jit`` launch binds its arguments, computes the specialisation key and looks the compiled kernel up on
 every call (34 us a launch on the GPU machine's host). :class:`CompiledKernels` keeps the compiled kernel the
-first launch of each specialisation returns and calls it directly afterwards (13 us,
-``benchmarks/results/host_api_costs.json``). This calls Triton's ``CompiledKernel`` with every argument, the
+first launch of each specialisation returns and, afterwards, calls its launcher directly (13 us through
+``CompiledKernel[grid]``, ``benchmarks/results/host_api_costs.json``; less when the caller passes the stream,
+which ``CompiledKernel[grid]`` looks up on every call). This calls Triton's launcher with every argument, the
 constexprs included, in the kernel's order, as Triton's own launch does; the GPU tests of the kernels that use it
-fail if a Triton version changes that.
+fail if a Triton version changes that. While a launch hook is registered (a profiler), launches go through
+``CompiledKernel[grid]``, which calls it.
 
 This module imports Triton.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
+from triton import knobs
 from triton.compiler import CompiledKernel
 
 
@@ -28,21 +31,28 @@ class CompiledKernels:
 
     def __init__(self, kernel: Any, num_warps: int) -> None:
         self.kernel, self.num_warps = kernel, num_warps
-        self._compiled: dict[Hashable, CompiledKernel] = {}
+        # key -> (the compiled kernel, its launcher, its function handle, its packed metadata)
+        self._compiled: dict[Hashable, tuple[CompiledKernel, Callable[..., None], Any, Any]] = {}
 
     def __len__(self) -> int:
         return len(self._compiled)
 
-    def launch(self, key: Hashable, grid: tuple[int, ...], args: tuple[Any, ...], constants: dict[str, Any]) -> None:
+    def launch(self, key: Hashable, grid: tuple[int, ...], args: tuple[Any, ...], constants: dict[str, Any],
+               stream: int | None = None) -> None:
         """Launch on the current stream. ``key`` must hold everything Triton specialises the compiled kernel on
         (dtypes, constexpr values, the 16-byte alignment of pointers, integers equal to 1 or divisible by 16
-        unless the kernel excludes them); ``constants`` are the constexprs, in the kernel's order. Under Triton's
-        interpreter every launch goes through the JIT (it returns no compiled kernel)."""
+        unless the kernel excludes them); ``constants`` are the constexprs, in the kernel's order; ``stream``: the
+        current stream's raw handle (``torch.cuda.Stream.cuda_stream``), if the caller has it, else it is looked up.
+        Under Triton's interpreter every launch goes through the JIT (it returns no compiled kernel)."""
         grid = (*grid, 1, 1)[:3]
-        compiled = self._compiled.get(key)
-        if compiled is not None:
-            compiled[grid](*args, *constants.values())
+        entry = self._compiled.get(key)
+        if entry is None:
+            compiled = self.kernel[grid](*args, **constants, num_warps=self.num_warps)
+            if isinstance(compiled, CompiledKernel):
+                self._compiled[key] = (compiled, compiled.run, compiled.function, compiled.packed_metadata)
             return
-        compiled = self.kernel[grid](*args, **constants, num_warps=self.num_warps)
-        if isinstance(compiled, CompiledKernel):
-            self._compiled[key] = compiled
+        compiled, run, function, metadata = entry
+        if stream is None or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls:
+            compiled[grid](*args, *constants.values(), stream=stream)
+            return
+        run(grid[0], grid[1], grid[2], stream, function, metadata, None, None, None, *args, *constants.values())

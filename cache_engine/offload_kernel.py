@@ -70,7 +70,8 @@ class ChunkPacker:
         self._kernels = CompiledKernels(_pack_chunks_kernel, num_warps)
 
     def __call__(self, kv: torch.Tensor, pages: torch.Tensor, out: torch.Tensor,
-                 slot_ids: torch.Tensor | None = None, scales: torch.Tensor | None = None) -> None:
+                 slot_ids: torch.Tensor | None = None, scales: torch.Tensor | None = None,
+                 stream: torch.cuda.Stream | None = None) -> None:
         """Gather whole chunks of pages into ``out``, on the current stream.
 
         Args:
@@ -83,6 +84,7 @@ class ChunkPacker:
             scales: float32 ``[num_slots, L, 2, H]``: written at each chunk's slot with its quantisation scales
                 (``amax / 448`` per layer, K/V and head, at least the smallest normal float32); ``None``: no
                 scaling.
+            stream: the current stream, if the caller has it (its handle then needs no lookup).
         """
         num_chunks, num_layers, slot_pages, two, page_size, num_heads, head_dim = out.shape
         if num_chunks == 0:
@@ -98,4 +100,4 @@ class ChunkPacker:
         key = (kv.dtype, out.dtype, pages.dtype, slot_ids.dtype, scales.dtype, *constants.values(),
                *(t.data_ptr() % 16 for t in (kv, pages, slot_ids, out, scales)))
         self._kernels.launch(key, (num_chunks, num_layers, two * num_heads), (kv, pages, slot_ids, out, scales),
-                             constants)
+                             constants, None if stream is None else stream.cuda_stream)

@@ -11,6 +11,9 @@ kernel runs in Triton's interpreter (tests), where "host memory" is simply memor
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -91,19 +94,50 @@ class OnloadLauncher:
     def __call__(self, kv_layer: torch.Tensor, src_addr: torch.Tensor, dst_pages: torch.Tensor, layer_offset: int,
                  src_dtype: torch.dtype, layer: int = 0, slot_ids: torch.Tensor | None = None,
                  scales: torch.Tensor | None = None) -> None:
-        num_pages = src_addr.shape[0]
-        if num_pages == 0:
+        if src_addr.shape[0]:
+            launch, fixed = self._bind(kv_layer, src_addr, dst_pages, src_dtype, slot_ids, scales, layer_offset, None)
+            launch((kv_layer, *fixed[:4], layer_offset, layer, *fixed[4:]))
+
+    def all_layers(self, kv: torch.Tensor, src_addr: torch.Tensor, dst_pages: torch.Tensor, layer_bytes: int,
+                   src_dtype: torch.dtype, slot_ids: torch.Tensor | None = None, scales: torch.Tensor | None = None,
+                   events: list[torch.cuda.Event] | None = None, stream: torch.cuda.Stream | None = None) -> None:
+        """For each layer ``l`` of the pool ``kv`` (``[L, num_pages, 2, page_size, H, D]``), one launch reading host
+        addresses ``src_addr + l * layer_bytes``, then a record of ``events[l]`` (if given) on ``stream``; the rest
+        as :func:`onload_pages`. ``stream``, if given, must be the current stream: its handle then needs no lookup
+        per launch."""
+        if src_addr.shape[0] == 0:
             return
+        uniform = kv[0].nbytes % 16 == 0  # then every layer has the first one's 16-byte alignment
+        handle = None if stream is None else stream.cuda_stream
+        bind = (src_addr, dst_pages, src_dtype, slot_ids, scales, (len(kv) - 1) * layer_bytes, handle)
+        launch, fixed = self._bind(kv[0], *bind)
+        for layer, kv_layer in enumerate(kv):
+            if not uniform:
+                launch, fixed = self._bind(kv_layer, *bind)
+            launch((kv_layer, *fixed[:4], layer * layer_bytes, layer, *fixed[4:]))
+            if events is not None:
+                events[layer].record(stream)
+
+    def _bind(self, kv_layer: torch.Tensor, src_addr: torch.Tensor, dst_pages: torch.Tensor, src_dtype: torch.dtype,
+              slot_ids: torch.Tensor | None, scales: torch.Tensor | None, max_offset: int,
+              stream: int | None) -> tuple[Callable[[tuple[Any, ...]], None], tuple[Any, ...]]:
+        """A launch of the kernel's specialisation for these arguments (layer offsets up to ``max_offset``), taking
+        the whole argument tuple, and the arguments shared by every layer: ``(src_addr, dst_pages, slot_ids,
+        scales, num_layers, num_heads, page_size)``."""
         _, two, page_size, num_heads, head_dim = kv_layer.shape
         row = num_heads * head_dim
         rows = min(self.rows_per_program, (two * page_size) & -(two * page_size))  # a power of 2 dividing 2 * page_size
         has_scales = scales is not None
         slot_ids, scales = (slot_ids, scales) if has_scales else (dst_pages, kv_layer)
         num_layers = scales.shape[1] if has_scales else 1
-        args = (kv_layer, src_addr, dst_pages, slot_ids, scales, layer_offset, layer, num_layers, num_heads, page_size)
         constants = {"SRC_DTYPE": _POINTER_DTYPES[src_dtype], "ROW": row, "BLOCK": triton.next_power_of_2(row),
                      "HEAD_DIM": head_dim, "ROWS": rows, "HAS_SCALES": has_scales}
         key = (kv_layer.dtype, src_dtype, src_addr.dtype, dst_pages.dtype, slot_ids.dtype, scales.dtype, num_layers,
-               num_heads, page_size, row, head_dim, rows, has_scales, kv_layer.data_ptr() % 16, scales.data_ptr() % 16,
-               -(2**31) <= layer_offset < 2**31)  # the type (i32 / i64) Triton gives the offset
-        self._kernels.launch(key, (num_pages, two * page_size // rows), args, constants)
+               num_heads, page_size, row, head_dim, rows, has_scales, kv_layer.data_ptr() % 16,
+               scales.data_ptr() % 16, -(2**31) <= max_offset < 2**31)  # the type (i32 / i64) Triton gives offsets
+        grid, kernels = (src_addr.shape[0], two * page_size // rows), self._kernels
+
+        def launch(args: tuple[Any, ...]) -> None:
+            kernels.launch(key, grid, args, constants, stream)
+
+        return launch, (src_addr, dst_pages, slot_ids, scales, num_layers, num_heads, page_size)

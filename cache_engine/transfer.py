@@ -192,13 +192,13 @@ class TransferEngine:
     def _pack(self, kv: torch.Tensor, pages: torch.Tensor, slot_ids: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """Chunks of ``pages`` (int64 ``[J * slot_pages]``) laid out like host slots (``slot``'s shape and dtype),
         ``[J, L, slot_pages, 2, page_size, H, D]`` on the device, quantised with scales for ``slot_ids`` (int64
-        ``[J]``) when host chunks are FP8; one kernel on the current stream."""
+        ``[J]``) when host chunks are FP8; one kernel on the offload stream, which must be current."""
         if self._packer is None:
             from .offload_kernel import ChunkPacker  # imports Triton
 
             self._packer = ChunkPacker()
         packed = torch.empty((len(slot_ids), *slot.shape), dtype=slot.dtype, device=self.device)
-        self._packer(kv, pages, packed, slot_ids, self.scales)
+        self._packer(kv, pages, packed, slot_ids, self.scales, self.offload_stream)
         return packed
 
     def _quantize(self, chunks: torch.Tensor, slot_ids: torch.Tensor | list[int]) -> torch.Tensor:
@@ -298,9 +298,8 @@ class TransferEngine:
             index = self._upload(np.concatenate([pages, page_slots, addresses]))
             count = len(pages)
             dst, slot_ids, src = index[:count], index[count:2 * count], index[2 * count:]
-            for layer, event in enumerate(events):
-                self._launcher(kv[layer], src, dst, layer * layer_bytes, src_dtype, layer, slot_ids, self.scales)
-                event.record(self.scatter_stream)
+            self._launcher.all_layers(kv, src, dst, layer_bytes, src_dtype, slot_ids, self.scales, events,
+                                      self.scatter_stream)
         index.record_stream(self.scatter_stream)
         self._last_scatter = events[-1]
         return list(events)

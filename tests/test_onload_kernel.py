@@ -71,10 +71,12 @@ def test_fp8_pages_are_dequantised_with_their_slot_scales(rows_per_program):
         torch.testing.assert_close(pool[:, d].cpu(), expected.to(pool_dtype), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("all_layers", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_a_launcher_reused_over_layers_and_page_counts_loads_every_page(fp8):
+def test_a_launcher_reused_over_layers_and_page_counts_loads_every_page(fp8, all_layers):
     """One :class:`OnloadLauncher` for many launches, as the transfer engine uses it: on CUDA every launch after
-    the first of a specialisation goes through the kept compiled kernel (other grids, offsets, index tensors)."""
+    the first of a specialisation goes through the kept compiled kernel (other grids, offsets, index tensors); with
+    ``all_layers``, on the stream given (a side stream, as the transfer engine's), each layer's event recorded."""
     from cache_engine.onload_kernel import OnloadLauncher
 
     gen = torch.Generator().manual_seed(2)
@@ -92,9 +94,19 @@ def test_a_launcher_reused_over_layers_and_page_counts_loads_every_page(fp8):
         dst = torch.randperm(50, generator=gen)[:count]
         addr = torch.tensor([slots[s, 0, p].data_ptr() for s, p in picks], device=DEVICE)
         slot_ids = torch.tensor([s for s, _ in picks], device=DEVICE)
-        for layer in range(layers):
-            launcher(pool[layer], addr, dst.to(DEVICE), layer * layer_bytes, dtype, layer, slot_ids,
-                     None if scales is None else scales.to(DEVICE))
+        scales_here = None if scales is None else scales.to(DEVICE)
+        if not all_layers:
+            for layer in range(layers):
+                launcher(pool[layer], addr, dst.to(DEVICE), layer * layer_bytes, dtype, layer, slot_ids, scales_here)
+        elif DEVICE == "cuda":
+            side, events = torch.cuda.Stream(), [torch.cuda.Event() for _ in range(layers)]
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                launcher.all_layers(pool, addr, dst.to(DEVICE), layer_bytes, dtype, slot_ids, scales_here, events, side)
+            for event in events:
+                torch.cuda.current_stream().wait_event(event)
+        else:
+            launcher.all_layers(pool, addr, dst.to(DEVICE), layer_bytes, dtype, slot_ids, scales_here)
         if DEVICE == "cuda":
             torch.cuda.synchronize()
             assert len(launcher._kernels) == 1  # one specialisation, kept after the first launch

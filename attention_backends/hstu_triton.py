@@ -293,6 +293,7 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
         self.plan_on_device = True
         cuda = spec.device_type == "cuda"  # processors planned for; on CPU (the interpreter, for tests) a nominal 4
         self.num_sms = torch.cuda.get_device_properties("cuda").multi_processor_count if cuda else 4
+        self._device_keys: dict[Hashable, tuple[Hashable, PlanWriter]] = {}  # graph_plan's, by capacities
 
     @classmethod
     def reasons_unsupported(cls, spec: AttentionSpec) -> list[str]:
@@ -325,6 +326,8 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
         shape, the two capacities and whether the plan is written on the device (with ``plan_on_device``, when
         :func:`.hstu_triton_device_plan.fits` the capacities; then :meth:`write_device_plan` is the writer)."""
         config = self._config(int(np.diff(common_host["query_start_loc"]).max(initial=0)))
+        if self.plan_on_device and (config, max_rows, max_requests, self.num_sms) in self._device_keys:
+            return self._device_keys[config, max_rows, max_requests, self.num_sms]
         num_tiles = (max_rows + max_requests * (config.block_m - 1)) // config.block_m  # plan_tile_map's bound
         num_items = max(num_tiles, -(-MAX_PROGRAMS_PER_SM * self.num_sms // self.spec.num_heads))
         if self.plan_on_device:
@@ -332,7 +335,9 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
 
             if fits(num_tiles, num_items, max_requests):
                 key = (config, num_tiles, num_items, True)
-                return key, functools.partial(self.write_device_plan, key)
+                planned = self._device_keys[config, max_rows, max_requests, self.num_sms] = (
+                    key, functools.partial(self.write_device_plan, key))
+                return planned
         plan = padded_plan(*self._plan(common_host, config), num_tiles, num_items)
         return (config, num_tiles, num_items, False), plan
 

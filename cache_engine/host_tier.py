@@ -100,11 +100,11 @@ class HostTier:
             for entry in entries:
                 pending.discard((entry.user, entry.generation, entry.chunk))
                 self._finish_persist(entry)
-        while self._onloads and (wait or all(e is None or e.query() for e in self._onloads[0][0])):
+        # A step's layer events are recorded in layer order on one stream: its last one done, all are.
+        while self._onloads and (wait or self._onloads[0][0][-1] is None or self._onloads[0][0][-1].query()):
             events, slots = self._onloads.popleft()
-            for event in events:
-                if wait and event is not None:
-                    event.synchronize()
+            if wait and events[-1] is not None:
+                events[-1].synchronize()
             for slot in slots:
                 readers = busy[slot] - 1
                 if readers:

@@ -225,7 +225,8 @@ class TransferEngine:
 
         Returns:
             One entry per layer: on CUDA the event after which that layer's pages hold the data (the
-            model's layer must wait for it); on CPU ``None`` (the copy is done).
+            model's layer must wait for it; recorded in layer order on one stream); on CPU ``None`` (the copy
+            is done).
         """
         num_layers = kv.shape[0]
         if not jobs or not self.moves_data:

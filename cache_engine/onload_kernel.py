@@ -28,32 +28,37 @@ _POINTER_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch
                    torch.float8_e4m3fn: tl.float8e4nv}
 
 
-@triton.jit(do_not_specialize=["SrcAddr", "DstPage", "SlotIds", "layer_offset", "layer"])
+@triton.jit(do_not_specialize=["SrcAddr", "DstPage", "SlotIds", "Count", "layer_offset", "layer"])
 def _onload_pages_kernel(
-    Kv, SrcAddr, DstPage, SlotIds, Scales, layer_offset, layer,
+    Kv, SrcAddr, DstPage, SlotIds, Scales, Count, layer_offset, layer,
     num_layers, num_heads, page_size,
     SRC_DTYPE: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-    ROWS: tl.constexpr, HAS_SCALES: tl.constexpr,
+    ROWS: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_COUNT: tl.constexpr,
 ):
     """Program ``(i, r)`` copies rows ``r * ROWS ..`` (+ ``ROWS``) of page ``i``, a row being ``ROW = H * D``
     values of one token's K or V (row ``j``: ``j // page_size`` is K or V, ``j % page_size`` the token), from
     host address ``SrcAddr[i] + layer_offset`` (bytes) to pool page ``DstPage[i]`` of this layer (``Kv``:
     ``[num_pages, 2, page_size, H, D]``, contiguous); with ``HAS_SCALES``, times
-    ``Scales[SlotIds[i], layer, K/V, head]`` (``[slots, L, 2, H]`` float32)."""
+    ``Scales[SlotIds[i], layer, K/V, head]`` (``[slots, L, 2, H]`` float32). With ``HAS_COUNT``, only pages
+    ``i < Count[0]`` are copied (a grid sized to a capacity, as in a CUDA graph)."""
     page = tl.program_id(0)
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
-    valid = cols < ROW
+    if HAS_COUNT:
+        live = page < tl.load(Count)
+    else:
+        live = page >= 0
+    valid = (cols < ROW) & live
     offsets = rows * ROW + cols
     # Pages start 16-byte aligned (slots and pages are whole multiples of 16 bytes): say so, for wide loads.
-    src = tl.multiple_of(tl.load(SrcAddr + page) + layer_offset, 16).to(tl.pointer_type(SRC_DTYPE))
+    src = tl.multiple_of(tl.load(SrcAddr + page, mask=live, other=0) + layer_offset, 16).to(tl.pointer_type(SRC_DTYPE))
     values = tl.load(src + offsets, mask=valid, other=0.0).to(tl.float32)
     if HAS_SCALES:
-        slot = tl.load(SlotIds + page)
+        slot = tl.load(SlotIds + page, mask=live, other=0)
         kv = rows // page_size
         scale_at = ((slot * num_layers + layer) * 2 + kv) * num_heads + cols // HEAD_DIM
         values *= tl.load(Scales + scale_at, mask=valid, other=1.0)
-    dst = tl.load(DstPage + page).to(tl.int64) * (2 * page_size * ROW)
+    dst = tl.load(DstPage + page, mask=live, other=0).to(tl.int64) * (2 * page_size * ROW)
     tl.store(Kv + dst + offsets, values.to(Kv.dtype.element_ty), mask=valid)
 
 
@@ -95,49 +100,53 @@ class OnloadLauncher:
                  src_dtype: torch.dtype, layer: int = 0, slot_ids: torch.Tensor | None = None,
                  scales: torch.Tensor | None = None) -> None:
         if src_addr.shape[0]:
-            launch, fixed = self._bind(kv_layer, src_addr, dst_pages, src_dtype, slot_ids, scales, layer_offset, None)
-            launch((kv_layer, *fixed[:4], layer_offset, layer, *fixed[4:]))
+            launch, fixed = self._bind(kv_layer, src_addr, dst_pages, src_dtype, slot_ids, scales, None, layer_offset,
+                                       None)
+            launch((kv_layer, *fixed[:5], layer_offset, layer, *fixed[5:]))
 
     def all_layers(self, kv: torch.Tensor, src_addr: torch.Tensor, dst_pages: torch.Tensor, layer_bytes: int,
                    src_dtype: torch.dtype, slot_ids: torch.Tensor | None = None, scales: torch.Tensor | None = None,
-                   events: list[torch.cuda.Event] | None = None, stream: torch.cuda.Stream | None = None) -> None:
+                   events: list[torch.cuda.Event] | None = None, stream: torch.cuda.Stream | None = None,
+                   count: torch.Tensor | None = None) -> None:
         """For each layer ``l`` of the pool ``kv`` (``[L, num_pages, 2, page_size, H, D]``), one launch reading host
         addresses ``src_addr + l * layer_bytes``, then a record of ``events[l]`` (if given) on ``stream``; the rest
         as :func:`onload_pages`. ``stream``, if given, must be the current stream: its handle then needs no lookup
-        per launch."""
+        per launch. ``count``: int64 ``[1]`` on the device; if given, only the first ``count[0]`` entries of the
+        index tensors are loaded (the launches can then be captured once for index tensors of a fixed capacity)."""
         if src_addr.shape[0] == 0:
             return
         uniform = kv[0].nbytes % 16 == 0  # then every layer has the first one's 16-byte alignment
         handle = None if stream is None else stream.cuda_stream
-        bind = (src_addr, dst_pages, src_dtype, slot_ids, scales, (len(kv) - 1) * layer_bytes, handle)
+        bind = (src_addr, dst_pages, src_dtype, slot_ids, scales, count, (len(kv) - 1) * layer_bytes, handle)
         launch, fixed = self._bind(kv[0], *bind)
         for layer, kv_layer in enumerate(kv):
             if not uniform:
                 launch, fixed = self._bind(kv_layer, *bind)
-            launch((kv_layer, *fixed[:4], layer * layer_bytes, layer, *fixed[4:]))
+            launch((kv_layer, *fixed[:5], layer * layer_bytes, layer, *fixed[5:]))
             if events is not None:
                 events[layer].record(stream)
 
     def _bind(self, kv_layer: torch.Tensor, src_addr: torch.Tensor, dst_pages: torch.Tensor, src_dtype: torch.dtype,
-              slot_ids: torch.Tensor | None, scales: torch.Tensor | None, max_offset: int,
+              slot_ids: torch.Tensor | None, scales: torch.Tensor | None, count: torch.Tensor | None, max_offset: int,
               stream: int | None) -> tuple[Callable[[tuple[Any, ...]], None], tuple[Any, ...]]:
         """A launch of the kernel's specialisation for these arguments (layer offsets up to ``max_offset``), taking
         the whole argument tuple, and the arguments shared by every layer: ``(src_addr, dst_pages, slot_ids,
-        scales, num_layers, num_heads, page_size)``."""
+        scales, count, num_layers, num_heads, page_size)``."""
         _, two, page_size, num_heads, head_dim = kv_layer.shape
         row = num_heads * head_dim
         rows = min(self.rows_per_program, (two * page_size) & -(two * page_size))  # a power of 2 dividing 2 * page_size
-        has_scales = scales is not None
-        slot_ids, scales = (slot_ids, scales) if has_scales else (dst_pages, kv_layer)
+        has_scales, has_count = scales is not None, count is not None
+        slot_ids, scales = (slot_ids, scales) if has_scales else (dst_pages, kv_layer)  # placeholders: never read
+        count = count if has_count else dst_pages
         num_layers = scales.shape[1] if has_scales else 1
         constants = {"SRC_DTYPE": _POINTER_DTYPES[src_dtype], "ROW": row, "BLOCK": triton.next_power_of_2(row),
-                     "HEAD_DIM": head_dim, "ROWS": rows, "HAS_SCALES": has_scales}
-        key = (kv_layer.dtype, src_dtype, src_addr.dtype, dst_pages.dtype, slot_ids.dtype, scales.dtype, num_layers,
-               num_heads, page_size, row, head_dim, rows, has_scales, kv_layer.data_ptr() % 16,
+                     "HEAD_DIM": head_dim, "ROWS": rows, "HAS_SCALES": has_scales, "HAS_COUNT": has_count}
+        key = (kv_layer.dtype, src_dtype, src_addr.dtype, dst_pages.dtype, slot_ids.dtype, scales.dtype, count.dtype,
+               num_layers, num_heads, page_size, row, head_dim, rows, has_scales, has_count, kv_layer.data_ptr() % 16,
                scales.data_ptr() % 16, -(2**31) <= max_offset < 2**31)  # the type (i32 / i64) Triton gives offsets
         grid, kernels = (src_addr.shape[0], two * page_size // rows), self._kernels
 
         def launch(args: tuple[Any, ...]) -> None:
             kernels.launch(key, grid, args, constants, stream)
 
-        return launch, (src_addr, dst_pages, slot_ids, scales, num_layers, num_heads, page_size)
+        return launch, (src_addr, dst_pages, slot_ids, scales, count, num_layers, num_heads, page_size)

@@ -1,8 +1,9 @@
-"""Cheap CUDA stream switching for the per-step transfer and staging code.
+"""Cheap CUDA stream lookups and switching for the per-step transfer and staging code.
 
-Torch's ``torch.cuda.stream(s)`` context and ``torch.cuda.current_stream()`` of a device without an index first
-look the current device up through ``torch.cuda.is_available()`` (environment reads): ~10 us a call on the GPU
-machine's host, several times per step. These helpers do the same with an indexed device.
+On the GPU machine's host, within an engine step, ``torch.cuda.current_stream(device)`` costs ~17 us (it builds a new
+``Stream`` object inside a device context) and ``torch.cuda.stream(s)`` twice that; a step makes several of each.
+:class:`CurrentStream` and :func:`on_stream` do the same for a fraction of the cost
+(``benchmarks/host_breakdown.py --torch-calls`` measures them in the benchmark's steps).
 """
 
 from __future__ import annotations
@@ -22,13 +23,29 @@ def indexed(device: torch.device) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+class CurrentStream:
+    """``torch.cuda.current_stream(device)`` of one CUDA device, cheaply: reads the current stream's raw handle (the
+    call Triton's launcher makes) and returns the ``torch.cuda.Stream`` kept for that handle, made by torch the first
+    time the handle is seen (streams are few and a handle names one stream)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.index = indexed(device).index
+        self._streams: dict[int, torch.cuda.Stream] = {}
+
+    def __call__(self) -> torch.cuda.Stream:
+        raw = torch._C._cuda_getCurrentRawStream(self.index)
+        stream = self._streams.get(raw)
+        if stream is None:
+            stream = self._streams[raw] = torch.cuda.current_stream(self.index)
+        return stream
+
+
 @contextmanager
-def on_stream(stream: torch.cuda.Stream, device: torch.device) -> Iterator[None]:
-    """``torch.cuda.stream(stream)`` for a stream of ``device`` (indexed, see :func:`indexed`): the same effect
-    without its two current-device lookups (``torch.cuda.stream`` cost ~10 us a use on the GPU machine's host)."""
-    previous = torch.cuda.current_stream(device)
+def on_stream(stream: torch.cuda.Stream, current: torch.cuda.Stream) -> Iterator[None]:
+    """``torch.cuda.stream(stream)`` of the same device as ``current``, the device's current stream (restored on exit):
+    the same effect without the context's current-device and current-stream lookups."""
     torch.cuda.set_stream(stream)
     try:
         yield
     finally:
-        torch.cuda.set_stream(previous)
+        torch.cuda.set_stream(current)

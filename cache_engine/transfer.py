@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .streams import indexed, on_stream
+from .streams import CurrentStream, indexed, on_stream
 
 if TYPE_CHECKING:
     from .offload_kernel import ChunkPacker
@@ -117,6 +117,7 @@ class TransferEngine:
         self.is_cuda = device.type == "cuda"
         self.kernels = kernels and self.is_cuda and importlib.util.find_spec("triton") is not None
         if self.is_cuda:
+            self.current_stream = CurrentStream(self.device)  # the compute stream, where the caller works
             self.offload_stream = torch.cuda.Stream(device)
             self.onload_streams = [torch.cuda.Stream(device) for _ in range(max(1, onload_streams))]
             self.scatter_stream = torch.cuda.Stream(device)
@@ -154,8 +155,8 @@ class TransferEngine:
             row[len(job.pages):] = job.pages[-1]
         pages = pages.ravel()
         slot_ids = np.fromiter((job.slot_id for job in jobs), dtype=np.int64, count=len(jobs))
-        compute = torch.cuda.current_stream(self.device)
-        with on_stream(self.offload_stream, self.device):
+        compute = self.current_stream()
+        with on_stream(self.offload_stream, compute):
             self.offload_stream.wait_stream(compute)
             index = self._upload(np.concatenate([pages, slot_ids]))
             if self.kernels:
@@ -174,7 +175,7 @@ class TransferEngine:
         offload stream; each handle's ``copied`` event is set."""
         if not self._deferred:
             return
-        with on_stream(self.offload_stream, self.device):
+        with on_stream(self.offload_stream, self.current_stream()):
             for handle, jobs in self._deferred:
                 buffer, index = handle.buffer
                 if not self.kernels:  # lay the gathered pages out like the slots, quantise
@@ -216,7 +217,7 @@ class TransferEngine:
         """Make the compute and scatter streams wait for gathers already issued (pages that were
         being read may now be written by their new owner)."""
         if self.is_cuda and self.last_gather is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.last_gather)
+            self.current_stream().wait_event(self.last_gather)
             self.scatter_stream.wait_event(self.last_gather)
 
     # ------------------------------------------------------------------ onload
@@ -243,13 +244,13 @@ class TransferEngine:
             return [None] * num_layers
         if self.kernels:
             return self._onload_by_kernel(kv, jobs, pages, page_slots)
-        compute = torch.cuda.current_stream(self.device)
+        compute = self.current_stream()
         buffers = self._onload_buffers(jobs[0].slot, len(pages))
         scattered: list[torch.cuda.Event] = []
         if self._last_scatter is not None:  # the previous step's scatters still read the buffers
             for stream in self.onload_streams:
                 stream.wait_event(self._last_scatter)
-        with on_stream(self.scatter_stream, self.device):
+        with on_stream(self.scatter_stream, compute):
             self.scatter_stream.wait_stream(compute)  # the pages were just handed out on the host side
             index = self._upload(np.concatenate([pages, page_slots]))
             dst = index[: len(pages)]
@@ -259,7 +260,7 @@ class TransferEngine:
             buffer = buffers[layer % 2][: len(pages)]
             copied = []
             for s, stream in enumerate(self.onload_streams):
-                with on_stream(stream, self.device):
+                with on_stream(stream, compute):
                     if layer >= 2:
                         stream.wait_event(scattered[layer - 2])
                     for j in range(s, len(jobs), len(self.onload_streams)):  # jobs dealt round-robin
@@ -267,7 +268,7 @@ class TransferEngine:
                         buffer[starts[j]:starts[j] + n].copy_(jobs[j].slot[layer, :n], non_blocking=True)
                     copied.append(torch.cuda.Event())
                     copied[-1].record(stream)
-            with on_stream(self.scatter_stream, self.device):
+            with on_stream(self.scatter_stream, compute):
                 for event in copied:
                     self.scatter_stream.wait_event(event)
                 kv[layer].index_copy_(0, dst, self._dequantize(buffer, scales, layer, kv.dtype))
@@ -289,12 +290,12 @@ class TransferEngine:
             self._launcher = OnloadLauncher()
             self._layer_events = [torch.cuda.Event() for _ in range(kv.shape[0])]
         addresses, layer_bytes = host_page_addresses(jobs)
-        compute = torch.cuda.current_stream(self.device)
+        compute = self.current_stream()
         # The same events every step: a stream that waits on one waits for its latest record at that time, and each
         # step's waits are queued before the next step records again. The host tier frees the host slots an onload
         # reads once its events report done, which a later record can only delay (one stream, in order).
         events, src_dtype = self._layer_events, jobs[0].slot.dtype
-        with on_stream(self.scatter_stream, self.device):
+        with on_stream(self.scatter_stream, compute):
             self.scatter_stream.wait_stream(compute)  # the pages were just handed out on the host side
             index = self._upload(np.concatenate([pages, page_slots, addresses]))
             count = len(pages)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from attention_backends import AttentionBackend, GraphReplayable, PagedBatchMetadata, PlanWriter
-from cache_engine.streams import indexed
+from cache_engine.streams import CurrentStream, indexed
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +151,7 @@ class StepGraphs:
             self._offsets[bucket] = dict(zip([*_FIELDS, "kv_indices"], [0, *ends], strict=True))
         end = self._offsets[max_rows]["kv_indices"]
         self._cuda = device.type == "cuda"
+        self._current_stream = CurrentStream(self.device) if self._cuda else None
         self._buffer = torch.zeros(end + max_pages, dtype=torch.int32, device=device)
         self._staging = [torch.zeros(end + max_pages, dtype=torch.int32, pin_memory=self._cuda) for _ in range(2)]
         self._copied = [self._event(), self._event()]  # the last copy out of each staging buffer
@@ -198,7 +199,7 @@ class StepGraphs:
         host[layout.size:used] = pages
         self._buffer[:used].copy_(staging[:used], non_blocking=True)
         device_plan, pinned_plan, plan_copied = self._plan_buffers(plan_key)
-        stream = torch.cuda.current_stream(self.device) if self._cuda else None
+        stream = self._current_stream() if self._cuda else None
         if stream is not None:
             copied.record(stream)
         writer = plan if callable(plan) else None  # a writer: the backend writes the plan inside the replay

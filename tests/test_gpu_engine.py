@@ -105,21 +105,25 @@ def test_index_uploads_never_rewrite_a_pinned_buffer_whose_copy_is_queued():
 
 def test_on_stream_switches_and_restores_the_current_stream():
     """Work inside ``on_stream`` is queued on that stream; the previous stream is current again afterwards, also
-    after an exception."""
-    from cache_engine.streams import indexed, on_stream
+    after an exception. :class:`CurrentStream` names the current stream as torch does, inside and outside."""
+    from cache_engine.streams import CurrentStream, indexed, on_stream
 
     device = indexed(torch.device("cuda"))
     assert device.index == torch.cuda.current_device()
-    before, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+    current = CurrentStream(device)
+    before, side = current(), torch.cuda.Stream(device)
+    assert before == torch.cuda.current_stream(device)
     x = torch.zeros(1 << 20, device=device)
-    with on_stream(side, device):
-        assert torch.cuda.current_stream(device) == side
+    with on_stream(side, before):
+        assert torch.cuda.current_stream(device) == side and current() == side
         torch.cuda._sleep(50_000_000)
         x.add_(1)
-    assert torch.cuda.current_stream(device) == before
+    assert torch.cuda.current_stream(device) == before and current() == before
     assert not side.query()  # the work went to the side stream, still busy sleeping
     side.synchronize()
     assert x.eq(1).all()
-    with pytest.raises(RuntimeError, match="inside"), on_stream(side, device):
+    with torch.cuda.stream(side):  # switched by torch: seen too
+        assert current() == side
+    with pytest.raises(RuntimeError, match="inside"), on_stream(side, before):
         raise RuntimeError("inside")
     assert torch.cuda.current_stream(device) == before

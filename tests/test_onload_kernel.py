@@ -119,6 +119,37 @@ def test_a_launcher_reused_over_layers_and_page_counts_loads_every_page(fp8, all
         assert not pool[:, untouched].any()
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_count_on_the_device_limits_the_pages_loaded(fp8):
+    """Index tensors of a larger capacity with ``count``: only the first ``count`` entries are loaded; the entries
+    after it (valid addresses of other pages, to other pool pages) are left alone, and a count of 0 loads nothing."""
+    from cache_engine.onload_kernel import OnloadLauncher
+
+    gen = torch.Generator().manual_seed(3)
+    layers, chunk_pages, page, heads, dim, num_slots = 2, 4, 8, 2, 16, 4
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    slots, _ = host_slots(num_slots, layers, chunk_pages, page, heads, dim, dtype, gen)
+    scales = (torch.rand(num_slots, layers, 2, heads, generator=gen) + 0.5).to(DEVICE) if fp8 else None
+    pool_dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    layer_bytes = slots.stride(1) * slots.element_size()
+    picks = [(int(f) // chunk_pages, int(f) % chunk_pages) for f in torch.randperm(num_slots * chunk_pages,
+                                                                                   generator=gen)[:12]]
+    dst = torch.randperm(40, generator=gen)[:12]
+    addr = torch.tensor([slots[s, 0, p].data_ptr() for s, p in picks], device=DEVICE)
+    slot_ids = torch.tensor([s for s, _ in picks], device=DEVICE)
+    launcher = OnloadLauncher()
+    for count in (0, 5, 12):
+        pool = torch.zeros(layers, 40, 2, page, heads, dim, dtype=pool_dtype, device=DEVICE)
+        launcher.all_layers(pool, addr, dst.to(DEVICE), layer_bytes, dtype, slot_ids, scales,
+                            count=torch.tensor([count], device=DEVICE))
+        for (s, p), d in zip(picks[:count], dst[:count].tolist()):
+            expected = slots[s, :, p].float()
+            if scales is not None:
+                expected = expected * scales[s].cpu()[:, :, None, :, None]
+            torch.testing.assert_close(pool[:, d].cpu(), expected.to(pool_dtype), rtol=0, atol=0)
+        assert not pool[:, dst[count:]].any() and int(pool.ne(0).any(dim=(0, 2, 3, 4, 5)).sum()) == count
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="a CPU cache manager's (unpinned) host memory: the interpreter only")
 def test_engine_job_addresses_load_like_the_copy_path():
     """The transfer engine's job -> address plan, fed to the kernel, gives what the CPU copy path gives."""

@@ -5,7 +5,8 @@
 1. Peak pinned host->device bandwidth (one 256 MiB copy), for reference.
 2. Onload bandwidth of the engine's pipeline (host chunks -> device onload buffer -> scatter into
    pages, one event per layer; with 1 and 2 copy streams; and the ``kernel`` engine, which reads host
-   pages directly) for chunk sizes 512..4096 tokens, benchmark model KV (8 layers, 4 heads x 128,
+   pages directly, launched eagerly and replayed from CUDA graphs: ``kernel_graphs``) for chunk sizes
+   512..4096 tokens, benchmark model KV (8 layers, 4 heads x 128,
    bf16, page 32), and offload bandwidth (gather + device->host).
 3. CPU time per batch of 8 returning users with 100,000 users known to the cache, split into metadata
    preparation + eviction (acquire, page table, batch metadata upload), launching onloads, and commit +
@@ -60,7 +61,8 @@ def transfer_bandwidth(device, chunk_tokens: int, tokens: int, layers=8, heads=4
     store.wait_until_allocated()
     for s in range(num_chunks):
         store.slot(s).copy_(torch.randn(shape).to(torch.bfloat16))
-    transfer = TransferEngine(device, onload_streams=streams, kernels=engine == "kernel")
+    transfer = TransferEngine(device, onload_streams=streams, kernels=engine.startswith("kernel"),
+                              graphs=engine == "kernel_graphs")
     # Job pages as the engine's cache manager hands them over: int64 arrays.
     pages = np.random.default_rng(0).permutation(kv.shape[1])[: num_chunks * chunk_pages]
     onload_jobs = [OnloadJob(c, store.slot(c), pages[c * chunk_pages:(c + 1) * chunk_pages]) for c in range(num_chunks)]
@@ -159,7 +161,8 @@ def main() -> None:
     result = {"gpu": torch.cuda.get_device_name(), "commit": commit or "unknown", "torch": torch.__version__,
               "python": platform.python_version(), "peak_pinned_h2d_GBps": peak_h2d(device),
               "transfers": [transfer_bandwidth(device, c, args.tokens, streams=s, engine=e)
-                            for e, s in (("copy", 1), ("copy", 2), ("kernel", 1)) for c in (512, 1024, 2048, 4096)],
+                            for e, s in (("copy", 1), ("copy", 2), ("kernel", 1), ("kernel_graphs", 1))
+                            for c in (512, 1024, 2048, 4096)],
               "metadata": metadata_overhead(device)}
     result["command"] = "python benchmarks/cache_bench.py --out " + args.out
     print(json.dumps(result, indent=2))

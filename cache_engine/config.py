@@ -47,6 +47,8 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             (``benchmarks/results/cache_bench.json``); the kernels issue one launch per layer instead of one copy
             per chunk and layer, and one launch per offload instead of about a dozen. On CPU both are
             synchronous copies.
+        onload_graphs: with the ``kernel`` engine on CUDA, replay each step's per-layer onload launches from a
+            CUDA graph (:mod:`cache_engine.onload_graphs`): one launch for the host instead of one per layer.
     """
 
     mode: CacheMode = "hierarchical"
@@ -60,6 +62,7 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     host_dtype: HostDType = "kv"
     onload_streams: int = 1
     onload_engine: OnloadEngine = "kernel"
+    onload_graphs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_gpu_pages", "chunk_tokens", "host_segment_bytes", "max_pending_offloads",

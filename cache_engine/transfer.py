@@ -15,7 +15,8 @@ On CUDA, three side streams keep copies off the compute stream:
   pages; its event for layer ``l`` is what the model's layer ``l`` waits for.
 
 With ``kernels``, the scatter stream instead runs one kernel per layer that reads the host pages
-directly (:mod:`.onload_kernel`) and records that layer's event: no onload buffer, no DMA per chunk.
+directly (:mod:`.onload_kernel`) and records that layer's event: no onload buffer, no DMA per chunk. With
+``graphs`` too, those launches and records are replayed from a CUDA graph (:mod:`.onload_graphs`).
 
 Host chunks may be stored in FP8 (e4m3): chunks are quantised on the device before the copy out, with
 one scale per (slot, layer, K/V, head) kept in a small device table (``amax / 448``), and dequantised
@@ -37,6 +38,7 @@ from .streams import CurrentStream, indexed, on_stream
 
 if TYPE_CHECKING:
     from .offload_kernel import ChunkPacker
+    from .onload_graphs import OnloadGraphs
     from .onload_kernel import OnloadLauncher
 
 FP8 = torch.float8_e4m3fn
@@ -108,14 +110,17 @@ class TransferEngine:
         kernels: on CUDA, move data with Triton kernels (when Triton is installed): offloads gather and
             quantise with :class:`.offload_kernel.ChunkPacker`, onloads read host pages with
             :class:`.onload_kernel.OnloadLauncher`; otherwise torch operations, copies and scatters.
+        graphs: with ``kernels``, replay each onload's launches from a CUDA graph of its capacity
+            (:class:`.onload_graphs.OnloadGraphs`).
     """
 
     def __init__(self, device: torch.device, scales: torch.Tensor | None = None, onload_streams: int = 1,
-                 kernels: bool = False) -> None:
+                 kernels: bool = False, graphs: bool = False) -> None:
         self.device = indexed(device)
         self.scales = scales
         self.is_cuda = device.type == "cuda"
         self.kernels = kernels and self.is_cuda and importlib.util.find_spec("triton") is not None
+        self.onload_graphs = graphs
         if self.is_cuda:
             self.current_stream = CurrentStream(self.device)  # the compute stream, where the caller works
             self.offload_stream = torch.cuda.Stream(device)
@@ -127,6 +132,7 @@ class TransferEngine:
         self._last_scatter: torch.cuda.Event | None = None
         self._launcher: OnloadLauncher | None = None  # the onload kernel's, created at the first kernel onload
         self._packer: ChunkPacker | None = None  # the offload kernel's, created at the first kernel offload
+        self._graphs: OnloadGraphs | None = None  # the kernel onload's CUDA graphs, with the launcher
         self._layer_events: list[torch.cuda.Event] = []  # recorded after each layer's kernel, reused every step
         #: When False, offloads and onloads move no data and complete at once: the cache's bookkeeping
         #: runs as usual but KV contents go stale. Only for fast-forwarding a benchmark's cache state.
@@ -283,26 +289,36 @@ class TransferEngine:
     def _onload_by_kernel(self, kv: torch.Tensor, jobs: list[OnloadJob], pages: np.ndarray,
                           page_slots: np.ndarray) -> list[torch.cuda.Event]:
         """Per layer, one kernel on the scatter stream reads every job's host pages (pinned, device-addressable)
-        into their GPU pages; returns the per-layer events."""
+        into their GPU pages, replayed from a CUDA graph (:class:`.onload_graphs.OnloadGraphs`) when graphs are on;
+        returns the per-layer events."""
+        addresses, layer_bytes = host_page_addresses(jobs)
+        src_dtype = jobs[0].slot.dtype
         if self._launcher is None:
-            from .onload_kernel import OnloadLauncher  # imports Triton
+            from .onload_graphs import OnloadGraphs  # imports Triton
+            from .onload_kernel import OnloadLauncher
 
             self._launcher = OnloadLauncher()
-            self._layer_events = [torch.cuda.Event() for _ in range(kv.shape[0])]
-        addresses, layer_bytes = host_page_addresses(jobs)
+            # External: recorded by graph replays as event nodes, waited for outside the graphs.
+            self._layer_events = [torch.cuda.Event(external=True) for _ in range(kv.shape[0])]
+            if self.onload_graphs:
+                self._graphs = OnloadGraphs(self._launcher, kv, layer_bytes, src_dtype, self.scales,
+                                            self._layer_events, self.scatter_stream)
         compute = self.current_stream()
         # The same events every step: a stream that waits on one waits for its latest record at that time, and each
         # step's waits are queued before the next step records again. The host tier frees the host slots an onload
         # reads once its events report done, which a later record can only delay (one stream, in order).
-        events, src_dtype = self._layer_events, jobs[0].slot.dtype
+        events = self._layer_events
         with on_stream(self.scatter_stream, compute):
             self.scatter_stream.wait_stream(compute)  # the pages were just handed out on the host side
-            index = self._upload(np.concatenate([pages, page_slots, addresses]))
-            count = len(pages)
-            dst, slot_ids, src = index[:count], index[count:2 * count], index[2 * count:]
-            self._launcher.all_layers(kv, src, dst, layer_bytes, src_dtype, slot_ids, self.scales, events,
-                                      self.scatter_stream)
-        index.record_stream(self.scatter_stream)
+            graphs = self._graphs
+            if graphs is None or not graphs.serves(kv, layer_bytes, src_dtype) or not graphs.replay(
+                    pages, page_slots, addresses):
+                index = self._upload(np.concatenate([pages, page_slots, addresses]))
+                count = len(pages)
+                dst, slot_ids, src = index[:count], index[count:2 * count], index[2 * count:]
+                self._launcher.all_layers(kv, src, dst, layer_bytes, src_dtype, slot_ids, self.scales, events,
+                                          self.scatter_stream)
+                index.record_stream(self.scatter_stream)
         self._last_scatter = events[-1]
         return list(events)
 

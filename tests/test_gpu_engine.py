@@ -71,19 +71,59 @@ def test_onload_waits_per_layer_event():
 
 @pytest.mark.parametrize("host_dtype", ["kv", "float8_e4m3fn"])
 def test_kernel_onload_engine_equals_copy_engine(host_dtype):
-    """The transfer kernels (offloads packed and quantised by one kernel, onloads read from host pages) give
-    exactly the copy engine's scores: the same quantisation and dequantisation."""
+    """The transfer kernels (offloads packed and quantised by one kernel, onloads read from host pages), launched
+    eagerly or replayed from CUDA graphs, give exactly the copy engine's scores: the same quantisation and
+    dequantisation."""
     config = cuda_config("bfloat16", mode="hierarchical", num_gpu_pages=200, host_dtype=host_dtype)
     requests = stream(config, num_users=30, visits=20, seed=6)
     outputs = {}
-    for engine_name in ("copy", "kernel"):
-        engine = GREngine(with_cache(config, onload_engine=engine_name))
+    for name, engine_name, graphs in (("copy", "copy", False), ("kernel", "kernel", False),
+                                      ("kernel_graphs", "kernel", True)):
+        engine = GREngine(with_cache(config, onload_engine=engine_name, onload_graphs=graphs))
         engine.kv.host.store.wait_until_allocated()
-        outputs[engine_name] = scores(engine.rank(requests, use_tqdm=False))
+        outputs[name] = scores(engine.rank(requests, use_tqdm=False))
         assert engine.stats.host_hit_tokens > 0
+        captured = engine.kv.host.transfer._graphs
+        assert (captured is not None and captured.enabled and len(captured._graphs) > 0) == graphs
         engine.close()
         engine.kv.check_invariants()
     assert all(np.array_equal(a, b) for a, b in zip(outputs["kernel"], outputs["copy"]))
+    assert all(np.array_equal(a, b) for a, b in zip(outputs["kernel_graphs"], outputs["copy"]))
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_each_layer_event_covers_that_layers_onload(graphs):
+    """A stream that waits for layer ``l``'s event and reads that layer's pages at once sees the loaded pages,
+    whether the onload was launched eagerly or replayed from a graph (whose external event nodes record the
+    events): onloads of ~100 MiB a layer over PCIe, read right after each wait, in rounds of several capacities."""
+    from cache_engine import HostChunkStore, OnloadJob, TransferEngine
+
+    layers, chunk_pages, page, heads, dim, num_chunks = 4, 32, 32, 4, 128, 48
+    shape = (layers, chunk_pages, 2, page, heads, dim)
+    store = HostChunkStore(num_chunks, shape, torch.bfloat16, num_chunks, pin=True)
+    store.wait_until_allocated()
+    gen = torch.Generator().manual_seed(4)
+    for s in range(num_chunks):
+        store.slot(s).copy_(torch.randn(shape, generator=gen).to(torch.bfloat16))
+    kv = torch.zeros(layers, num_chunks * chunk_pages + 10, 2, page, heads, dim, dtype=torch.bfloat16, device="cuda")
+    transfer = TransferEngine(torch.device("cuda"), kernels=True, graphs=graphs)
+    compute = torch.cuda.current_stream()
+    rng = np.random.default_rng(1)
+    for chunks, pages_each in ((5, 7), (num_chunks, chunk_pages), (3, chunk_pages), (num_chunks, 9)):
+        kv.zero_()
+        order = rng.permutation(kv.shape[1])[: chunks * pages_each].reshape(chunks, pages_each)
+        jobs = [OnloadJob(c, store.slot(c), order[c]) for c in range(chunks)]
+        events = transfer.onload(kv, jobs)
+        dst = torch.from_numpy(order.ravel()).cuda()
+        seen = []
+        for layer, event in enumerate(events):
+            compute.wait_event(event)
+            seen.append(kv[layer, dst].clone())  # queued right after the wait
+        torch.cuda.synchronize()
+        for layer in range(layers):
+            expected = torch.stack([store.slot(c)[layer, :pages_each] for c in range(chunks)]).flatten(0, 1)
+            assert torch.equal(seen[layer].cpu(), expected), (chunks, pages_each, layer)
+    assert (transfer._graphs is not None and len(transfer._graphs._graphs) >= 2) == graphs
 
 
 def test_index_uploads_never_rewrite_a_pinned_buffer_whose_copy_is_queued():

@@ -87,7 +87,13 @@ def transfer_bandwidth(device, chunk_tokens: int, tokens: int, layers=8, heads=4
         transfer.issue_deferred()
         torch.cuda.current_stream().wait_event(handle.copied)
 
+    for s in range(num_chunks):  # the offload must write these slots again
+        store.slot(s).zero_()
     offload()
+    torch.cuda.synchronize()
+    for c in (0, num_chunks - 1):  # correctness: every slot holds its pages
+        assert torch.equal(kv[:, pages[c * chunk_pages:(c + 1) * chunk_pages]].cpu(), store.slot(c)), \
+            "offload produced wrong slots"
     offload_s = cuda_time(offload, 9)
     return {"chunk_tokens": chunk_tokens, "onload_engine": engine, "onload_streams": streams, "tokens": tokens,
             "bytes": nbytes,

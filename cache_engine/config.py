@@ -40,13 +40,13 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         onload_streams: CUDA streams the host-to-device chunk copies are spread over (``copy`` engine).
         onload_engine: how KV moves between pages and host chunks on CUDA. ``"kernel"`` (default): one Triton
             kernel per layer reads the host pages directly (pinned memory is device-addressable) and writes the
-            pages (:mod:`cache_engine.onload_kernel`), and one kernel gathers (and quantises) the chunks an
-            offload copies out (:mod:`cache_engine.offload_kernel`); without Triton installed, ``"copy"`` is
-            used. ``"copy"``: a DMA copy per (layer, chunk) into a device buffer, then a scatter into the pages;
-            offloads gathered and quantised with torch operations. Same bandwidth on an H200
-            (``benchmarks/results/cache_bench.json``); the kernels issue one launch per layer instead of one copy
-            per chunk and layer, and one launch per offload instead of about a dozen. On CPU both are
-            synchronous copies.
+            pages (:mod:`cache_engine.onload_kernel`), and one kernel gathers (and quantises) an offload's
+            chunks and stores them into their host slots (:mod:`cache_engine.offload_kernel`); without Triton
+            installed, ``"copy"`` is used. ``"copy"``: a DMA copy per (layer, chunk) into a device buffer, then
+            a scatter into the pages; offloads gathered and quantised with torch operations, then a copy per
+            chunk. Same bandwidth on an H200 (``benchmarks/results/cache_bench.json``); the kernels issue one
+            launch per layer instead of one copy per chunk and layer, and one launch per offload instead of
+            about a dozen and a copy per chunk. On CPU both are synchronous copies.
         onload_graphs: with the ``kernel`` engine on CUDA, replay each step's per-layer onload launches from a
             CUDA graph (:mod:`cache_engine.onload_graphs`): one launch for the host instead of one per layer.
     """

@@ -1,11 +1,12 @@
-"""Offload by kernel: one launch gathers the pages of chunks from the pool, laid out like their host slots, and
-quantises them to FP8 with their scales on the way.
+"""Offload by kernel: one launch gathers the pages of chunks from the pool and writes them into their host slots,
+quantised to FP8 with their scales on the way.
 
 The copy path does this with about a dozen torch operations per offload (an ``index_select`` gather, a
 transpose, and the FP8 quantisation's ``abs``, ``amax``, divisions and casts), each a separate launch with its
-own host cost. Here one program per (chunk, layer, K/V, head) reads that head's values of the chunk's pages
-twice (largest magnitude, then scaled values) and writes them into a packed device buffer whose chunk ``j`` is
-one contiguous block shaped like a host slot, ready for a single device-to-host copy.
+own host cost, then one device-to-host copy per chunk. Here one program per (chunk, layer, K/V, head) reads
+that head's values of the chunk's pages twice (largest magnitude, then scaled values) and stores them straight
+into the chunk's slot: pinned host memory is device-addressable, so there is no device buffer and no copy to
+issue. (Any memory works: the tests give addresses of device tensors.)
 
 This module imports Triton; :mod:`cache_engine` imports it only when the ``kernel`` transfer engine is chosen.
 On CPU the kernel runs in Triton's interpreter (tests).
@@ -21,19 +22,22 @@ from .kernel_cache import CompiledKernels
 
 FP8_MAX = tl.constexpr(448.0)  # a constexpr: jitted code reads no other globals
 NUM_WARPS = 4
+_POINTER_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
+                   torch.float8_e4m3fn: tl.float8e4nv}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["OutAddr"])
 def _pack_chunks_kernel(
-    Kv, Pages, SlotIds, Out, Scales,
+    Kv, Pages, SlotIds, OutAddr, Scales,
     NUM_LAYERS: tl.constexpr, POOL_PAGES: tl.constexpr, SLOT_PAGES: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-    QUANTISE: tl.constexpr,
+    QUANTISE: tl.constexpr, OUT_DTYPE: tl.constexpr,
 ):
-    """Program ``(j, l, kv * H + h)`` writes ``Out[j, l, :, kv, :, h, :]`` (``Out``: ``[J, L, SLOT_PAGES, 2,
-    PAGE_SIZE, H, D]``) from pool pages ``Pages[j * SLOT_PAGES + p]`` of ``Kv`` (``[L, POOL_PAGES, 2, PAGE_SIZE,
-    H, D]``); with ``QUANTISE``, divided by ``scale = max(amax / 448, tiny)`` (then cast to ``Out``'s dtype, FP8),
-    and ``scale`` stored at ``Scales[SlotIds[j], l, kv, h]`` (``[slots, L, 2, H]`` float32)."""
+    """Program ``(j, l, kv * H + h)`` writes ``[l, :, kv, :, h, :]`` of the slot at address ``OutAddr[j]`` (bytes;
+    ``[L, SLOT_PAGES, 2, PAGE_SIZE, H, D]`` of ``OUT_DTYPE``, contiguous) from pool pages ``Pages[j * SLOT_PAGES +
+    p]`` of ``Kv`` (``[L, POOL_PAGES, 2, PAGE_SIZE, H, D]``); with ``QUANTISE``, divided by ``scale = max(amax /
+    448, tiny)`` (then cast to ``OUT_DTYPE``, FP8), and ``scale`` stored at ``Scales[SlotIds[j], l, kv, h]``
+    (``[slots, L, 2, H]`` float32)."""
     job, layer, kvh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv, head = kvh // NUM_HEADS, kvh % NUM_HEADS
     tokens = tl.arange(0, BLOCK_T)[:, None]
@@ -43,7 +47,8 @@ def _pack_chunks_kernel(
     within = tokens * row + head * HEAD_DIM + dims  # one page's [PAGE_SIZE, D] values of this K/V and head
     page_values = 2 * PAGE_SIZE * row
     src_layer = Kv + layer.to(tl.int64) * (POOL_PAGES * page_values) + kv * (PAGE_SIZE * row)
-    dst = Out + ((job.to(tl.int64) * NUM_LAYERS + layer) * SLOT_PAGES) * page_values + kv * (PAGE_SIZE * row)
+    slot_start = tl.load(OutAddr + job).to(tl.pointer_type(OUT_DTYPE))
+    dst = slot_start + (layer.to(tl.int64) * SLOT_PAGES) * page_values + kv * (PAGE_SIZE * row)
     if QUANTISE:
         amax = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
         for p in range(SLOT_PAGES):
@@ -59,7 +64,7 @@ def _pack_chunks_kernel(
         values = tl.load(src_layer + page * page_values + within, mask=mask, other=0.0)
         if QUANTISE:
             values = tl.math.div_rn(values.to(tl.float32), scale)  # IEEE divisions (not Triton's default), as torch's
-        tl.store(dst + p * page_values + within, values.to(Out.dtype.element_ty), mask=mask)
+        tl.store(dst + p * page_values + within, values.to(OUT_DTYPE), mask=mask)
 
 
 class ChunkPacker:
@@ -69,35 +74,39 @@ class ChunkPacker:
     def __init__(self, num_warps: int = NUM_WARPS) -> None:
         self._kernels = CompiledKernels(_pack_chunks_kernel, num_warps)
 
-    def __call__(self, kv: torch.Tensor, pages: torch.Tensor, out: torch.Tensor,
-                 slot_ids: torch.Tensor | None = None, scales: torch.Tensor | None = None,
+    def __call__(self, kv: torch.Tensor, pages: torch.Tensor, out_addr: torch.Tensor, out_dtype: torch.dtype,
+                 slot_pages: int, slot_ids: torch.Tensor | None = None, scales: torch.Tensor | None = None,
                  stream: torch.cuda.Stream | None = None) -> None:
-        """Gather whole chunks of pages into ``out``, on the current stream.
+        """Gather whole chunks of pages into their slots, on the current stream.
 
         Args:
             kv: the pool, ``[L, num_pages, 2, page_size, H, D]``, contiguous.
             pages: int64 ``[J * slot_pages]``: chunk ``j``'s pool pages at ``[j * slot_pages, (j + 1) *
                 slot_pages)``, in order (repeat the last page to fill a partial chunk).
-            out: ``[J, L, slot_pages, 2, page_size, H, D]``, contiguous: the pool's dtype, or with ``scales``
-                ``torch.float8_e4m3fn`` (or float32, to see the scaled values before the cast).
+            out_addr: int64 ``[J]``, the byte address of chunk ``j``'s slot, ``[L, slot_pages, 2, page_size, H, D]``
+                of ``out_dtype``, contiguous: pinned host memory (device-addressable) or device memory.
+            out_dtype: the slots' dtype: the pool's, or with ``scales`` ``torch.float8_e4m3fn`` (or float32, to
+                see the scaled values before the cast).
+            slot_pages: pages per slot.
             slot_ids: int64 ``[J]`` host slot of each chunk (where its scales go), with ``scales``.
             scales: float32 ``[num_slots, L, 2, H]``: written at each chunk's slot with its quantisation scales
                 (``amax / 448`` per layer, K/V and head, at least the smallest normal float32); ``None``: no
                 scaling.
             stream: the current stream, if the caller has it (its handle then needs no lookup).
         """
-        num_chunks, num_layers, slot_pages, two, page_size, num_heads, head_dim = out.shape
+        num_chunks = out_addr.shape[0]
         if num_chunks == 0:
             return
+        num_layers, _, two, page_size, num_heads, head_dim = kv.shape
         quantise = scales is not None
         if quantise and slot_ids is None:
             raise ValueError("scales need the chunks' slot_ids")
-        slot_ids, scales = (slot_ids, scales) if quantise else (pages, out)  # placeholders, never read
+        slot_ids, scales = (slot_ids, scales) if quantise else (pages, kv)  # placeholders, never read
         constants = {"NUM_LAYERS": num_layers, "POOL_PAGES": kv.shape[1], "SLOT_PAGES": slot_pages,
                      "PAGE_SIZE": page_size, "NUM_HEADS": num_heads, "HEAD_DIM": head_dim,
                      "BLOCK_D": triton.next_power_of_2(head_dim), "BLOCK_T": triton.next_power_of_2(page_size),
-                     "QUANTISE": quantise}
-        key = (kv.dtype, out.dtype, pages.dtype, slot_ids.dtype, scales.dtype, *constants.values(),
-               *(t.data_ptr() % 16 for t in (kv, pages, slot_ids, out, scales)))
-        self._kernels.launch(key, (num_chunks, num_layers, two * num_heads), (kv, pages, slot_ids, out, scales),
+                     "QUANTISE": quantise, "OUT_DTYPE": _POINTER_DTYPES[out_dtype]}
+        key = (kv.dtype, pages.dtype, slot_ids.dtype, out_addr.dtype, scales.dtype, out_dtype, *constants.values(),
+               *(t.data_ptr() % 16 for t in (kv, pages, slot_ids, scales)))
+        self._kernels.launch(key, (num_chunks, num_layers, two * num_heads), (kv, pages, slot_ids, out_addr, scales),
                              constants, None if stream is None else stream.cuda_stream)

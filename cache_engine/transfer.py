@@ -2,12 +2,13 @@
 
 On CUDA, three side streams keep copies off the compute stream:
 
-- **offload**: waits for the step's compute, gathers the pages of all chunks into a transient device
-  buffer laid out like their host slots (with ``kernels``: one Triton kernel, :mod:`.offload_kernel`, that
-  also quantises to FP8; otherwise an ``index_select``, quantised and laid out later); at
-  :meth:`TransferEngine.issue_deferred` (the engine calls it once the step's forward is queued, so this
-  host work overlaps the device's), copies each chunk to its host slot (one DMA per chunk). The gather's
-  event tells when the pages may be written again; the copy's event when the host data is complete.
+- **offload**: waits for the step's compute, then with ``kernels`` one Triton kernel (:mod:`.offload_kernel`)
+  gathers the pages of all chunks, quantises them to FP8 if host chunks are FP8, and stores them straight into
+  their host slots (pinned memory is device-addressable); otherwise an ``index_select`` gathers them into a
+  transient device buffer, and at :meth:`TransferEngine.issue_deferred` (the engine calls it once the step's
+  forward is queued, so this host work overlaps the device's) they are quantised, laid out like the slots and
+  copied to host, one DMA per chunk. The gather's event tells when the pages may be written again; the copy's
+  (the kernel's, the same) when the host data is complete.
 - **onload** (one or more streams): per layer, copies the layer's block of each host chunk into a device
   onload buffer (double-buffered: layer ``l`` reuses the buffer of layer ``l - 2`` once that one is
   scattered).
@@ -153,7 +154,7 @@ class TransferEngine:
                 data = kv[:, job.pages].unsqueeze(0)  # [1, L, n, 2, page_size, H, D]
                 job.slot[:, : len(job.pages)] = self._quantize(data, [job.slot_id])[0]
             return OffloadHandle(None, None)
-        # Pad every job to a whole slot so each chunk is one contiguous device->host copy.
+        # Pad every job to a whole slot: each chunk is then one contiguous block (one copy, or the kernel's stores).
         slot_pages = jobs[0].slot.shape[1]
         pages = np.empty((len(jobs), slot_pages), dtype=np.int64)
         for row, job in zip(pages, jobs, strict=True):  # per chunk
@@ -164,31 +165,34 @@ class TransferEngine:
         compute = self.current_stream()
         with on_stream(self.offload_stream, compute):
             self.offload_stream.wait_stream(compute)
-            index = self._upload(np.concatenate([pages, slot_ids]))
-            if self.kernels:
-                packed = self._pack(kv, index[: len(pages)], index[len(pages):], jobs[0].slot)
+            if self.kernels:  # the kernel writes the slots itself: the gather is the copy
+                slots = np.fromiter((job.slot.data_ptr() for job in jobs), dtype=np.int64, count=len(jobs))
+                index = self._upload(np.concatenate([pages, slot_ids, slots]))
+                self._pack(kv, index, len(pages), jobs[0].slot)
             else:  # [L, jobs * slot_pages, 2, ps, H, D], laid out and quantised by issue_deferred
+                index = self._upload(np.concatenate([pages, slot_ids]))
                 packed = kv.index_select(1, index[: len(pages)])
             gathered = torch.cuda.Event()
             gathered.record(self.offload_stream)
         self.last_gather = gathered
+        if self.kernels:
+            return OffloadHandle(gathered, gathered, (index,))
         handle = OffloadHandle(gathered, None, (packed, index), deferred=True)
         self._deferred.append((handle, jobs))
         return handle
 
     def issue_deferred(self) -> None:
-        """Issue the copies out of the offloads gathered so far (FP8 quantisation, one DMA per chunk) on the
-        offload stream; each handle's ``copied`` event is set."""
+        """Issue the copies out of the offloads gathered so far by the copy path (FP8 quantisation, one DMA per
+        chunk) on the offload stream; each handle's ``copied`` event is set. (Kernel offloads defer nothing.)"""
         if not self._deferred:
             return
         with on_stream(self.offload_stream, self.current_stream()):
             for handle, jobs in self._deferred:
-                buffer, index = handle.buffer
-                if not self.kernels:  # lay the gathered pages out like the slots, quantise
-                    num_layers, slot_pages = buffer.shape[0], jobs[0].slot.shape[1]
-                    buffer = buffer.view(num_layers, len(jobs), slot_pages, *buffer.shape[2:])
-                    buffer = self._quantize(buffer.transpose(0, 1).contiguous(), index[-len(jobs):])
-                    handle.buffer = (*handle.buffer, buffer)
+                buffer, index = handle.buffer  # lay the gathered pages out like the slots, quantise
+                num_layers, slot_pages = buffer.shape[0], jobs[0].slot.shape[1]
+                buffer = buffer.view(num_layers, len(jobs), slot_pages, *buffer.shape[2:])
+                buffer = self._quantize(buffer.transpose(0, 1).contiguous(), index[-len(jobs):])
+                handle.buffer = (*handle.buffer, buffer)
                 for job, block in zip(jobs, buffer, strict=True):
                     job.slot.copy_(block, non_blocking=True)
                 handle.copied = torch.cuda.Event()
@@ -196,17 +200,18 @@ class TransferEngine:
                 handle.deferred = False
         self._deferred.clear()
 
-    def _pack(self, kv: torch.Tensor, pages: torch.Tensor, slot_ids: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-        """Chunks of ``pages`` (int64 ``[J * slot_pages]``) laid out like host slots (``slot``'s shape and dtype),
-        ``[J, L, slot_pages, 2, page_size, H, D]`` on the device, quantised with scales for ``slot_ids`` (int64
-        ``[J]``) when host chunks are FP8; one kernel on the offload stream, which must be current."""
+    def _pack(self, kv: torch.Tensor, index: torch.Tensor, num_pages: int, slot: torch.Tensor) -> None:
+        """Write chunks into their host slots (``slot``'s shape and dtype), quantised with scales for their slot ids
+        when host chunks are FP8: one kernel on the offload stream, which must be current. ``index``: int64, the
+        chunks' pool pages (``num_pages``, ``slot_pages`` per chunk), then their ``J`` slot ids, then their ``J``
+        slot addresses."""
         if self._packer is None:
             from .offload_kernel import ChunkPacker  # imports Triton
 
             self._packer = ChunkPacker()
-        packed = torch.empty((len(slot_ids), *slot.shape), dtype=slot.dtype, device=self.device)
-        self._packer(kv, pages, packed, slot_ids, self.scales, self.offload_stream)
-        return packed
+        num_chunks = (len(index) - num_pages) // 2
+        pages, slot_ids, addresses = index[:num_pages], index[num_pages:-num_chunks], index[-num_chunks:]
+        self._packer(kv, pages, addresses, slot.dtype, slot.shape[1], slot_ids, self.scales, self.offload_stream)
 
     def _quantize(self, chunks: torch.Tensor, slot_ids: torch.Tensor | list[int]) -> torch.Tensor:
         """``chunks [J, L, pages, 2, page_size, H, D]`` -> FP8 with per (slot, layer, K/V, head) scales

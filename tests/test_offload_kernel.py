@@ -1,6 +1,7 @@
 """The offload kernel (:mod:`cache_engine.offload_kernel`) against plain indexing and the copy path's
-quantisation: chunks of pool pages gathered into host-slot layout, exact, and FP8 with the same scales and
-values. CPU runs it in Triton's interpreter (``TRITON_INTERPRET=1`` set before the module imports Triton)."""
+quantisation: chunks of pool pages written into their slots (at the addresses given), exact, and FP8 with the
+same scales and values. CPU runs it in Triton's interpreter (``TRITON_INTERPRET=1`` set before the module
+imports Triton)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ def chunk_pages(gen: torch.Generator, pool_pages: int, slot_pages: int, lengths:
     return torch.tensor(rows)
 
 
+def addresses(out: torch.Tensor) -> torch.Tensor:
+    """int64 ``[J]``: the address of each chunk ``out[j]`` (slot-shaped), as the kernel takes its destinations."""
+    return torch.tensor([out[j].data_ptr() for j in range(len(out))], device=out.device)
+
+
 @pytest.mark.parametrize("heads,dim,page", [(2, 16, 4), (3, 8, 2), (1, 32, 8)])
 def test_chunks_are_gathered_into_slot_layout_exactly(heads, dim, page):
     from cache_engine.offload_kernel import ChunkPacker
@@ -37,9 +43,10 @@ def test_chunks_are_gathered_into_slot_layout_exactly(heads, dim, page):
     kv = torch.randn(layers, pool_pages, 2, page, heads, dim, generator=gen).to(DEVICE)
     pages = chunk_pages(gen, pool_pages, slot_pages, [4, 1, 3])
     out = torch.full((3, layers, slot_pages, 2, page, heads, dim), float("nan"), device=DEVICE)
-    ChunkPacker()(kv, pages.to(DEVICE), out)
+    order = [2, 0, 1]  # chunk j goes to slot order[j]: each chunk's own address is used
+    ChunkPacker()(kv, pages.to(DEVICE), addresses(out)[order], out.dtype, slot_pages)
     expected = kv.cpu()[:, pages].view(layers, 3, slot_pages, 2, page, heads, dim).transpose(0, 1)
-    torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=0)
+    torch.testing.assert_close(out.cpu()[order], expected, rtol=0, atol=0)
 
 
 def test_fp8_chunks_match_the_copy_paths_quantisation():
@@ -66,7 +73,8 @@ def test_fp8_chunks_match_the_copy_paths_quantisation():
     # there, the scaled values before the cast are compared, in float32.
     out = torch.empty((2, layers, slot_pages, 2, page, heads, dim), dtype=FP8 if DEVICE == "cuda" else torch.float32,
                       device=DEVICE)
-    ChunkPacker()(kv.to(DEVICE), pages.to(DEVICE), out, slot_ids.to(DEVICE), got_scales)
+    ChunkPacker()(kv.to(DEVICE), pages.to(DEVICE), addresses(out), out.dtype, slot_pages, slot_ids.to(DEVICE),
+                  got_scales)
     torch.testing.assert_close(got_scales.cpu(), expected_scales, rtol=0, atol=0)
     if DEVICE != "cuda":
         expected = chunks.float() / expected_scales[slot_ids][:, :, None, :, None, :, None]
@@ -81,5 +89,5 @@ def test_scales_need_slot_ids():
     kv = torch.zeros(1, 4, 2, 2, 1, 8, device=DEVICE)
     out = torch.empty((1, 1, 2, 2, 2, 1, 8), dtype=FP8, device=DEVICE)
     with pytest.raises(ValueError, match="slot_ids"):
-        ChunkPacker()(kv, torch.zeros(2, dtype=torch.long, device=DEVICE), out, None, torch.ones(1, 1, 2, 1,
-                                                                                              device=DEVICE))
+        ChunkPacker()(kv, torch.zeros(2, dtype=torch.long, device=DEVICE), addresses(out), FP8, 2, None,
+                      torch.ones(1, 1, 2, 1, device=DEVICE))

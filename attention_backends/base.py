@@ -371,7 +371,8 @@ class GraphReplayable(abc.ABC):
             ``(key, plan)``: ``plan`` is a flat int32 array of :meth:`graph_plan_size` entries whose layout depends
             only on ``key`` (the launch shape), uploaded for the replay; or, when for this key the backend writes it
             on the device, a :data:`PlanWriter`, called before the first layer of each replay (and captured with
-            it). Steps with equal keys and capacities share one captured graph.
+            it). A key always comes with the one or always with the other. Steps with equal keys and capacities
+            share one captured graph.
         """
 
     @abc.abstractmethod

@@ -46,7 +46,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
 
-@dataclass
+@dataclass(slots=True)
 class OffloadJob:
     """Copy GPU pages ``pages`` (int64 ``[n]``, at most a chunk's worth, in order; or a list) into host slot
     ``slot_id`` (memory ``slot``: ``[L, chunk_pages, 2, page_size, H, D]``); the rest of the slot may be
@@ -57,7 +57,7 @@ class OffloadJob:
     slot: torch.Tensor
 
 
-@dataclass
+@dataclass(slots=True)
 class OnloadJob:
     """Copy host slot ``slot_id`` (memory ``slot``), its first ``len(pages)`` pages, into GPU ``pages`` (int64
     ``[n]``, or a list)."""
@@ -67,7 +67,7 @@ class OnloadJob:
     pages: np.ndarray
 
 
-@dataclass
+@dataclass(slots=True)
 class OffloadHandle:
     """An offload in flight. ``gathered``/``copied`` are CUDA events (``None`` on CPU: already done);
     ``deferred``: the copy out is not issued yet (``copied`` is set when it is)."""

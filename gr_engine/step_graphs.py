@@ -156,7 +156,7 @@ class StepGraphs:
         self._staging = [torch.zeros(end + max_pages, dtype=torch.int32, pin_memory=self._cuda) for _ in range(2)]
         self._copied = [self._event(), self._event()]  # the last copy out of each staging buffer
         self._turn = 0
-        self._plans: dict[Hashable, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = {}
+        self._plans: dict[Hashable, tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Event | None]] = {}
         self._layouts: dict[tuple[int, int, int], _Layout] = {}
         self._graphs: dict[tuple[int, Hashable], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self._cuda else None
@@ -198,11 +198,11 @@ class StepGraphs:
         np.take(source, layout.gather, out=host[:layout.size])
         host[layout.size:used] = pages
         self._buffer[:used].copy_(staging[:used], non_blocking=True)
-        device_plan, pinned_plan, plan_copied = self._plan_buffers(plan_key)
+        writer = plan if callable(plan) else None  # a writer: the backend writes the plan inside the replay
+        device_plan, pinned_plan, plan_copied = self._plan_buffers(plan_key, uploaded=writer is None)
         stream = self._current_stream() if self._cuda else None
         if stream is not None:
             copied.record(stream)
-        writer = plan if callable(plan) else None  # a writer: the backend writes the plan inside the replay
         if writer is None:
             if stream is not None:
                 plan_copied.synchronize()
@@ -295,11 +295,14 @@ class StepGraphs:
         if step.plan_writer is not None:
             step.plan_writer(common, self._plans[step.plan_key][0])
 
-    def _plan_buffers(self, key: Hashable) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
+    def _plan_buffers(self, key: Hashable, uploaded: bool) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                   torch.cuda.Event | None]:
+        """The plan's device buffer, and when the plan is ``uploaded`` (not written on the device) its pinned
+        staging buffer and the event of the last copy out of it (a key is planned one way or the other, always)."""
         if key not in self._plans:
             length = self.backend.graph_plan_size(key)
-            self._plans[key] = (torch.zeros(length, dtype=torch.int32, device=self.device),
-                                torch.zeros(length, dtype=torch.int32, pin_memory=self._cuda), self._event())
+            pinned = torch.zeros(length, dtype=torch.int32, pin_memory=self._cuda) if uploaded else None
+            self._plans[key] = (torch.zeros(length, dtype=torch.int32, device=self.device), pinned, self._event())
         return self._plans[key]
 
     def _static_inputs(self, step: StagedStep) -> tuple[dict[str, torch.Tensor], PagedBatchMetadata, Any]:

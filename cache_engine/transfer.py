@@ -303,8 +303,10 @@ class TransferEngine:
             from .onload_kernel import OnloadLauncher
 
             self._launcher = OnloadLauncher()
-            # External: recorded by graph replays as event nodes, waited for outside the graphs.
-            self._layer_events = [torch.cuda.Event(external=True) for _ in range(kv.shape[0])]
+            try:  # external: graph replays record them as event nodes, waited for outside the graphs
+                self._layer_events = [torch.cuda.Event(external=self.onload_graphs) for _ in range(kv.shape[0])]
+            except TypeError:  # a torch without external events (before 2.9): onloads launch eagerly
+                self._layer_events, self.onload_graphs = [torch.cuda.Event() for _ in range(kv.shape[0])], False
             if self.onload_graphs:
                 self._graphs = OnloadGraphs(self._launcher, kv, layer_bytes, src_dtype, self.scales,
                                             self._layer_events, self.scatter_stream)

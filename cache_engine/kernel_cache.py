@@ -17,8 +17,14 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any
 
+import torch
+import triton.language as tl
 from triton import knobs
 from triton.compiler import CompiledKernel
+
+#: Triton's element type of each KV dtype the transfer kernels move (for raw addresses cast to pointers).
+POINTER_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
+                  torch.float8_e4m3fn: tl.float8e4nv}
 
 
 class CompiledKernels:

@@ -18,12 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernel_cache import CompiledKernels
+from .kernel_cache import POINTER_DTYPES, CompiledKernels
 
 FP8_MAX = tl.constexpr(448.0)  # a constexpr: jitted code reads no other globals
 NUM_WARPS = 4
-_POINTER_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
-                   torch.float8_e4m3fn: tl.float8e4nv}
 
 
 @triton.jit(do_not_specialize=["OutAddr"])
@@ -105,7 +103,7 @@ class ChunkPacker:
         constants = {"NUM_LAYERS": num_layers, "POOL_PAGES": kv.shape[1], "SLOT_PAGES": slot_pages,
                      "PAGE_SIZE": page_size, "NUM_HEADS": num_heads, "HEAD_DIM": head_dim,
                      "BLOCK_D": triton.next_power_of_2(head_dim), "BLOCK_T": triton.next_power_of_2(page_size),
-                     "QUANTISE": quantise, "OUT_DTYPE": _POINTER_DTYPES[out_dtype]}
+                     "QUANTISE": quantise, "OUT_DTYPE": POINTER_DTYPES[out_dtype]}
         key = (kv.dtype, pages.dtype, slot_ids.dtype, out_addr.dtype, scales.dtype, out_dtype, *constants.values(),
                *(t.data_ptr() % 16 for t in (kv, pages, slot_ids, scales)))
         self._kernels.launch(key, (num_chunks, num_layers, two * num_heads), (kv, pages, slot_ids, out_addr, scales),

@@ -18,14 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernel_cache import CompiledKernels
+from .kernel_cache import POINTER_DTYPES, CompiledKernels
 
 # Launch shape: rows and warps per program. On the H200 with benchmark KV (4 x 128, page 32) every shape from 1 to
 # 64 rows with enough warps reads host memory at 49.5-51 GB/s of its 55 GB/s copy peak; 8 rows x 8 warps was the
 # best for bf16 host pages and within 1% of the best for FP8 (benchmarks/results/onload_sweep.json).
 ROWS_PER_PROGRAM, NUM_WARPS = 8, 8
-_POINTER_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
-                   torch.float8_e4m3fn: tl.float8e4nv}
 
 
 @triton.jit(do_not_specialize=["SrcAddr", "DstPage", "SlotIds", "Count", "layer_offset", "layer"])
@@ -139,7 +137,7 @@ class OnloadLauncher:
         slot_ids, scales = (slot_ids, scales) if has_scales else (dst_pages, kv_layer)  # placeholders: never read
         count = count if has_count else dst_pages
         num_layers = scales.shape[1] if has_scales else 1
-        constants = {"SRC_DTYPE": _POINTER_DTYPES[src_dtype], "ROW": row, "BLOCK": triton.next_power_of_2(row),
+        constants = {"SRC_DTYPE": POINTER_DTYPES[src_dtype], "ROW": row, "BLOCK": triton.next_power_of_2(row),
                      "HEAD_DIM": head_dim, "ROWS": rows, "HAS_SCALES": has_scales, "HAS_COUNT": has_count}
         key = (kv_layer.dtype, src_dtype, src_addr.dtype, dst_pages.dtype, slot_ids.dtype, scales.dtype, count.dtype,
                num_layers, num_heads, page_size, row, head_dim, rows, has_scales, has_count, kv_layer.data_ptr() % 16,

@@ -1,10 +1,10 @@
 """Launching a Triton kernel repeatedly at little host cost.
 
 A ``@triton.jit`` launch binds its arguments, computes the specialisation key and looks the compiled kernel up on
-every call (34 us a launch on the GPU machine's host). :class:`CompiledKernels` keeps the compiled kernel the
-first launch of each specialisation returns and, afterwards, calls its launcher directly (13 us through
-``CompiledKernel[grid]``, ``benchmarks/results/host_api_costs.json``; less when the caller passes the stream,
-which ``CompiledKernel[grid]`` looks up on every call). This calls Triton's launcher with every argument, the
+every call (23-34 us a launch on the GPU machine's host, ``benchmarks/results/host_api_costs.json``).
+:class:`CompiledKernels` keeps the compiled kernel the first launch of each specialisation returns and,
+afterwards, calls its launcher directly (8 us in the same measurement, given the stream's handle, which
+``CompiledKernel[grid]`` would otherwise look up on every call). This calls Triton's launcher with every argument, the
 constexprs included, in the kernel's order, as Triton's own launch does; the GPU tests of the kernels that use it
 fail if a Triton version changes that. While a launch hook is registered (a profiler), launches go through
 ``CompiledKernel[grid]``, which calls it.

@@ -43,14 +43,18 @@ def graph_engine(config, max_rows: int) -> GREngine:
 
 
 @needs_interpreter
-@pytest.mark.parametrize("mode,pages", [("gpu_only", 45), ("hierarchical", 45), ("unlimited", 500)])
-def test_staged_steps_equal_recompute_on_cpu(mode, pages):
+@pytest.mark.parametrize("mode,pages,plan_on_device", [("gpu_only", 45, True), ("hierarchical", 45, True),
+                                                       ("unlimited", 500, True), ("hierarchical", 45, False)])
+def test_staged_steps_equal_recompute_on_cpu(mode, pages, plan_on_device):
+    """Staged steps (the tile plan written on the device, or uploaded from the host) against recompute."""
     config = tiny_config(mode=mode, num_gpu_pages=pages, page_size=16, max_num_seqs=3, max_num_batched_tokens=96,
                          head_dim=16, chunk_pages=2, host_chunks=200)
     requests = stream(config, num_users=8, visits=5, seed=11)
     expected = GREngine(with_cache(config, mode="recompute")).rank(requests, use_tqdm=False)
     engine = graph_engine(config, max_rows=64)
+    engine.backend.plan_on_device = plan_on_device
     got = engine.rank(requests, use_tqdm=False)
+    assert all((pinned is None) == plan_on_device for _, pinned, _ in engine.runner.graphs._plans.values())
     assert max_diff(got, expected) <= 1e-4
     graphs = engine.runner.graphs
     assert 0 < graphs.num_replays < engine.stats.num_steps  # both paths ran: staged steps and eager ones

@@ -27,6 +27,7 @@ from cache_engine import transfer as transfer_module
 from cache_engine.host_tier import HostTier
 from cache_engine.kv_cache_manager import KVCacheManager
 from cache_engine.offload_kernel import ChunkPacker
+from cache_engine.onload_graphs import OnloadGraphs
 from cache_engine.onload_kernel import OnloadLauncher
 from cache_engine.transfer import TransferEngine
 from gr_engine import engine as engine_module
@@ -58,7 +59,8 @@ WRAPPED = {
     "engine._output": (engine_module.GREngine, "_output"), "engine._add": (engine_module.GREngine, "_add"),
     "torch.Event.record": (torch.cuda.Event, "record"), "torch.CUDAGraph.replay": (torch.cuda.CUDAGraph, "replay"),
     "from_arrays": (attention_base.PagedBatchMetadata, "from_arrays"),
-    "OnloadLauncher.__call__": (OnloadLauncher, "__call__"), "ChunkPacker.__call__": (ChunkPacker, "__call__"),
+    "OnloadGraphs.replay": (OnloadGraphs, "replay"), "OnloadLauncher.__call__": (OnloadLauncher, "__call__"),
+    "ChunkPacker.__call__": (ChunkPacker, "__call__"),
 }
 # With --torch-calls: the torch and numpy calls the step path makes most (wrapping adds ~0.3 us to each).
 TORCH_CALLS = {

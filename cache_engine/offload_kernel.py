@@ -29,13 +29,14 @@ def _pack_chunks_kernel(
     Kv, Pages, SlotIds, OutAddr, Scales,
     NUM_LAYERS: tl.constexpr, POOL_PAGES: tl.constexpr, SLOT_PAGES: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-    QUANTISE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    BLOCK_P: tl.constexpr, QUANTISE: tl.constexpr, OUT_DTYPE: tl.constexpr,
 ):
     """Program ``(j, l, kv * H + h)`` writes ``[l, :, kv, :, h, :]`` of the slot at address ``OutAddr[j]`` (bytes;
     ``[L, SLOT_PAGES, 2, PAGE_SIZE, H, D]`` of ``OUT_DTYPE``, contiguous) from pool pages ``Pages[j * SLOT_PAGES +
     p]`` of ``Kv`` (``[L, POOL_PAGES, 2, PAGE_SIZE, H, D]``); with ``QUANTISE``, divided by ``scale = max(amax /
     448, tiny)`` (then cast to ``OUT_DTYPE``, FP8), and ``scale`` stored at ``Scales[SlotIds[j], l, kv, h]``
-    (``[slots, L, 2, H]`` float32)."""
+    (``[slots, L, 2, H]`` float32). The chunk's page ids are loaded once, together (``BLOCK_P >= SLOT_PAGES``): the
+    index arrays may be in host memory, where each load is a PCIe round trip."""
     job, layer, kvh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv, head = kvh // NUM_HEADS, kvh % NUM_HEADS
     tokens = tl.arange(0, BLOCK_T)[:, None]
@@ -47,10 +48,12 @@ def _pack_chunks_kernel(
     src_layer = Kv + layer.to(tl.int64) * (POOL_PAGES * page_values) + kv * (PAGE_SIZE * row)
     slot_start = tl.load(OutAddr + job).to(tl.pointer_type(OUT_DTYPE))
     dst = slot_start + (layer.to(tl.int64) * SLOT_PAGES) * page_values + kv * (PAGE_SIZE * row)
+    lanes = tl.arange(0, BLOCK_P)
+    chunk_pages = tl.load(Pages + job * SLOT_PAGES + lanes, mask=lanes < SLOT_PAGES, other=0).to(tl.int64)
     if QUANTISE:
         amax = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
         for p in range(SLOT_PAGES):
-            page = tl.load(Pages + job * SLOT_PAGES + p).to(tl.int64)
+            page = tl.sum(tl.where(lanes == p, chunk_pages, 0))  # lane p of the register vector
             values = tl.load(src_layer + page * page_values + within, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(values))
         peak = tl.max(tl.max(amax, axis=1), axis=0)
@@ -58,7 +61,7 @@ def _pack_chunks_kernel(
         slot = tl.load(SlotIds + job)
         tl.store(Scales + ((slot * NUM_LAYERS + layer) * 2 + kv) * NUM_HEADS + head, scale)
     for p in range(SLOT_PAGES):
-        page = tl.load(Pages + job * SLOT_PAGES + p).to(tl.int64)
+        page = tl.sum(tl.where(lanes == p, chunk_pages, 0))
         values = tl.load(src_layer + page * page_values + within, mask=mask, other=0.0)
         if QUANTISE:
             values = tl.math.div_rn(values.to(tl.float32), scale)  # IEEE divisions (not Triton's default), as torch's
@@ -76,6 +79,8 @@ class ChunkPacker:
                  slot_pages: int, slot_ids: torch.Tensor | None = None, scales: torch.Tensor | None = None,
                  stream: torch.cuda.Stream | None = None) -> None:
         """Gather whole chunks of pages into their slots, on the current stream.
+
+        The index tensors (``pages``, ``out_addr``, ``slot_ids``) may be on the device or in pinned host memory.
 
         Args:
             kv: the pool, ``[L, num_pages, 2, page_size, H, D]``, contiguous.
@@ -103,6 +108,7 @@ class ChunkPacker:
         constants = {"NUM_LAYERS": num_layers, "POOL_PAGES": kv.shape[1], "SLOT_PAGES": slot_pages,
                      "PAGE_SIZE": page_size, "NUM_HEADS": num_heads, "HEAD_DIM": head_dim,
                      "BLOCK_D": triton.next_power_of_2(head_dim), "BLOCK_T": triton.next_power_of_2(page_size),
+                     "BLOCK_P": triton.next_power_of_2(slot_pages),
                      "QUANTISE": quantise, "OUT_DTYPE": POINTER_DTYPES[out_dtype]}
         key = (kv.dtype, pages.dtype, slot_ids.dtype, out_addr.dtype, scales.dtype, out_dtype, *constants.values(),
                *(t.data_ptr() % 16 for t in (kv, pages, slot_ids, scales)))

@@ -2,11 +2,14 @@
 and one event record per layer (~30 us each on the GPU machine's host within a benchmark step: ~0.3 ms a step).
 
 A graph is captured per capacity, a power of two of pages (at least ``min_capacity``): for each layer, the onload
-kernel over index tensors of that capacity in a static device buffer, loading the first ``count`` entries (the
-step's page count, read on the device: :meth:`~.onload_kernel.OnloadLauncher.all_layers`'s ``count``), then that
-layer's event recorded as an external event node, which the model's layer waits for as for an eagerly recorded
-event. A step writes its indices and count into the buffer with one copy and replays the graph, both on the
-transfer engine's scatter stream. If a capture fails, graphs are turned off and onloads are launched eagerly.
+kernel over index arrays of that capacity in a static pinned host buffer, which the kernels read over PCIe (each
+index once), loading the first ``count`` entries (the step's page count, read on the device:
+:meth:`~.onload_kernel.OnloadLauncher.all_layers`'s ``count``), then that layer's event recorded as an external event
+node, which the model's layer waits for as for an eagerly recorded event. A step writes its indices and count into
+the buffer with numpy and replays the graph on the transfer engine's scatter stream: no upload, no allocation. Each
+capacity has two buffers, each with its own graph, used in turn; a buffer is written again only once the event
+recorded after its previous replay reports done. If a capture fails, graphs are turned off and onloads are launched
+eagerly.
 
 This module imports Triton (through :mod:`.onload_kernel`).
 """
@@ -43,7 +46,9 @@ class OnloadGraphs:
                  min_capacity: int = 256) -> None:
         self.launcher, self.kv, self.layer_bytes, self.src_dtype = launcher, kv, layer_bytes, src_dtype
         self.scales, self.events, self.stream, self.min_capacity = scales, events, stream, min_capacity
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # capacity -> (graph, indices)
+        # (capacity, turn) -> (graph, its pinned indices, the event recorded after its last replay)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.cuda.Event]] = {}
+        self._turn = 0
         self.enabled = True
 
     def serves(self, kv: torch.Tensor, layer_bytes: int, src_dtype: torch.dtype) -> bool:
@@ -56,24 +61,27 @@ class OnloadGraphs:
         ``False`` (nothing queued: launch eagerly) if its graph could not be captured."""
         count = len(pages)
         capacity = max(self.min_capacity, 1 << max(count - 1, 0).bit_length())
-        if capacity not in self._graphs:
+        key = (capacity, self._turn)
+        if key not in self._graphs:
             try:
-                self._graphs[capacity] = self._capture(capacity)
+                self._graphs[key] = self._capture(capacity)
             except Exception:  # never fail a step over a capture: launch eagerly from now on
                 logger.warning("CUDA graph capture of the onload failed; onloads launch eagerly", exc_info=True)
                 self.enabled = False
                 return False
-        graph, indices = self._graphs[capacity]
-        staged = torch.empty(3 * capacity + 1, dtype=torch.long, pin_memory=True)  # reused once its copy is done
-        flat = staged.numpy()
+        self._turn ^= 1
+        graph, indices, replayed = self._graphs[key]
+        if not replayed.query():
+            replayed.synchronize()  # its previous replay (two onloads ago) may still read the indices
+        flat = indices.numpy()
         host = flat[:-1].reshape(3, capacity)  # rows: pool pages, slot ids, host addresses; then the count
         host[0, :count], host[1, :count], host[2, :count], flat[-1] = pages, slot_ids, addresses, count
-        indices.copy_(staged, non_blocking=True)  # after the previous replay's reads (same stream)
         graph.replay()
+        replayed.record(self.stream)
         return True
 
-    def _capture(self, capacity: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        indices = torch.zeros(3 * capacity + 1, dtype=torch.long, device=self.kv.device)  # count 0: loads nothing
+    def _capture(self, capacity: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.cuda.Event]:
+        indices = torch.zeros(3 * capacity + 1, dtype=torch.long, pin_memory=True)  # count 0: loads nothing
         dst, slot_ids, src = indices[:capacity], indices[capacity:2 * capacity], indices[2 * capacity:3 * capacity]
         args = (self.kv, src, dst, self.layer_bytes, self.src_dtype, slot_ids if self.scales is not None else None,
                 self.scales)
@@ -82,4 +90,6 @@ class OnloadGraphs:
         # thread_local: the host tier's worker threads may call CUDA (pinning) during the capture
         with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
             self.launcher.all_layers(*args, self.events, self.stream, indices[-1:])
-        return graph, indices
+        replayed = torch.cuda.Event()
+        replayed.record(self.stream)  # after the warm-up launches, which read the indices too
+        return graph, indices, replayed

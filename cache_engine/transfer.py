@@ -19,6 +19,9 @@ With ``kernels``, the scatter stream instead runs one kernel per layer that read
 directly (:mod:`.onload_kernel`) and records that layer's event: no onload buffer, no DMA per chunk. With
 ``graphs`` too, those launches and records are replayed from a CUDA graph (:mod:`.onload_graphs`).
 
+The kernels read their index arrays (pool pages, slot ids, host addresses) from pinned host memory
+(:class:`.index_ring.PinnedIndexRing`, or the graphs' own buffers): no upload per transfer.
+
 Host chunks may be stored in FP8 (e4m3): chunks are quantised on the device before the copy out, with
 one scale per (slot, layer, K/V, head) kept in a small device table (``amax / 448``), and dequantised
 by the scatter. That halves host memory and PCIe bytes at a small, measured, cost in accuracy.
@@ -35,6 +38,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from .index_ring import PinnedIndexRing
 from .streams import CurrentStream, indexed, on_stream
 
 if TYPE_CHECKING:
@@ -135,6 +139,9 @@ class TransferEngine:
         self._packer: ChunkPacker | None = None  # the offload kernel's, created at the first kernel offload
         self._graphs: OnloadGraphs | None = None  # the kernel onload's CUDA graphs, with the launcher
         self._layer_events: list[torch.cuda.Event] = []  # recorded after each layer's kernel, reused every step
+        # The kernels' index arrays, read from pinned memory (CUDA with kernels only).
+        self._offload_indices = PinnedIndexRing(pin=self.kernels)
+        self._onload_indices = PinnedIndexRing(pin=self.kernels)
         #: When False, offloads and onloads move no data and complete at once: the cache's bookkeeping
         #: runs as usual but KV contents go stale. Only for fast-forwarding a benchmark's cache state.
         self.moves_data = True
@@ -155,28 +162,31 @@ class TransferEngine:
                 job.slot[:, : len(job.pages)] = self._quantize(data, [job.slot_id])[0]
             return OffloadHandle(None, None)
         # Pad every job to a whole slot: each chunk is then one contiguous block (one copy, or the kernel's stores).
-        slot_pages = jobs[0].slot.shape[1]
-        pages = np.empty((len(jobs), slot_pages), dtype=np.int64)
-        for row, job in zip(pages, jobs, strict=True):  # per chunk
+        # Index layout: the chunks' pool pages, their slot ids, then (kernel) their slot addresses.
+        num_jobs, slot_pages = len(jobs), jobs[0].slot.shape[1]
+        num_pages = num_jobs * slot_pages
+        size = num_pages + num_jobs * (2 if self.kernels else 1)
+        index = self._offload_indices.take(size) if self.kernels else torch.empty(size, dtype=torch.long)
+        host = index.numpy()
+        for row, job in zip(host[:num_pages].reshape(num_jobs, slot_pages), jobs, strict=True):  # per chunk
             row[:len(job.pages)] = job.pages
             row[len(job.pages):] = job.pages[-1]
-        pages = pages.ravel()
-        slot_ids = np.fromiter((job.slot_id for job in jobs), dtype=np.int64, count=len(jobs))
+        host[num_pages:num_pages + num_jobs] = [job.slot_id for job in jobs]
         compute = self.current_stream()
         with on_stream(self.offload_stream, compute):
             self.offload_stream.wait_stream(compute)
-            if self.kernels:  # the kernel writes the slots itself: the gather is the copy
-                slots = np.fromiter((job.slot.data_ptr() for job in jobs), dtype=np.int64, count=len(jobs))
-                index = self._upload(np.concatenate([pages, slot_ids, slots]))
-                self._pack(kv, index, len(pages), jobs[0].slot)
+            if self.kernels:  # the kernel reads the indices from pinned memory and writes the slots: no copies
+                host[num_pages + num_jobs:] = [job.slot.data_ptr() for job in jobs]
+                self._pack(kv, index, num_pages, jobs[0].slot)
             else:  # [L, jobs * slot_pages, 2, ps, H, D], laid out and quantised by issue_deferred
-                index = self._upload(np.concatenate([pages, slot_ids]))
-                packed = kv.index_select(1, index[: len(pages)])
+                index = self._upload(host)
+                packed = kv.index_select(1, index[:num_pages])
             gathered = torch.cuda.Event()
             gathered.record(self.offload_stream)
         self.last_gather = gathered
         if self.kernels:
-            return OffloadHandle(gathered, gathered, (index,))
+            self._offload_indices.guard(gathered)
+            return OffloadHandle(gathered, gathered)
         handle = OffloadHandle(gathered, None, (packed, index), deferred=True)
         self._deferred.append((handle, jobs))
         return handle
@@ -202,9 +212,9 @@ class TransferEngine:
 
     def _pack(self, kv: torch.Tensor, index: torch.Tensor, num_pages: int, slot: torch.Tensor) -> None:
         """Write chunks into their host slots (``slot``'s shape and dtype), quantised with scales for their slot ids
-        when host chunks are FP8: one kernel on the offload stream, which must be current. ``index``: int64, the
-        chunks' pool pages (``num_pages``, ``slot_pages`` per chunk), then their ``J`` slot ids, then their ``J``
-        slot addresses."""
+        when host chunks are FP8: one kernel on the offload stream, which must be current. ``index``: int64 (pinned
+        host memory), the chunks' pool pages (``num_pages``, ``slot_pages`` per chunk), then their ``J`` slot ids,
+        then their ``J`` slot addresses."""
         if self._packer is None:
             from .offload_kernel import ChunkPacker  # imports Triton
 
@@ -320,12 +330,14 @@ class TransferEngine:
             graphs = self._graphs
             if graphs is None or not graphs.serves(kv, layer_bytes, src_dtype) or not graphs.replay(
                     pages, page_slots, addresses):
-                index = self._upload(np.concatenate([pages, page_slots, addresses]))
                 count = len(pages)
+                index = self._onload_indices.take(3 * count)  # read by the kernels from pinned memory
+                host = index.numpy()
+                host[:count], host[count:2 * count], host[2 * count:] = pages, page_slots, addresses
                 dst, slot_ids, src = index[:count], index[count:2 * count], index[2 * count:]
                 self._launcher.all_layers(kv, src, dst, layer_bytes, src_dtype, slot_ids, self.scales, events,
                                           self.scatter_stream)
-                index.record_stream(self.scatter_stream)
+                self._onload_indices.guard(events[-1])  # re-recorded by later steps: that only waits longer
         self._last_scatter = events[-1]
         return list(events)
 

@@ -126,6 +126,46 @@ def test_each_layer_event_covers_that_layers_onload(graphs):
     assert (transfer._graphs is not None and len(transfer._graphs._graphs) >= 2) == graphs
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_transfer_kernels_index_buffers_are_not_rewritten_while_queued(graphs):
+    """The transfer kernels read their indices from pinned buffers reused in turn: with the device held busy, a
+    run of onloads (graphs alternate two buffers, eager launches a ring of four) and of kernel offloads (a ring of
+    four) queued back to back, each with different pages and slots, all land where their own indices say."""
+    from cache_engine import HostChunkStore, OffloadJob, OnloadJob, TransferEngine
+
+    layers, chunk_pages, page, heads, dim, rounds = 2, 4, 8, 2, 64, 7
+    shape = (layers, chunk_pages, 2, page, heads, dim)
+    store = HostChunkStore(4 * rounds, shape, torch.bfloat16, 4 * rounds, pin=True)
+    store.wait_until_allocated()
+    gen = torch.Generator().manual_seed(5)
+    for s in range(2 * rounds):
+        store.slot(s).copy_(torch.randn(shape, generator=gen).to(torch.bfloat16))
+    kv = torch.zeros(layers, 4 * rounds * chunk_pages, 2, page, heads, dim, dtype=torch.bfloat16, device="cuda")
+    transfer = TransferEngine(torch.device("cuda"), kernels=True, graphs=graphs)
+    order = np.random.default_rng(2).permutation(2 * rounds * chunk_pages).reshape(rounds, 2, chunk_pages)
+    for _ in range(2):  # compile, and capture both graphs, before the stalls
+        transfer.onload(kv, [OnloadJob(0, store.slot(0), order[0, 0])])
+    offloaded = 2 * rounds * chunk_pages + np.arange(2 * rounds * chunk_pages).reshape(rounds, 2, chunk_pages)
+    fresh = torch.randn(layers, offloaded.size, 2, page, heads, dim, generator=gen).to(kv)
+    fresh_pages = torch.from_numpy(offloaded.ravel()).cuda()
+    torch.cuda.synchronize()
+    kv.zero_()
+    torch.cuda._sleep(200_000_000)  # the offloads below queue behind this
+    kv.index_copy_(1, fresh_pages, fresh)
+    handles = [transfer.offload(kv, [OffloadJob(offloaded[r, c], 2 * rounds + 2 * r + c,
+                                                store.slot(2 * rounds + 2 * r + c)) for c in range(2)])
+               for r in range(rounds)]
+    torch.cuda._sleep(200_000_000)  # and the onloads behind this
+    for r in range(rounds):
+        transfer.onload(kv, [OnloadJob(2 * r + c, store.slot(2 * r + c), order[r, c]) for c in range(2)])
+    torch.cuda.synchronize()
+    assert all(h.copy_done() for h in handles)
+    for r in range(rounds):
+        for c in range(2):
+            assert torch.equal(kv[:, order[r, c]].cpu(), store.slot(2 * r + c)), ("onload", r, c)
+            assert torch.equal(store.slot(2 * rounds + 2 * r + c), kv[:, offloaded[r, c]].cpu()), ("offload", r, c)
+
+
 def test_index_uploads_never_rewrite_a_pinned_buffer_whose_copy_is_queued():
     """Uploads stage through torch's caching host allocator and drop the staging tensor at once; while the stream
     is busy (copies still queued) its memory must not be handed to the next upload, so every upload arrives

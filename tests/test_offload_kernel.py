@@ -34,9 +34,15 @@ def addresses(out: torch.Tensor) -> torch.Tensor:
     return torch.tensor([out[j].data_ptr() for j in range(len(out))], device=out.device)
 
 
+@pytest.mark.parametrize("pinned_indices", [False, True])
 @pytest.mark.parametrize("heads,dim,page", [(2, 16, 4), (3, 8, 2), (1, 32, 8)])
-def test_chunks_are_gathered_into_slot_layout_exactly(heads, dim, page):
+def test_chunks_are_gathered_into_slot_layout_exactly(heads, dim, page, pinned_indices):
+    """With ``pinned_indices`` (CUDA), the kernel reads its index arrays from pinned host memory, as the transfer
+    engine gives them."""
     from cache_engine.offload_kernel import ChunkPacker
+
+    if pinned_indices and DEVICE != "cuda":
+        pytest.skip("pinned host memory needs CUDA")
 
     gen = torch.Generator().manual_seed(0)
     layers, pool_pages, slot_pages = 3, 30, 4
@@ -44,7 +50,12 @@ def test_chunks_are_gathered_into_slot_layout_exactly(heads, dim, page):
     pages = chunk_pages(gen, pool_pages, slot_pages, [4, 1, 3])
     out = torch.full((3, layers, slot_pages, 2, page, heads, dim), float("nan"), device=DEVICE)
     order = [2, 0, 1]  # chunk j goes to slot order[j]: each chunk's own address is used
-    ChunkPacker()(kv, pages.to(DEVICE), addresses(out)[order], out.dtype, slot_pages)
+    out_addr = addresses(out)[order]
+    if pinned_indices:
+        pages_arg, out_addr = pages.pin_memory(), out_addr.cpu().pin_memory()
+    else:
+        pages_arg = pages.to(DEVICE)
+    ChunkPacker()(kv, pages_arg, out_addr, out.dtype, slot_pages)
     expected = kv.cpu()[:, pages].view(layers, 3, slot_pages, 2, page, heads, dim).transpose(0, 1)
     torch.testing.assert_close(out.cpu()[order], expected, rtol=0, atol=0)
 

@@ -9,6 +9,10 @@ PHASES = ("intake", "schedule", "prepare", "onload", "strip", "forward", "score"
 """Where time goes: ``intake`` (validating and hashing a request when it is added, per request), then the
 seven phases of every step (DESIGN.md section 3)."""
 
+HOST_PHASES = ("schedule", "prepare", "onload", "strip", "commit")
+"""The step phases that are pure host work (the benchmark's overhead): forward and score also wait for the device,
+and intake comes before the step."""
+
 
 @dataclass
 class StepMetrics:

@@ -22,9 +22,11 @@ def test_quick_bench_writes_reports(tmp_path, capsys):
     # Steps 1-7's CPU time leaves out intake (before step 1) and the phases that wait for the device.
     bs = max(int(b) for b in summary["latency_ms"]["hierarchical"])
     phases = json.loads((tmp_path / "bench.json").read_text())["modes"]["hierarchical"]["batch_sizes"][str(bs)]
-    phases = phases["phase_ms_per_batch"]
+    host, phases = phases["host_ms_per_batch"], phases["phase_ms_per_batch"]
     steps = ("schedule", "prepare", "onload", "strip", "commit")
-    assert summary["overhead_ms_bs8"] == pytest.approx(sum(phases[k] for k in steps))
+    assert summary["overhead_mean_ms_bs8"] == pytest.approx(sum(phases[k] for k in steps))
+    assert host["mean"] == pytest.approx(summary["overhead_mean_ms_bs8"])  # the per-batch sums add up to the same
+    assert summary["overhead_ms_bs8"] == host["median"] and 0 < host["median"] <= host["p90"]
     assert summary["intake_ms_bs8"] == pytest.approx(phases["intake"])
     result = json.loads((tmp_path / "bench.json").read_text())
     breakdown = result["modes"]["hierarchical"]["breakdown_bs8"]

@@ -43,6 +43,7 @@ from scheduler import RequestState
 
 from ..config import EngineConfig, ModelConfig, SchedulerConfig
 from ..engine import GREngine, resolve_device
+from ..metrics import HOST_PHASES
 from ..models import GRModel
 from ..request import RankRequest
 from .drift import score_drift
@@ -106,6 +107,7 @@ class Phase:
     host_hits: int = 0
     onloaded_bytes: int = 0
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    host_seconds: list[float] = field(default_factory=list)  # per batch, the host time of its HOST_PHASES
     steps: int = 0
     gc_seconds: float = 0.0
 
@@ -119,7 +121,15 @@ class Phase:
                 "steps_per_batch": self.steps / max(len(lat), 1),
                 "gc_ms_per_batch": self.gc_seconds / max(len(lat), 1) * 1e3,
                 "phase_ms_per_step": {k: v / max(self.steps, 1) * 1e3 for k, v in self.phase_seconds.items()},
-                "phase_ms_per_batch": {k: v / max(len(lat), 1) * 1e3 for k, v in self.phase_seconds.items()}}
+                "phase_ms_per_batch": {k: v / max(len(lat), 1) * 1e3 for k, v in self.phase_seconds.items()},
+                "host_ms_per_batch": _spread(np.asarray(self.host_seconds) * 1e3)}
+
+
+def _spread(values: np.ndarray) -> dict[str, float | None]:
+    """Median, mean and 90th percentile of ``values`` (``None`` when empty)."""
+    if not len(values):
+        return {"median": None, "mean": None, "p90": None}
+    return {"median": float(np.median(values)), "mean": float(values.mean()), "p90": float(np.percentile(values, 90))}
 
 
 class BenchRun:
@@ -263,8 +273,12 @@ class BenchRun:
             phase.host_hits += sum(o.num_host_cached_tokens for o in outputs)
             phase.onloaded_bytes += engine.kv.stats.onloaded_bytes - onloaded
             phase.steps += engine.stats.num_steps - steps
+            host = 0.0
             for name, seconds in engine.stats.phase_seconds.items():
-                phase.phase_seconds[name] = phase.phase_seconds.get(name, 0.0) + seconds - phases.get(name, 0.0)
+                spent = seconds - phases.get(name, 0.0)
+                phase.phase_seconds[name] = phase.phase_seconds.get(name, 0.0) + spent
+                host += spent if name in HOST_PHASES else 0.0
+            phase.host_seconds.append(host)
 
     def _user_hashes(self, user: int) -> np.ndarray:
         if user not in self._hashes:

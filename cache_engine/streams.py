@@ -1,9 +1,10 @@
-"""Cheap CUDA stream lookups and switching for the per-step transfer and staging code.
+"""Cheap CUDA stream lookups, switching and ordering for the per-step transfer and staging code.
 
 On the GPU machine's host, within an engine step, ``torch.cuda.current_stream(device)`` costs ~17 us (it builds a new
-``Stream`` object inside a device context) and ``torch.cuda.stream(s)`` twice that; a step makes several of each.
-:class:`CurrentStream` and :func:`on_stream` do the same for a fraction of the cost
-(``benchmarks/host_breakdown.py --torch-calls`` measures them in the benchmark's steps).
+``Stream`` object inside a device context), ``torch.cuda.stream(s)`` twice that, and ``Stream.wait_stream`` ~23 us (it
+creates, and later destroys, a CUDA event); a step makes several of each. :class:`CurrentStream`, :func:`on_stream`
+and :class:`StreamFence` do the same for a fraction of the cost (``benchmarks/host_breakdown.py --torch-calls``
+measures them in the benchmark's steps: a kept event's record and wait cost ~3 us each).
 """
 
 from __future__ import annotations
@@ -49,3 +50,17 @@ def on_stream(stream: torch.cuda.Stream, current: torch.cuda.Stream) -> Iterator
         yield
     finally:
         torch.cuda.set_stream(current)
+
+
+class StreamFence:
+    """``waiter.wait_stream(signaller)`` through one kept event: recorded on ``signaller``, waited for by ``waiter``. A
+    wait binds to the event's record at the time of the call, so re-recording it later never changes an earlier
+    wait."""
+
+    def __init__(self) -> None:
+        self._event = torch.cuda.Event()
+
+    def __call__(self, waiter: torch.cuda.Stream, signaller: torch.cuda.Stream) -> None:
+        """Make work queued on ``waiter`` from now on wait for the work queued on ``signaller`` so far."""
+        self._event.record(signaller)
+        waiter.wait_event(self._event)

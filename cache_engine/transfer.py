@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from .index_ring import PinnedIndexRing
-from .streams import CurrentStream, indexed, on_stream
+from .streams import CurrentStream, StreamFence, indexed, on_stream
 
 if TYPE_CHECKING:
     from .offload_kernel import ChunkPacker
@@ -131,6 +131,7 @@ class TransferEngine:
             self.offload_stream = torch.cuda.Stream(device)
             self.onload_streams = [torch.cuda.Stream(device) for _ in range(max(1, onload_streams))]
             self.scatter_stream = torch.cuda.Stream(device)
+            self._fence = StreamFence()  # side streams wait for the compute stream's work so far
         self._buffers: list[torch.Tensor] = []  # the two onload buffers, grown on demand
         self._deferred: list[tuple[OffloadHandle, list[OffloadJob]]] = []  # gathered, not yet copied out
         self.last_gather: torch.cuda.Event | None = None
@@ -174,7 +175,7 @@ class TransferEngine:
         host[num_pages:num_pages + num_jobs] = [job.slot_id for job in jobs]
         compute = self.current_stream()
         with on_stream(self.offload_stream, compute):
-            self.offload_stream.wait_stream(compute)
+            self._fence(self.offload_stream, compute)
             if self.kernels:  # the kernel reads the indices from pinned memory and writes the slots: no copies
                 host[num_pages + num_jobs:] = [job.slot.data_ptr() for job in jobs]
                 self._pack(kv, index, num_pages, jobs[0].slot)
@@ -272,7 +273,7 @@ class TransferEngine:
             for stream in self.onload_streams:
                 stream.wait_event(self._last_scatter)
         with on_stream(self.scatter_stream, compute):
-            self.scatter_stream.wait_stream(compute)  # the pages were just handed out on the host side
+            self._fence(self.scatter_stream, compute)  # the pages were just handed out on the host side
             index = self._upload(np.concatenate([pages, page_slots]))
             dst = index[: len(pages)]
             scales = None if self.scales is None else self.scales[index[len(pages):]]
@@ -326,7 +327,7 @@ class TransferEngine:
         # reads once its events report done, which a later record can only delay (one stream, in order).
         events = self._layer_events
         with on_stream(self.scatter_stream, compute):
-            self.scatter_stream.wait_stream(compute)  # the pages were just handed out on the host side
+            self._fence(self.scatter_stream, compute)  # the pages were just handed out on the host side
             graphs = self._graphs
             if graphs is None or not graphs.serves(kv, layer_bytes, src_dtype) or not graphs.replay(
                     pages, page_slots, addresses):

@@ -183,6 +183,27 @@ def test_index_uploads_never_rewrite_a_pinned_buffer_whose_copy_is_queued():
     assert all(np.array_equal(g.cpu().numpy(), e) for g, e in zip(again, expected[:3], strict=True))
 
 
+def test_stream_fence_orders_a_side_stream_after_the_work_queued_so_far():
+    """A fenced side stream sees the compute stream's earlier writes, and re-recording the kept event for a later
+    fence does not make the first waiter wait for the later work."""
+    from cache_engine.streams import StreamFence
+
+    fence, compute = StreamFence(), torch.cuda.current_stream()
+    side, other = torch.cuda.Stream(), torch.cuda.Stream()
+    x = torch.zeros(1 << 20, device="cuda")
+    torch.cuda._sleep(50_000_000)
+    x.fill_(1)
+    fence(side, compute)
+    with torch.cuda.stream(side):
+        y = x.clone()
+    torch.cuda._sleep(400_000_000)  # later compute work, fenced for another stream only
+    fence(other, compute)
+    side.synchronize()
+    assert not compute.query()  # the side stream finished while the later work still runs
+    assert y.eq(1).all()
+    torch.cuda.synchronize()
+
+
 def test_on_stream_switches_and_restores_the_current_stream():
     """Work inside ``on_stream`` is queued on that stream; the previous stream is current again afterwards, also
     after an exception. :class:`CurrentStream` names the current stream as torch does, inside and outside."""

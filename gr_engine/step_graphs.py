@@ -12,10 +12,13 @@ same values written to the same slot), spare token rows are computed and never r
 
 Buckets are powers of two from 128 rows to ``max_rows``; graphs are captured the first time a bucket and
 the backend's launch shape occur (one eager warm-up forward of that step on a side stream, then the
-capture). A forward is captured as one graph per layer, so that a replay still waits for each layer's
-onload event just before that layer (layer ``l`` computes while layer ``l + 1``'s KV is still crossing
-PCIe). The last layer's graph also runs the ranking head over the candidate rows, so that scoring a
-replayed step is one device-to-host copy. All graphs share one memory pool: replays never overlap, a layer's
+capture). Layer ``l`` of a replay waits for layer ``l``'s onload event just before it (layer ``l`` computes while
+layer ``l + 1``'s KV is still crossing PCIe). When the onload events are external events, the same every step (the
+onload itself replayed from graphs), the forward is one graph that waits for them itself (event-wait nodes);
+otherwise it is captured as one graph per layer, each replayed after its layer's wait. A step with nothing to
+wait for replays one graph without waits. (Each replay costs the host ~8 us and each wait ~3 us inside a step on
+the GPU machine.) The graph also runs the ranking head over the candidate rows, so that scoring a replayed step is
+one device-to-host copy. All graphs share one memory pool: replays never overlap, a layer's
 output is written and read within one replay, and each bucket's final states and logits (read before the next
 replay) stay held, so memory is the largest bucket's, not the sum over buckets. On CPU (for tests) the same
 padded forward runs eagerly in place of a replay, so the padding's inertness is tested without a GPU.
@@ -119,7 +122,7 @@ class _Layout:
 
 @dataclass
 class _Graph:
-    graphs: list[torch.cuda.CUDAGraph]  # one per layer; the last one also runs the ranking head
+    graphs: list[torch.cuda.CUDAGraph]  # the whole forward and head, or one per layer (the last also runs the head)
     states: torch.Tensor  # [bucket, d_model], written by each replay
     logits: torch.Tensor  # [bucket, num_tasks], the head over the (padded) candidate rows
 
@@ -218,18 +221,26 @@ class StepGraphs:
         """The backend's metadata of a staged step (over the padded plan; valid for eager use too)."""
         return self.backend.graph_metadata(step.common, step.plan_key, self._plans[step.plan_key][0])
 
-    def replay(self, step: StagedStep, segments: SegmentsFn, head: HeadFn,
-               layer_ready: list[torch.cuda.Event | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    def replay(self, step: StagedStep, segments: SegmentsFn, head: HeadFn, layer_ready: list[torch.cuda.Event | None],
+               ready_in_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the forward and the ranking head over the staged step from its bucket's graphs (captured now if
-        new), layer ``l`` after ``layer_ready[l]`` (``None``: no wait). Returns ``states [T, d_model]`` and the
-        candidates' ``logits [C, num_tasks]``, both valid until the next replay."""
-        key = (step.bucket, step.plan_key)
+        new), layer ``l`` after ``layer_ready[l]`` (``None``: no wait). ``ready_in_graph``: the events are external
+        (``torch.cuda.Event(external=True)``) and the same objects every step, so a graph can wait for them itself.
+        Returns ``states [T, d_model]`` and the candidates' ``logits [C, num_tasks]``, both valid until the next
+        replay."""
         if not self._cuda:
             self.num_replays += 1
             return self._run_eagerly(step, segments, head, layer_ready)
+        if all(ready is None for ready in layer_ready):
+            waits: tuple[torch.cuda.Event, ...] | None = ()  # one graph, nothing to wait for
+        elif ready_in_graph and all(ready is not None for ready in layer_ready):
+            waits = tuple(layer_ready)  # one graph that waits for them itself (the same events every step)
+        else:
+            waits = None  # one graph per layer, each replay after its layer's wait
+        key = (step.bucket, step.plan_key, waits)
         if key not in self._graphs:
             try:
-                self._graphs[key] = self._capture(step, segments, head)
+                self._graphs[key] = self._capture(step, segments, head, waits)
             except Exception:  # never fail a request over a capture: serve this step and later ones eagerly
                 logger.warning("CUDA graph capture failed; steps run eagerly from now on", exc_info=True)
                 self.enabled = False
@@ -237,10 +248,13 @@ class StepGraphs:
                 return self._run_unpadded(step, segments, head, layer_ready)
         self.num_replays += 1
         entry = self._graphs[key]
-        for graph, ready in zip(entry.graphs, layer_ready, strict=True):
-            if ready is not None:
-                step.stream.wait_event(ready)
-            graph.replay()
+        if waits is not None:
+            entry.graphs[0].replay()
+        else:
+            for graph, ready in zip(entry.graphs, layer_ready, strict=True):
+                if ready is not None:
+                    step.stream.wait_event(ready)
+                graph.replay()
         return entry.states[: step.rows], entry.logits[: len(step.common.candidate_rows)]
 
     # ------------------------------------------------------------------ internals
@@ -315,7 +329,10 @@ class StepGraphs:
                                     max_kv_len=self.max_pages * self.page_size, max_pages=self.max_pages)
         return tokens, common, self.backend.graph_metadata(common, step.plan_key, self._plans[step.plan_key][0])
 
-    def _capture(self, step: StagedStep, segments: SegmentsFn, head: HeadFn) -> _Graph:
+    def _capture(self, step: StagedStep, segments: SegmentsFn, head: HeadFn,
+                 waits: tuple[torch.cuda.Event, ...] | None) -> _Graph:
+        """The step's forward and head as one graph (``waits``: the external events layer ``l`` waits for, captured
+        as event-wait nodes; ``()``: none), or with ``waits=None`` as one graph per layer."""
         tokens, common, backend = self._static_inputs(step)
         parts = segments(tokens, common, backend)
         side = torch.cuda.Stream(self.device)
@@ -327,10 +344,21 @@ class StepGraphs:
                 x = part(x)
             head(x, common.candidate_rows)
         torch.cuda.current_stream(self.device).wait_stream(side)
+        if waits is not None:
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the host tier's worker threads may call CUDA (events, pinning) during the capture
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                self._write_plan(step, common)
+                x = None
+                for index, part in enumerate(parts):
+                    if waits:
+                        torch.cuda.current_stream(self.device).wait_event(waits[index])
+                    x = part(x)
+                logits = head(x, common.candidate_rows)
+            return _Graph([graph], x, logits)
         graphs, x = [], None
         for index, part in enumerate(parts):  # each layer's output lives in its graph's pool, read by the next graph
             graph = torch.cuda.CUDAGraph()
-            # thread_local: the host tier's worker threads may call CUDA (events, pinning) during the capture
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 if index == 0:  # the plan, if the backend writes it, comes first in each replay
                     self._write_plan(step, common)

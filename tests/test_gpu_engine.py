@@ -91,6 +91,35 @@ def test_kernel_onload_engine_equals_copy_engine(host_dtype):
     assert all(np.array_equal(a, b) for a, b in zip(outputs["kernel_graphs"], outputs["copy"]))
 
 
+def test_forward_graph_waits_for_slow_onloads(monkeypatch):
+    """With onloads replayed from graphs, the forward is one CUDA graph that waits for the layers' external onload
+    events itself: with every onload held back ~10 ms on the device (the forward would read pages not loaded yet if
+    a wait were missing), scores still equal the copy engine's exactly."""
+    from cache_engine.onload_graphs import OnloadGraphs
+
+    config = cuda_config("bfloat16", mode="hierarchical", num_gpu_pages=200)
+    requests = stream(config, num_users=20, visits=8, seed=7)
+    expected_engine = GREngine(with_cache(config, onload_engine="copy"))
+    expected_engine.kv.host.store.wait_until_allocated()
+    expected = scores(expected_engine.rank(requests, use_tqdm=False))
+    expected_engine.close()
+    replay = OnloadGraphs.replay
+
+    def slow_replay(self, *args):
+        torch.cuda._sleep(20_000_000)  # on the scatter stream, before the onload kernels
+        return replay(self, *args)
+
+    monkeypatch.setattr(OnloadGraphs, "replay", slow_replay)
+    engine = GREngine(with_cache(config, onload_engine="kernel", onload_graphs=True))
+    engine.kv.host.store.wait_until_allocated()
+    got = scores(engine.rank(requests, use_tqdm=False))
+    assert engine.stats.host_hit_tokens > 0 and engine.kv.onload_events_external
+    step_graphs = engine.runner.graphs
+    assert any(waits for _, _, waits in step_graphs._graphs) and step_graphs.enabled  # a graph with waits replayed
+    assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
+    engine.close()
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_each_layer_event_covers_that_layers_onload(graphs):
     """A stream that waits for layer ``l``'s event and reads that layer's pages at once sees the loaded pages,

@@ -97,7 +97,8 @@ def test_forward_graph_waits_for_slow_onloads(monkeypatch):
     a wait were missing), scores still equal the copy engine's exactly."""
     from cache_engine.onload_graphs import OnloadGraphs
 
-    config = cuda_config("bfloat16", mode="hierarchical", num_gpu_pages=200)
+    config = msgspec.structs.replace(cuda_config("bfloat16", mode="hierarchical", num_gpu_pages=200),
+                                     attention_backend="hstu_triton")  # replayable: small steps run from graphs
     requests = stream(config, num_users=20, visits=8, seed=7)
     expected_engine = GREngine(with_cache(config, onload_engine="copy"))
     expected_engine.kv.host.store.wait_until_allocated()

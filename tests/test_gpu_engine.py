@@ -97,8 +97,11 @@ def test_forward_graph_waits_for_slow_onloads(monkeypatch):
     a wait were missing), scores still equal the copy engine's exactly."""
     from cache_engine.onload_graphs import OnloadGraphs
 
-    config = msgspec.structs.replace(cuda_config("bfloat16", mode="hierarchical", num_gpu_pages=200),
-                                     attention_backend="hstu_triton")  # replayable: small steps run from graphs
+    config = tiny_config(mode="hierarchical", num_gpu_pages=50, page_size=16, max_num_seqs=8,
+                         max_num_batched_tokens=256, host_chunks=400, d_model=64, num_heads=2, head_dim=32,
+                         dtype="bfloat16")
+    # hstu_triton (pages of 16 tokens): replayable, small steps run from graphs
+    config = msgspec.structs.replace(config, device="cuda", attention_backend="hstu_triton")
     requests = stream(config, num_users=20, visits=8, seed=7)
     expected_engine = GREngine(with_cache(config, onload_engine="copy"))
     expected_engine.kv.host.store.wait_until_allocated()

@@ -95,12 +95,6 @@ class KVCacheManager:
             return [None] * self.pool.kv.shape[0]
         return self.host.launch_onloads()
 
-    @property
-    def onload_events_external(self) -> bool:
-        """Whether :meth:`launch_onloads`' events are external CUDA events, the same objects every step, which a
-        CUDA graph may wait for itself (see :attr:`~.transfer.TransferEngine.events_external`)."""
-        return self.host is not None and self.host.transfer.events_external
-
     def issue_deferred_offloads(self) -> None:
         """Issue the copies to host of the offloads gathered so far (the engine calls this once the step's
         forward is queued: the host work then overlaps the device's)."""

@@ -143,9 +143,6 @@ class TransferEngine:
         # The kernels' index arrays, read from pinned memory (CUDA with kernels only).
         self._offload_indices = PinnedIndexRing(pin=self.kernels)
         self._onload_indices = PinnedIndexRing(pin=self.kernels)
-        #: Whether the onload events are external CUDA events, the same objects every step (kernel onloads with
-        #: graphs): a CUDA graph of the model's forward can then wait for them itself (event-wait nodes).
-        self.events_external = False
         #: When False, offloads and onloads move no data and complete at once: the cache's bookkeeping
         #: runs as usual but KV contents go stale. Only for fast-forwarding a benchmark's cache state.
         self.moves_data = True
@@ -321,7 +318,6 @@ class TransferEngine:
                 self._layer_events = [torch.cuda.Event(external=self.onload_graphs) for _ in range(kv.shape[0])]
             except TypeError:  # a torch without external events (before 2.9): onloads launch eagerly
                 self._layer_events, self.onload_graphs = [torch.cuda.Event() for _ in range(kv.shape[0])], False
-            self.events_external = self.onload_graphs
             if self.onload_graphs:
                 self._graphs = OnloadGraphs(self._launcher, kv, layer_bytes, src_dtype, self.scales,
                                             self._layer_events, self.scatter_stream)

@@ -163,8 +163,7 @@ class ModelRunner:
         """
         if meta.staged is not None:
             states, meta.logits = self.graphs.replay(
-                meta.staged, lambda t, c, b: self._segments(StepTokens(**t), c, b), self._rank_head, layer_ready,
-                ready_in_graph=self.kv.onload_events_external)
+                meta.staged, lambda t, c, b: self._segments(StepTokens(**t), c, b), self._rank_head, layer_ready)
             return states
         return self._forward(tokens, meta.common, meta.backend, layer_ready)
 

@@ -12,15 +12,16 @@ same values written to the same slot), spare token rows are computed and never r
 
 Buckets are powers of two from 128 rows to ``max_rows``; graphs are captured the first time a bucket and
 the backend's launch shape occur (one eager warm-up forward of that step on a side stream, then the
-capture). Layer ``l`` of a replay waits for layer ``l``'s onload event just before it (layer ``l`` computes while
-layer ``l + 1``'s KV is still crossing PCIe). When the onload events are external events, the same every step (the
-onload itself replayed from graphs), the forward is one graph that waits for them itself (event-wait nodes);
-otherwise it is captured as one graph per layer, each replayed after its layer's wait. A step with nothing to
-wait for replays one graph without waits. (Each replay costs the host ~8 us and each wait ~3 us inside a step on
-the GPU machine.) The graph also runs the ranking head over the candidate rows, so that scoring a replayed step is
-one device-to-host copy. All graphs share one memory pool: replays never overlap, a layer's
-output is written and read within one replay, and each bucket's final states and logits (read before the next
-replay) stay held, so memory is the largest bucket's, not the sum over buckets. On CPU (for tests) the same
+capture). A step whose pages are being loaded from host is captured as one graph per layer, so that a replay
+still waits for each layer's onload event just before that layer (layer ``l`` computes while layer ``l + 1``'s KV
+is still crossing PCIe); a step with nothing to wait for replays one graph of the whole forward (each replay costs
+the host ~8 us inside a step on the GPU machine). One graph waiting for the onload events itself (event-wait nodes
+on external events) was tried and measured: the host time of its replay grew with the step's onload (0.67 ms a
+batch of 8, against 0.14 ms for per-layer replays) and hierarchical batches took ~1 ms longer
+(``benchmarks/results/bench_d566081/``). The last graph also runs the ranking head over the candidate rows, so
+that scoring a replayed step is one device-to-host copy. All graphs share one memory pool: replays never overlap,
+a layer's output is written and read within one replay, and each bucket's final states and logits (read before the
+next replay) stay held, so memory is the largest bucket's, not the sum over buckets. On CPU (for tests) the same
 padded forward runs eagerly in place of a replay, so the padding's inertness is tested without a GPU.
 """
 
@@ -221,26 +222,19 @@ class StepGraphs:
         """The backend's metadata of a staged step (over the padded plan; valid for eager use too)."""
         return self.backend.graph_metadata(step.common, step.plan_key, self._plans[step.plan_key][0])
 
-    def replay(self, step: StagedStep, segments: SegmentsFn, head: HeadFn, layer_ready: list[torch.cuda.Event | None],
-               ready_in_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def replay(self, step: StagedStep, segments: SegmentsFn, head: HeadFn,
+               layer_ready: list[torch.cuda.Event | None]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the forward and the ranking head over the staged step from its bucket's graphs (captured now if
-        new), layer ``l`` after ``layer_ready[l]`` (``None``: no wait). ``ready_in_graph``: the events are external
-        (``torch.cuda.Event(external=True)``) and the same objects every step, so a graph can wait for them itself.
-        Returns ``states [T, d_model]`` and the candidates' ``logits [C, num_tasks]``, both valid until the next
-        replay."""
+        new), layer ``l`` after ``layer_ready[l]`` (``None``: no wait). Returns ``states [T, d_model]`` and the
+        candidates' ``logits [C, num_tasks]``, both valid until the next replay."""
         if not self._cuda:
             self.num_replays += 1
             return self._run_eagerly(step, segments, head, layer_ready)
-        if all(ready is None for ready in layer_ready):
-            waits: tuple[torch.cuda.Event, ...] | None = ()  # one graph, nothing to wait for
-        elif ready_in_graph and all(ready is not None for ready in layer_ready):
-            waits = tuple(layer_ready)  # one graph that waits for them itself (the same events every step)
-        else:
-            waits = None  # one graph per layer, each replay after its layer's wait
-        key = (step.bucket, step.plan_key, waits)
+        whole = all(ready is None for ready in layer_ready)  # nothing to wait for: one graph
+        key = (step.bucket, step.plan_key, whole)
         if key not in self._graphs:
             try:
-                self._graphs[key] = self._capture(step, segments, head, waits)
+                self._graphs[key] = self._capture(step, segments, head, whole)
             except Exception:  # never fail a request over a capture: serve this step and later ones eagerly
                 logger.warning("CUDA graph capture failed; steps run eagerly from now on", exc_info=True)
                 self.enabled = False
@@ -248,7 +242,7 @@ class StepGraphs:
                 return self._run_unpadded(step, segments, head, layer_ready)
         self.num_replays += 1
         entry = self._graphs[key]
-        if waits is not None:
+        if whole:
             entry.graphs[0].replay()
         else:
             for graph, ready in zip(entry.graphs, layer_ready, strict=True):
@@ -329,10 +323,8 @@ class StepGraphs:
                                     max_kv_len=self.max_pages * self.page_size, max_pages=self.max_pages)
         return tokens, common, self.backend.graph_metadata(common, step.plan_key, self._plans[step.plan_key][0])
 
-    def _capture(self, step: StagedStep, segments: SegmentsFn, head: HeadFn,
-                 waits: tuple[torch.cuda.Event, ...] | None) -> _Graph:
-        """The step's forward and head as one graph (``waits``: the external events layer ``l`` waits for, captured
-        as event-wait nodes; ``()``: none), or with ``waits=None`` as one graph per layer."""
+    def _capture(self, step: StagedStep, segments: SegmentsFn, head: HeadFn, whole: bool) -> _Graph:
+        """The step's forward and head as one graph (``whole``), or as one graph per layer."""
         tokens, common, backend = self._static_inputs(step)
         parts = segments(tokens, common, backend)
         side = torch.cuda.Stream(self.device)
@@ -344,15 +336,13 @@ class StepGraphs:
                 x = part(x)
             head(x, common.candidate_rows)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        if waits is not None:
+        if whole:
             graph = torch.cuda.CUDAGraph()
             # thread_local: the host tier's worker threads may call CUDA (events, pinning) during the capture
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 self._write_plan(step, common)
                 x = None
-                for index, part in enumerate(parts):
-                    if waits:
-                        torch.cuda.current_stream(self.device).wait_event(waits[index])
+                for part in parts:
                     x = part(x)
                 logits = head(x, common.candidate_rows)
             return _Graph([graph], x, logits)

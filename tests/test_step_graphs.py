@@ -27,6 +27,11 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON:
     import attention_backends.hstu_triton as hstu_triton
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+#: hstu_triton runs on CUDA, or on CPU in Triton's interpreter.
+needs_hstu_triton = pytest.mark.skipif(
+    not HAS_TRITON or not (torch.cuda.is_available() or hstu_triton.INTERPRETED),
+    reason="needs triton, and CUDA or triton imported after TRITON_INTERPRET=1")
 needs_interpreter = pytest.mark.skipif(
     torch.cuda.is_available() or not HAS_TRITON or not hstu_triton.INTERPRETED,
     reason="CPU interpreter test (needs triton imported after TRITON_INTERPRET=1)")
@@ -114,10 +119,10 @@ def test_fits_bounds():
     assert not StepGraphs.supported(engine.backend)  # torch_ref: eager only
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@needs_hstu_triton
 def test_hstu_triton_is_replayable():
     config = tiny_config(page_size=16, num_heads=2, head_dim=16)
-    engine = GREngine(msgspec.structs.replace(config, attention_backend="hstu_triton"))
+    engine = GREngine(msgspec.structs.replace(config, attention_backend="hstu_triton", device=DEVICE))
     assert StepGraphs.supported(engine.backend)
 
 
@@ -168,7 +173,7 @@ def test_failed_capture_falls_back_to_eager_without_failing_requests(monkeypatch
     assert "CUDA graph capture failed" in caplog.text
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@needs_hstu_triton
 def test_staging_writes_every_field_and_pads_inertly():
     """Steps of many shapes (more than the layout cache keeps) are staged into the static buffer: every field reads
     back at its real length, and the bucket-padded views a graph reads repeat the last append row and the last
@@ -177,7 +182,7 @@ def test_staging_writes_every_field_and_pads_inertly():
     from gr_engine.step_graphs import _APPEND_FIELDS, _FIELDS, _LAYOUT_CACHE_SIZE, TOKEN_FIELDS
 
     config = tiny_config(page_size=16, num_heads=2, head_dim=16)
-    engine = GREngine(msgspec.structs.replace(config, attention_backend="hstu_triton"))
+    engine = GREngine(msgspec.structs.replace(config, attention_backend="hstu_triton", device=DEVICE))
     graphs = StepGraphs(engine.backend, engine.device, 16, max_rows=300, max_requests=4, max_pages=200)
     rng = np.random.default_rng(0)
     steps = []
@@ -193,12 +198,12 @@ def test_staging_writes_every_field_and_pads_inertly():
     for arrays, tokens in steps + steps[:3]:  # the first shapes again, after the cache dropped them
         staged = graphs.stage(arrays, tokens)
         for name, values in arrays.items():
-            assert np.array_equal(getattr(staged.common, name).numpy(), values), name
+            assert np.array_equal(getattr(staged.common, name).cpu().numpy(), values), name
         for name, values in tokens.items():
-            assert np.array_equal(staged.tokens[name].numpy(), values), name
+            assert np.array_equal(staged.tokens[name].cpu().numpy(), values), name
         static, common, _ = graphs._static_inputs(staged)
         for name in _FIELDS:
-            view = (static[name] if name in TOKEN_FIELDS else getattr(common, name)).numpy()
+            view = (static[name] if name in TOKEN_FIELDS else getattr(common, name)).cpu().numpy()
             n = len(tokens[name]) if name in TOKEN_FIELDS else len(arrays[name])
             spare = view[n:]
             if name in _APPEND_FIELDS or name in ("query_start_loc", "kv_indptr"):

@@ -16,8 +16,7 @@ import io
 import pstats
 from pathlib import Path
 
-from gr_engine.bench.runner import BenchRun, BenchSettings, _host_arena, cache_config, unlimited_pages
-from gr_engine.bench.trace import generate_trace
+from gr_engine.bench.runner import BenchSettings, steady_state_runs
 
 
 def main() -> None:
@@ -33,15 +32,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     settings = BenchSettings(simulation_workers=0, host_dtype="float8_e4m3fn", onload_engine="kernel",
                              host_budget_bytes=args.host_budget_gib * 2**30, modes=tuple(args.modes))
-    trace = generate_trace(settings.trace)
-    skip = len(trace.steady) // 2
-    arena = _host_arena(settings)
-    for mode in args.modes:
-        pages = unlimited_pages(settings, trace) if mode == "unlimited" else settings.gpu_pages
-        run = BenchRun(settings, trace, cache_config(settings, mode, num_gpu_pages=pages), 8, arena)
-        run.warmup()
-        run.fast_forward(skip)
-        run.window(8, 8 * args.prime, prime_batches=0)  # compile and capture outside the profile
+    for mode, run in steady_state_runs(settings, args.prime):  # compiled and captured outside the profile
         profiler = cProfile.Profile()
         profiler.enable()
         report = run.window(8, 8 * args.batches, prime_batches=0)
@@ -54,7 +45,6 @@ def main() -> None:
         stats.sort_stats("cumulative").print_stats(args.rows)
         (out / f"host_{mode}.txt").write_text(text.getvalue())
         print(text.getvalue().splitlines()[0], flush=True)
-        run.close()
 
 
 if __name__ == "__main__":

@@ -32,8 +32,7 @@ from cache_engine.onload_kernel import OnloadLauncher
 from cache_engine.transfer import TransferEngine
 from gr_engine import engine as engine_module
 from gr_engine import model_runner as runner_module
-from gr_engine.bench.runner import BenchRun, BenchSettings, _host_arena, cache_config, unlimited_pages
-from gr_engine.bench.trace import generate_trace
+from gr_engine.bench.runner import BenchSettings, steady_state_runs
 from gr_engine.step_graphs import StepGraphs
 from scheduler.scheduler import Scheduler
 
@@ -106,18 +105,10 @@ def main() -> None:
     args = parser.parse_args()
     settings = BenchSettings(simulation_workers=0, host_dtype="float8_e4m3fn", onload_engine="kernel",
                              host_budget_bytes=args.host_budget_gib * 2**30, modes=tuple(args.modes))
-    trace = generate_trace(settings.trace)
-    skip = len(trace.steady) // 2
-    arena = _host_arena(settings)
     calls: dict[str, list[float]] = defaultdict(list)
     instrument(calls, {**WRAPPED, **(TORCH_CALLS if args.torch_calls else {})})
     result = {}
-    for mode in args.modes:
-        pages = unlimited_pages(settings, trace) if mode == "unlimited" else settings.gpu_pages
-        run = BenchRun(settings, trace, cache_config(settings, mode, num_gpu_pages=pages), 8, arena)
-        run.warmup()
-        run.fast_forward(skip)
-        run.window(8, 8 * args.prime, prime_batches=0)
+    for mode, run in steady_state_runs(settings, args.prime):
         calls.clear()
         report = run.window(8, 8 * args.batches, prime_batches=0)
         per_batch = {}
@@ -127,9 +118,8 @@ def main() -> None:
                                "calls": round(len(us) / args.batches, 2), "median_us": round(float(np.median(us)), 1),
                                "p90_us": round(float(np.percentile(us, 90)), 1), "max_us": round(float(us.max()), 1)}
         result[mode] = {"median_ms": report["median_ms"], "phase_ms_per_batch": report["phase_ms_per_batch"],
-                        "functions_ms_per_batch": per_batch}
+                        "host_ms_per_batch": report["host_ms_per_batch"], "functions_ms_per_batch": per_batch}
         print(mode, json.dumps(result[mode], indent=1), flush=True)
-        run.close()
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 

@@ -117,3 +117,21 @@ def test_windows_measure_every_stretch_of_the_trace(monkeypatch):
     starts = [k * len(run.steady) // strata for k in range(strata)]
     counts = np.bincount(np.searchsorted(starts, measured, side="right") - 1, minlength=strata)
     assert counts.tolist() == [per] * strata
+
+
+def test_steady_state_runs_yield_primed_engines_and_close_them():
+    """The diagnostics' set-up: each mode's engine, primed in the middle of the trace, then closed."""
+    import dataclasses
+
+    from gr_engine.bench.runner import quick_settings, steady_state_runs
+
+    settings = dataclasses.replace(quick_settings(), modes=("hierarchical", "unlimited"))
+    runs = []
+    for mode, run in steady_state_runs(settings, prime_batches=1):
+        assert run.engine.config.cache.mode == mode and run.engine.stats.num_steps > 0  # warmed up and primed
+        assert run.cursor > 0
+        report = run.window(8, 8, prime_batches=0)
+        assert report["batches"] == 1 and report["host_ms_per_batch"]["median"] > 0
+        runs.append((mode, run))
+    assert [mode for mode, _ in runs] == ["hierarchical", "unlimited"]
+    assert not any(hasattr(run, "engine") for _, run in runs)  # each closed once the caller moved on

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -385,6 +385,25 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print,
     result["simulated"] = {name: simulations.get(cache) for name, cache in main.items()}
     simulations.close()
     return result
+
+
+def steady_state_runs(settings: BenchSettings, prime_batches: int) -> Iterator[tuple[str, BenchRun]]:
+    """For diagnostics (``benchmarks/host_breakdown.py``, ``benchmarks/bench_profile.py``): for each mode of
+    ``settings``, its engine at batch size 8 on the trace, warmed up, fast-forwarded to the middle of the steady
+    requests and primed with ``prime_batches`` unmeasured batches (kernel compilation, graph capture); yields
+    ``(mode, run)`` and closes the run when the caller moves on."""
+    trace = generate_trace(settings.trace)
+    arena = _host_arena(settings)
+    for mode in settings.modes:
+        pages = unlimited_pages(settings, trace) if mode == "unlimited" else settings.gpu_pages
+        run = BenchRun(settings, trace, cache_config(settings, mode, num_gpu_pages=pages), 8, arena)
+        try:
+            run.warmup()
+            run.fast_forward(len(trace.steady) // 2)
+            run.window(8, 8 * prime_batches, prime_batches=0)
+            yield mode, run
+        finally:
+            run.close()
 
 
 def _host_arena(settings: BenchSettings) -> torch.Tensor | None:

@@ -1,6 +1,7 @@
 """Host time of each engine phase for benchmark-sized requests, on the CPU, without a GPU.
 
     python benchmarks/host_overhead.py [--mode unlimited] [--batches 50] [--profile] [--graph-path]
+    python benchmarks/host_overhead.py --bench-trace [--mode hierarchical] [--profile]
 
 The engine runs on the CPU with a model of the benchmark's depth and vocabularies but tiny widths. 32 users
 with 3,000-9,000-event histories return in batches of 8 with 8 new events and 100 candidates each; the heap
@@ -15,6 +16,12 @@ replay, which also writes the tile plan of keys planned on the device, and the h
 what remains is intake, schedule, prepare, strip (staging; the tile plan of keys planned on the host), score and
 commit as the GPU machine's host runs them, minus the CUDA calls. That host runs the same Python about 3x slower
 than a dev box.
+
+``--bench-trace`` (implies ``--graph-path``) serves the benchmark's own trace and windows instead
+(:meth:`~gr_engine.bench.runner.BenchRun.windows` at batch size 8: 1,000 users, ten strata, the GPU budget of
+``gr-engine bench`` and as many host slots as its 64 GiB of FP8 chunks) and prints the median and mean host time of
+steps 1-7 per batch, the statistics of ``overhead_ms_bs8``: a CPU proxy of that number for comparing changes
+without a GPU. Transfers move no data (their host-side index work is not counted; the host tier's bookkeeping is).
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-if "--graph-path" in sys.argv:  # before anything imports Triton: its interpreter serves hstu_triton on the CPU
+# Before anything imports Triton: its interpreter serves hstu_triton on the CPU.
+if "--graph-path" in sys.argv or "--bench-trace" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
@@ -71,12 +79,16 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=50)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--graph-path", action="store_true", help="the GPU path's host work (see above)")
+    parser.add_argument("--bench-trace", action="store_true", help="the benchmark's trace and windows (see above)")
     parser.add_argument("--gpu-pages", type=int, default=None,
                         help="KV pages (default: all histories fit for unlimited; about 60%% of them otherwise, "
                              "like the benchmark's GPU hit ratio, so users are evicted and onloaded)")
     args = parser.parse_args()
     model = ModelConfig(num_items=1_000_000, num_actions=256, d_model=16, num_layers=8, num_heads=1, head_dim=16,
                         max_history_len=20_000, max_candidates=100, num_tasks=8, ranking_hidden=16, dtype="float32")
+    if args.bench_trace:
+        bench_trace(model, args.mode, args.profile)
+        return
     backend = "hstu_triton" if args.graph_path else "torch_ref"
     pages = args.gpu_pages or (40_000 if args.mode == "unlimited" else 3_600)
     config = EngineConfig(model=model, device="cpu", attention_backend=backend,
@@ -124,6 +136,44 @@ def main() -> None:
           + (f"; {graphs.num_replays} steps staged for graphs" if graphs is not None else ""))
     if args.profile:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+
+
+def bench_trace(model: ModelConfig, mode: str, profile: bool) -> None:
+    """``--bench-trace``: the benchmark's windows at batch size 8 on the GPU path's host work (see above)."""
+    from gr_engine.bench.runner import BenchRun, BenchSettings, cache_config, unlimited_pages
+    from gr_engine.bench.trace import generate_trace
+
+    settings = BenchSettings(model=model, device="cpu", backend="hstu_triton", modes=(mode,), simulation_workers=0)
+    slots = settings.host_budget_bytes // (settings.chunk_tokens * 8 * 2 * 512)  # the benchmark's FP8 slots
+    trace = generate_trace(settings.trace)
+    pages = unlimited_pages(settings, trace) if mode == "unlimited" else settings.gpu_pages
+    slot_bytes = settings.chunk_tokens * model.num_layers * 2 * model.num_heads * model.head_dim  # FP8 here too
+    cache = cache_config(settings, mode, num_gpu_pages=pages, host_budget_bytes=slots * slot_bytes)
+    run = BenchRun(settings, trace, cache, 8)
+    use_graph_path(run.engine)
+    transfer = run.engine.kv.host.transfer if run.engine.kv.host is not None else None
+    fast_forward = run.fast_forward
+
+    def fast_forward_without_copies(count: int) -> None:
+        fast_forward(count)
+        if transfer is not None:
+            transfer.moves_data = False  # the windows' transfers stay bookkeeping only
+
+    run.fast_forward = fast_forward_without_copies  # type: ignore[method-assign]
+    run.warmup()
+    profiler = cProfile.Profile()
+    if profile:
+        profiler.enable()
+    report = run.windows([(8, False)])[0]
+    if profile:
+        profiler.disable()
+    host, phases = report["host_ms_per_batch"], report["phase_ms_per_batch"]
+    print(f"{mode}, the benchmark's windows at batch size 8 ({report['batches']} batches; total hit ratio "
+          f"{report['total_hit_ratio']:.4f}): steps 1-7 per batch median {host['median']:.3f} ms, mean "
+          f"{host['mean']:.3f}, p90 {host['p90']:.3f}; phase means {({k: round(v, 3) for k, v in phases.items()})}")
+    if profile:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+    run.close()
 
 
 if __name__ == "__main__":

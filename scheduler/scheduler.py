@@ -44,18 +44,20 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self._queues: dict[Hashable, deque[RequestState]] = {}  # per-user waiting requests
+        self._num_waiting = 0  # requests in ``_queues``: a backlog of any size is counted in O(1)
         self._ready: list[tuple[int, Hashable]] = []  # heap of (head seq_id, user) of idle users
         self.running: list[RequestState] = []  # admitted, in admission order
 
     @property
     def num_unfinished(self) -> int:
         """Requests waiting or running."""
-        return sum(len(q) for q in self._queues.values()) + len(self.running)
+        return self._num_waiting + len(self.running)
 
     def add(self, request: RequestState) -> None:
         """Queue ``request`` behind its user's earlier requests (served in arrival order)."""
         queue = self._queues.setdefault(request.user_id, deque())
         queue.append(request)
+        self._num_waiting += 1
         if len(queue) == 1 and not self._is_running(request.user_id):
             heapq.heappush(self._ready, (request.seq_id, request.user_id))
 
@@ -132,6 +134,7 @@ class Scheduler:
         request.solo = True
         request.num_gpu_hits = request.num_host_hits = request.num_done = 0
         self._queues.setdefault(request.user_id, deque()).appendleft(request)  # the user was not ready
+        self._num_waiting += 1
         heapq.heappush(self._ready, (request.seq_id, request.user_id))
 
     # ------------------------------------------------------------------ internals
@@ -154,6 +157,7 @@ class Scheduler:
         heapq.heappop(self._ready)
         queue = self._queues[user_id]
         queue.popleft()
+        self._num_waiting -= 1
         if not queue:
             del self._queues[user_id]
         elif not admitted:

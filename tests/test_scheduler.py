@@ -139,3 +139,29 @@ def test_retrieval_request_always_computes_its_last_event():
     s.add(r)
     plan, finished = run_step(s)
     assert r.num_reused == 11 and plan.chunks[0].num_history_rows == 1 and finished == [r]
+
+
+def test_unfinished_count_follows_every_queue_change():
+    """``num_unfinished`` is kept as a count (a backlog of any size costs O(1) per step): under random adds, steps,
+    failures, retries alone and aborts it always equals the requests waiting in the per-user queues plus those
+    running, and every request ends finished or failed."""
+    rng = np.random.default_rng(3)
+    s = make(max_num_seqs=3, budget=40, pages=12)
+    added = []
+    for _ in range(300):
+        action = rng.random()
+        if action < 0.45:
+            added.append(request(int(rng.integers(0, 6)), int(rng.integers(1, 70)), candidates=int(rng.integers(0, 5))))
+            s.add(added[-1])
+        elif action < 0.85:
+            plan = s.schedule()
+            s.complete(plan.chunks)
+        elif s.running:
+            victim = s.running[int(rng.integers(0, len(s.running)))]
+            s.retry_alone(victim) if rng.random() < 0.5 else s.abort(victim)
+        waiting = sum(len(q) for q in s._queues.values())
+        assert s.num_unfinished == waiting + len(s.running)
+    while s.num_unfinished:
+        s.complete(s.schedule().chunks)
+    assert all(r.status in (RequestStatus.FINISHED, RequestStatus.FAILED) for r in added)
+    assert s.num_unfinished == 0 and not s._queues

@@ -3,10 +3,12 @@
 Launching a step's kernels one by one from Python costs milliseconds of host time, more than the GPU needs
 for a batch of returning users (a few new events and the candidates over cached histories). A step that
 fits a capture bucket (at most ``max_rows`` rows, ``max_requests`` requests, at least one new history row,
-no relative time bias) is instead *staged*: its tokens, page tables and the attention backend's plan
-(:meth:`~attention_backends.GraphReplayable.graph_plan`) are written, padded to the bucket, into static
-device buffers with two host-to-device copies (one, when the backend writes its plan on the device as the
-replay's first work), and the forward captured for that bucket is replayed.
+no relative time bias) is instead *staged*: its tokens and page tables are copied to the device as they are, in one
+host-to-device copy (with the attention backend's plan, :meth:`~attention_backends.GraphReplayable.graph_plan`, a
+second one, unless the backend writes its plan on the device), and the forward captured for that bucket is
+replayed. The replay's first work pads the step into the static buffers the graphs read (:meth:`StepGraphs._expand`,
+a few tensor operations): the host never builds or writes the bucket's padded layout, which cost it a numpy gather
+per step and, for each new step shape, the gather's index.
 Padding is inert: spare requests have no rows, spare append rows repeat the step's last real append (the
 same values written to the same slot), spare token rows are computed and never read.
 
@@ -54,8 +56,8 @@ _APPEND_FIELDS = ("append_batch_indices", "append_positions", "append_pages", "a
 _CANDIDATE_FIELDS = ("candidate_rows", "candidate_batch_indices")
 _PADDED_WITH_LAST = (*_APPEND_FIELDS, "query_start_loc", "kv_indptr")  # spare append rows repeat, spare requests empty
 TOKEN_FIELDS = ("item_ids", "action_ids", "positions")
-_ZERO = np.zeros(1, dtype=np.int64)
-_LAYOUT_CACHE_SIZE = 64  # step shapes (requests, history rows, rows) whose staging layouts are kept
+_HEADER = len(_FIELDS) + 1  # a staged step starts with each field's length, then its page count
+_VIEW_CACHE_SIZE = 4096  # (bucket, field, length) views of the static buffer kept
 
 Segment = Callable[[torch.Tensor | None], torch.Tensor]
 SegmentsFn = Callable[[dict[str, torch.Tensor], PagedBatchMetadata, Any], list[Segment]]
@@ -81,11 +83,11 @@ def run_segments(parts: list[Segment], layer_ready: list[torch.cuda.Event | None
 
 @dataclass
 class StagedStep:
-    """A step written into the static buffers.
+    """A step copied to the device, to be padded into the static buffers by the replay (or :meth:`StepGraphs._expand`).
 
     Attributes:
         common: the step's metadata over the static buffer, every tensor at its real length (for eager
-            use and for the heads); ``common.host`` holds the host arrays.
+            use and for the heads), valid once the step is padded; ``common.host`` holds the host arrays.
         tokens: int32 ``[T]`` token tensors at their real length, keyed by :data:`TOKEN_FIELDS`.
         rows: ``T``, the step's rows.
         bucket: rows of the capture bucket (``>= T``).
@@ -104,21 +106,14 @@ class StagedStep:
 
 
 @dataclass
-class _Layout:
-    """How a step of one shape is written into the static buffer (cached per shape).
+class _Expansion:
+    """How a bucket's padded fields are read from a staged step, per entry of the static buffer before
+    ``kv_indices``: ``field`` (int64, the field's index in :data:`_FIELDS`), ``within`` (int64, the entry's position in
+    its field) and ``repeats`` (bool, the field's padding repeats its last value instead of zeros)."""
 
-    Attributes:
-        gather: int64 ``[size]``: for each buffer entry before ``kv_indices``, its index in the step's source
-            array (every field's values in :data:`_FIELDS` order, then one zero, then the page ids).
-        size: the buffer entries before ``kv_indices``.
-        views: each field of :data:`_FIELDS` but the tokens, as a view of the device buffer at its real length.
-        tokens: :data:`TOKEN_FIELDS` views at the step's rows.
-    """
-
-    gather: np.ndarray
-    size: int
-    views: dict[str, torch.Tensor]
-    tokens: dict[str, torch.Tensor]
+    field: torch.Tensor
+    within: torch.Tensor
+    repeats: torch.Tensor
 
 
 @dataclass
@@ -156,12 +151,17 @@ class StepGraphs:
         end = self._offsets[max_rows]["kv_indices"]
         self._cuda = device.type == "cuda"
         self._current_stream = CurrentStream(self.device) if self._cuda else None
-        self._buffer = torch.zeros(end + max_pages, dtype=torch.int32, device=device)
-        self._staging = [torch.zeros(end + max_pages, dtype=torch.int32, pin_memory=self._cuda) for _ in range(2)]
+        self._buffer = torch.zeros(end + max_pages, dtype=torch.int32, device=device)  # padded, what graphs read
+        # A staged step as copied: _HEADER lengths, every field's values in _FIELDS order, then the page ids.
+        self._compact = torch.zeros(_HEADER + end + max_pages, dtype=torch.int32, device=device)
+        self._staging = [torch.zeros(_HEADER + end + max_pages, dtype=torch.int32, pin_memory=self._cuda)
+                         for _ in range(2)]
         self._copied = [self._event(), self._event()]  # the last copy out of each staging buffer
         self._turn = 0
+        self._expansions = {bucket: self._expansion(bucket) for bucket in self.buckets}
+        self._page_entries = torch.arange(max_pages, device=device)
         self._plans: dict[Hashable, tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Event | None]] = {}
-        self._layouts: dict[tuple[int, int, int], _Layout] = {}
+        self._views: dict[tuple[int, str, int], torch.Tensor] = {}
         self._graphs: dict[tuple[int, Hashable], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self._cuda else None
         self.num_replays = 0  # steps served from graphs (on CPU: from the padded eager forward)
@@ -183,8 +183,9 @@ class StepGraphs:
                 and num_requests <= self.max_requests and num_pages <= self.max_pages)
 
     def stage(self, arrays: dict[str, np.ndarray], tokens: dict[str, np.ndarray]) -> StagedStep:
-        """Write a step (:func:`~attention_backends.base.layout_arrays` output and its token arrays) into the
-        static buffers, padded, with two non-blocking copies; the caller checked :meth:`fits`."""
+        """Copy a step (:func:`~attention_backends.base.layout_arrays` output and its token arrays) to the device
+        without blocking, for its replay to pad (and upload the backend's plan if the host made it); the caller
+        checked :meth:`fits`."""
         rows = int(arrays["query_start_loc"][-1])
         bucket = next(b for b in self.buckets if b >= rows)
         plan_key, plan = self.backend.graph_plan(arrays, bucket, self.max_requests)
@@ -192,16 +193,12 @@ class StepGraphs:
         self._turn ^= 1
         if copied is not None:
             copied.synchronize()  # a step ago at the latest: its buffer is free
-        host = staging.numpy()
+        fields = [arrays[name] if name in arrays else tokens[name] for name in _FIELDS]
         pages = arrays["kv_indices"]
-        num_history = len(arrays["history_rows"])
-        layout = self._layout(len(arrays["num_history_rows"]), num_history, rows, bucket)
-        source = np.concatenate([arrays[name] if name in arrays else tokens[name] for name in _FIELDS] + [_ZERO],
-                                dtype=np.int32)
-        used = layout.size + len(pages)
-        np.take(source, layout.gather, out=host[:layout.size])
-        host[layout.size:used] = pages
-        self._buffer[:used].copy_(staging[:used], non_blocking=True)
+        lengths = np.array([len(values) for values in fields] + [len(pages)])
+        used = _HEADER + int(lengths.sum())
+        np.concatenate([lengths, *fields, pages], out=staging.numpy()[:used])  # int64 -> int32, same_kind
+        self._compact[:used].copy_(staging[:used], non_blocking=True)  # padded on the device, by _expand
         writer = plan if callable(plan) else None  # a writer: the backend writes the plan inside the replay
         device_plan, pinned_plan, plan_copied = self._plan_buffers(plan_key, uploaded=writer is None)
         stream = self._current_stream() if self._cuda else None
@@ -214,8 +211,10 @@ class StepGraphs:
             device_plan.copy_(pinned_plan, non_blocking=True)
             if stream is not None:
                 plan_copied.record(stream)
-        views = dict(layout.views, kv_indices=self._buffer[layout.size:used])
-        return StagedStep(PagedBatchMetadata.from_arrays(arrays, views, self.page_size), layout.tokens, rows, bucket,
+        views = {name: self._view(bucket, name, len(values)) for name, values in zip(_FIELDS, fields, strict=True)}
+        views["kv_indices"] = self._view(bucket, "kv_indices", len(pages))
+        tokens_views = {name: views.pop(name) for name in TOKEN_FIELDS}
+        return StagedStep(PagedBatchMetadata.from_arrays(arrays, views, self.page_size), tokens_views, rows, bucket,
                           plan_key, writer, stream)
 
     def backend_metadata(self, step: StagedStep) -> Any:
@@ -256,6 +255,7 @@ class StepGraphs:
                      layer_ready: list[torch.cuda.Event | None]) -> tuple[torch.Tensor, torch.Tensor]:
         """The padded forward and head a graph would replay, launched op by op (CPU, or after a failed capture)."""
         tokens, common, backend = self._static_inputs(step)
+        self._expand(step.bucket)
         self._write_plan(step, common)
         states = run_segments(segments(tokens, common, backend), layer_ready)
         return states[: step.rows], head(states, common.candidate_rows)[: len(step.common.candidate_rows)]
@@ -264,36 +264,44 @@ class StepGraphs:
                       layer_ready: list[torch.cuda.Event | None]) -> tuple[torch.Tensor, torch.Tensor]:
         """The staged step at its real size with the backend's eager metadata (planned on the host): after a failed
         capture, nothing the capture needed (a device-written plan, say) is relied on."""
+        self._expand(step.bucket)
         backend = self.backend.build_metadata(step.common)
         states = run_segments(segments(step.tokens, step.common, backend), layer_ready)
         return states, head(states, step.common.candidate_rows)
 
-    def _layout(self, num_requests: int, num_history: int, rows: int, bucket: int) -> _Layout:
-        """The staging layout of a step with these requests, new history rows and rows, in ``bucket`` (built
-        once per shape)."""
-        key = (num_requests, num_history, rows)
-        if key in self._layouts:
-            return self._layouts[key]
-        caps = {"requests": num_requests, "requests1": num_requests + 1, "rows": num_history}
-        lengths = {name: rows if name in TOKEN_FIELDS else rows - num_history if name in _CANDIDATE_FIELDS
-                   else caps[cap] for name, cap in _FIELDS.items()}
-        zero_at = sum(lengths.values())
-        gather, source_at = [], 0
-        for name, n in lengths.items():
-            pad = source_at + n - 1 if name in _PADDED_WITH_LAST else zero_at
-            gather += [np.arange(source_at, source_at + n), np.full(self._caps[bucket][name] - n, pad)]
-            source_at += n
-        views = {name: self._view(bucket, name, n) for name, n in lengths.items() if name not in TOKEN_FIELDS}
-        tokens = {name: self._view(bucket, name, rows) for name in TOKEN_FIELDS}
-        layout = _Layout(np.concatenate(gather), self._offsets[bucket]["kv_indices"], views, tokens)
-        if len(self._layouts) >= _LAYOUT_CACHE_SIZE:
-            del self._layouts[next(iter(self._layouts))]  # the oldest shape
-        self._layouts[key] = layout
-        return layout
+    def _expansion(self, bucket: int) -> _Expansion:
+        caps = list(self._caps[bucket].values())
+        field = np.repeat(np.arange(len(caps)), caps)
+        within = np.arange(len(field)) - np.repeat(np.cumsum(caps) - caps, caps)
+        repeats = np.array([name in _PADDED_WITH_LAST for name in _FIELDS])
+        return _Expansion(*(torch.from_numpy(a).to(self.device) for a in (field, within, repeats)))
+
+    def _expand(self, bucket: int) -> None:
+        """Pad the staged step into the static buffer as ``bucket``'s graphs read it, on the current stream (the first
+        work of a replay): each field at its offset, then zeros or (append rows, offsets) its last value repeated up
+        to its capacity; then the page ids. A few tensor operations over the bucket's entries, no host work."""
+        expansion = self._expansions[bucket]
+        lengths = self._compact[:_HEADER].long()
+        starts = _HEADER + torch.cumsum(lengths, 0) - lengths  # where each field's values start in the staged step
+        length = lengths[expansion.field]
+        read = starts[expansion.field] + torch.minimum(expansion.within, length - 1).clamp_min(0)
+        keep = (expansion.within < length) | (expansion.repeats[expansion.field] & (length > 0))
+        size = len(expansion.field)
+        self._buffer[:size] = torch.where(keep, self._compact[read], 0)
+        # Page ids: beyond the step's, whatever follows in the staged buffer (never read: kv_indptr bounds them).
+        self._buffer[size:size + self.max_pages] = self._compact[starts[-1] + self._page_entries]
 
     def _view(self, bucket: int, name: str, length: int) -> torch.Tensor:
-        at = self._offsets[bucket][name]
-        return self._buffer[at:at + length]
+        """``length`` entries of field ``name`` in ``bucket``'s layout of the static buffer (views kept: slicing a
+        tensor costs microseconds)."""
+        key = (bucket, name, length)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= _VIEW_CACHE_SIZE:
+                self._views.clear()
+            at = self._offsets[bucket][name]
+            view = self._views[key] = self._buffer[at:at + length]
+        return view
 
     def _event(self) -> torch.cuda.Event | None:
         return torch.cuda.Event() if self._cuda else None
@@ -330,6 +338,7 @@ class StepGraphs:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # compiles and autotunes outside the capture; appends are idempotent
+            self._expand(step.bucket)
             self._write_plan(step, common)
             x = None
             for part in parts:
@@ -340,6 +349,7 @@ class StepGraphs:
             graph = torch.cuda.CUDAGraph()
             # thread_local: the host tier's worker threads may call CUDA (events, pinning) during the capture
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                self._expand(step.bucket)
                 self._write_plan(step, common)
                 x = None
                 for part in parts:
@@ -350,7 +360,8 @@ class StepGraphs:
         for index, part in enumerate(parts):  # each layer's output lives in its graph's pool, read by the next graph
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                if index == 0:  # the plan, if the backend writes it, comes first in each replay
+                if index == 0:  # the padded inputs, then the plan if the backend writes it, come first in each replay
+                    self._expand(step.bucket)
                     self._write_plan(step, common)
                 x = part(x)
                 if index == len(parts) - 1:

@@ -174,29 +174,34 @@ def test_failed_capture_falls_back_to_eager_without_failing_requests(monkeypatch
 
 
 @needs_hstu_triton
-def test_staging_writes_every_field_and_pads_inertly():
-    """Steps of many shapes (more than the layout cache keeps) are staged into the static buffer: every field reads
-    back at its real length, and the bucket-padded views a graph reads repeat the last append row and the last
+def test_staging_and_padding_write_every_field_and_pad_inertly():
+    """Steps of many shapes and buckets, in a random order (each over whatever the previous one left), are staged and
+    padded on the device (:meth:`StepGraphs._expand`, the replay's first work): every field and the page ids read
+    back at their real length, and the bucket-padded views a graph reads repeat the last append row and the last
     offsets, with zeros elsewhere."""
     from attention_backends.base import layout_arrays
-    from gr_engine.step_graphs import _APPEND_FIELDS, _FIELDS, _LAYOUT_CACHE_SIZE, TOKEN_FIELDS
+    from gr_engine.step_graphs import _APPEND_FIELDS, _FIELDS, TOKEN_FIELDS
 
     config = tiny_config(page_size=16, num_heads=2, head_dim=16)
     engine = GREngine(msgspec.structs.replace(config, attention_backend="hstu_triton", device=DEVICE))
     graphs = StepGraphs(engine.backend, engine.device, 16, max_rows=300, max_requests=4, max_pages=200)
     rng = np.random.default_rng(0)
-    steps = []
-    for _ in range(_LAYOUT_CACHE_SIZE + 20):
-        b = int(rng.integers(1, 5))
-        start, hist, cand = rng.integers(0, 160, b), rng.integers(0, 6, b), rng.integers(0, 7, b)
+    buckets = set()
+    for step in range(90):
+        b = 4 if step % 10 == 9 else int(rng.integers(1, 5))
+        start, hist, cand = rng.integers(0, 160, b), rng.integers(0, 6, b), rng.integers(0, 61, b)
         hist[0] = max(hist[0], 1)
+        cand[rng.random(b) < 0.3] = 0
+        if step % 10 == 9:  # the largest bucket: over 256 rows
+            cand[:] = 70
         pages = -(-(start + hist) // 16)
         indptr = np.concatenate([[0], np.cumsum(pages)])
         arrays = layout_arrays(start, hist, cand, indptr, rng.permutation(200)[: indptr[-1]], 16)
         rows = int(arrays["query_start_loc"][-1])
-        steps.append((arrays, {name: rng.integers(0, 1000, rows) for name in TOKEN_FIELDS}))
-    for arrays, tokens in steps + steps[:3]:  # the first shapes again, after the cache dropped them
+        tokens = {name: rng.integers(0, 1000, rows) for name in TOKEN_FIELDS}
         staged = graphs.stage(arrays, tokens)
+        graphs._expand(staged.bucket)
+        buckets.add(staged.bucket)
         for name, values in arrays.items():
             assert np.array_equal(getattr(staged.common, name).cpu().numpy(), values), name
         for name, values in tokens.items():
@@ -204,10 +209,12 @@ def test_staging_writes_every_field_and_pads_inertly():
         static, common, _ = graphs._static_inputs(staged)
         for name in _FIELDS:
             view = (static[name] if name in TOKEN_FIELDS else getattr(common, name)).cpu().numpy()
-            n = len(tokens[name]) if name in TOKEN_FIELDS else len(arrays[name])
-            spare = view[n:]
+            values = tokens[name] if name in TOKEN_FIELDS else arrays[name]
+            assert np.array_equal(view[:len(values)], values), name
+            spare = view[len(values):]
             if name in _APPEND_FIELDS or name in ("query_start_loc", "kv_indptr"):
-                assert (spare == arrays[name][-1]).all(), name
+                assert (spare == values[-1]).all(), name
             else:
                 assert not spare.any(), name
-    assert len(graphs._layouts) <= _LAYOUT_CACHE_SIZE
+        assert np.array_equal(common.kv_indices.cpu().numpy()[:indptr[-1]], arrays["kv_indices"])
+    assert buckets == {128, 256, 300}

@@ -109,7 +109,7 @@ class StagedStep:
 class _Expansion:
     """How a bucket's padded fields are read from a staged step, per entry of the static buffer before
     ``kv_indices``: ``field`` (int64, the field's index in :data:`_FIELDS`), ``within`` (int64, the entry's position in
-    its field) and ``repeats`` (bool, the field's padding repeats its last value instead of zeros)."""
+    its field) and ``repeats`` (bool, its field's padding repeats the field's last value instead of zeros)."""
 
     field: torch.Tensor
     within: torch.Tensor
@@ -273,7 +273,7 @@ class StepGraphs:
         caps = list(self._caps[bucket].values())
         field = np.repeat(np.arange(len(caps)), caps)
         within = np.arange(len(field)) - np.repeat(np.cumsum(caps) - caps, caps)
-        repeats = np.array([name in _PADDED_WITH_LAST for name in _FIELDS])
+        repeats = np.array([name in _PADDED_WITH_LAST for name in _FIELDS])[field]
         return _Expansion(*(torch.from_numpy(a).to(self.device) for a in (field, within, repeats)))
 
     def _expand(self, bucket: int) -> None:
@@ -285,7 +285,7 @@ class StepGraphs:
         starts = _HEADER + torch.cumsum(lengths, 0) - lengths  # where each field's values start in the staged step
         length = lengths[expansion.field]
         read = starts[expansion.field] + torch.minimum(expansion.within, length - 1).clamp_min(0)
-        keep = (expansion.within < length) | (expansion.repeats[expansion.field] & (length > 0))
+        keep = (expansion.within < length) | (expansion.repeats & (length > 0))
         size = len(expansion.field)
         self._buffer[:size] = torch.where(keep, self._compact[read], 0)
         # Page ids: beyond the step's, whatever follows in the staged buffer (never read: kv_indptr bounds them).

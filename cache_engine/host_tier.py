@@ -221,15 +221,17 @@ class HostTier:
     # ------------------------------------------------------------------ onload
     def plan_onload(self, record: UserRecord, tokens: int) -> None:
         """Queue copying the user's first ``tokens`` host tokens into its (new) pages."""
-        page_size, size, busy = self.page_size, self.chunk, self._busy
-        pages, slots = record.page_buffer, record.host_slots  # the pages cover ``tokens``: no bound needed
-        for start in range(0, tokens, size):
-            first, count = start // page_size, -(-(min(start + size, tokens) - start) // page_size)
-            slot = slots[start // size]
-            self._planned.append(OnloadJob(slot, self.store.slot(slot), pages[first: first + count].copy()))
-            self._planned_slots.append(slot)
+        busy, store_slot, planned = self._busy, self.store.slot, self._planned
+        chunk_pages, num_pages = self.chunk // self.page_size, -(-tokens // self.page_size)
+        # Views of the user's page ids: its pages stay as they are until this step's onloads are launched (the
+        # user is locked; other users' acquires take or free only their own pages).
+        pages = record.page_buffer
+        slots = record.host_slots[: -(-tokens // self.chunk)]
+        for first, slot in zip(range(0, num_pages, chunk_pages), slots, strict=True):
+            planned.append(OnloadJob(slot, store_slot(slot), pages[first: min(first + chunk_pages, num_pages)]))
             busy[slot] = busy.get(slot, 0) + 1
-        self.stats.onloaded_bytes += -(-tokens // page_size) * page_size * self.token_bytes
+        self._planned_slots.extend(slots)
+        self.stats.onloaded_bytes += num_pages * self.page_size * self.token_bytes
         self.stats.onloaded_tokens += tokens
 
     def launch_onloads(self) -> list[torch.cuda.Event | None]:

@@ -22,3 +22,16 @@ def test_graph_path_probe_stages_steps_and_serves_every_request(mode):
     assert "failed" not in run.stdout + run.stderr  # no request errored (e.g. a stub of the wrong shape)
     staged = re.search(r"(\d+) steps staged for graphs", run.stdout)
     assert staged and int(staged.group(1)) >= 8, run.stdout  # the returning visits took the graph path
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (interpreted)")
+def test_bench_trace_probe_serves_the_benchmarks_windows():
+    """``--bench-trace``: the benchmark's trace and windows run through (every request served, the host tier's
+    bookkeeping keeping the benchmark's hit ratio) and report the host time of steps 1-7 per batch."""
+    run = subprocess.run([sys.executable, str(PROBE), "--bench-trace", "--mode", "hierarchical"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    found = re.search(r"\((\d+) batches; total hit ratio ([\d.]+)\): steps 1-7 per batch median ([\d.]+) ms",
+                      run.stdout)
+    assert found, run.stdout
+    assert int(found.group(1)) == 30 and float(found.group(2)) > 0.99 and float(found.group(3)) > 0

@@ -294,6 +294,8 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
         cuda = spec.device_type == "cuda"  # processors planned for; on CPU (the interpreter, for tests) a nominal 4
         self.num_sms = torch.cuda.get_device_properties("cuda").multi_processor_count if cuda else 4
         self._device_keys: dict[Hashable, tuple[Hashable, PlanWriter]] = {}  # graph_plan's, by capacities
+        # graph_metadata's views of each static plan buffer, by key: (the buffer, its tile map, its work items)
+        self._plan_views: dict[Hashable, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def reasons_unsupported(cls, spec: AttentionSpec) -> list[str]:
@@ -356,9 +358,11 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
 
     def graph_metadata(self, common: PagedBatchMetadata, key: Hashable, plan: torch.Tensor) -> HSTUTritonMetadata:
         config, num_tiles, num_items, _ = key
-        return HSTUTritonMetadata(common, plan[: 5 * num_tiles].view(5, num_tiles),
-                                  plan[5 * num_tiles: 5 * num_tiles + 2 * num_items].view(2, num_items),
-                                  self.num_sms, True, config)
+        views = self._plan_views.get(key)
+        if views is None or views[0] is not plan:  # the views of a static buffer, made once (a few us each a step)
+            views = self._plan_views[key] = (plan, plan[: 5 * num_tiles].view(5, num_tiles),
+                                             plan[5 * num_tiles: 5 * num_tiles + 2 * num_items].view(2, num_items))
+        return HSTUTritonMetadata(common, views[1], views[2], self.num_sms, True, config)
 
     def _config(self, max_query_len: int) -> TileConfig:
         return self.tiles if self.fixed_tiles else default_tile_config(self.spec, max_query_len)

@@ -46,9 +46,10 @@ class OnloadGraphs:
                  min_capacity: int = 256) -> None:
         self.launcher, self.kv, self.layer_bytes, self.src_dtype = launcher, kv, layer_bytes, src_dtype
         self.scales, self.events, self.stream, self.min_capacity = scales, events, stream, min_capacity
-        # (capacity, turn) -> (graph, its pinned indices, the event recorded after its last replay)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.cuda.Event]] = {}
+        # (capacity, turn) -> (graph, its pinned indices as numpy, the event recorded after its last replay)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, np.ndarray, torch.cuda.Event]] = {}
         self._turn = 0
+        self._pinned: list[torch.Tensor] = []  # every graph's index buffer
         self.enabled = True
 
     def serves(self, kv: torch.Tensor, layer_bytes: int, src_dtype: torch.dtype) -> bool:
@@ -70,17 +71,18 @@ class OnloadGraphs:
                 self.enabled = False
                 return False
         self._turn ^= 1
-        graph, indices, replayed = self._graphs[key]
+        graph, flat, replayed = self._graphs[key]
         if not replayed.query():
             replayed.synchronize()  # its previous replay (two onloads ago) may still read the indices
-        flat = indices.numpy()
-        host = flat[:-1].reshape(3, capacity)  # rows: pool pages, slot ids, host addresses; then the count
-        host[0, :count], host[1, :count], host[2, :count], flat[-1] = pages, slot_ids, addresses, count
+        flat[:count] = pages  # rows of ``capacity``: pool pages, slot ids, host addresses; then the count
+        flat[capacity:capacity + count] = slot_ids
+        flat[2 * capacity:2 * capacity + count] = addresses
+        flat[-1] = count
         graph.replay()
         replayed.record(self.stream)
         return True
 
-    def _capture(self, capacity: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.cuda.Event]:
+    def _capture(self, capacity: int) -> tuple[torch.cuda.CUDAGraph, np.ndarray, torch.cuda.Event]:
         indices = torch.zeros(3 * capacity + 1, dtype=torch.long, pin_memory=True)  # count 0: loads nothing
         dst, slot_ids, src = indices[:capacity], indices[capacity:2 * capacity], indices[2 * capacity:3 * capacity]
         args = (self.kv, src, dst, self.layer_bytes, self.src_dtype, slot_ids if self.scales is not None else None,
@@ -92,4 +94,5 @@ class OnloadGraphs:
             self.launcher.all_layers(*args, self.events, self.stream, indices[-1:])
         replayed = torch.cuda.Event()
         replayed.record(self.stream)  # after the warm-up launches, which read the indices too
-        return graph, indices, replayed
+        self._pinned.append(indices)  # kept alive: the graph reads it; the numpy view below does not own it
+        return graph, indices.numpy(), replayed

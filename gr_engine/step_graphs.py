@@ -345,26 +345,20 @@ class StepGraphs:
                 x = part(x)
             head(x, common.candidate_rows)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        if whole:
+        # One graph for the whole forward, or one per layer: each layer's output lives in its graph's pool, read by
+        # the next graph. The padded inputs, then the plan if the backend writes it, come first in each replay.
+        groups = [parts] if whole else [[part] for part in parts]
+        graphs, x = [], None
+        for index, group in enumerate(groups):
             graph = torch.cuda.CUDAGraph()
             # thread_local: the host tier's worker threads may call CUDA (events, pinning) during the capture
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                self._expand(step.bucket)
-                self._write_plan(step, common)
-                x = None
-                for part in parts:
-                    x = part(x)
-                logits = head(x, common.candidate_rows)
-            return _Graph([graph], x, logits)
-        graphs, x = [], None
-        for index, part in enumerate(parts):  # each layer's output lives in its graph's pool, read by the next graph
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                if index == 0:  # the padded inputs, then the plan if the backend writes it, come first in each replay
+                if index == 0:
                     self._expand(step.bucket)
                     self._write_plan(step, common)
-                x = part(x)
-                if index == len(parts) - 1:
+                for part in group:
+                    x = part(x)
+                if index == len(groups) - 1:
                     logits = head(x, common.candidate_rows)
             graphs.append(graph)
         return _Graph(graphs, x, logits)

@@ -29,6 +29,12 @@ def test_quick_bench_writes_reports(tmp_path, capsys):
     assert summary["overhead_ms_bs8"] == host["median"] and 0 < host["median"] <= host["p90"]
     assert summary["intake_ms_bs8"] == pytest.approx(phases["intake"])
     result = json.loads((tmp_path / "bench.json").read_text())
+    for mode in result["modes"].values():  # each batch's latency and onloaded bytes, in the order served
+        for e in mode["batch_sizes"].values():
+            assert len(e["batch_latency_ms"]) == len(e["batch_onloaded_bytes"]) == e["batches"]
+            assert np.median(e["batch_latency_ms"]) == pytest.approx(e["median_ms"], abs=1e-3)
+            assert sum(e["batch_onloaded_bytes"]) / e["batches"] == pytest.approx(e["onloaded_bytes_per_batch"])
+    assert sum(result["modes"]["hierarchical"]["batch_sizes"][str(bs)]["batch_onloaded_bytes"]) > 0
     breakdown = result["modes"]["hierarchical"]["breakdown_bs8"]
     assert breakdown["batches"] > 0 and breakdown["phase_ms_per_step"]["forward"] > 0
     assert all(e["gc_ms_per_batch"] >= 0 for m in result["modes"].values() for e in m["batch_sizes"].values())
@@ -135,3 +141,14 @@ def test_steady_state_runs_yield_primed_engines_and_close_them():
         runs.append((mode, run))
     assert [mode for mode, _ in runs] == ["hierarchical", "unlimited"]
     assert not any(hasattr(run, "engine") for _, run in runs)  # each closed once the caller moved on
+
+
+def test_batch_bound_ratios_take_each_batchs_own_bound():
+    """Batch i's latency over max(unlimited's batch i, its onloaded bytes at the peak): 10 GB/s is 1 ms per 10 MB."""
+    from gr_engine.bench.report import batch_bound_ratios
+
+    hier = {"batch_latency_ms": [3.0, 2.4, 5.0], "batch_onloaded_bytes": [20_000_000, 0, 40_000_000]}
+    unlimited = {"batch_latency_ms": [1.0, 2.0, 5.0]}
+    assert batch_bound_ratios(hier, unlimited, 10.0) == pytest.approx([1.5, 1.2, 1.0])
+    assert batch_bound_ratios(hier, {"batch_latency_ms": [1.0]}, 10.0) == []  # not the same batches
+    assert batch_bound_ratios({"median_ms": 3.0}, unlimited, 10.0) == []  # results from before per-batch data

@@ -105,7 +105,7 @@ class Phase:
     history_tokens: int = 0
     gpu_hits: int = 0
     host_hits: int = 0
-    onloaded_bytes: int = 0
+    onloaded_bytes: list[int] = field(default_factory=list)  # per batch
     phase_seconds: dict[str, float] = field(default_factory=dict)
     host_seconds: list[float] = field(default_factory=list)  # per batch, the host time of its HOST_PHASES
     steps: int = 0
@@ -117,12 +117,15 @@ class Phase:
         return {"batches": len(lat), "median_ms": float(np.median(lat)) if len(lat) else None,
                 "p90_ms": float(np.percentile(lat, 90)) if len(lat) else None,
                 "gpu_hit_ratio": self.gpu_hits / n, "total_hit_ratio": (self.gpu_hits + self.host_hits) / n,
-                "onloaded_bytes_per_batch": self.onloaded_bytes / max(len(lat), 1),
+                "onloaded_bytes_per_batch": sum(self.onloaded_bytes) / max(len(lat), 1),
                 "steps_per_batch": self.steps / max(len(lat), 1),
                 "gc_ms_per_batch": self.gc_seconds / max(len(lat), 1) * 1e3,
                 "phase_ms_per_step": {k: v / max(self.steps, 1) * 1e3 for k, v in self.phase_seconds.items()},
                 "phase_ms_per_batch": {k: v / max(len(lat), 1) * 1e3 for k, v in self.phase_seconds.items()},
-                "host_ms_per_batch": _spread(np.asarray(self.host_seconds) * 1e3)}
+                "host_ms_per_batch": _spread(np.asarray(self.host_seconds) * 1e3),
+                # Each batch's own (the windows serve the same batches in every mode, in the same order).
+                "batch_latency_ms": [round(float(v), 4) for v in lat],
+                "batch_onloaded_bytes": list(self.onloaded_bytes)}
 
 
 def _spread(values: np.ndarray) -> dict[str, float | None]:
@@ -271,7 +274,7 @@ class BenchRun:
             phase.history_tokens += sum(len(r.item_ids) for r in batch)
             phase.gpu_hits += sum(o.num_gpu_cached_tokens for o in outputs)
             phase.host_hits += sum(o.num_host_cached_tokens for o in outputs)
-            phase.onloaded_bytes += engine.kv.stats.onloaded_bytes - onloaded
+            phase.onloaded_bytes.append(engine.kv.stats.onloaded_bytes - onloaded)
             phase.steps += engine.stats.num_steps - steps
             host = 0.0
             for name, seconds in engine.stats.phase_seconds.items():

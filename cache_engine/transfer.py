@@ -237,11 +237,9 @@ class TransferEngine:
         if self._positions is None or len(self._positions) < num_pages:
             grown = 0 if self._positions is None else 2 * len(self._positions)
             self._positions = torch.arange(max(num_pages, grown), device=self.device)
-            self._positions.record_stream(self.copy_out_stream)  # once replaced, freed after the reads queued there
         self.copy_out_stream.wait_event(gathered)
-        with on_stream(self.copy_out_stream, self.offload_stream):  # current: a kernel's first launch compiles on it
-            self._packer(staged, self._positions[:num_pages], slot_at, slot.dtype, slot_pages,
-                         stream=self.copy_out_stream)
+        self._packer(staged, self._positions[:num_pages], slot_at, slot.dtype, slot_pages,
+                     stream=self.copy_out_stream)
         copied = torch.cuda.Event()
         copied.record(self.copy_out_stream)
         self.last_gather = gathered

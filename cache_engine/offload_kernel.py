@@ -26,18 +26,17 @@ FP8_MAX = tl.constexpr(448.0)  # a constexpr: jitted code reads no other globals
 NUM_WARPS = 4
 
 
-@triton.jit(do_not_specialize=["OutAddr", "PoolPages", "OutLayerPages"])
+@triton.jit(do_not_specialize=["OutAddr"])
 def _pack_chunks_kernel(
-    Kv, Pages, SlotIds, OutAddr, Scales, PoolPages, OutLayerPages,
-    NUM_LAYERS: tl.constexpr, SLOT_PAGES: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    Kv, Pages, SlotIds, OutAddr, Scales,
+    NUM_LAYERS: tl.constexpr, POOL_PAGES: tl.constexpr, SLOT_PAGES: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_P: tl.constexpr, QUANTISE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    BLOCK_P: tl.constexpr, OUT_LAYER_PAGES: tl.constexpr, QUANTISE: tl.constexpr, OUT_DTYPE: tl.constexpr,
 ):
     """Program ``(j, l, kv * H + h)`` writes ``[l, :, kv, :, h, :]`` of the chunk at address ``OutAddr[j]`` (bytes;
-    ``[L, SLOT_PAGES, 2, PAGE_SIZE, H, D]`` of ``OUT_DTYPE``, ``OutLayerPages`` pages from one layer to the next:
+    ``[L, SLOT_PAGES, 2, PAGE_SIZE, H, D]`` of ``OUT_DTYPE``, ``OUT_LAYER_PAGES`` pages from one layer to the next:
     ``SLOT_PAGES`` in a slot) from pool pages ``Pages[j * SLOT_PAGES + p]`` of ``Kv``
-    (``[L, PoolPages, 2, PAGE_SIZE, H, D]``; both sizes are arguments, not constants, so that staging buffers of
-    any size share one compiled kernel); with ``QUANTISE``, divided by ``scale = max(amax /
+    (``[L, POOL_PAGES, 2, PAGE_SIZE, H, D]``); with ``QUANTISE``, divided by ``scale = max(amax /
     448, tiny)`` (then cast to ``OUT_DTYPE``, FP8), and ``scale`` stored at ``Scales[SlotIds[j], l, kv, h]``
     (``[slots, L, 2, H]`` float32). The chunk's page ids are loaded once, together (``BLOCK_P >= SLOT_PAGES``): the
     index arrays may be in host memory, where each load is a PCIe round trip."""
@@ -49,9 +48,9 @@ def _pack_chunks_kernel(
     row = NUM_HEADS * HEAD_DIM
     within = tokens * row + head * HEAD_DIM + dims  # one page's [PAGE_SIZE, D] values of this K/V and head
     page_values = 2 * PAGE_SIZE * row
-    src_layer = Kv + layer.to(tl.int64) * PoolPages * page_values + kv * (PAGE_SIZE * row)
+    src_layer = Kv + layer.to(tl.int64) * (POOL_PAGES * page_values) + kv * (PAGE_SIZE * row)
     slot_start = tl.load(OutAddr + job).to(tl.pointer_type(OUT_DTYPE))
-    dst = slot_start + layer.to(tl.int64) * OutLayerPages * page_values + kv * (PAGE_SIZE * row)
+    dst = slot_start + (layer.to(tl.int64) * OUT_LAYER_PAGES) * page_values + kv * (PAGE_SIZE * row)
     lanes = tl.arange(0, BLOCK_P)
     chunk_pages = tl.load(Pages + job * SLOT_PAGES + lanes, mask=lanes < SLOT_PAGES, other=0).to(tl.int64)
     if QUANTISE:
@@ -113,14 +112,13 @@ class ChunkPacker:
         if quantise and slot_ids is None:
             raise ValueError("scales need the chunks' slot_ids")
         slot_ids, scales = (slot_ids, scales) if quantise else (pages, kv)  # placeholders, never read
-        constants = {"NUM_LAYERS": num_layers, "SLOT_PAGES": slot_pages,
+        constants = {"NUM_LAYERS": num_layers, "POOL_PAGES": kv.shape[1], "SLOT_PAGES": slot_pages,
                      "PAGE_SIZE": page_size, "NUM_HEADS": num_heads, "HEAD_DIM": head_dim,
                      "BLOCK_D": triton.next_power_of_2(head_dim), "BLOCK_T": triton.next_power_of_2(page_size),
                      "BLOCK_P": triton.next_power_of_2(slot_pages),
+                     "OUT_LAYER_PAGES": slot_pages if out_layer_pages is None else out_layer_pages,
                      "QUANTISE": quantise, "OUT_DTYPE": POINTER_DTYPES[out_dtype]}
         key = (kv.dtype, pages.dtype, slot_ids.dtype, out_addr.dtype, scales.dtype, out_dtype, *constants.values(),
                *(t.data_ptr() % 16 for t in (kv, pages, slot_ids, scales)))
-        sizes = (kv.shape[1], slot_pages if out_layer_pages is None else out_layer_pages)
-        self._kernels.launch(key, (num_chunks, num_layers, two * num_heads),
-                             (kv, pages, slot_ids, out_addr, scales, *sizes), constants,
-                             None if stream is None else stream.cuda_stream)
+        self._kernels.launch(key, (num_chunks, num_layers, two * num_heads), (kv, pages, slot_ids, out_addr, scales),
+                             constants, None if stream is None else stream.cuda_stream)

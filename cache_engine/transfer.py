@@ -225,13 +225,14 @@ class TransferEngine:
         slot = jobs[0].slot
         num_chunks, slot_pages = len(jobs), slot.shape[1]
         num_pages = num_chunks * slot_pages
-        staged = torch.empty((slot.shape[0], num_pages, *slot.shape[2:]), dtype=slot.dtype, device=self.device)
+        capacity = (1 << (num_chunks - 1).bit_length()) * slot_pages  # few buffer shapes, few kernel variants
+        staged = torch.empty((slot.shape[0], capacity, *slot.shape[2:]), dtype=slot.dtype, device=self.device)
         chunk_bytes = slot_pages * slot.stride(1) * slot.element_size()  # page j * slot_pages of the staged layer 0
         index.numpy()[-2 * num_chunks:-num_chunks] = staged.data_ptr() + np.arange(num_chunks) * chunk_bytes
         pages, slot_ids = index[:num_pages], index[num_pages:num_pages + num_chunks]
         staged_at, slot_at = index[-2 * num_chunks:-num_chunks], index[-num_chunks:]
         self._packer(kv, pages, staged_at, slot.dtype, slot_pages, slot_ids, self.scales, self.offload_stream,
-                     out_layer_pages=num_pages)
+                     out_layer_pages=capacity)
         gathered = torch.cuda.Event()
         gathered.record(self.offload_stream)
         if self._positions is None or len(self._positions) < num_pages:

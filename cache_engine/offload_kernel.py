@@ -1,14 +1,12 @@
 """Offload by kernel: one launch gathers the pages of chunks from the pool and writes them into their host slots,
-quantised to FP8 with their scales on the way (or, as the transfer engine uses it, into a device staging buffer,
-from which a second launch of the same kernel writes the slots: the pool's pages are then free again after the
-first, fast launch, not after the PCIe transfer).
+quantised to FP8 with their scales on the way.
 
 The copy path does this with about a dozen torch operations per offload (an ``index_select`` gather, a
 transpose, and the FP8 quantisation's ``abs``, ``amax``, divisions and casts), each a separate launch with its
 own host cost, then one device-to-host copy per chunk. Here one program per (chunk, layer, K/V, head) reads
 that head's values of the chunk's pages twice (largest magnitude, then scaled values) and stores them straight
-into the chunk's destination: pinned host memory is device-addressable, so there is no copy to issue. (Any memory
-works: the tests give addresses of device tensors.)
+into the chunk's slot: pinned host memory is device-addressable, so there is no device buffer and no copy to
+issue. (Any memory works: the tests give addresses of device tensors.)
 
 This module imports Triton; :mod:`cache_engine` imports it only when the ``kernel`` transfer engine is chosen.
 On CPU the kernel runs in Triton's interpreter (tests).
@@ -31,12 +29,11 @@ def _pack_chunks_kernel(
     Kv, Pages, SlotIds, OutAddr, Scales,
     NUM_LAYERS: tl.constexpr, POOL_PAGES: tl.constexpr, SLOT_PAGES: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_P: tl.constexpr, OUT_LAYER_PAGES: tl.constexpr, QUANTISE: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    BLOCK_P: tl.constexpr, QUANTISE: tl.constexpr, OUT_DTYPE: tl.constexpr,
 ):
-    """Program ``(j, l, kv * H + h)`` writes ``[l, :, kv, :, h, :]`` of the chunk at address ``OutAddr[j]`` (bytes;
-    ``[L, SLOT_PAGES, 2, PAGE_SIZE, H, D]`` of ``OUT_DTYPE``, ``OUT_LAYER_PAGES`` pages from one layer to the next:
-    ``SLOT_PAGES`` in a slot) from pool pages ``Pages[j * SLOT_PAGES + p]`` of ``Kv``
-    (``[L, POOL_PAGES, 2, PAGE_SIZE, H, D]``); with ``QUANTISE``, divided by ``scale = max(amax /
+    """Program ``(j, l, kv * H + h)`` writes ``[l, :, kv, :, h, :]`` of the slot at address ``OutAddr[j]`` (bytes;
+    ``[L, SLOT_PAGES, 2, PAGE_SIZE, H, D]`` of ``OUT_DTYPE``, contiguous) from pool pages ``Pages[j * SLOT_PAGES +
+    p]`` of ``Kv`` (``[L, POOL_PAGES, 2, PAGE_SIZE, H, D]``); with ``QUANTISE``, divided by ``scale = max(amax /
     448, tiny)`` (then cast to ``OUT_DTYPE``, FP8), and ``scale`` stored at ``Scales[SlotIds[j], l, kv, h]``
     (``[slots, L, 2, H]`` float32). The chunk's page ids are loaded once, together (``BLOCK_P >= SLOT_PAGES``): the
     index arrays may be in host memory, where each load is a PCIe round trip."""
@@ -50,7 +47,7 @@ def _pack_chunks_kernel(
     page_values = 2 * PAGE_SIZE * row
     src_layer = Kv + layer.to(tl.int64) * (POOL_PAGES * page_values) + kv * (PAGE_SIZE * row)
     slot_start = tl.load(OutAddr + job).to(tl.pointer_type(OUT_DTYPE))
-    dst = slot_start + (layer.to(tl.int64) * OUT_LAYER_PAGES) * page_values + kv * (PAGE_SIZE * row)
+    dst = slot_start + (layer.to(tl.int64) * SLOT_PAGES) * page_values + kv * (PAGE_SIZE * row)
     lanes = tl.arange(0, BLOCK_P)
     chunk_pages = tl.load(Pages + job * SLOT_PAGES + lanes, mask=lanes < SLOT_PAGES, other=0).to(tl.int64)
     if QUANTISE:
@@ -80,7 +77,7 @@ class ChunkPacker:
 
     def __call__(self, kv: torch.Tensor, pages: torch.Tensor, out_addr: torch.Tensor, out_dtype: torch.dtype,
                  slot_pages: int, slot_ids: torch.Tensor | None = None, scales: torch.Tensor | None = None,
-                 stream: torch.cuda.Stream | None = None, out_layer_pages: int | None = None) -> None:
+                 stream: torch.cuda.Stream | None = None) -> None:
         """Gather whole chunks of pages into their slots, on the current stream.
 
         The index tensors (``pages``, ``out_addr``, ``slot_ids``) may be on the device or in pinned host memory.
@@ -99,10 +96,6 @@ class ChunkPacker:
                 (``amax / 448`` per layer, K/V and head, at least the smallest normal float32); ``None``: no
                 scaling.
             stream: the current stream, if the caller has it (its handle then needs no lookup).
-            out_layer_pages: pages from one layer of a destination chunk to the next (default ``slot_pages``, a
-                slot). A buffer laid out like the pool, ``[L, P, 2, page_size, H, D]`` with chunk ``j`` at pages
-                ``[j * slot_pages, (j + 1) * slot_pages)``, takes ``P`` (chunk ``j``'s address: page
-                ``j * slot_pages`` of layer 0).
         """
         num_chunks = out_addr.shape[0]
         if num_chunks == 0:
@@ -116,7 +109,6 @@ class ChunkPacker:
                      "PAGE_SIZE": page_size, "NUM_HEADS": num_heads, "HEAD_DIM": head_dim,
                      "BLOCK_D": triton.next_power_of_2(head_dim), "BLOCK_T": triton.next_power_of_2(page_size),
                      "BLOCK_P": triton.next_power_of_2(slot_pages),
-                     "OUT_LAYER_PAGES": slot_pages if out_layer_pages is None else out_layer_pages,
                      "QUANTISE": quantise, "OUT_DTYPE": POINTER_DTYPES[out_dtype]}
         key = (kv.dtype, pages.dtype, slot_ids.dtype, out_addr.dtype, scales.dtype, out_dtype, *constants.values(),
                *(t.data_ptr() % 16 for t in (kv, pages, slot_ids, scales)))

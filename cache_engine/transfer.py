@@ -3,14 +3,12 @@
 On CUDA, three side streams keep copies off the compute stream:
 
 - **offload**: waits for the step's compute, then with ``kernels`` one Triton kernel (:mod:`.offload_kernel`)
-  gathers the pages of all chunks into a transient device buffer, quantised to FP8 if host chunks are FP8 (a
-  device-to-device pass: microseconds), and on the **copy-out** stream a second launch of the same kernel stores
-  that buffer into the host slots (pinned memory is device-addressable); otherwise an ``index_select`` gathers
-  them into a transient device buffer, and at :meth:`TransferEngine.issue_deferred` (the engine calls it once the
-  step's forward is queued, so this host work overlaps the device's) they are quantised, laid out like the slots
-  and copied to host, one DMA per chunk. The gather's event tells when the pages may be written again: the
-  onloads and appends into pages an eviction just freed wait for the gather only, not for the PCIe transfer of
-  the tails it persists. The copy's event tells when the host data is complete.
+  gathers the pages of all chunks, quantises them to FP8 if host chunks are FP8, and stores them straight into
+  their host slots (pinned memory is device-addressable); otherwise an ``index_select`` gathers them into a
+  transient device buffer, and at :meth:`TransferEngine.issue_deferred` (the engine calls it once the step's
+  forward is queued, so this host work overlaps the device's) they are quantised, laid out like the slots and
+  copied to host, one DMA per chunk. The gather's event tells when the pages may be written again; the copy's
+  (the kernel's, the same) when the host data is complete.
 - **onload** (one or more streams): per layer, copies the layer's block of each host chunk into a device
   onload buffer (double-buffered: layer ``l`` reuses the buffer of layer ``l - 2`` once that one is
   scattered).
@@ -131,7 +129,6 @@ class TransferEngine:
         if self.is_cuda:
             self.current_stream = CurrentStream(self.device)  # the compute stream, where the caller works
             self.offload_stream = torch.cuda.Stream(device)
-            self.copy_out_stream = torch.cuda.Stream(device)  # kernel offloads' second pass: buffer -> host slots
             self.onload_streams = [torch.cuda.Stream(device) for _ in range(max(1, onload_streams))]
             self.scatter_stream = torch.cuda.Stream(device)
             self._fence = StreamFence()  # side streams wait for the compute stream's work so far
@@ -141,7 +138,6 @@ class TransferEngine:
         self._last_scatter: torch.cuda.Event | None = None
         self._launcher: OnloadLauncher | None = None  # the onload kernel's, created at the first kernel onload
         self._packer: ChunkPacker | None = None  # the offload kernel's, created at the first kernel offload
-        self._positions: torch.Tensor | None = None  # int64 0, 1, 2, ... on the device: the staged chunks' pages
         self._graphs: OnloadGraphs | None = None  # the kernel onload's CUDA graphs, with the launcher
         self._layer_events: list[torch.cuda.Event] = []  # recorded after each layer's kernel, reused every step
         # The kernels' index arrays, read from pinned memory (CUDA with kernels only).
@@ -167,10 +163,10 @@ class TransferEngine:
                 job.slot[:, : len(job.pages)] = self._quantize(data, [job.slot_id])[0]
             return OffloadHandle(None, None)
         # Pad every job to a whole slot: each chunk is then one contiguous block (one copy, or the kernel's stores).
-        # Index layout: the chunks' pool pages, their slot ids, then (kernel) their staged and slot addresses.
+        # Index layout: the chunks' pool pages, their slot ids, then (kernel) their slot addresses.
         num_jobs, slot_pages = len(jobs), jobs[0].slot.shape[1]
         num_pages = num_jobs * slot_pages
-        size = num_pages + num_jobs * (3 if self.kernels else 1)
+        size = num_pages + num_jobs * (2 if self.kernels else 1)
         index = self._offload_indices.take(size) if self.kernels else torch.empty(size, dtype=torch.long)
         host = index.numpy()
         for row, job in zip(host[:num_pages].reshape(num_jobs, slot_pages), jobs, strict=True):  # per chunk
@@ -180,14 +176,18 @@ class TransferEngine:
         compute = self.current_stream()
         with on_stream(self.offload_stream, compute):
             self._fence(self.offload_stream, compute)
-            if self.kernels:  # the kernels read the indices from pinned memory: no uploads, no copies
-                host[-num_jobs:] = [job.slot.data_ptr() for job in jobs]
-                return self._pack(kv, index, jobs)
-            index = self._upload(host)
-            packed = kv.index_select(1, index[:num_pages])  # [L, J * slot_pages, 2, ps, H, D], see issue_deferred
+            if self.kernels:  # the kernel reads the indices from pinned memory and writes the slots: no copies
+                host[num_pages + num_jobs:] = [job.slot.data_ptr() for job in jobs]
+                self._pack(kv, index, num_pages, jobs[0].slot)
+            else:  # [L, jobs * slot_pages, 2, ps, H, D], laid out and quantised by issue_deferred
+                index = self._upload(host)
+                packed = kv.index_select(1, index[:num_pages])
             gathered = torch.cuda.Event()
             gathered.record(self.offload_stream)
         self.last_gather = gathered
+        if self.kernels:
+            self._offload_indices.guard(gathered)
+            return OffloadHandle(gathered, gathered)
         handle = OffloadHandle(gathered, None, (packed, index), deferred=True)
         self._deferred.append((handle, jobs))
         return handle
@@ -211,42 +211,18 @@ class TransferEngine:
                 handle.deferred = False
         self._deferred.clear()
 
-    def _pack(self, kv: torch.Tensor, index: torch.Tensor, jobs: list[OffloadJob]) -> OffloadHandle:
-        """Write the jobs' chunks into their host slots, quantised with scales for their slot ids when host chunks
-        are FP8, in two kernel launches: on the offload stream, which must be current, into a device buffer laid out
-        like the pool (the gather: the pages are free again after it); then, on the copy-out stream, from that
-        buffer into the slots. ``index``: int64 (pinned host memory), the chunks' pool pages (``slot_pages`` per
-        chunk), their ``J`` slot ids, ``J`` entries for their staged addresses (written here), their ``J`` slot
-        addresses."""
+    def _pack(self, kv: torch.Tensor, index: torch.Tensor, num_pages: int, slot: torch.Tensor) -> None:
+        """Write chunks into their host slots (``slot``'s shape and dtype), quantised with scales for their slot ids
+        when host chunks are FP8: one kernel on the offload stream, which must be current. ``index``: int64 (pinned
+        host memory), the chunks' pool pages (``num_pages``, ``slot_pages`` per chunk), then their ``J`` slot ids,
+        then their ``J`` slot addresses."""
         if self._packer is None:
             from .offload_kernel import ChunkPacker  # imports Triton
 
             self._packer = ChunkPacker()
-        slot = jobs[0].slot
-        num_chunks, slot_pages = len(jobs), slot.shape[1]
-        num_pages = num_chunks * slot_pages
-        capacity = (1 << (num_chunks - 1).bit_length()) * slot_pages  # few buffer shapes, few kernel variants
-        staged = torch.empty((slot.shape[0], capacity, *slot.shape[2:]), dtype=slot.dtype, device=self.device)
-        chunk_bytes = slot_pages * slot.stride(1) * slot.element_size()  # page j * slot_pages of the staged layer 0
-        index.numpy()[-2 * num_chunks:-num_chunks] = staged.data_ptr() + np.arange(num_chunks) * chunk_bytes
-        pages, slot_ids = index[:num_pages], index[num_pages:num_pages + num_chunks]
-        staged_at, slot_at = index[-2 * num_chunks:-num_chunks], index[-num_chunks:]
-        self._packer(kv, pages, staged_at, slot.dtype, slot_pages, slot_ids, self.scales, self.offload_stream,
-                     out_layer_pages=capacity)
-        gathered = torch.cuda.Event()
-        gathered.record(self.offload_stream)
-        if self._positions is None or len(self._positions) < num_pages:
-            grown = 0 if self._positions is None else 2 * len(self._positions)
-            self._positions = torch.arange(max(num_pages, grown), device=self.device)
-        self.copy_out_stream.wait_event(gathered)
-        self._packer(staged, self._positions[:num_pages], slot_at, slot.dtype, slot_pages,
-                     stream=self.copy_out_stream)
-        copied = torch.cuda.Event()
-        copied.record(self.copy_out_stream)
-        self.last_gather = gathered
-        self._offload_indices.guard(copied)
-        # The staged chunks are kept until the host sees ``copied`` (the allocator may then hand their memory out).
-        return OffloadHandle(gathered, copied, (staged,))
+        num_chunks = (len(index) - num_pages) // 2
+        pages, slot_ids, addresses = index[:num_pages], index[num_pages:-num_chunks], index[-num_chunks:]
+        self._packer(kv, pages, addresses, slot.dtype, slot.shape[1], slot_ids, self.scales, self.offload_stream)
 
     def _quantize(self, chunks: torch.Tensor, slot_ids: torch.Tensor | list[int]) -> torch.Tensor:
         """``chunks [J, L, pages, 2, page_size, H, D]`` -> FP8 with per (slot, layer, K/V, head) scales

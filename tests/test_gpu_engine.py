@@ -199,54 +199,6 @@ def test_transfer_kernels_index_buffers_are_not_rewritten_while_queued(graphs):
             assert torch.equal(store.slot(2 * rounds + 2 * r + c), kv[:, offloaded[r, c]].cpu()), ("offload", r, c)
 
 
-@pytest.mark.parametrize("host_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_kernel_offload_frees_pages_after_the_gather_before_the_copy_out(host_dtype):
-    """A kernel offload gathers the chunks into a device buffer, then copies that buffer to the host slots on its own
-    stream: with the copy-out held back, the gather is done and the pages may be rewritten (as by an onload into
-    pages an eviction freed) while the slots still receive the values the pages held at the offload, as the copy
-    path gives them (FP8: the same scales and bytes)."""
-    from cache_engine import HostChunkStore, OffloadJob, TransferEngine
-
-    layers, chunk_pages, page, heads, dim = 3, 4, 16, 2, 64
-    shape = (layers, chunk_pages, 2, page, heads, dim)
-    gen = torch.Generator().manual_seed(6)
-    kv = torch.randn(layers, 40, 2, page, heads, dim, generator=gen).to(torch.bfloat16).cuda()
-    pages = [np.array([3, 17, 9, 30]), np.array([5, 6]), np.array([21, 0, 33])]  # a whole chunk, two partial ones
-    results = []
-    for kernels in (False, True):
-        store = HostChunkStore(3, shape, host_dtype, 3, pin=True)
-        store.wait_until_allocated()
-        scales = torch.zeros(3, layers, 2, heads, device="cuda") if host_dtype == torch.float8_e4m3fn else None
-        transfer = TransferEngine(torch.device("cuda"), scales, kernels=kernels)
-        before = kv.clone()
-        jobs = [OffloadJob(p, s, store.slot(s)) for s, p in enumerate(pages)]
-        if kernels:
-            transfer.offload(kv, jobs[:1])  # compile both launches outside the stall
-            torch.cuda.synchronize()
-            with torch.cuda.stream(transfer.copy_out_stream):
-                torch.cuda._sleep(200_000_000)  # the copy out queues behind this
-        handle = transfer.offload(kv, jobs)
-        transfer.issue_deferred()
-        handle.gathered.synchronize()
-        if kernels:
-            assert handle.gather_done() and not handle.copy_done()  # the pages are free, the slots not written yet
-        transfer.before_writes()
-        kv.normal_()  # the pages' next owner writes them
-        torch.cuda.synchronize()
-        assert handle.copy_done()
-        if scales is None:
-            for job in jobs:
-                assert torch.equal(job.slot[:, :len(job.pages)], before[:, job.pages].cpu()), (kernels, job.slot_id)
-        results.append(([job.slot.clone() for job in jobs], None if scales is None else scales.cpu()))
-        kv.copy_(before)
-    (copy_slots, copy_scales), (kernel_slots, kernel_scales) = results
-    for copied, packed, job in zip(copy_slots, kernel_slots, jobs, strict=True):  # the written pages, bit for bit
-        n = len(job.pages)
-        assert torch.equal(packed[:, :n].view(torch.uint8), copied[:, :n].view(torch.uint8)), job.slot_id
-    if copy_scales is not None:
-        assert torch.equal(kernel_scales, copy_scales)
-
-
 def test_index_uploads_never_rewrite_a_pinned_buffer_whose_copy_is_queued():
     """Uploads stage through torch's caching host allocator and drop the staging tensor at once; while the stream
     is busy (copies still queued) its memory must not be handed to the next upload, so every upload arrives

@@ -102,34 +102,3 @@ def test_scales_need_slot_ids():
     with pytest.raises(ValueError, match="slot_ids"):
         ChunkPacker()(kv, torch.zeros(2, dtype=torch.long, device=DEVICE), addresses(out), FP8, 2, None,
                       torch.ones(1, 1, 2, 1, device=DEVICE))
-
-
-def test_chunks_staged_in_pool_layout_then_copied_equal_direct_packing():
-    """The transfer engine's two launches: chunks packed (and quantised) into a staging buffer laid out like the pool,
-    with room for more chunks than it holds (``out_layer_pages``), then that buffer's pages packed into the slots
-    without scaling, give the slots and scales one direct launch gives."""
-    from cache_engine.offload_kernel import ChunkPacker
-
-    gen = torch.Generator().manual_seed(2)
-    layers, pool_pages, slot_pages, page, heads, dim = 3, 40, 4, 4, 2, 16
-    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    out_dtype = FP8 if DEVICE == "cuda" else torch.float32  # see the quantisation test: the interpreter's FP8 cast
-    kv = torch.randn(layers, pool_pages, 2, page, heads, dim, generator=gen).to(dtype).to(DEVICE)
-    pages = chunk_pages(gen, pool_pages, slot_pages, [4, 2, 3]).to(DEVICE)
-    slot_ids = torch.tensor([2, 0, 4], device=DEVICE)
-    pack = ChunkPacker()
-    direct = torch.zeros((3, layers, slot_pages, 2, page, heads, dim), dtype=out_dtype, device=DEVICE)
-    direct_scales = torch.zeros(5, layers, 2, heads, device=DEVICE)
-    pack(kv, pages, addresses(direct), out_dtype, slot_pages, slot_ids, direct_scales)
-
-    capacity = 4 * slot_pages  # room for 4 chunks, 3 used
-    staging = torch.full((layers, capacity, 2, page, heads, dim), float("nan"), device=DEVICE).to(out_dtype)
-    page_bytes = staging[0, 0].numel() * staging.element_size()
-    staged_at = torch.tensor([staging.data_ptr() + j * slot_pages * page_bytes for j in range(3)], device=DEVICE)
-    scales = torch.zeros_like(direct_scales)
-    pack(kv, pages, staged_at, out_dtype, slot_pages, slot_ids, scales, out_layer_pages=capacity)
-    slots = torch.zeros_like(direct)
-    pack(staging, torch.arange(3 * slot_pages, device=DEVICE), addresses(slots), out_dtype, slot_pages)
-    torch.testing.assert_close(scales.cpu(), direct_scales.cpu(), rtol=0, atol=0)
-    assert torch.equal(slots.cpu().view(torch.uint8), direct.cpu().view(torch.uint8))  # bit for bit (FP8 too)
-    assert staging[:, 3 * slot_pages:].float().isnan().all()  # nothing written past the chunks staged

@@ -10,28 +10,21 @@ Writes ``host_<mode>.txt`` (top functions by own time, then by cumulative time) 
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import pstats
 from pathlib import Path
 
-from gr_engine.bench.runner import BenchSettings, steady_state_runs
+from gr_engine.bench.experiments import steady_state_parser, steady_state_runs, steady_state_settings
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--modes", nargs="+", default=["hierarchical", "unlimited"])
-    parser.add_argument("--batches", type=int, default=30)
-    parser.add_argument("--host-budget-gib", type=int, default=24)
-    parser.add_argument("--prime", type=int, default=40, help="unprofiled batches first (compilation, graph capture)")
+    parser = steady_state_parser(__doc__.splitlines()[0], batches=30)
     parser.add_argument("--rows", type=int, default=150, help="functions listed per ordering")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    settings = BenchSettings(simulation_workers=0, host_dtype="float8_e4m3fn", onload_engine="kernel",
-                             host_budget_bytes=args.host_budget_gib * 2**30, modes=tuple(args.modes))
+    settings = steady_state_settings(args)
     for mode, run in steady_state_runs(settings, args.prime):  # compiled and captured outside the profile
         profiler = cProfile.Profile()
         profiler.enable()

@@ -19,7 +19,13 @@ import time
 import numpy as np
 import torch
 
-from gr_engine.bench.runner import BenchRun, BenchSettings, _host_arena, _peak_h2d, cache_config, unlimited_pages
+from gr_engine.bench.runner import BenchRun, BenchSettings, cache_config, unlimited_pages
+
+try:
+    from gr_engine.bench.experiments import host_arena, peak_h2d_GBps
+except ImportError:  # a checkout from before gr_engine.bench.experiments
+    from gr_engine.bench.runner import _host_arena as host_arena
+    from gr_engine.bench.runner import _peak_h2d as peak_h2d_GBps
 from gr_engine.bench.trace import generate_trace
 
 
@@ -51,7 +57,7 @@ def main() -> None:
     args = parser.parse_args()
     settings = BenchSettings(simulation_workers=0)
     trace = generate_trace(settings.trace)
-    arena = _host_arena(settings)
+    arena = host_arena(settings)
     measured = {}
     for mode in ("hierarchical", "unlimited"):
         pages = unlimited_pages(settings, trace) if mode == "unlimited" else settings.gpu_pages
@@ -59,7 +65,7 @@ def main() -> None:
         run.warmup()
         measured[mode] = per_batch(run, args.batch)
         run.close()
-    peak = _peak_h2d(settings.device)
+    peak = peak_h2d_GBps(settings.device)
     (hier, onloaded), (unl, _) = measured["hierarchical"], measured["unlimited"]
     bounds = [max(u, b / (peak * 1e9) * 1e3) for u, b in zip(unl, onloaded, strict=True)]
     ratios = [h / b for h, b in zip(hier, bounds, strict=True)]

@@ -11,7 +11,6 @@ the benchmark's steady state (same set-up as
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import time
@@ -32,7 +31,7 @@ from cache_engine.onload_kernel import OnloadLauncher
 from cache_engine.transfer import TransferEngine
 from gr_engine import engine as engine_module
 from gr_engine import model_runner as runner_module
-from gr_engine.bench.runner import BenchSettings, steady_state_runs
+from gr_engine.bench.experiments import steady_state_parser, steady_state_runs, steady_state_settings
 from gr_engine.step_graphs import StepGraphs
 from scheduler.scheduler import Scheduler
 
@@ -95,16 +94,10 @@ def instrument(calls: dict[str, list[float]], wrapped_functions: dict[str, tuple
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--modes", nargs="+", default=["hierarchical", "unlimited"])
-    parser.add_argument("--batches", type=int, default=60)
-    parser.add_argument("--host-budget-gib", type=int, default=24)
-    parser.add_argument("--prime", type=int, default=40)
+    parser = steady_state_parser(__doc__.splitlines()[0], batches=60)
     parser.add_argument("--torch-calls", action="store_true", help="also time the torch and numpy calls listed")
     args = parser.parse_args()
-    settings = BenchSettings(simulation_workers=0, host_dtype="float8_e4m3fn", onload_engine="kernel",
-                             host_budget_bytes=args.host_budget_gib * 2**30, modes=tuple(args.modes))
+    settings = steady_state_settings(args)
     calls: dict[str, list[float]] = defaultdict(list)
     instrument(calls, {**WRAPPED, **(TORCH_CALLS if args.torch_calls else {})})
     result = {}

@@ -65,8 +65,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     import subprocess
     from pathlib import Path
 
+    from .bench.experiments import run_benchmark
     from .bench.report import summarize, write_results
-    from .bench.runner import BenchSettings, quick_settings, run_benchmark
+    from .bench.runner import BenchSettings, quick_settings
 
     settings = quick_settings() if args.quick else BenchSettings()
     changes = {k: v for k, v in (("device", args.device), ("backend", args.backend),

@@ -129,7 +129,8 @@ def test_steady_state_runs_yield_primed_engines_and_close_them():
     """The diagnostics' set-up: each mode's engine, primed in the middle of the trace, then closed."""
     import dataclasses
 
-    from gr_engine.bench.runner import quick_settings, steady_state_runs
+    from gr_engine.bench.experiments import steady_state_runs
+    from gr_engine.bench.runner import quick_settings
 
     settings = dataclasses.replace(quick_settings(), modes=("hierarchical", "unlimited"))
     runs = []
@@ -152,3 +153,17 @@ def test_batch_bound_ratios_take_each_batchs_own_bound():
     assert batch_bound_ratios(hier, unlimited, 10.0) == pytest.approx([1.5, 1.2, 1.0])
     assert batch_bound_ratios(hier, {"batch_latency_ms": [1.0]}, 10.0) == []  # not the same batches
     assert batch_bound_ratios({"median_ms": 3.0}, unlimited, 10.0) == []  # results from before per-batch data
+
+
+def test_steady_state_options_make_the_benchmarks_settings():
+    """The diagnostics' shared options: the benchmark's engines with the host pool and modes asked for."""
+    from gr_engine.bench.experiments import steady_state_parser, steady_state_settings
+    from gr_engine.bench.runner import BenchSettings
+
+    args = steady_state_parser("probe", batches=12).parse_args(["--out", "x", "--modes", "unlimited",
+                                                                  "--host-budget-gib", "2"])
+    settings = steady_state_settings(args)
+    assert (args.batches, args.prime, settings.modes, settings.host_budget_bytes) == (12, 40, ("unlimited",), 2**31)
+    default = BenchSettings()
+    assert (settings.host_dtype, settings.onload_engine, settings.model) == (default.host_dtype, default.onload_engine,
+                                                                             default.model)

@@ -1,0 +1,187 @@
+"""The benchmark's experiments (``gr-engine bench``, DESIGN.md section 8), each built from :class:`~.runner.BenchRun`:
+every cache mode at each batch size, the chunk-size and GPU-budget sweeps, latency against history length, the
+score drift of host chunks; and the set-up the diagnostics in ``benchmarks/`` share (:func:`steady_state_runs`)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Iterator
+
+import msgspec
+import numpy as np
+import torch
+
+from ..config import EngineConfig, SchedulerConfig
+from ..engine import resolve_device
+from ..models import GRModel
+from .drift import score_drift
+from .runner import BenchRun, BenchSettings, cache_config, unlimited_pages
+from .simulate import Simulations
+from .trace import Trace, fixed_length_trace, generate_trace
+
+
+def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print,
+                  checkpoint: Callable[[dict], None] | None = None) -> dict:
+    """Run every experiment; returns the results as a JSON-able dict (see :mod:`gr_engine.bench.report`).
+    ``checkpoint(results_so_far)`` is called after each part (so that a run cut short keeps what it measured)."""
+    checkpoint = checkpoint or (lambda partial: None)
+    trace = generate_trace(settings.trace)
+    echo(f"trace: {trace.summary()}")
+    result: dict = {"trace": trace.summary(), "settings": _settings_dict(settings), "modes": {}, "simulated": {}}
+    main = {"gpu_only": cache_config(settings, "gpu_only"), "hierarchical": cache_config(settings, "hierarchical"),
+            "hierarchical_no_tail_persistence": cache_config(settings, "hierarchical", persist_tails=False)}
+    sweeps = [cache_config(settings, "hierarchical", chunk_tokens=c) for c in settings.chunk_sweep]
+    sweeps += [cache_config(settings, m, num_gpu_pages=p) for m in ("gpu_only", "hierarchical")
+               for p in settings.budget_sweep]
+    simulations = Simulations(trace, [*main.values(), *sweeps], settings.simulation_workers)
+    device = resolve_device(settings.device)  # one model, shared by every engine (its weights are read-only)
+    model = GRModel(settings.model).to(device=device, dtype=settings.model.torch_dtype).eval()
+    t0 = time.perf_counter()
+    arena = host_arena(settings)  # pinned once, shared by every hierarchical engine of the run
+    result["host_arena_pin_s"] = time.perf_counter() - t0
+    for mode in settings.modes:
+        pages = unlimited_pages(settings, trace) if mode == "unlimited" else settings.gpu_pages
+        run = BenchRun(settings, trace, cache_config(settings, mode, num_gpu_pages=pages), max(settings.batch_sizes),
+                       arena, model)
+        entry = {"startup_s": run.startup_s, "gpu_pages": pages}
+        if mode != "recompute":
+            entry["warmup"] = run.warmup()
+        largest = max(settings.batch_sizes)
+        reports = run.windows([(bs, False) for bs in settings.batch_sizes] + [(largest, True)])
+        entry["batch_sizes"] = dict(zip(settings.batch_sizes, reports, strict=False))
+        entry["breakdown_bs8"] = reports[-1]
+        for bs in settings.batch_sizes:
+            echo(f"{mode:<12} bs={bs}: {entry['batch_sizes'][bs]['median_ms']:.2f} ms, "
+                 f"hit {entry['batch_sizes'][bs]['total_hit_ratio']:.1%}")
+        run.close()
+        result["modes"][mode] = entry
+        checkpoint(result)
+    result["chunk_sweep"] = _sweep(settings, trace, "chunk_tokens", settings.chunk_sweep, ("hierarchical",),
+                                   arena, simulations, model)
+    checkpoint(result)
+    result["budget_sweep"] = _sweep(settings, trace, "num_gpu_pages", settings.budget_sweep,
+                                    ("gpu_only", "hierarchical"), arena, simulations, model)
+    checkpoint(result)
+    result["lengths"] = _length_scan(settings, model)
+    checkpoint(result)
+    result["score_drift"] = _score_drift(settings, model)
+    result["peak_pinned_h2d_GBps"] = peak_h2d_GBps(settings.device)
+    result["simulated"] = {name: simulations.get(cache) for name, cache in main.items()}
+    simulations.close()
+    return result
+
+
+def steady_state_parser(description: str, batches: int) -> argparse.ArgumentParser:
+    """The options of the diagnostics built on :func:`steady_state_runs`: ``--out``, ``--modes``, ``--batches``
+    (measured batches of 8, default ``batches``), ``--host-budget-gib`` and ``--prime`` (unmeasured batches
+    first: compilation, graph capture); see :func:`steady_state_settings`."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--modes", nargs="+", default=["hierarchical", "unlimited"])
+    parser.add_argument("--batches", type=int, default=batches)
+    parser.add_argument("--host-budget-gib", type=int, default=24)
+    parser.add_argument("--prime", type=int, default=40, help="unmeasured batches first (compilation, graph capture)")
+    return parser
+
+
+def steady_state_settings(args: argparse.Namespace) -> BenchSettings:
+    """The benchmark's settings for :func:`steady_state_runs`, from :func:`steady_state_parser`'s options."""
+    return BenchSettings(simulation_workers=0, host_budget_bytes=args.host_budget_gib * 2**30, modes=tuple(args.modes))
+
+
+def steady_state_runs(settings: BenchSettings, prime_batches: int) -> Iterator[tuple[str, BenchRun]]:
+    """For diagnostics (``benchmarks/host_breakdown.py``, ``benchmarks/bench_profile.py``): for each mode of
+    ``settings``, its engine at batch size 8 on the trace, warmed up, fast-forwarded to the middle of the steady
+    requests and primed with ``prime_batches`` unmeasured batches (kernel compilation, graph capture); yields
+    ``(mode, run)`` and closes the run when the caller moves on."""
+    trace = generate_trace(settings.trace)
+    arena = host_arena(settings)
+    for mode in settings.modes:
+        pages = unlimited_pages(settings, trace) if mode == "unlimited" else settings.gpu_pages
+        run = BenchRun(settings, trace, cache_config(settings, mode, num_gpu_pages=pages), 8, arena)
+        try:
+            run.warmup()
+            run.fast_forward(len(trace.steady) // 2)
+            run.window(8, 8 * prime_batches, prime_batches=0)
+            yield mode, run
+        finally:
+            run.close()
+
+
+def host_arena(settings: BenchSettings) -> torch.Tensor | None:
+    """Pinned host memory for the host chunk pools (CUDA only; on CPU each engine allocates its own)."""
+    if not settings.device.startswith("cuda") or "hierarchical" not in settings.modes:
+        return None
+    return torch.empty(settings.host_budget_bytes, dtype=torch.uint8, pin_memory=True)
+
+
+def _sweep(settings: BenchSettings, trace: Trace, name: str, values: tuple[int, ...],
+           modes: tuple[str, ...], arena: torch.Tensor | None, simulations: Simulations, model: GRModel) -> dict:
+    out: dict = {}
+    bs = max(settings.batch_sizes)
+    for mode in modes:
+        out[mode] = {}
+        for value in values:
+            cache = cache_config(settings, mode, **{name: value})
+            run = BenchRun(settings, trace, cache, bs, arena, model)
+            run.warmup()
+            out[mode][value] = {**run.windows([(bs, False)])[0], "simulated": simulations.get(cache)}
+            run.close()
+    return out
+
+
+def _length_scan(settings: BenchSettings, model: GRModel) -> dict:
+    """Latency against history length (``new_events`` new events per visit): recompute vs unlimited."""
+    bs = max(settings.batch_sizes)
+    out: dict = {}
+    for mode in ("recompute", "unlimited"):
+        out[mode] = {}
+        for length in settings.lengths:
+            trace = fixed_length_trace(settings.trace, length, bs, settings.new_events)
+            pages = bs * 2 * (-(-(length + 8 * settings.new_events) // settings.page_size))
+            run = BenchRun(settings, trace, cache_config(settings, mode, num_gpu_pages=pages), bs, model=model)
+            run.warmup()
+            out[mode][length] = run.window(bs, len(trace.steady) - bs, prime_batches=1)
+            run.close()
+    return out
+
+
+def _score_drift(settings: BenchSettings, model: GRModel) -> dict:
+    """Cached-from-host scores against recomputed ones, host chunks in the KV dtype and in FP8
+    (:mod:`.drift`): 2 batches of users with ``drift_history``-event histories on a GPU budget of one batch."""
+    bs = max(settings.batch_sizes)
+    trace = fixed_length_trace(settings.trace, settings.drift_history, 2 * bs, settings.new_events)
+    pages = bs * (-(-(settings.drift_history + 8 * settings.new_events) // settings.page_size) + 1)
+    chunks = 2 * bs * -(-(settings.drift_history + 8 * settings.new_events) // settings.chunk_tokens)
+    token_bytes = 2 * settings.model.num_layers * settings.model.num_heads * settings.model.head_dim * 4
+    cache = cache_config(settings, "hierarchical", num_gpu_pages=pages,
+                         host_budget_bytes=2 * chunks * settings.chunk_tokens * token_bytes)
+    config = EngineConfig(model=settings.model, cache=cache, device=settings.device,
+                          attention_backend=settings.backend,
+                          scheduler=SchedulerConfig(max_num_seqs=bs,
+                                                    max_num_batched_tokens=settings.max_batched_tokens))
+    return score_drift(config, trace, ("kv", "float8_e4m3fn"), model)
+
+
+def peak_h2d_GBps(device: str) -> float | None:
+    """The pinned host-to-device copy rate (GB/s, median of 5 copies of 256 MiB); ``None`` off CUDA."""
+    if not device.startswith("cuda"):
+        return None
+    host = torch.empty(2**28, dtype=torch.uint8).pin_memory()
+    dev = torch.empty_like(host, device=device)
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return host.numel() / float(np.median(times)) / 1e9
+
+
+def _settings_dict(settings: BenchSettings) -> dict:
+    out = {k: getattr(settings, k) for k in settings.__dataclass_fields__ if k not in ("model", "trace")}
+    out["model"] = msgspec.to_builtins(settings.model)
+    out["trace"] = {k: getattr(settings.trace, k) for k in settings.trace.__dataclass_fields__}
+    return out

@@ -261,3 +261,23 @@ def test_on_stream_switches_and_restores_the_current_stream():
     with pytest.raises(RuntimeError, match="inside"), on_stream(side, before):
         raise RuntimeError("inside")
     assert torch.cuda.current_stream(device) == before
+
+
+def test_quick_benchmark_runs_its_engines_one_after_another_on_cuda():
+    """``gr-engine bench``'s whole sequence at a tiny scale on the GPU: every mode, then the chunk-size and budget
+    sweeps' engines built and closed one after another over one pinned host arena (kernel transfers, CUDA graphs,
+    the fastest backend), the length scan and the score drift. A transfer still running on memory an engine gave
+    back would surface here as a CUDA error in a later engine."""
+    import dataclasses
+
+    from gr_engine.bench.experiments import run_benchmark
+    from gr_engine.bench.runner import quick_settings
+
+    settings = dataclasses.replace(quick_settings(), device="cuda", backend="auto", page_size=16, chunk_tokens=64,
+                                   gpu_pages=24, chunk_sweep=(32, 128), budget_sweep=(16, 32))
+    result = run_benchmark(settings, echo=lambda line: None)
+    torch.cuda.synchronize()
+    assert result["modes"]["hierarchical"]["batch_sizes"][8]["total_hit_ratio"] > 0.5
+    assert all(e["onloaded_bytes_per_batch"] > 0 for e in result["chunk_sweep"]["hierarchical"].values())
+    assert result["score_drift"]["kv"]["requests_from_host"] > 0
+    assert result["score_drift"]["kv"]["max_abs"] < 1e-3  # float32 host chunks: only kernel rounding differs

@@ -1,18 +1,11 @@
 """``hstu_triton``: HSTU (SiLU) attention over the paged KV cache in Triton.
 
-A program computes a ``BLOCK_M``-row query tile of one request and one head over a part of its paged
-history, ``BLOCK_N`` keys (whole pages: key ``j`` of request ``b`` is entry ``j % page_size`` of page
-``kv_indices[kv_indptr[b] + j // page_size]``, read through the cache's strides) at a time. Key tiles
-seen by every row run unmasked; only those crossing the causal diagonal or the history's end are
-masked, and none past the tile's last visible key is visited. Candidates add their own k/v last. With a
-relative time bias, ``table[bucket(t_query - t_key), head]`` (:func:`_time_bias`) is added to ``alpha q.k``
-before the SiLU; without one (a constexpr flag) the kernel loads nothing more.
-
-:func:`~.hstu_triton_plan.plan_tile_map` (numpy on the host, uploaded in one copy; for steps replayed from CUDA
-graphs, the same plan written on the device by :mod:`.hstu_triton_device_plan`) cuts the step into (query tile,
-key-range part) items, longest first; a persistent grid (one program per processor) walks them in snake order.
-Split tiles write fp32 partials that a second kernel sums in part order: HSTU has no softmax, so partials
-simply add, deterministically.
+The kernels (:mod:`.hstu_triton_kernels`) compute ``BLOCK_M``-row query tiles of one request and one head over
+parts of its paged history. :func:`~.hstu_triton_plan.plan_tile_map` (numpy on the host, uploaded in one copy; for
+steps replayed from CUDA graphs, the same plan written on the device by :mod:`.hstu_triton_device_plan`) cuts the
+step into (query tile, key-range part) items, longest first; a persistent grid (one program per processor) walks
+them in snake order. Split tiles write fp32 partials that a second kernel sums in part order: HSTU has no softmax,
+so partials simply add, deterministically.
 
 ``import attention_backends`` never imports Triton (this module does). On CPU the kernel runs in
 Triton's interpreter, which needs ``TRITON_INTERPRET=1`` when this module is imported (tests).
@@ -21,8 +14,7 @@ Triton's interpreter, which needs ``TRITON_INTERPRET=1`` when this module is imp
 from __future__ import annotations
 
 import functools
-import os
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -30,6 +22,7 @@ import numpy as np
 import torch
 
 from .base import AttentionBackend, AttentionSpec, BackendSupport, GraphReplayable, PagedBatchMetadata, PlanWriter
+from .hstu_triton_kernels import INTERPRETED, append_rows, hstu_paged_attention_kernel, sum_partials_kernel, triton
 from .hstu_triton_plan import (
     MAX_PROGRAMS_PER_SM,
     MIN_TILES_PER_SPLIT,
@@ -39,30 +32,6 @@ from .hstu_triton_plan import (
     padded_plan,
     plan_tile_map,
 )
-
-try:
-    import triton
-    import triton.language as tl
-
-    from .hstu_triton_append import append_rows
-except ImportError:  # the backend then reports itself unusable (reasons_unsupported)
-    triton = tl = append_rows = None
-_jit: Callable[[Callable], Callable] = (lambda fn: fn) if triton is None else triton.jit  # no Triton: never called
-# Per-step values Triton must not specialise on (``== 1``, divisibility by 16, alignment): each new combination
-# would recompile the kernel (seconds) mid-serving; they are read once per program, so that gains nothing.
-_STEP_ARGS = ["Tiles", "Items", "QueryStartLoc", "NumHistory", "SeqLens", "KvIndptr", "KvIndices", "TimeBias",
-              "QueryTimes", "KeyTimes", "KeyStart", "max_bucket", "num_tiles", "num_items", "num_work", "num_rounds"]
-
-
-def _step_kernel(fn: Callable) -> Callable:
-    """``triton.jit`` without specialisation on the per-step arguments of :data:`_STEP_ARGS` it has."""
-    if triton is None:
-        return fn
-    names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
-    return triton.jit(fn, do_not_specialize=[name for name in _STEP_ARGS if name in names])
-
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # what triton.jit sees when the kernels below are defined
 
 
 @dataclass
@@ -87,185 +56,6 @@ class HSTUTritonMetadata:
     num_sms: int
     may_split: bool
     config: TileConfig
-
-
-@_jit
-def _silu(x, FAST: tl.constexpr):
-    """``silu(x)`` of an fp32 tensor; ``FAST`` uses one ``tanh.approx`` instead of exp + divide (CUDA)."""
-    if FAST:
-        half = 0.5 * x
-        tanh = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [half], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-        return half + half * tanh
-    return x * tl.sigmoid(x)
-
-
-@_jit
-def _time_bias(BiasHead, query_times, key_times, num_heads, max_bucket):
-    """fp32 ``[M, N]`` bias ``BiasHead[bucket * num_heads]`` (``BiasHead``: a head's column of the contiguous
-    ``[num_buckets, num_heads]`` table) of int64 ``query_times [M]`` and ``key_times [N]``, with ``bucket =
-    min(floor(log2(1 + |dt|)), max_bucket)`` exactly as :func:`~.base.time_bucket`: the float32 exponent of
-    ``1 + |dt|`` is ``floor(log2)`` or, rounded up to a power of two, one more; an integer shift corrects it."""
-    gap = tl.abs(query_times[:, None] - key_times[None, :]) + 1  # >= 1
-    exponent = (gap.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127  # positive and normal
-    bucket = tl.minimum(exponent, max_bucket)
-    bucket -= ((gap >> bucket) == 0).to(tl.int32)  # 2**bucket > gap: rounded up
-    return tl.load(BiasHead + bucket * num_heads).to(tl.float32)
-
-
-@_jit
-def _attend_key_tile(
-    acc, q, start_n, KvHead, Pages, seq_len, row_limit, stride_page, stride_kv, stride_token, alpha,
-    BiasHead, query_times, KeyTimes, num_heads, max_bucket,
-    MASKED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    FAST_SILU: tl.constexpr, PRECISION: tl.constexpr, TIME_BIAS: tl.constexpr,
-):
-    """``acc += silu(alpha q k^T + bias) v`` over keys ``start_n .. start_n + BLOCK_N`` of the request whose page
-    ids start at ``Pages``, for the head whose K starts at ``KvHead`` (masked: keys at or past a row's
-    ``row_limit`` count zero, keys past ``seq_len`` are not read). ``TIME_BIAS``: ``bias`` is :func:`_time_bias`
-    of the rows' ``query_times`` and the keys' times (request's first at ``KeyTimes``); else none."""
-    keys = start_n + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, HEAD_DIM)
-    in_seq = keys < seq_len
-    if MASKED:
-        page = tl.load(Pages + keys // PAGE_SIZE, mask=in_seq, other=0)
-    else:
-        page = tl.load(Pages + keys // PAGE_SIZE)
-    k_ptrs = KvHead + (page.to(tl.int64) * stride_page + (keys % PAGE_SIZE) * stride_token)[:, None] + dims[None, :]
-    if MASKED:
-        k = tl.load(k_ptrs, mask=in_seq[:, None], other=0.0)
-        v = tl.load(k_ptrs + stride_kv, mask=in_seq[:, None], other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-        v = tl.load(k_ptrs + stride_kv)
-    logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha
-    if TIME_BIAS:
-        if MASKED:
-            key_times = tl.load(KeyTimes + keys, mask=in_seq, other=0)
-        else:
-            key_times = tl.load(KeyTimes + keys)
-        logits += _time_bias(BiasHead, query_times, key_times, num_heads, max_bucket)
-    p = _silu(logits, FAST_SILU)
-    if MASKED:
-        p = tl.where(keys[None, :] < row_limit[:, None], p, 0.0)
-    return tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-
-
-@_step_kernel
-def _hstu_paged_attention_kernel(
-    Q, K, V, KV, Out, Partial, Tiles, Items, QueryStartLoc, NumHistory, SeqLens, KvIndptr, KvIndices,
-    TimeBias, QueryTimes, KeyTimes, KeyStart, max_bucket,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_page, stride_kv, stride_token, stride_head, stride_ot, stride_oh,
-    num_tiles, num_items, num_heads, num_work, num_rounds, alpha, inv_scaling,
-    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    FAST_SILU: tl.constexpr, PRECISION: tl.constexpr, TIME_BIAS: tl.constexpr,
-):
-    """Persistent: program g of G takes (work item, head) pairs g, 2G-1-g, 2G+g, ... of the longest-first
-    list (the snake order pairs long items with short ones) and computes, for each, its part of its query
-    tile's key range for that head (``Tiles``, ``Items``: :class:`HSTUTritonMetadata`). ``TIME_BIAS``: add
-    the bias of ``TimeBias [max_bucket + 1, H]`` (contiguous) from int64 ``QueryTimes [T]`` and ``KeyTimes``
-    (request ``b``'s from ``KeyStart[b]``, :class:`~.base.StepTimestamps`); else those are never read."""
-    program = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    for r in range(num_rounds):
-        work = r * num_programs + tl.where(r % 2 == 0, program, num_programs - 1 - program)
-        slot = work // num_heads
-        tile = tl.load(Items + slot, mask=work < num_work, other=-1)
-        if tile >= 0:
-            head = work % num_heads
-            split = tl.load(Items + num_items + slot)
-            req = tl.load(Tiles + tile)
-            first = tl.load(Tiles + num_tiles + tile)
-            num_splits = tl.load(Tiles + 2 * num_tiles + tile)
-            row0 = tl.load(QueryStartLoc + req)
-            num_rows = tl.load(QueryStartLoc + req + 1) - row0
-            num_hist = tl.load(NumHistory + req)
-            seq_len = tl.load(SeqLens + req)
-            pages = KvIndices + tl.load(KvIndptr + req)
-            slots = first + tl.arange(0, BLOCK_M)
-            dims = tl.arange(0, HEAD_DIM)
-            valid = slots < num_rows
-            rows = (row0 + slots).to(tl.int64)
-            # New history row s sits at position seq_len - num_hist + s and sees keys up to it; candidates see
-            # the whole history. Limits grow with s, so the tile's first and last rows bound them.
-            history_offset = seq_len - num_hist
-            row_limit = tl.where(slots < num_hist, history_offset + slots + 1, seq_len)
-            low_limit = tl.minimum(history_offset + first + 1, seq_len)
-            high_limit = tl.minimum(history_offset + tl.minimum(first + BLOCK_M, num_rows), seq_len)
-            part_len = tl.load(Tiles + 4 * num_tiles + tile)
-            lo = split * part_len
-            hi = tl.minimum(lo + part_len, high_limit)
-            unmasked_end = tl.minimum(hi, low_limit // BLOCK_N * BLOCK_N)
-
-            q_ptrs = Q + rows[:, None] * stride_qt + head * stride_qh + dims[None, :]
-            q = tl.load(q_ptrs, mask=valid[:, None], other=0.0)
-            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            kv_head = KV + head * stride_head
-            bias_head = TimeBias + head
-            query_times = rows  # without the time bias, these are placeholders that are never read
-            key_times = KeyTimes
-            if TIME_BIAS:
-                query_times = tl.load(QueryTimes + rows, mask=valid, other=0)
-                key_times += tl.load(KeyStart + req)
-            for start_n in range(lo, unmasked_end, BLOCK_N):
-                acc = _attend_key_tile(acc, q, start_n, kv_head, pages, seq_len, row_limit, stride_page, stride_kv,
-                                       stride_token, alpha, bias_head, query_times, key_times, num_heads, max_bucket,
-                                       False, PAGE_SIZE, BLOCK_N, HEAD_DIM, FAST_SILU, PRECISION, TIME_BIAS)
-            for start_n in range(tl.maximum(lo, unmasked_end), hi, BLOCK_N):
-                acc = _attend_key_tile(acc, q, start_n, kv_head, pages, seq_len, row_limit, stride_page, stride_kv,
-                                       stride_token, alpha, bias_head, query_times, key_times, num_heads, max_bucket,
-                                       True, PAGE_SIZE, BLOCK_N, HEAD_DIM, FAST_SILU, PRECISION, TIME_BIAS)
-            out = acc * inv_scaling
-
-            # Candidates also attend to their own k/v (added once, by part 0).
-            # (scalars are broadcast to the row vector before combining masks: Triton >= 3.9's interpreter
-            # rejects a mask built from a vector and a scalar comparison)
-            own = valid & (slots >= num_hist) & (tl.zeros_like(slots) + split == 0)
-            own_k_ptrs = K + rows[:, None] * stride_kt + head * stride_kh + dims[None, :]
-            own_v_ptrs = V + rows[:, None] * stride_vt + head * stride_vh + dims[None, :]
-            own_k = tl.load(own_k_ptrs, mask=own[:, None], other=0.0)
-            own_v = tl.load(own_v_ptrs, mask=own[:, None], other=0.0)
-            own_logit = tl.sum(q.to(tl.float32) * own_k.to(tl.float32), axis=1) * alpha
-            if TIME_BIAS:  # a candidate's own key has its time: bucket 0
-                own_logit += tl.load(bias_head).to(tl.float32)
-            own_weight = tl.where(own, _silu(own_logit, False) * inv_scaling, 0.0)
-            out += own_weight[:, None] * own_v.to(tl.float32)
-
-            out_ptrs = Out + rows[:, None] * stride_ot + head * stride_oh + dims[None, :]
-            whole = valid & (tl.zeros_like(slots) + num_splits == 1)
-            tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=whole[:, None])
-            part = (tl.load(Tiles + 3 * num_tiles + tile) + split) * num_heads + head
-            part_ptrs = Partial + part.to(tl.int64) * (BLOCK_M * HEAD_DIM) + (slots - first)[:, None] * HEAD_DIM
-            part_ptrs += dims[None, :]
-            tl.store(part_ptrs, out, mask=(valid & (tl.zeros_like(slots) + num_splits > 1))[:, None])
-
-
-@_step_kernel
-def _sum_partials_kernel(
-    Partial, Out, Tiles, QueryStartLoc, stride_ot, stride_oh, num_tiles, num_heads,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
-):
-    """Sum, in part order, the parts of rows ``program_id(1) * ROWS ...`` of one split query tile, one head."""
-    head = tl.program_id(0) % num_heads
-    tile = tl.program_id(0) // num_heads
-    num_splits = tl.load(Tiles + 2 * num_tiles + tile)
-    if num_splits < 2:
-        return
-    req = tl.load(Tiles + tile)
-    first = tl.load(Tiles + num_tiles + tile)
-    row0 = tl.load(QueryStartLoc + req)
-    local = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
-    dims = tl.arange(0, HEAD_DIM)
-    valid = first + local < tl.load(QueryStartLoc + req + 1) - row0
-    part0 = tl.load(Tiles + 3 * num_tiles + tile) * num_heads + head
-    ptrs = Partial + part0.to(tl.int64) * (BLOCK_M * HEAD_DIM) + local[:, None] * HEAD_DIM + dims[None, :]
-    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
-    for split in range(num_splits):
-        acc += tl.load(ptrs + split * num_heads * BLOCK_M * HEAD_DIM, mask=valid[:, None], other=0.0)
-    rows = (row0 + first + local).to(tl.int64)
-    tl.store(Out + rows[:, None] * stride_ot + head * stride_oh + dims[None, :], acc.to(Out.dtype.element_ty),
-             mask=valid[:, None])
 
 
 class HSTUTritonBackend(AttentionBackend, GraphReplayable):
@@ -409,7 +199,7 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
         t = c.timestamps
         times = (out, m.tiles, m.tiles, m.tiles, 0) if time_bias is None else (  # placeholders without a bias
             time_bias.contiguous(), t.query, t.keys, t.key_start, time_bias.shape[0] - 1)
-        _hstu_paged_attention_kernel[(num_programs,)](
+        hstu_paged_attention_kernel[(num_programs,)](
             q, k, v, kv_cache, out, partial, m.tiles, m.items,
             c.query_start_loc, c.num_history_rows, c.kv_seq_lens, c.kv_indptr, c.kv_indices, *times,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -422,7 +212,7 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         if m.may_split:
-            _sum_partials_kernel[(num_heads * num_tiles, block_m // 16)](
+            sum_partials_kernel[(num_heads * num_tiles, block_m // 16)](
                 partial, out, m.tiles, c.query_start_loc, out.stride(0), out.stride(1), num_tiles, num_heads,
                 HEAD_DIM=head_dim, BLOCK_M=block_m, ROWS=16, num_warps=4,
             )

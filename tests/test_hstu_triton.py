@@ -32,7 +32,8 @@ if HAS_TRITON:
     import triton.language as tl
 
     import attention_backends.hstu_triton as hstu_triton
-    from attention_backends.hstu_triton import HSTUTritonBackend, TileConfig, _time_bias
+    from attention_backends.hstu_triton import HSTUTritonBackend, TileConfig
+    from attention_backends.hstu_triton_kernels import _time_bias, hstu_paged_attention_kernel
 
     @triton.jit
     def _time_bias_kernel(Table, QueryTimes, KeyTimes, Out, num_heads, max_bucket, M: tl.constexpr, N: tl.constexpr):
@@ -579,7 +580,7 @@ def test_gpu_steps_of_any_shape_share_one_compiled_kernel():
     spec = make_spec(32, 4, 128, torch.bfloat16, "cuda")
     backend = HSTUTritonBackend(spec, tiles=TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=2))
     gen = torch.Generator().manual_seed(3)
-    kernel = hstu_triton._hstu_paged_attention_kernel
+    kernel = hstu_paged_attention_kernel
 
     def compiled() -> int:
         return sum(len(c[0]) for c in kernel.device_caches.values())

@@ -1,4 +1,5 @@
-"""``gr-engine bench``: the MTServe paper's experiments on our hardware (DESIGN.md section 8).
+"""How ``gr-engine bench`` measures one engine over a trace (DESIGN.md section 8): its settings, and
+:class:`BenchRun`; the experiments built from it are in :mod:`.experiments`.
 
 For each cache mode one engine is built (the paper's model: 8 layers, 4 heads x 128, d 512, bf16), then:
 
@@ -18,8 +19,8 @@ For each cache mode one engine is built (the paper's model: 8 layers, 4 heads x 
    and bytes moved are recorded. Hit ratios over the whole trace come from
    :func:`~gr_engine.bench.simulate.simulate_policy` (same code, no model).
 
-Sweeps over chunk size and GPU budget, and latency against history length at a fixed number of new
-events, follow the same pattern.
+The sweeps over chunk size and GPU budget, and latency against history length at a fixed number of new
+events (:mod:`.experiments`), follow the same pattern.
 
 Before measured batches the process's long-lived objects (trace, cache records, engine) are moved out of the
 cyclic garbage collector's view (``gc.freeze()``, as a serving process does after start-up): otherwise a full

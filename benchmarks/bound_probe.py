@@ -1,7 +1,7 @@
 """Hierarchical batches against their bound, batch by batch (a diagnostic for ``gr-engine bench``'s
 ``hier_over_bound_bs8``).
 
-    python benchmarks/bound_probe.py [--batch 8] [--variant prioritise_onloads=false] [--out probe.json]
+    python benchmarks/bound_probe.py [--batch 8] [--variant onload_graphs=false] [--out probe.json]
 
 Runs the benchmark's hierarchical and unlimited engines over the benchmark's own measured windows at one batch
 size (the same batches in both, in the same order) and prints, for each batch: its latency in both modes, the

@@ -49,11 +49,6 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             about a dozen and a copy per chunk. On CPU both are synchronous copies.
         onload_graphs: with the ``kernel`` engine on CUDA, replay each step's per-layer onload launches from a
             CUDA graph (:mod:`cache_engine.onload_graphs`): one launch for the host instead of one per layer.
-        prioritise_onloads: run the onload kernels (and the copy engine's scatters) on a stream of high CUDA
-            priority. The onload kernel reads host memory from the GPU's multiprocessors: at the default priority
-            its blocks wait for multiprocessors the forward's blocks hold (the layers whose KV has arrived), and
-            its reads stall meanwhile; with priority, the block scheduler starts its blocks first and the forward
-            computes with what is left. (CUDA graphs replayed on the stream take its priority.)
     """
 
     mode: CacheMode = "hierarchical"
@@ -68,7 +63,6 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     onload_streams: int = 1
     onload_engine: OnloadEngine = "kernel"
     onload_graphs: bool = True
-    prioritise_onloads: bool = True
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_gpu_pages", "chunk_tokens", "host_segment_bytes", "max_pending_offloads",

@@ -117,12 +117,10 @@ class TransferEngine:
             :class:`.onload_kernel.OnloadLauncher`; otherwise torch operations, copies and scatters.
         graphs: with ``kernels``, replay each onload's launches from a CUDA graph of its capacity
             (:class:`.onload_graphs.OnloadGraphs`).
-        priority_onloads: create the scatter stream (onload kernels, scatters) with a high CUDA priority
-            (see :attr:`~.config.CacheConfig.prioritise_onloads`).
     """
 
     def __init__(self, device: torch.device, scales: torch.Tensor | None = None, onload_streams: int = 1,
-                 kernels: bool = False, graphs: bool = False, priority_onloads: bool = False) -> None:
+                 kernels: bool = False, graphs: bool = False) -> None:
         self.device = indexed(device)
         self.scales = scales
         self.is_cuda = device.type == "cuda"
@@ -132,7 +130,7 @@ class TransferEngine:
             self.current_stream = CurrentStream(self.device)  # the compute stream, where the caller works
             self.offload_stream = torch.cuda.Stream(device)
             self.onload_streams = [torch.cuda.Stream(device) for _ in range(max(1, onload_streams))]
-            self.scatter_stream = torch.cuda.Stream(device, priority=-1 if priority_onloads else 0)  # lower: higher
+            self.scatter_stream = torch.cuda.Stream(device)
             self._fence = StreamFence()  # side streams wait for the compute stream's work so far
         self._buffers: list[torch.Tensor] = []  # the two onload buffers, grown on demand
         self._deferred: list[tuple[OffloadHandle, list[OffloadJob]]] = []  # gathered, not yet copied out

@@ -281,13 +281,3 @@ def test_quick_benchmark_runs_its_engines_one_after_another_on_cuda():
     assert all(e["onloaded_bytes_per_batch"] > 0 for e in result["chunk_sweep"]["hierarchical"].values())
     assert result["score_drift"]["kv"]["requests_from_host"] > 0
     assert result["score_drift"]["kv"]["max_abs"] < 1e-3  # float32 host chunks: only kernel rounding differs
-
-
-@pytest.mark.parametrize("prioritise", [False, True])
-def test_onloads_run_on_a_high_priority_stream_when_asked(prioritise):
-    """``cache.prioritise_onloads``: the scatter stream, where the onload kernels (and their graphs) run, has a higher
-    CUDA priority (a lower number) than the compute stream; otherwise the same."""
-    engine = GREngine(cuda_config("bfloat16", mode="hierarchical", num_gpu_pages=200, prioritise_onloads=prioritise))
-    scatter, compute = engine.kv.host.transfer.scatter_stream, torch.cuda.current_stream()
-    assert (scatter.priority < compute.priority) == prioritise
-    engine.close()

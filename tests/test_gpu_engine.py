@@ -72,14 +72,17 @@ def test_onload_waits_per_layer_event():
 @pytest.mark.parametrize("host_dtype", ["kv", "float8_e4m3fn"])
 def test_kernel_onload_engine_equals_copy_engine(host_dtype):
     """The transfer kernels (offloads packed and quantised by one kernel, onloads read from host pages), launched
-    eagerly or replayed from CUDA graphs, give exactly the copy engine's scores: the same quantisation and
-    dequantisation."""
+    eagerly or replayed from CUDA graphs, with one program per block of rows or a capped grid
+    (``onload_programs``), give exactly the copy engine's scores: the same quantisation and dequantisation."""
     config = cuda_config("bfloat16", mode="hierarchical", num_gpu_pages=200, host_dtype=host_dtype)
     requests = stream(config, num_users=30, visits=20, seed=6)
     outputs = {}
-    for name, engine_name, graphs in (("copy", "copy", False), ("kernel", "kernel", False),
-                                      ("kernel_graphs", "kernel", True)):
-        engine = GREngine(with_cache(config, onload_engine=engine_name, onload_graphs=graphs))
+    for name, engine_name, graphs, programs in (("copy", "copy", False, 0), ("kernel", "kernel", False, 0),
+                                                ("kernel_graphs", "kernel", True, 0),
+                                                ("kernel_capped", "kernel", False, 7),
+                                                ("kernel_graphs_capped", "kernel", True, 7)):
+        engine = GREngine(with_cache(config, onload_engine=engine_name, onload_graphs=graphs,
+                                     onload_programs=programs))
         engine.kv.host.store.wait_until_allocated()
         outputs[name] = scores(engine.rank(requests, use_tqdm=False))
         assert engine.stats.host_hit_tokens > 0
@@ -88,7 +91,8 @@ def test_kernel_onload_engine_equals_copy_engine(host_dtype):
         engine.close()
         engine.kv.check_invariants()
     assert all(np.array_equal(a, b) for a, b in zip(outputs["kernel"], outputs["copy"]))
-    assert all(np.array_equal(a, b) for a, b in zip(outputs["kernel_graphs"], outputs["copy"]))
+    for name in ("kernel_graphs", "kernel_capped", "kernel_graphs_capped"):
+        assert all(np.array_equal(a, b) for a, b in zip(outputs[name], outputs["copy"])), name
 
 
 def test_forward_graph_waits_for_slow_onloads(monkeypatch):

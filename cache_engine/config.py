@@ -53,6 +53,9 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             copying blocks of page rows in turn; 0: one program per block of rows, as many as the onload has
             (thousands, filling every multiprocessor). Reading host memory needs few multiprocessors; a capped grid
             leaves the others to the forward's layers that run meanwhile.
+        onload_overlap: layer ``l`` of the forward waits only for layer ``l``'s onload, so later layers' onloads
+            run while earlier layers compute; ``False``: the forward starts once the whole onload is done (and runs
+            from one CUDA graph): the onload then has the GPU to itself.
     """
 
     mode: CacheMode = "hierarchical"
@@ -68,6 +71,7 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     onload_engine: OnloadEngine = "kernel"
     onload_graphs: bool = True
     onload_programs: int = 0
+    onload_overlap: bool = True
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_gpu_pages", "chunk_tokens", "host_segment_bytes", "max_pending_offloads",

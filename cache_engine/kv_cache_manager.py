@@ -91,10 +91,14 @@ class KVCacheManager:
             self.host.poll()
 
     def launch_onloads(self) -> list[torch.cuda.Event | None]:
-        """Start this step's onloads; entry ``l`` is what layer ``l`` must wait for (``None``: nothing)."""
+        """Start this step's onloads; entry ``l`` is what layer ``l`` must wait for (``None``: nothing). Without
+        ``cache.onload_overlap``, layer 0 waits for the whole onload and no later layer waits."""
         if self.host is None:
             return [None] * self.pool.kv.shape[0]
-        return self.host.launch_onloads()
+        events = self.host.launch_onloads()
+        if self.config.onload_overlap or events[-1] is None:
+            return events
+        return [events[-1], *[None] * (len(events) - 1)]  # recorded in layer order on one stream: the last is all
 
     def issue_deferred_offloads(self) -> None:
         """Issue the copies to host of the offloads gathered so far (the engine calls this once the step's

@@ -35,8 +35,10 @@ def _pack_chunks_kernel(
     ``[L, SLOT_PAGES, 2, PAGE_SIZE, H, D]`` of ``OUT_DTYPE``, contiguous) from pool pages ``Pages[j * SLOT_PAGES +
     p]`` of ``Kv`` (``[L, POOL_PAGES, 2, PAGE_SIZE, H, D]``); with ``QUANTISE``, divided by ``scale = max(amax /
     448, tiny)`` (then cast to ``OUT_DTYPE``, FP8), and ``scale`` stored at ``Scales[SlotIds[j], l, kv, h]``
-    (``[slots, L, 2, H]`` float32). The chunk's page ids are loaded once, together (``BLOCK_P >= SLOT_PAGES``): the
-    index arrays may be in host memory, where each load is a PCIe round trip."""
+    (``[slots, L, 2, H]`` float32). A page id of -1 is a gap: that page of the slot is neither read nor written (a
+    partial chunk's slot receives its pages only, not a whole slot's worth of PCIe writes). The chunk's page ids are
+    loaded once, together (``BLOCK_P >= SLOT_PAGES``): the index arrays may be in host memory, where each load is a
+    PCIe round trip."""
     job, layer, kvh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv, head = kvh // NUM_HEADS, kvh % NUM_HEADS
     tokens = tl.arange(0, BLOCK_T)[:, None]
@@ -49,12 +51,13 @@ def _pack_chunks_kernel(
     slot_start = tl.load(OutAddr + job).to(tl.pointer_type(OUT_DTYPE))
     dst = slot_start + (layer.to(tl.int64) * SLOT_PAGES) * page_values + kv * (PAGE_SIZE * row)
     lanes = tl.arange(0, BLOCK_P)
-    chunk_pages = tl.load(Pages + job * SLOT_PAGES + lanes, mask=lanes < SLOT_PAGES, other=0).to(tl.int64)
+    chunk_pages = tl.load(Pages + job * SLOT_PAGES + lanes, mask=lanes < SLOT_PAGES, other=-1).to(tl.int64)
     if QUANTISE:
         amax = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
         for p in range(SLOT_PAGES):
             page = tl.sum(tl.where(lanes == p, chunk_pages, 0))  # lane p of the register vector
-            values = tl.load(src_layer + page * page_values + within, mask=mask, other=0.0).to(tl.float32)
+            values = tl.load(src_layer + page * page_values + within, mask=mask & (page >= 0),
+                             other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(values))
         peak = tl.max(tl.max(amax, axis=1), axis=0)
         scale = tl.maximum(tl.math.div_rn(peak, tl.full([], FP8_MAX, tl.float32)), 1.1754943508222875e-38)
@@ -62,10 +65,11 @@ def _pack_chunks_kernel(
         tl.store(Scales + ((slot * NUM_LAYERS + layer) * 2 + kv) * NUM_HEADS + head, scale)
     for p in range(SLOT_PAGES):
         page = tl.sum(tl.where(lanes == p, chunk_pages, 0))
-        values = tl.load(src_layer + page * page_values + within, mask=mask, other=0.0)
+        present = mask & (page >= 0)
+        values = tl.load(src_layer + page * page_values + within, mask=present, other=0.0)
         if QUANTISE:
             values = tl.math.div_rn(values.to(tl.float32), scale)  # IEEE divisions (not Triton's default), as torch's
-        tl.store(dst + p * page_values + within, values.to(OUT_DTYPE), mask=mask)
+        tl.store(dst + p * page_values + within, values.to(OUT_DTYPE), mask=present)
 
 
 class ChunkPacker:
@@ -85,7 +89,8 @@ class ChunkPacker:
         Args:
             kv: the pool, ``[L, num_pages, 2, page_size, H, D]``, contiguous.
             pages: int64 ``[J * slot_pages]``: chunk ``j``'s pool pages at ``[j * slot_pages, (j + 1) *
-                slot_pages)``, in order (repeat the last page to fill a partial chunk).
+                slot_pages)``, in order; -1 after a partial chunk's last page (those pages of its slot are left
+                as they are).
             out_addr: int64 ``[J]``, the byte address of chunk ``j``'s slot, ``[L, slot_pages, 2, page_size, H, D]``
                 of ``out_dtype``, contiguous: pinned host memory (device-addressable) or device memory.
             out_dtype: the slots' dtype: the pool's, or with ``scales`` ``torch.float8_e4m3fn`` (or float32, to

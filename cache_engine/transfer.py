@@ -54,7 +54,7 @@ FP8_MAX = 448.0
 class OffloadJob:
     """Copy GPU pages ``pages`` (int64 ``[n]``, at most a chunk's worth, in order; or a list) into host slot
     ``slot_id`` (memory ``slot``: ``[L, chunk_pages, 2, page_size, H, D]``); the rest of the slot may be
-    overwritten with copies of the last page."""
+    overwritten with copies of the last page (the copy path) or left as it is (the kernel)."""
 
     pages: np.ndarray
     slot_id: int
@@ -165,6 +165,7 @@ class TransferEngine:
                 job.slot[:, : len(job.pages)] = self._quantize(data, [job.slot_id])[0]
             return OffloadHandle(None, None)
         # Pad every job to a whole slot: each chunk is then one contiguous block (one copy, or the kernel's stores).
+        # The kernel skips pages of id -1: a tail's slot gets the tail's pages, not a whole chunk's worth of PCIe.
         # Index layout: the chunks' pool pages, their slot ids, then (kernel) their slot addresses.
         num_jobs, slot_pages = len(jobs), jobs[0].slot.shape[1]
         num_pages = num_jobs * slot_pages
@@ -173,7 +174,7 @@ class TransferEngine:
         host = index.numpy()
         for row, job in zip(host[:num_pages].reshape(num_jobs, slot_pages), jobs, strict=True):  # per chunk
             row[:len(job.pages)] = job.pages
-            row[len(job.pages):] = job.pages[-1]
+            row[len(job.pages):] = -1 if self.kernels else job.pages[-1]
         host[num_pages:num_pages + num_jobs] = [job.slot_id for job in jobs]
         compute = self.current_stream()
         with on_stream(self.offload_stream, compute):

@@ -20,12 +20,12 @@ FP8 = torch.float8_e4m3fn
 
 
 def chunk_pages(gen: torch.Generator, pool_pages: int, slot_pages: int, lengths: list[int]) -> torch.Tensor:
-    """int64 ``[J * slot_pages]``: distinct random pool pages per chunk, partial chunks padded with their last."""
+    """int64 ``[J * slot_pages]``: distinct random pool pages per chunk, partial chunks padded with -1 (gaps)."""
     picked = torch.randperm(pool_pages, generator=gen)[: sum(lengths)].tolist()
     rows = []
     for n in lengths:
         row, picked = picked[:n], picked[n:]
-        rows += row + row[-1:] * (slot_pages - n)
+        rows += row + [-1] * (slot_pages - n)
     return torch.tensor(rows)
 
 
@@ -57,7 +57,9 @@ def test_chunks_are_gathered_into_slot_layout_exactly(heads, dim, page, pinned_i
         pages_arg = pages.to(DEVICE)
     ChunkPacker()(kv, pages_arg, out_addr, out.dtype, slot_pages)
     expected = kv.cpu()[:, pages].view(layers, 3, slot_pages, 2, page, heads, dim).transpose(0, 1)
-    torch.testing.assert_close(out.cpu()[order], expected, rtol=0, atol=0)
+    gaps = (pages < 0).view(3, slot_pages)
+    expected[gaps.nonzero(as_tuple=True)[0], :, gaps.nonzero(as_tuple=True)[1]] = float("nan")  # never written
+    torch.testing.assert_close(out.cpu()[order], expected, rtol=0, atol=0, equal_nan=True)
 
 
 def test_fp8_chunks_match_the_copy_paths_quantisation():
@@ -77,19 +79,23 @@ def test_fp8_chunks_match_the_copy_paths_quantisation():
     scales = torch.full((6, layers, 2, heads), -1.0)
     expected_scales = scales.clone()
     reference = TransferEngine(torch.device("cpu"), expected_scales)
-    chunks = kv[:, pages].view(layers, 2, slot_pages, 2, page, heads, dim).transpose(0, 1)
+    last = torch.stack([row.where(row >= 0, row[row >= 0][-1]) for row in pages.view(2, slot_pages)]).view(-1)
+    chunks = kv[:, last].view(layers, 2, slot_pages, 2, page, heads, dim).transpose(0, 1)  # the copy path's padding
     expected = reference._quantize(chunks, slot_ids.tolist())
     got_scales = scales.to(DEVICE)
     # The interpreter's FP8 cast is not torch's (it rounds values just below a power of two down to half of it):
     # there, the scaled values before the cast are compared, in float32.
-    out = torch.empty((2, layers, slot_pages, 2, page, heads, dim), dtype=FP8 if DEVICE == "cuda" else torch.float32,
+    out = torch.zeros((2, layers, slot_pages, 2, page, heads, dim), dtype=FP8 if DEVICE == "cuda" else torch.float32,
                       device=DEVICE)
     ChunkPacker()(kv.to(DEVICE), pages.to(DEVICE), addresses(out), out.dtype, slot_pages, slot_ids.to(DEVICE),
                   got_scales)
     torch.testing.assert_close(got_scales.cpu(), expected_scales, rtol=0, atol=0)
     if DEVICE != "cuda":
         expected = chunks.float() / expected_scales[slot_ids][:, :, None, :, None, :, None]
-    torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=0, atol=0)
+    for j, written in enumerate(pages.view(2, slot_pages) >= 0):  # a partial chunk's gap stays as it was (zero)
+        torch.testing.assert_close(out.cpu().float()[j][:, written], expected.float()[j][:, written], rtol=0, atol=0)
+        assert not out.cpu().float()[j][:, ~written].any()
+    assert (~(pages.view(2, slot_pages) >= 0)).any()  # the test has a gap
     assert (out.cpu().float()[:, 0, :, 0, :, 1] == 0).all()  # the all-zero head stays zero
     assert (got_scales.cpu()[[0, 2, 3, 5]] == -1).all()
 

@@ -112,11 +112,11 @@ def main() -> None:
             lambda: onload_pages(kv, addresses, index, 0, torch.bfloat16))
         from cache_engine import onload_kernel as ok
         from cache_engine.kernel_cache import POINTER_DTYPES
-        args_ = (kv, addresses, index, index, kv, index, 16, 0, 0, 1, 4, 32)
+        args_ = (kv, addresses, index, index, kv, index, 0, 0, 1, 4, 32)  # Count: a placeholder (HAS_COUNT off)
         consts = dict(SRC_DTYPE=POINTER_DTYPES[torch.bfloat16], ROW=512, BLOCK=512, HEAD_DIM=128, ROWS=8,
-                      BLOCKS_PER_PAGE=8, HAS_SCALES=False, HAS_COUNT=False)
-        compiled = ok._onload_pages_kernel[(128,)](*args_, **consts, num_warps=8)
-        launcher = compiled[(128, 1, 1)]
+                      HAS_SCALES=False, HAS_COUNT=False)
+        compiled = ok._onload_pages_kernel[(16, 8)](*args_, **consts, num_warps=8)
+        launcher = compiled[(16, 8, 1)]
         raw = torch.cuda.current_stream(device).cuda_stream
         every = (*args_, *consts.values())
         costs["triton compiled-kernel launch (16 pages)"] = per_call_us(lambda: launcher(*every, stream=raw))

@@ -1,4 +1,4 @@
-"""Launch shapes of the onload kernel (rows and warps per program, grid caps) against the pinned copy peak, on the GPU.
+"""Launch shapes of the onload kernel (rows and warps per program) against the pinned copy peak, on the GPU.
 
     python benchmarks/onload_sweep.py --out benchmarks/results/onload_sweep.json
 
@@ -7,12 +7,6 @@ bf16) from pinned host slots of 1,024-token chunks into random pool pages, one l
 transfer engine does, for every (rows per program, warps) pair; also one 256 MiB pinned copy (the peak).
 Medians of CUDA-event timings; every shape checked against the copy it replaces. The chosen default lives in
 ``cache_engine.onload_kernel`` (``ROWS_PER_PROGRAM``, ``NUM_WARPS``).
-
-Then, for grid caps (``max_programs``, ``cache.onload_programs``; bf16 host pages, the default shape), the onload
-alone, a stand-in for the forward alone (per layer a bf16 matmul and a 64 MiB read from device memory, on the
-current stream) and both together, the onload on a side stream with layer ``l`` of the forward waiting for layer
-``l``'s onload, as in the engine: ``overlap`` is how much of the shorter of the two the pair hides (1: the pair
-takes as long as the longer alone; 0: as long as both in turn).
 """
 
 from __future__ import annotations
@@ -31,53 +25,11 @@ from cache_engine.onload_kernel import onload_pages
 
 def onload_all_layers(pool: torch.Tensor, addr: torch.Tensor, dst_pages: torch.Tensor, layer_bytes: int,
                       dtype: torch.dtype, slot_ids: torch.Tensor, scales: torch.Tensor | None, rows: int,
-                      warps: int, max_programs: int = 0, events: list | None = None) -> None:
-    """One kernel launch per layer of ``pool [L, pages, 2, page, H, D]``, as the transfer engine does (then a record
-    of ``events[layer]``, if given)."""
+                      warps: int) -> None:
+    """One kernel launch per layer of ``pool [L, pages, 2, page, H, D]``, as the transfer engine does."""
     for layer in range(pool.shape[0]):
         onload_pages(pool[layer], addr, dst_pages, layer * layer_bytes, dtype, layer, slot_ids, scales,
-                     rows_per_program=rows, num_warps=warps, max_programs=max_programs)
-        if events is not None:
-            events[layer].record()
-
-
-def grid_caps(onload, verify, layers: int, nbytes: int) -> list[dict]:
-    """For each grid cap: ``onload(max_programs, events)`` alone (its result checked by ``verify()``), the forward
-    stand-in alone, and both at once."""
-    weights = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
-    acts = torch.randn(2048, 4096, dtype=torch.bfloat16, device="cuda")
-    history = torch.randn(2**25, dtype=torch.bfloat16, device="cuda")  # 64 MiB: read once a layer
-
-    def forward(waits: list | None = None) -> None:
-        for layer in range(layers):
-            if waits is not None:
-                torch.cuda.current_stream().wait_event(waits[layer])
-            for _ in range(6):
-                torch.mm(acts, weights)
-            history.sum()
-
-    side = torch.cuda.Stream()
-    rows = []
-    for cap in (0, 16, 32, 66, 132, 264, 528):
-        events = [torch.cuda.Event() for _ in range(layers)]
-
-        def both(cap=cap, events=events) -> None:
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                onload(cap, events)
-            forward(events)
-            torch.cuda.current_stream().wait_stream(side)
-
-        onload(cap, None)
-        verify()
-        alone = cuda_time(partial(onload, cap, None), 9)
-        compute = cuda_time(forward, 9)
-        pair = cuda_time(both, 9)
-        overlap = (alone + compute - pair) / min(alone, compute)
-        rows.append({"max_programs": cap, "onload_ms": alone * 1e3, "GBps": nbytes / alone / 1e9,
-                     "forward_ms": compute * 1e3, "both_ms": pair * 1e3, "overlap": overlap})
-        print(json.dumps(rows[-1]))
-    return rows
+                     rows_per_program=rows, num_warps=warps)
 
 
 def main() -> None:
@@ -115,19 +67,10 @@ def main() -> None:
                                 "num_warps": warps, "ms": ms, "GBps": nbytes / ms / 1e6,
                                 "bf16_equivalent_GBps": 2 * tokens * layers * heads * dim * 2 / ms / 1e6})
                 print(json.dumps(results[-1]))
-        if dtype == torch.bfloat16:  # the engine's way: index arrays read from pinned memory
-            pinned = [t.cpu().pin_memory() for t in (addr, dst_pages, slot_ids)]
-
-            def verify(expected=expected) -> None:
-                assert torch.equal(pool[0, dst_pages].cpu(), expected)
-                pool.zero_()
-
-            caps = grid_caps(partial(onload_all_layers, pool, pinned[0], pinned[1], layer_bytes, dtype, pinned[2],
-                                     scales, 8, 8), verify, layers, nbytes)
     report = {"gpu": torch.cuda.get_device_name(), "commit": args.commit or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "command": f"python benchmarks/onload_sweep.py --out {args.out}", "peak_pinned_h2d_GBps": peak,
-        "results": results, "grid_caps": caps}
+        "results": results}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     for dtype in ("bfloat16", "float8_e4m3fn"):

@@ -49,13 +49,6 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             about a dozen and a copy per chunk. On CPU both are synchronous copies.
         onload_graphs: with the ``kernel`` engine on CUDA, replay each step's per-layer onload launches from a
             CUDA graph (:mod:`cache_engine.onload_graphs`): one launch for the host instead of one per layer.
-        onload_programs: with the ``kernel`` engine, the most programs (thread blocks) an onload kernel runs, each
-            copying blocks of page rows in turn; 0: one program per block of rows, as many as the onload has
-            (thousands, filling every multiprocessor). Reading host memory needs few multiprocessors; a capped grid
-            leaves the others to the forward's layers that run meanwhile.
-        onload_overlap: layer ``l`` of the forward waits only for layer ``l``'s onload, so later layers' onloads
-            run while earlier layers compute; ``False``: the forward starts once the whole onload is done (and runs
-            from one CUDA graph): the onload then has the GPU to itself.
     """
 
     mode: CacheMode = "hierarchical"
@@ -70,16 +63,12 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     onload_streams: int = 1
     onload_engine: OnloadEngine = "kernel"
     onload_graphs: bool = True
-    onload_programs: int = 0
-    onload_overlap: bool = True
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_gpu_pages", "chunk_tokens", "host_segment_bytes", "max_pending_offloads",
                      "onload_streams"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"cache.{name} must be positive, got {getattr(self, name)}")
-        if self.onload_programs < 0:
-            raise ValueError(f"cache.onload_programs must be >= 0, got {self.onload_programs}")
         if self.host_budget_bytes < 0:
             raise ValueError(f"cache.host_budget_bytes must be >= 0, got {self.host_budget_bytes}")
         if self.chunk_tokens % self.page_size:

@@ -69,8 +69,7 @@ class KVCacheManager:
                 scales = torch.ones(num_slots, num_layers, 2, num_heads, dtype=torch.float32, device=device)
             self.host = HostTier(config, store, TransferEngine(device, scales, config.onload_streams,
                                                           kernels=config.onload_engine == "kernel",
-                                                          graphs=config.onload_graphs,
-                                                          onload_programs=config.onload_programs),
+                                                          graphs=config.onload_graphs),
                                  self.pool.kv, self.users, self.stats)
 
     @property
@@ -91,14 +90,10 @@ class KVCacheManager:
             self.host.poll()
 
     def launch_onloads(self) -> list[torch.cuda.Event | None]:
-        """Start this step's onloads; entry ``l`` is what layer ``l`` must wait for (``None``: nothing). Without
-        ``cache.onload_overlap``, layer 0 waits for the whole onload and no later layer waits."""
+        """Start this step's onloads; entry ``l`` is what layer ``l`` must wait for (``None``: nothing)."""
         if self.host is None:
             return [None] * self.pool.kv.shape[0]
-        events = self.host.launch_onloads()
-        if self.config.onload_overlap or events[-1] is None:
-            return events
-        return [events[-1], *[None] * (len(events) - 1)]  # recorded in layer order on one stream: the last is all
+        return self.host.launch_onloads()
 
     def issue_deferred_offloads(self) -> None:
         """Issue the copies to host of the offloads gathered so far (the engine calls this once the step's

@@ -26,56 +26,44 @@ from .kernel_cache import POINTER_DTYPES, CompiledKernels
 ROWS_PER_PROGRAM, NUM_WARPS = 8, 8
 
 
-@triton.jit(do_not_specialize=["SrcAddr", "DstPage", "SlotIds", "Count", "NumPages", "layer_offset", "layer"])
+@triton.jit(do_not_specialize=["SrcAddr", "DstPage", "SlotIds", "Count", "layer_offset", "layer"])
 def _onload_pages_kernel(
-    Kv, SrcAddr, DstPage, SlotIds, Scales, Count, NumPages, layer_offset, layer,
+    Kv, SrcAddr, DstPage, SlotIds, Scales, Count, layer_offset, layer,
     num_layers, num_heads, page_size,
     SRC_DTYPE: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-    ROWS: tl.constexpr, BLOCKS_PER_PAGE: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_COUNT: tl.constexpr,
+    ROWS: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_COUNT: tl.constexpr,
 ):
-    """Copies ``NumPages`` pages (with ``HAS_COUNT``, ``Count[0]`` instead: a grid sized for a capacity, as in a CUDA
-    graph) in blocks of ``ROWS`` rows, a row being ``ROW = H * D`` values of one token's K or V (row ``j``:
-    ``j // page_size`` is K or V, ``j % page_size`` the token), ``BLOCKS_PER_PAGE`` blocks a page. Block ``b`` is
-    rows ``(b % BLOCKS_PER_PAGE) * ROWS ..`` of page ``i = b // BLOCKS_PER_PAGE``, from host address ``SrcAddr[i] +
-    layer_offset`` (bytes) to pool page ``DstPage[i]`` of this layer (``Kv``: ``[num_pages, 2, page_size, H, D]``,
-    contiguous); with ``HAS_SCALES``, times ``Scales[SlotIds[i], layer, K/V, head]`` (``[slots, L, 2, H]`` float32).
-    Program ``p`` of ``G`` copies blocks ``p, p + G, p + 2G, ..``: a grid smaller than the blocks keeps the
-    onload on a few multiprocessors, leaving the rest to kernels running alongside it (the forward)."""
-    if HAS_COUNT:
-        total = tl.load(Count).to(tl.int32) * BLOCKS_PER_PAGE
-    else:
-        total = NumPages * BLOCKS_PER_PAGE
-    step = tl.num_programs(0)
-    block_rows = tl.arange(0, ROWS)[:, None]
+    """Program ``(i, r)`` copies rows ``r * ROWS ..`` (+ ``ROWS``) of page ``i``, a row being ``ROW = H * D``
+    values of one token's K or V (row ``j``: ``j // page_size`` is K or V, ``j % page_size`` the token), from
+    host address ``SrcAddr[i] + layer_offset`` (bytes) to pool page ``DstPage[i]`` of this layer (``Kv``:
+    ``[num_pages, 2, page_size, H, D]``, contiguous); with ``HAS_SCALES``, times
+    ``Scales[SlotIds[i], layer, K/V, head]`` (``[slots, L, 2, H]`` float32). With ``HAS_COUNT``, only pages
+    ``i < Count[0]`` are copied (a grid sized to a capacity, as in a CUDA graph)."""
+    page = tl.program_id(0)
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
-    valid = cols < ROW
-    first = tl.program_id(0)
-    # The next block's host address is loaded one block ahead: the index arrays may be in pinned host memory,
-    # where a load is a PCIe round trip, and the data load depends on it.
-    address = tl.load(SrcAddr + first // BLOCKS_PER_PAGE, mask=first < total, other=0)
-    for block in range(first, total, step):
-        following = block + step
-        upcoming = tl.load(SrcAddr + following // BLOCKS_PER_PAGE, mask=following < total, other=0)
-        page = block // BLOCKS_PER_PAGE
-        rows = (block % BLOCKS_PER_PAGE) * ROWS + block_rows
-        offsets = rows * ROW + cols
-        # Pages start 16-byte aligned (slots and pages are whole multiples of 16 bytes): say so, for wide loads.
-        src = tl.multiple_of(address + layer_offset, 16).to(tl.pointer_type(SRC_DTYPE))
-        values = tl.load(src + offsets, mask=valid, other=0.0).to(tl.float32)
-        if HAS_SCALES:
-            slot = tl.load(SlotIds + page)
-            kv = rows // page_size
-            scale_at = ((slot * num_layers + layer) * 2 + kv) * num_heads + cols // HEAD_DIM
-            values *= tl.load(Scales + scale_at, mask=valid, other=1.0)
-        dst = tl.load(DstPage + page).to(tl.int64) * (2 * page_size * ROW)
-        tl.store(Kv + dst + offsets, values.to(Kv.dtype.element_ty), mask=valid)
-        address = upcoming
+    if HAS_COUNT:
+        live = page < tl.load(Count)
+    else:
+        live = page >= 0
+    valid = (cols < ROW) & live
+    offsets = rows * ROW + cols
+    # Pages start 16-byte aligned (slots and pages are whole multiples of 16 bytes): say so, for wide loads.
+    src = tl.multiple_of(tl.load(SrcAddr + page, mask=live, other=0) + layer_offset, 16).to(tl.pointer_type(SRC_DTYPE))
+    values = tl.load(src + offsets, mask=valid, other=0.0).to(tl.float32)
+    if HAS_SCALES:
+        slot = tl.load(SlotIds + page, mask=live, other=0)
+        kv = rows // page_size
+        scale_at = ((slot * num_layers + layer) * 2 + kv) * num_heads + cols // HEAD_DIM
+        values *= tl.load(Scales + scale_at, mask=valid, other=1.0)
+    dst = tl.load(DstPage + page, mask=live, other=0).to(tl.int64) * (2 * page_size * ROW)
+    tl.store(Kv + dst + offsets, values.to(Kv.dtype.element_ty), mask=valid)
 
 
 def onload_pages(kv_layer: torch.Tensor, src_addr: torch.Tensor, dst_pages: torch.Tensor, layer_offset: int,
                  src_dtype: torch.dtype, layer: int = 0, slot_ids: torch.Tensor | None = None,
                  scales: torch.Tensor | None = None, rows_per_program: int = ROWS_PER_PROGRAM,
-                 num_warps: int = NUM_WARPS, max_programs: int = 0) -> None:
+                 num_warps: int = NUM_WARPS) -> None:
     """Write host pages into one layer of the pool, on the current stream (one launch through Triton's JIT
     dispatch; :class:`OnloadLauncher` launches repeatedly at less host cost).
 
@@ -89,27 +77,21 @@ def onload_pages(kv_layer: torch.Tensor, src_addr: torch.Tensor, dst_pages: torc
         layer: this layer's index (for the scales).
         slot_ids: int64 ``[P]`` host slot of each page, with ``scales``.
         scales: float32 ``[num_slots, L, 2, H]`` dequantisation scales of FP8 pages, or ``None``.
-        rows_per_program: K/V rows (one token's ``H * D`` values each) a program copies at a time, a power of
-            two; capped at the largest power of two dividing ``2 * page_size``.
+        rows_per_program: K/V rows (one token's ``H * D`` values each) copied by one program, a power of two;
+            capped at the largest power of two dividing ``2 * page_size``.
         num_warps: warps per program.
-        max_programs: programs in the grid at most (each then copies several blocks of rows in turn); 0: one
-            program per block of rows.
     """
-    launcher = OnloadLauncher(rows_per_program, num_warps, max_programs)
-    launcher(kv_layer, src_addr, dst_pages, layer_offset, src_dtype, layer, slot_ids, scales)
+    OnloadLauncher(rows_per_program, num_warps)(kv_layer, src_addr, dst_pages, layer_offset, src_dtype, layer,
+                                                slot_ids, scales)
 
 
 class OnloadLauncher:
     """Launches the onload kernel (arguments as :func:`onload_pages`), keeping each specialisation's compiled
     kernel (:class:`~.kernel_cache.CompiledKernels`). The key holds everything the compiled kernel is specialised
-    on: dtypes, the values of the specialised integers, the pool and scale pointers' 16-byte alignment.
-    ``max_programs`` caps the grid (0: no cap; see :func:`onload_pages`)."""
+    on: dtypes, the values of the specialised integers, the pool and scale pointers' 16-byte alignment."""
 
-    def __init__(self, rows_per_program: int = ROWS_PER_PROGRAM, num_warps: int = NUM_WARPS,
-                 max_programs: int = 0) -> None:
-        if max_programs < 0:
-            raise ValueError(f"max_programs must be >= 0, got {max_programs}")
-        self.rows_per_program, self.max_programs = rows_per_program, max_programs
+    def __init__(self, rows_per_program: int = ROWS_PER_PROGRAM, num_warps: int = NUM_WARPS) -> None:
+        self.rows_per_program = rows_per_program
         self._kernels = CompiledKernels(_onload_pages_kernel, num_warps)
 
     def __call__(self, kv_layer: torch.Tensor, src_addr: torch.Tensor, dst_pages: torch.Tensor, layer_offset: int,
@@ -118,7 +100,7 @@ class OnloadLauncher:
         if src_addr.shape[0]:
             launch, fixed = self._bind(kv_layer, src_addr, dst_pages, src_dtype, slot_ids, scales, None, layer_offset,
                                        None)
-            launch((kv_layer, *fixed[:6], layer_offset, layer, *fixed[6:]))
+            launch((kv_layer, *fixed[:5], layer_offset, layer, *fixed[5:]))
 
     def all_layers(self, kv: torch.Tensor, src_addr: torch.Tensor, dst_pages: torch.Tensor, layer_bytes: int,
                    src_dtype: torch.dtype, slot_ids: torch.Tensor | None = None, scales: torch.Tensor | None = None,
@@ -138,7 +120,7 @@ class OnloadLauncher:
         for layer, kv_layer in enumerate(kv):
             if not uniform:
                 launch, fixed = self._bind(kv_layer, *bind)
-            launch((kv_layer, *fixed[:6], layer * layer_bytes, layer, *fixed[6:]))
+            launch((kv_layer, *fixed[:5], layer * layer_bytes, layer, *fixed[5:]))
             if events is not None:
                 events[layer].record(stream)
 
@@ -147,7 +129,7 @@ class OnloadLauncher:
               stream: int | None) -> tuple[Callable[[tuple[Any, ...]], None], tuple[Any, ...]]:
         """A launch of the kernel's specialisation for these arguments (layer offsets up to ``max_offset``), taking
         the whole argument tuple, and the arguments shared by every layer: ``(src_addr, dst_pages, slot_ids,
-        scales, count, num_pages, num_layers, num_heads, page_size)``."""
+        scales, count, num_layers, num_heads, page_size)``."""
         _, two, page_size, num_heads, head_dim = kv_layer.shape
         row = num_heads * head_dim
         rows = min(self.rows_per_program, (two * page_size) & -(two * page_size))  # a power of 2 dividing 2 * page_size
@@ -155,18 +137,14 @@ class OnloadLauncher:
         slot_ids, scales = (slot_ids, scales) if has_scales else (dst_pages, kv_layer)  # placeholders: never read
         count = count if has_count else dst_pages
         num_layers = scales.shape[1] if has_scales else 1
-        blocks_per_page = two * page_size // rows
         constants = {"SRC_DTYPE": POINTER_DTYPES[src_dtype], "ROW": row, "BLOCK": triton.next_power_of_2(row),
-                     "HEAD_DIM": head_dim, "ROWS": rows, "BLOCKS_PER_PAGE": blocks_per_page,
-                     "HAS_SCALES": has_scales, "HAS_COUNT": has_count}
+                     "HEAD_DIM": head_dim, "ROWS": rows, "HAS_SCALES": has_scales, "HAS_COUNT": has_count}
         key = (kv_layer.dtype, src_dtype, src_addr.dtype, dst_pages.dtype, slot_ids.dtype, scales.dtype, count.dtype,
                num_layers, num_heads, page_size, row, head_dim, rows, has_scales, has_count, kv_layer.data_ptr() % 16,
                scales.data_ptr() % 16, -(2**31) <= max_offset < 2**31)  # the type (i32 / i64) Triton gives offsets
-        num_pages = src_addr.shape[0]  # with ``count``, the capacity
-        blocks = num_pages * blocks_per_page
-        grid, kernels = (min(blocks, self.max_programs) if self.max_programs else blocks,), self._kernels
+        grid, kernels = (src_addr.shape[0], two * page_size // rows), self._kernels
 
         def launch(args: tuple[Any, ...]) -> None:
             kernels.launch(key, grid, args, constants, stream)
 
-        return launch, (src_addr, dst_pages, slot_ids, scales, count, num_pages, num_layers, num_heads, page_size)
+        return launch, (src_addr, dst_pages, slot_ids, scales, count, num_layers, num_heads, page_size)

@@ -117,17 +117,15 @@ class TransferEngine:
             :class:`.onload_kernel.OnloadLauncher`; otherwise torch operations, copies and scatters.
         graphs: with ``kernels``, replay each onload's launches from a CUDA graph of its capacity
             (:class:`.onload_graphs.OnloadGraphs`).
-        onload_programs: with ``kernels``, the most programs an onload kernel launch runs (0: no cap; see
-            :attr:`~.config.CacheConfig.onload_programs`).
     """
 
     def __init__(self, device: torch.device, scales: torch.Tensor | None = None, onload_streams: int = 1,
-                 kernels: bool = False, graphs: bool = False, onload_programs: int = 0) -> None:
+                 kernels: bool = False, graphs: bool = False) -> None:
         self.device = indexed(device)
         self.scales = scales
         self.is_cuda = device.type == "cuda"
         self.kernels = kernels and self.is_cuda and importlib.util.find_spec("triton") is not None
-        self.onload_graphs, self.onload_programs = graphs, onload_programs
+        self.onload_graphs = graphs
         if self.is_cuda:
             self.current_stream = CurrentStream(self.device)  # the compute stream, where the caller works
             self.offload_stream = torch.cuda.Stream(device)
@@ -316,7 +314,7 @@ class TransferEngine:
             from .onload_graphs import OnloadGraphs  # imports Triton
             from .onload_kernel import OnloadLauncher
 
-            self._launcher = OnloadLauncher(max_programs=self.onload_programs)
+            self._launcher = OnloadLauncher()
             try:  # external: graph replays record them as event nodes, waited for outside the graphs
                 self._layer_events = [torch.cuda.Event(external=self.onload_graphs) for _ in range(kv.shape[0])]
             except TypeError:  # a torch without external events (before 2.9): onloads launch eagerly

@@ -229,7 +229,7 @@ class StepGraphs:
         if not self._cuda:
             self.num_replays += 1
             return self._run_eagerly(step, segments, head, layer_ready)
-        whole = all(ready is None for ready in layer_ready[1:])  # nothing to wait for after layer 0: one graph
+        whole = all(ready is None for ready in layer_ready)  # nothing to wait for: one graph
         key = (step.bucket, step.plan_key, whole)
         if key not in self._graphs:
             try:
@@ -242,8 +242,6 @@ class StepGraphs:
         self.num_replays += 1
         entry = self._graphs[key]
         if whole:
-            if layer_ready[0] is not None:
-                step.stream.wait_event(layer_ready[0])
             entry.graphs[0].replay()
         else:
             for graph, ready in zip(entry.graphs, layer_ready, strict=True):

@@ -72,18 +72,14 @@ def test_onload_waits_per_layer_event():
 @pytest.mark.parametrize("host_dtype", ["kv", "float8_e4m3fn"])
 def test_kernel_onload_engine_equals_copy_engine(host_dtype):
     """The transfer kernels (offloads packed and quantised by one kernel, onloads read from host pages), launched
-    eagerly or replayed from CUDA graphs, with one program per block of rows or a capped grid
-    (``onload_programs``), the forward waiting per layer or for the whole onload (``onload_overlap``), give exactly
-    the copy engine's scores: the same quantisation and dequantisation."""
+    eagerly or replayed from CUDA graphs, give exactly the copy engine's scores: the same quantisation and
+    dequantisation."""
     config = cuda_config("bfloat16", mode="hierarchical", num_gpu_pages=200, host_dtype=host_dtype)
     requests = stream(config, num_users=30, visits=20, seed=6)
     outputs = {}
-    variants = {"copy": dict(onload_engine="copy", onload_graphs=False), "kernel": dict(onload_graphs=False),
-                "kernel_graphs": {}, "kernel_capped": dict(onload_graphs=False, onload_programs=7),
-                "kernel_graphs_capped": dict(onload_programs=7), "kernel_graphs_serial": dict(onload_overlap=False)}
-    for name, changes in variants.items():
-        graphs = changes.get("onload_graphs", True)
-        engine = GREngine(with_cache(config, **changes))
+    for name, engine_name, graphs in (("copy", "copy", False), ("kernel", "kernel", False),
+                                      ("kernel_graphs", "kernel", True)):
+        engine = GREngine(with_cache(config, onload_engine=engine_name, onload_graphs=graphs))
         engine.kv.host.store.wait_until_allocated()
         outputs[name] = scores(engine.rank(requests, use_tqdm=False))
         assert engine.stats.host_hit_tokens > 0
@@ -92,15 +88,13 @@ def test_kernel_onload_engine_equals_copy_engine(host_dtype):
         engine.close()
         engine.kv.check_invariants()
     assert all(np.array_equal(a, b) for a, b in zip(outputs["kernel"], outputs["copy"]))
-    for name in list(variants)[2:]:
-        assert all(np.array_equal(a, b) for a, b in zip(outputs[name], outputs["copy"])), name
+    assert all(np.array_equal(a, b) for a, b in zip(outputs["kernel_graphs"], outputs["copy"]))
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_forward_graph_waits_for_slow_onloads(monkeypatch, overlap):
-    """With onloads replayed from graphs and the forward from per-layer graphs (``overlap``) or from one graph that
-    waits for the whole onload first, every onload held back ~10 ms on the device (the forward would read pages not
-    loaded yet if a wait were missing): scores still equal the copy engine's exactly."""
+def test_forward_graph_waits_for_slow_onloads(monkeypatch):
+    """With onloads replayed from graphs and the forward from per-layer graphs, every onload held back ~10 ms on the
+    device (the forward would read pages not loaded yet if a wait were missing): scores still equal the copy engine's
+    exactly."""
     from cache_engine.onload_graphs import OnloadGraphs
 
     config = tiny_config(mode="hierarchical", num_gpu_pages=50, page_size=16, max_num_seqs=8,
@@ -120,13 +114,12 @@ def test_forward_graph_waits_for_slow_onloads(monkeypatch, overlap):
         return replay(self, *args)
 
     monkeypatch.setattr(OnloadGraphs, "replay", slow_replay)
-    engine = GREngine(with_cache(config, onload_engine="kernel", onload_graphs=True, onload_overlap=overlap))
+    engine = GREngine(with_cache(config, onload_engine="kernel", onload_graphs=True))
     engine.kv.host.store.wait_until_allocated()
     got = scores(engine.rank(requests, use_tqdm=False))
     assert engine.stats.host_hit_tokens > 0
     step_graphs = engine.runner.graphs
-    # per-layer graphs replayed, only if each layer waits for its own onload
-    assert step_graphs.enabled and any(not whole for _, _, whole in step_graphs._graphs) == overlap
+    assert step_graphs.enabled and any(not whole for _, _, whole in step_graphs._graphs)  # per-layer graphs replayed
     assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
     engine.close()
 

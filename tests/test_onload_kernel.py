@@ -24,11 +24,9 @@ def host_slots(num_slots: int, layers: int, chunk_pages: int, page: int, heads: 
     return (slots.pin_memory() if DEVICE == "cuda" else slots), values
 
 
-@pytest.mark.parametrize("rows_per_program,max_programs", [(1, 0), (4, 0), (64, 0), (4, 3), (1, 1)])  # 64: capped
+@pytest.mark.parametrize("rows_per_program", [1, 4, 64])  # 64: capped at the page's 2 * 8 rows
 @pytest.mark.parametrize("dtype,heads,dim", [(torch.float32, 2, 16), (torch.bfloat16, 3, 32), (torch.float16, 1, 8)])
-def test_pages_of_every_layer_land_in_their_pool_pages(dtype, heads, dim, rows_per_program, max_programs):
-    """Every page's every row lands, whether each program copies one block of rows or (``max_programs``: a grid
-    smaller than the blocks) several in turn."""
+def test_pages_of_every_layer_land_in_their_pool_pages(dtype, heads, dim, rows_per_program):
     from cache_engine.onload_kernel import onload_pages
 
     gen = torch.Generator().manual_seed(0)
@@ -41,7 +39,7 @@ def test_pages_of_every_layer_land_in_their_pool_pages(dtype, heads, dim, rows_p
     layer_bytes = slots.stride(1) * slots.element_size()
     for layer in range(layers):
         onload_pages(pool[layer], addr.to(DEVICE), dst.to(DEVICE), layer * layer_bytes, dtype, layer,
-                     rows_per_program=rows_per_program, max_programs=max_programs)
+                     rows_per_program=rows_per_program)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     for (s, p), d in zip(picks, dst.tolist()):
@@ -73,14 +71,12 @@ def test_fp8_pages_are_dequantised_with_their_slot_scales(rows_per_program):
         torch.testing.assert_close(pool[:, d].cpu(), expected.to(pool_dtype), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("max_programs", [0, 5])
 @pytest.mark.parametrize("all_layers", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_a_launcher_reused_over_layers_and_page_counts_loads_every_page(fp8, all_layers, max_programs):
+def test_a_launcher_reused_over_layers_and_page_counts_loads_every_page(fp8, all_layers):
     """One :class:`OnloadLauncher` for many launches, as the transfer engine uses it: on CUDA every launch after
     the first of a specialisation goes through the kept compiled kernel (other grids, offsets, index tensors); with
-    ``all_layers``, on the stream given (a side stream, as the transfer engine's), each layer's event recorded; with
-    ``max_programs``, a grid of at most that many programs, each copying blocks of rows in turn."""
+    ``all_layers``, on the stream given (a side stream, as the transfer engine's), each layer's event recorded."""
     from cache_engine.onload_kernel import OnloadLauncher
 
     gen = torch.Generator().manual_seed(2)
@@ -90,7 +86,7 @@ def test_a_launcher_reused_over_layers_and_page_counts_loads_every_page(fp8, all
     scales = (torch.rand(num_slots, layers, 2, heads, generator=gen) + 0.5) if fp8 else None
     pool_dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     layer_bytes = slots.stride(1) * slots.element_size()
-    launcher = OnloadLauncher(max_programs=max_programs)
+    launcher = OnloadLauncher()
     for count in (1, 7, 3, 12):  # a new set of (slot, page) -> pool page picks each round, of another size
         pool = torch.zeros(layers, 50, 2, page, heads, dim, dtype=pool_dtype, device=DEVICE)
         flat = torch.randperm(num_slots * chunk_pages, generator=gen)[:count]
@@ -123,9 +119,8 @@ def test_a_launcher_reused_over_layers_and_page_counts_loads_every_page(fp8, all
         assert not pool[:, untouched].any()
 
 
-@pytest.mark.parametrize("max_programs", [0, 3])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_a_count_on_the_device_limits_the_pages_loaded(fp8, max_programs):
+def test_a_count_on_the_device_limits_the_pages_loaded(fp8):
     """Index tensors of a larger capacity with ``count``: only the first ``count`` entries are loaded; the entries
     after it (valid addresses of other pages, to other pool pages) are left alone, and a count of 0 loads nothing."""
     from cache_engine.onload_kernel import OnloadLauncher
@@ -142,7 +137,7 @@ def test_a_count_on_the_device_limits_the_pages_loaded(fp8, max_programs):
     dst = torch.randperm(40, generator=gen)[:12]
     addr = torch.tensor([slots[s, 0, p].data_ptr() for s, p in picks], device=DEVICE)
     slot_ids = torch.tensor([s for s, _ in picks], device=DEVICE)
-    launcher = OnloadLauncher(max_programs=max_programs)
+    launcher = OnloadLauncher()
     for count in (0, 5, 12):
         pool = torch.zeros(layers, 40, 2, page, heads, dim, dtype=pool_dtype, device=DEVICE)
         launcher.all_layers(pool, addr, dst.to(DEVICE), layer_bytes, dtype, slot_ids, scales,

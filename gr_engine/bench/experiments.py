@@ -5,6 +5,7 @@ score drift of host chunks; and the set-up the diagnostics in ``benchmarks/`` sh
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 
@@ -16,7 +17,7 @@ from ..config import EngineConfig, SchedulerConfig
 from ..engine import resolve_device
 from ..models import GRModel
 from .drift import score_drift
-from .runner import BenchRun, BenchSettings, cache_config, unlimited_pages
+from .runner import BenchRun, BenchSettings, cache_config, quick_settings, unlimited_pages
 from .simulate import Simulations
 from .trace import Trace, fixed_length_trace, generate_trace
 
@@ -74,19 +75,23 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print,
 
 def steady_state_parser(description: str, batches: int) -> argparse.ArgumentParser:
     """The options of the diagnostics built on :func:`steady_state_runs`: ``--out``, ``--modes``, ``--batches``
-    (measured batches of 8, default ``batches``), ``--host-budget-gib`` and ``--prime`` (unmeasured batches
-    first: compilation, graph capture); see :func:`steady_state_settings`."""
+    (measured batches of 8, default ``batches``), ``--host-budget-gib``, ``--prime`` (unmeasured batches
+    first: compilation, graph capture) and ``--quick`` (:func:`~.runner.quick_settings`: a CPU-sized smoke run);
+    see :func:`steady_state_settings`."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", required=True)
     parser.add_argument("--modes", nargs="+", default=["hierarchical", "unlimited"])
     parser.add_argument("--batches", type=int, default=batches)
     parser.add_argument("--host-budget-gib", type=int, default=24)
     parser.add_argument("--prime", type=int, default=40, help="unmeasured batches first (compilation, graph capture)")
+    parser.add_argument("--quick", action="store_true", help="the CPU-sized settings of the tests")
     return parser
 
 
 def steady_state_settings(args: argparse.Namespace) -> BenchSettings:
     """The benchmark's settings for :func:`steady_state_runs`, from :func:`steady_state_parser`'s options."""
+    if args.quick:
+        return dataclasses.replace(quick_settings(), modes=tuple(args.modes))
     return BenchSettings(simulation_workers=0, host_budget_bytes=args.host_budget_gib * 2**30, modes=tuple(args.modes))
 
 

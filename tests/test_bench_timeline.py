@@ -1,0 +1,78 @@
+"""Per-batch device timelines (:mod:`gr_engine.bench.timeline`) from a hand-made Chrome trace, and from a real
+``torch.profiler`` trace of CPU work (the annotation and event format the GPU runs produce)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gr_engine.bench.timeline import batch_timelines, intersection, union
+
+
+def x(name: str, cat: str, ts: float, dur: float) -> dict:
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur}
+
+
+def test_union_and_intersection():
+    assert union([(5, 7), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 7)]
+    assert intersection([(0, 4), (5, 7)], [(3, 6), (6.5, 10)]) == pytest.approx(1 + 1 + 0.5)
+    assert intersection([], [(0, 1)]) == 0
+
+
+def test_events_go_to_the_batch_they_start_in():
+    """Two batches (us): the first offloads, then onloads two layers while the forward runs partly alongside; the
+    second only computes. A host event (cuda_runtime) is ignored."""
+    trace = {"traceEvents": [
+        x("batch", "user_annotation", 1000, 5000),
+        x("triton_pack_chunks_kernel", "kernel", 1500, 400),  # the offload: 1500-1900
+        x("_onload_pages_kernel", "kernel", 1800, 1000),  # 1800-2800 (after 100 us of the offload)
+        x("_onload_pages_kernel", "kernel", 2800, 1000),  # 2800-3800
+        x("hstu_attention", "kernel", 2900, 300),  # forward 2900-3200, inside the second onload
+        x("gemm", "kernel", 3700, 500),  # 3700-4200: 100 us with the onload
+        x("Memcpy DtoH", "gpu_memcpy", 4300, 100),
+        x("cudaLaunchKernel", "cuda_runtime", 2000, 5),
+        x("batch", "user_annotation", 7000, 1000),
+        x("gemm", "kernel", 7100, 200),
+    ]}
+    first, second = batch_timelines(trace, onloaded_bytes=[2_000_000_000, 0])
+    assert first["host_ms"] == pytest.approx(5.0)
+    assert first["first_onload_ms"] == pytest.approx(0.8) and first["onload_end_ms"] == pytest.approx(2.8)
+    assert first["offload_before_onload_ms"] == pytest.approx(0.3)  # 1500-1800
+    assert first["onload_busy_ms"] == pytest.approx(2.0)
+    assert first["forward_busy_ms"] == pytest.approx(0.8)
+    assert first["forward_start_ms"] == pytest.approx(1.9) and first["forward_end_ms"] == pytest.approx(3.2)
+    assert first["overlap_ms"] == pytest.approx(0.4)
+    assert first["copy_busy_ms"] == pytest.approx(0.1)
+    assert first["onload_GBps"] == pytest.approx(1000.0)  # 2 GB over 2 ms
+    assert second["first_onload_ms"] is None and second["onload_GBps"] is None
+    assert second["forward_busy_ms"] == pytest.approx(0.2) and second["overlap_ms"] == 0
+
+
+def test_a_profiler_trace_of_annotated_batches(tmp_path):
+    """``torch.profiler``'s own export: the batches' annotations are found (CPU only: no device events)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        for _ in range(3):
+            with torch.profiler.record_function("batch"):
+                torch.ones(64).sum()
+    path = tmp_path / "trace.json"
+    profiler.export_chrome_trace(str(path))
+    rows = batch_timelines(json.loads(path.read_text()))
+    assert len(rows) == 3 and all(r["host_ms"] > 0 and r["first_onload_ms"] is None for r in rows)
+
+
+def test_the_timeline_script_runs_the_benchmarks_engine_quickly(tmp_path):
+    """``benchmarks/batch_timeline.py --quick``: the CPU-sized benchmark engine's batches under the profiler, one
+    timeline row per batch with its onloaded bytes."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "batch_timeline.py"
+    run = subprocess.run([sys.executable, str(script), "--quick", "--modes", "hierarchical", "--batches", "2",
+                          "--prime", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    result = json.loads((tmp_path / "timeline_hierarchical.json").read_text())
+    assert result["batches"] == 2 and len(result["rows"]) == 2
+    assert all(row["host_ms"] > 0 and row["onloaded_bytes"] >= 0 for row in result["rows"])
+    assert (tmp_path / "trace_hierarchical.json").exists()

@@ -49,6 +49,11 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             about a dozen and a copy per chunk. On CPU both are synchronous copies.
         onload_graphs: with the ``kernel`` engine on CUDA, replay each step's per-layer onload launches from a
             CUDA graph (:mod:`cache_engine.onload_graphs`): one launch for the host instead of one per layer.
+        writeback_pages: at the end of each step, persist the tails (and any un-persisted chunks) of the least
+            recently used users holding this many GPU pages, the next eviction victims (``hierarchical`` with
+            ``persist_tails``; 0: off). Evicting them later then writes nothing: without it, a victim's tail
+            crosses PCIe to host before the onloads into its pages may start. Costs host slots and PCIe writes
+            for users who return before they are evicted.
     """
 
     mode: CacheMode = "hierarchical"
@@ -63,8 +68,11 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     onload_streams: int = 1
     onload_engine: OnloadEngine = "kernel"
     onload_graphs: bool = True
+    writeback_pages: int = 0
 
     def __post_init__(self) -> None:
+        if self.writeback_pages < 0:
+            raise ValueError(f"cache.writeback_pages must be >= 0, got {self.writeback_pages}")
         for name in ("page_size", "num_gpu_pages", "chunk_tokens", "host_segment_bytes", "max_pending_offloads",
                      "onload_streams"):
             if getattr(self, name) <= 0:

@@ -162,10 +162,10 @@ class HostTier:
         self.stats.deferred_offloads += len(self._queue)  # chunk-steps spent waiting for admission
         self.flush()
 
-    def persist_all(self, user: Hashable, record: UserRecord) -> bool:
-        """Persist everything of the user's GPU history not yet on host (before its pages are reused).
-        The copies start at the next :meth:`flush`, which must come before any write to the pages.
-        Returns whether any copy is now pending for the user."""
+    def persist_all(self, user: Hashable, record: UserRecord, ahead: bool = False) -> bool:
+        """Persist everything of the user's GPU history not yet on host (before its pages are reused, or
+        ``ahead`` of that: its tail then counts as written back). The copies start at the next :meth:`flush`,
+        which must come before any write to the pages. Returns whether any copy is now pending for the user."""
         writing = self._copies_in_flight(user) if self._in_flight else None
         in_flight = {(e.chunk, e.end) for e in writing if e.generation == record.generation} if writing else ()
         added = False
@@ -180,7 +180,9 @@ class HostTier:
                 break
             self._add(user, record, chunk, end, slot)
             added = True
-            if end % size:
+            if end % size and ahead:
+                self.stats.written_back_tokens += end - chunk * size
+            elif end % size:
                 self.stats.tail_persisted_tokens += end - chunk * size
         return added or bool(in_flight)
 

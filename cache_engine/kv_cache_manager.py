@@ -102,8 +102,11 @@ class KVCacheManager:
             self.host.transfer.issue_deferred()
 
     def end_step(self) -> None:
-        """Start offloads of chunks that became full (within the admission cap)."""
+        """Start offloads of chunks that became full (within the admission cap), and with
+        ``cache.writeback_pages`` the write-back of the next eviction victims' tails."""
         if self.host is not None:
+            if self.config.writeback_pages and self.config.persist_tails:
+                self._write_back(self.config.writeback_pages)
             self.host.launch_offloads()
 
     def close(self) -> None:
@@ -312,6 +315,21 @@ class KVCacheManager:
                     break  # the LRU changed: walk it again from the start
             else:  # only users whose pages are still being gathered: let that finish
                 self.host.poll(wait=True)
+
+    def _write_back(self, pages: int) -> None:
+        """Persist the un-persisted tails of the least recently used users holding ``pages`` pages (the next
+        eviction victims), so that evicting them later writes nothing: their copies run now, alongside the
+        step's forward, instead of before the onloads of the step that evicts them. Only users whose full chunks
+        are all on host are written back (a tail copied before its chunk's predecessors would be discarded when
+        it completes first); the others wait for a later step."""
+        covered, chunk = 0, self.config.chunk_tokens
+        for user_id, record in self._lru.items():  # least recently used first
+            if covered >= pages:
+                break
+            covered += record.num_pages
+            tokens = record.num_tokens
+            if tokens > record.host_tokens >= tokens // chunk * chunk and not record.readers:
+                self.host.persist_all(user_id, record, ahead=True)
 
     def _evict(self, user_id: Hashable, record: UserRecord) -> None:
         del self._lru[user_id]

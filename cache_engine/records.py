@@ -98,6 +98,7 @@ class CacheStats:
     onloaded_bytes: int = 0
     offloaded_tokens: int = 0
     offloaded_bytes: int = 0
-    tail_persisted_tokens: int = 0
+    tail_persisted_tokens: int = 0  # tails persisted as their user was evicted
+    written_back_tokens: int = 0  # tails persisted ahead of their user's eviction (``cache.writeback_pages``)
     lost_tokens: int = 0
     deferred_offloads: int = 0

@@ -72,14 +72,16 @@ def test_onload_waits_per_layer_event():
 @pytest.mark.parametrize("host_dtype", ["kv", "float8_e4m3fn"])
 def test_kernel_onload_engine_equals_copy_engine(host_dtype):
     """The transfer kernels (offloads packed and quantised by one kernel, onloads read from host pages), launched
-    eagerly or replayed from CUDA graphs, give exactly the copy engine's scores: the same quantisation and
-    dequantisation."""
+    eagerly or replayed from CUDA graphs, also with tails written back ahead of evictions (``writeback_pages``),
+    give exactly the copy engine's scores: the same quantisation and dequantisation."""
     config = cuda_config("bfloat16", mode="hierarchical", num_gpu_pages=200, host_dtype=host_dtype)
     requests = stream(config, num_users=30, visits=20, seed=6)
     outputs = {}
-    for name, engine_name, graphs in (("copy", "copy", False), ("kernel", "kernel", False),
-                                      ("kernel_graphs", "kernel", True)):
-        engine = GREngine(with_cache(config, onload_engine=engine_name, onload_graphs=graphs))
+    for name, engine_name, graphs, writeback in (("copy", "copy", False, 0), ("kernel", "kernel", False, 0),
+                                                 ("kernel_graphs", "kernel", True, 0),
+                                                 ("kernel_graphs_writeback", "kernel", True, 60)):
+        engine = GREngine(with_cache(config, onload_engine=engine_name, onload_graphs=graphs,
+                                     writeback_pages=writeback))
         engine.kv.host.store.wait_until_allocated()
         outputs[name] = scores(engine.rank(requests, use_tqdm=False))
         assert engine.stats.host_hit_tokens > 0
@@ -88,7 +90,8 @@ def test_kernel_onload_engine_equals_copy_engine(host_dtype):
         engine.close()
         engine.kv.check_invariants()
     assert all(np.array_equal(a, b) for a, b in zip(outputs["kernel"], outputs["copy"]))
-    assert all(np.array_equal(a, b) for a, b in zip(outputs["kernel_graphs"], outputs["copy"]))
+    for name in ("kernel_graphs", "kernel_graphs_writeback"):
+        assert all(np.array_equal(a, b) for a, b in zip(outputs[name], outputs["copy"])), name
 
 
 def test_forward_graph_waits_for_slow_onloads(monkeypatch):

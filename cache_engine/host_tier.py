@@ -176,7 +176,8 @@ class HostTier:
                 continue
             slot = self._allocate_slot(user)
             if slot is None:
-                self.stats.lost_tokens += tokens - chunk * size
+                if not ahead:  # ahead of an eviction nothing is lost yet: the user keeps its pages
+                    self.stats.lost_tokens += tokens - chunk * size
                 break
             self._add(user, record, chunk, end, slot)
             added = True

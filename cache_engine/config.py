@@ -54,6 +54,12 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ``persist_tails``; 0: off). Evicting them later then writes nothing: without it, a victim's tail
             crosses PCIe to host before the onloads into its pages may start. Costs host slots and PCIe writes
             for users who return before they are evicted.
+        prioritise_forward: on CUDA, the engine runs each step on its own stream of high CUDA priority (then
+            the caller's stream waits for it), so the block scheduler starts the forward's kernels ahead of the
+            queued blocks of onload kernels, which run at the default priority and fill the multiprocessors the
+            forward leaves. Without it, a layer whose pages have arrived competes for the multiprocessors with
+            the next layers' onload blocks, launched before it. (Onloads on a high-priority stream were measured
+            slower: ``benchmarks/results/profiles/bound_probe_prioritise_56b3f49.log``.)
     """
 
     mode: CacheMode = "hierarchical"
@@ -69,6 +75,7 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     onload_engine: OnloadEngine = "kernel"
     onload_graphs: bool = True
     writeback_pages: int = 0
+    prioritise_forward: bool = False
 
     def __post_init__(self) -> None:
         if self.writeback_pages < 0:

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from attention_backends import AttentionSpec, BackendRegistry
 from cache_engine import IncrementalHasher, KVCacheManager
+from cache_engine.streams import CurrentStream, StreamFence, on_stream
 from scheduler import RequestState, ScheduledChunk, Scheduler
 
 from .config import EngineConfig
@@ -89,6 +90,11 @@ class GREngine:
                                 config.scheduler.max_num_seqs, config.cache.num_gpu_pages)
         self.runner = ModelRunner(self.model, self.backend, self.kv, self.device, graphs)
         self.stats = EngineStats()
+        # cache.prioritise_forward: steps run on a high-priority stream (the caller's stream waits for it)
+        self._step_stream: torch.cuda.Stream | None = None
+        if self.device.type == "cuda" and config.cache.prioritise_forward:
+            self._step_stream = torch.cuda.Stream(self.device, priority=-1)
+            self._caller_stream, self._fence = CurrentStream(self.device), StreamFence()
         self._seq = itertools.count()
         self._in_flight: set[str] = set()
         self._undelivered: list[Output] = []
@@ -228,6 +234,17 @@ class GREngine:
         return added
 
     def _step(self) -> list[tuple[RequestState, Output]]:
+        """One engine step, on the high-priority step stream with ``cache.prioritise_forward``."""
+        if self._step_stream is None:
+            return self._step_here()
+        caller = self._caller_stream()
+        self._fence(self._step_stream, caller)
+        with on_stream(self._step_stream, caller):
+            done = self._step_here()
+        self._fence(caller, self._step_stream)
+        return done
+
+    def _step_here(self) -> list[tuple[RequestState, Output]]:
         t0 = time.perf_counter()
         self.kv.begin_step()
         poll_s = time.perf_counter() - t0

@@ -72,16 +72,19 @@ def test_onload_waits_per_layer_event():
 @pytest.mark.parametrize("host_dtype", ["kv", "float8_e4m3fn"])
 def test_kernel_onload_engine_equals_copy_engine(host_dtype):
     """The transfer kernels (offloads packed and quantised by one kernel, onloads read from host pages), launched
-    eagerly or replayed from CUDA graphs, also with tails written back ahead of evictions (``writeback_pages``),
-    give exactly the copy engine's scores: the same quantisation and dequantisation."""
+    eagerly or replayed from CUDA graphs, also with tails written back ahead of evictions (``writeback_pages``) or
+    steps on a high-priority stream (``prioritise_forward``), give exactly the copy engine's scores: the same
+    quantisation and dequantisation."""
     config = cuda_config("bfloat16", mode="hierarchical", num_gpu_pages=200, host_dtype=host_dtype)
     requests = stream(config, num_users=30, visits=20, seed=6)
     outputs = {}
-    for name, engine_name, graphs, writeback in (("copy", "copy", False, 0), ("kernel", "kernel", False, 0),
-                                                 ("kernel_graphs", "kernel", True, 0),
-                                                 ("kernel_graphs_writeback", "kernel", True, 60)):
+    for name, engine_name, graphs, writeback, first in (("copy", "copy", False, 0, False),
+                                                        ("kernel", "kernel", False, 0, False),
+                                                        ("kernel_graphs", "kernel", True, 0, False),
+                                                        ("kernel_graphs_writeback", "kernel", True, 60, False),
+                                                        ("kernel_graphs_forward_first", "kernel", True, 0, True)):
         engine = GREngine(with_cache(config, onload_engine=engine_name, onload_graphs=graphs,
-                                     writeback_pages=writeback))
+                                     writeback_pages=writeback, prioritise_forward=first))
         engine.kv.host.store.wait_until_allocated()
         outputs[name] = scores(engine.rank(requests, use_tqdm=False))
         assert engine.stats.host_hit_tokens > 0
@@ -90,7 +93,7 @@ def test_kernel_onload_engine_equals_copy_engine(host_dtype):
         engine.close()
         engine.kv.check_invariants()
     assert all(np.array_equal(a, b) for a, b in zip(outputs["kernel"], outputs["copy"]))
-    for name in ("kernel_graphs", "kernel_graphs_writeback"):
+    for name in ("kernel_graphs", "kernel_graphs_writeback", "kernel_graphs_forward_first"):
         assert all(np.array_equal(a, b) for a, b in zip(outputs[name], outputs["copy"])), name
 
 
@@ -284,3 +287,28 @@ def test_quick_benchmark_runs_its_engines_one_after_another_on_cuda():
     assert all(e["onloaded_bytes_per_batch"] > 0 for e in result["chunk_sweep"]["hierarchical"].values())
     assert result["score_drift"]["kv"]["requests_from_host"] > 0
     assert result["score_drift"]["kv"]["max_abs"] < 1e-3  # float32 host chunks: only kernel rounding differs
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_steps_run_on_a_high_priority_stream_when_asked(first):
+    """``cache.prioritise_forward``: the forward runs on a stream of higher CUDA priority (a lower number) than the
+    caller's and the onloads'; otherwise on the caller's stream. The caller's stream sees the step's work."""
+    engine = GREngine(cuda_config("bfloat16", mode="hierarchical", num_gpu_pages=200, prioritise_forward=first))
+    engine.kv.host.store.wait_until_allocated()
+    seen = []
+    forward = engine.runner.forward
+
+    def recording_forward(*args):
+        seen.append(torch.cuda.current_stream())
+        return forward(*args)
+
+    engine.runner.forward = recording_forward
+    caller = torch.cuda.current_stream()
+    scores(engine.rank(stream(engine.config, num_users=6, visits=3, seed=2), use_tqdm=False))
+    assert seen and torch.cuda.current_stream() == caller
+    scatter = engine.kv.host.transfer.scatter_stream
+    if first:
+        assert all(s != caller and s.priority < scatter.priority and s.priority < caller.priority for s in seen)
+    else:
+        assert all(s == caller for s in seen)
+    engine.close()

@@ -53,7 +53,8 @@ def main() -> None:
         for i, row in enumerate(zip(hier, unlimited["batch_latency_ms"], onloaded, ratios, strict=True)):
             print(f"{i:3d} {row[0]:7.2f} {row[1]:6.2f} {row[2] / 1e6:8.1f} {row[3]:5.2f}")
         print(f"{name} medians: hierarchical {report['median_ms']:.2f} ms, unlimited {unlimited['median_ms']:.2f} ms; "
-              f"latency / bound batch by batch: median {np.median(ratios):.2f}, p90 {np.percentile(ratios, 90):.2f}")
+              f"latency / bound batch by batch: median {np.median(ratios):.2f}, p90 {np.percentile(ratios, 90):.2f}; "
+              f"GPU hit ratio {report['gpu_hit_ratio']:.2%}, total {report['total_hit_ratio']:.2%}")
         if name != "hierarchical":
             print(f"{name} against hierarchical: median of the batch differences "
                   f"{np.median(np.subtract(hier, reports['hierarchical']['batch_latency_ms'])):+.3f} ms")

@@ -321,15 +321,16 @@ class KVCacheManager:
         eviction victims), so that evicting them later writes nothing: their copies run now, alongside the
         step's forward, instead of before the onloads of the step that evicts them. Only users whose full chunks
         are all on host are written back (a tail copied before its chunk's predecessors would be discarded when
-        it completes first); the others wait for a later step."""
-        covered, chunk = 0, self.config.chunk_tokens
+        it completes first); the others wait for a later step. Like the offloads of full chunks, write-backs stop
+        at ``cache.max_pending_offloads`` chunks in flight (admission control)."""
+        covered, chunk, host = 0, self.config.chunk_tokens, self.host
         for user_id, record in self._lru.items():  # least recently used first
-            if covered >= pages:
+            if covered >= pages or host.pending_chunks >= self.config.max_pending_offloads:
                 break
             covered += record.num_pages
             tokens = record.num_tokens
             if tokens > record.host_tokens >= tokens // chunk * chunk and not record.readers:
-                self.host.persist_all(user_id, record, ahead=True)
+                host.persist_all(user_id, record, ahead=True)
 
     def _evict(self, user_id: Hashable, record: UserRecord) -> None:
         del self._lru[user_id]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -84,6 +85,28 @@ def test_write_back_persists_the_next_victims_tail_before_its_eviction():
     kv.end_step()
     assert run(kv, "a", a) == (0, 19)
     assert torch.equal(kv_of(kv, "a", 19), before)
+    kv.check_invariants()
+
+
+def test_write_back_respects_the_cap_on_chunks_in_flight():
+    """Write-backs are admitted like offloads: at most ``max_pending_offloads`` chunks in flight; the rest of the
+    window waits for later steps."""
+    kv = manager(pages=12, max_pending=1)
+    run(kv, "a", hashes(11))  # a full chunk and a 3-token tail each
+    run(kv, "b", hashes(11, 1))
+    for _ in range(3):  # the full chunks go out one a step
+        kv.begin_step()
+        kv.end_step()
+    assert kv.users["a"].host_tokens == kv.users["b"].host_tokens == 8
+    kv.config = msgspec.structs.replace(kv.config, writeback_pages=12)  # both tails in the window
+    kv.begin_step()
+    kv.end_step()
+    assert kv.host.pending_chunks == 1 and kv.stats.written_back_tokens == 3
+    kv.begin_step()
+    kv.end_step()
+    assert kv.stats.written_back_tokens == 6
+    kv.begin_step()
+    assert kv.users["a"].host_tokens == kv.users["b"].host_tokens == 11
     kv.check_invariants()
 
 

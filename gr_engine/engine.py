@@ -239,10 +239,11 @@ class GREngine:
             return self._step_here()
         caller = self._caller_stream()
         self._fence(self._step_stream, caller)
-        with on_stream(self._step_stream, caller):
-            done = self._step_here()
-        self._fence(caller, self._step_stream)
-        return done
+        try:
+            with on_stream(self._step_stream, caller):
+                return self._step_here()
+        finally:
+            self._fence(caller, self._step_stream)  # the caller's later work sees the step's
 
     def _step_here(self) -> list[tuple[RequestState, Output]]:
         t0 = time.perf_counter()

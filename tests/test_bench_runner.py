@@ -155,6 +155,19 @@ def test_batch_bound_ratios_take_each_batchs_own_bound():
     assert batch_bound_ratios({"median_ms": 3.0}, unlimited, 10.0) == []  # results from before per-batch data
 
 
+def test_latency_fit_recovers_intercept_and_rate():
+    """Batches on ``2 ms + bytes / 40 GB/s`` (40 MB: 1 ms) give back 2 ms and 40 GB/s; batches below 20 MB and
+    windows without enough onloading batches are left out."""
+    from gr_engine.bench.report import latency_fit
+
+    onloaded = [0, 10_000_000, 40_000_000, 80_000_000, 200_000_000]
+    hier = {"batch_latency_ms": [9.0, 9.0, 3.0, 4.0, 7.0], "batch_onloaded_bytes": onloaded}
+    intercept, rate = latency_fit(hier)
+    assert intercept == pytest.approx(2.0) and rate == pytest.approx(40.0)
+    assert latency_fit({"batch_latency_ms": [3.0, 4.0], "batch_onloaded_bytes": [40_000_000, 80_000_000]}) is None
+    assert latency_fit({"median_ms": 3.0}) is None
+
+
 def test_steady_state_options_make_the_benchmarks_settings():
     """The diagnostics' shared options: the benchmark's engines with the host pool and modes asked for."""
     from gr_engine.bench.experiments import steady_state_parser, steady_state_settings

@@ -36,6 +36,9 @@ def summarize(result: dict, bs: int = 8) -> dict:
             ratios = batch_bound_ratios(entry, modes["unlimited"]["batch_sizes"][bs], peak)
             if ratios:  # the same bound batch by batch: each batch's latency over its own bound
                 summary["hier_over_batch_bound_bs8"] = float(np.median(ratios))
+        fit = latency_fit(entry)
+        if fit is not None:
+            summary["hier_fit_bs8"] = {"intercept_ms": fit[0], "GBps": fit[1]}
         # Host time of steps 1-7 (DESIGN.md section 3) that is pure CPU work (HOST_PHASES): forward and score also
         # wait for the device. Its median over batches, as for latencies; the mean (heavier batches, e.g. new
         # users' prefills, weigh in) next to it. Intake (validating and hashing arriving requests) comes before
@@ -64,6 +67,22 @@ def batch_bound_ratios(hier: dict, unlimited: dict, peak_GBps: float) -> list[fl
     return [t / max(u, b / (peak_GBps * 1e9) * 1e3) for t, u, b in zip(lat, floor, onloaded, strict=True)]
 
 
+def latency_fit(hier: dict, min_bytes: int = 20_000_000) -> tuple[float, float] | None:
+    """Least squares ``latency = intercept + onloaded bytes / rate`` over the window's batches that onloaded at least
+    ``min_bytes``: ``(intercept ms, rate GB/s)``, the rate being what a batch's onloads cost it per byte (with
+    onloads hidden under the forward it would approach the copy peak); ``None`` with fewer than three such batches,
+    no per-batch data, or no growth with bytes."""
+    lat, onloaded = hier.get("batch_latency_ms"), hier.get("batch_onloaded_bytes")
+    if not lat or not onloaded:
+        return None
+    gb = np.asarray(onloaded, dtype=np.float64) / 1e9
+    keep = gb >= min_bytes / 1e9
+    if keep.sum() < 3:
+        return None
+    slope, intercept = np.polyfit(gb[keep], np.asarray(lat, dtype=np.float64)[keep], 1)  # ms per GB, ms
+    return (float(intercept), float(1e3 / slope)) if slope > 0 else None
+
+
 def markdown(result: dict) -> str:
     """The paper's tables for ``result``."""
     modes = result["modes"]
@@ -88,6 +107,11 @@ def markdown(result: dict) -> str:
                   f"{result['peak_pinned_h2d_GBps']:.1f} GB/s)"
                   + (f"; batch by batch (each batch's latency over its own bound), median {per_batch:.2f}x."
                      if per_batch is not None else ".")]
+    if "hier_fit_bs8" in summary:
+        fit = summary["hier_fit_bs8"]
+        lines += ["", f"Hierarchical batches at BS={max(sizes)} that onloaded at least 20 MB: latency ~ "
+                  f"{fit['intercept_ms']:.2f} ms + bytes / {fit['GBps']:.1f} GB/s (least squares; the rate is what "
+                  "onloads cost a batch per byte)."]
     lines += ["", "Whole-trace hit ratios (policy simulation, same cache code, no model):", ""]
     lines += [f"- {k}: GPU {v['gpu_hit_ratio']:.2%}, total {v['total_hit_ratio']:.2%}"
               for k, v in result["simulated"].items()]

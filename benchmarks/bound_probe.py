@@ -19,7 +19,7 @@ import json
 import numpy as np
 
 from gr_engine.bench.experiments import host_arena, peak_h2d_GBps
-from gr_engine.bench.report import batch_bound_ratios
+from gr_engine.bench.report import batch_bound_ratios, latency_fit
 from gr_engine.bench.runner import BenchRun, BenchSettings, cache_config, unlimited_pages
 from gr_engine.bench.trace import generate_trace
 from gr_engine.config import apply_overrides
@@ -55,6 +55,9 @@ def main() -> None:
         print(f"{name} medians: hierarchical {report['median_ms']:.2f} ms, unlimited {unlimited['median_ms']:.2f} ms; "
               f"latency / bound batch by batch: median {np.median(ratios):.2f}, p90 {np.percentile(ratios, 90):.2f}; "
               f"GPU hit ratio {report['gpu_hit_ratio']:.2%}, total {report['total_hit_ratio']:.2%}")
+        fit = latency_fit(report)
+        if fit is not None:
+            print(f"{name}: latency ~ {fit[0]:.2f} ms + bytes / {fit[1]:.1f} GB/s (batches onloading >= 20 MB)")
         if name != "hierarchical":
             print(f"{name} against hierarchical: median of the batch differences "
                   f"{np.median(np.subtract(hier, reports['hierarchical']['batch_latency_ms'])):+.3f} ms")

@@ -5,13 +5,14 @@
 For each mode, the benchmark's engine in its steady state (the set-up of ``bench_profile.py``: warm-up,
 fast-forward to the middle of the trace, ``--prime`` unmeasured batches), then ``--batches`` batches of 8 under
 ``torch.profiler`` (host and CUDA activity), each batch annotated ``batch``. Writes the Chrome trace
-(``trace_<mode>.json``) and, per batch, when the offload, onload and forward kernels ran, how busy they kept the
+(``trace_<mode>.json.gz``) and, per batch, when the offload, onload and forward kernels ran, how busy they kept the
 GPU and how long onloads and the forward overlapped (``timeline_<mode>.json``, from
 :func:`gr_engine.bench.timeline.batch_timelines`); prints the medians.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -45,7 +46,11 @@ def main() -> None:
             report = run.window(8, 8 * args.batches, prime_batches=0)
         trace_path = out / f"trace_{mode}.json"
         profiler.export_chrome_trace(str(trace_path))
-        rows = batch_timelines(json.loads(trace_path.read_text()), onloaded)
+        text = trace_path.read_text()
+        rows = batch_timelines(json.loads(text), onloaded)
+        with gzip.open(out / f"trace_{mode}.json.gz", "wt") as f:  # tens of MB of host events: kept compressed
+            f.write(text)
+        trace_path.unlink()
         medians = {key: float(np.median([r[key] for r in rows if r.get(key) is not None]))
                    for key in rows[0] if any(r.get(key) is not None for r in rows)}
         (out / f"timeline_{mode}.json").write_text(json.dumps(

@@ -75,4 +75,4 @@ def test_the_timeline_script_runs_the_benchmarks_engine_quickly(tmp_path):
     result = json.loads((tmp_path / "timeline_hierarchical.json").read_text())
     assert result["batches"] == 2 and len(result["rows"]) == 2
     assert all(row["host_ms"] > 0 and row["onloaded_bytes"] >= 0 for row in result["rows"])
-    assert (tmp_path / "trace_hierarchical.json").exists()
+    assert (tmp_path / "trace_hierarchical.json.gz").exists()

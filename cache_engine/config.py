@@ -60,6 +60,9 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             forward leaves. Without it, a layer whose pages have arrived competes for the multiprocessors with
             the next layers' onload blocks, launched before it. (Onloads on a high-priority stream were measured
             slower: ``benchmarks/results/profiles/bound_probe_prioritise_56b3f49.log``.)
+        prefetch: as requests arrive, before they are validated and hashed, start loading the host-resident
+            history of their users who hold no GPU pages (``hierarchical``): the onload then starts about an intake
+            and a scheduling earlier. The request's own verified prefix still decides what is reused.
     """
 
     mode: CacheMode = "hierarchical"
@@ -76,6 +79,7 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     onload_graphs: bool = True
     writeback_pages: int = 0
     prioritise_forward: bool = False
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         if self.writeback_pages < 0:

@@ -248,6 +248,12 @@ class HostTier:
         self._planned, self._planned_slots = [], []
         return events
 
+    def wait_for_onloads(self) -> None:
+        """Block until every onload launched so far has written its pages (before pages an onload may still be
+        writing are given back to the pool; a rare path)."""
+        if self._onloads and self._onloads[-1][0][-1] is not None:
+            self._onloads[-1][0][-1].synchronize()
+
     # ------------------------------------------------------------------ slots
     def cut(self, user: Hashable, record: UserRecord, tokens: int) -> None:
         """Keep only the host copy of the first ``tokens`` tokens."""

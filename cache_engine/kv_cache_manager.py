@@ -14,7 +14,8 @@ a request:
 3. :meth:`KVCacheManager.release` unlocks the record (``recompute`` mode drops it).
 
 Each engine step calls :meth:`begin_step` (apply finished transfers), then :meth:`launch_onloads`
-before the forward pass, and :meth:`end_step` after it (start offloads).
+before the forward pass, and :meth:`end_step` after it (start offloads). With ``cache.prefetch`` the engine calls
+:meth:`prefetch` as requests arrive: users only on host start loading before step 1.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class KVCacheManager:
         # differ), and a completing copy needs no lookup to know whether its record is still current.
         self._generations = itertools.count(1)
         self.stats = CacheStats()
+        self._prefetched: list[Hashable] = []  # users prefetched and not yet acquired or handed back
+        self._prefetch_events: list[torch.cuda.Event | None] | None = None  # the last prefetch's, until a step waits
         self.host: HostTier | None = None
         if config.mode == "hierarchical":
             slot_shape = (num_layers, config.chunk_pages, 2, config.page_size, num_heads, head_dim)
@@ -93,7 +96,54 @@ class KVCacheManager:
         """Start this step's onloads; entry ``l`` is what layer ``l`` must wait for (``None``: nothing)."""
         if self.host is None:
             return [None] * self.pool.kv.shape[0]
-        return self.host.launch_onloads()
+        events = self.host.launch_onloads()
+        if self._prefetch_events is not None:  # recorded in order on one stream: a later onload's events cover it
+            events = self._prefetch_events if events[-1] is None else events
+            self._prefetch_events = None
+        return events
+
+    def prefetch(self, user_ids: Sequence[Hashable]) -> None:
+        """Start loading the host-resident history of users of ``user_ids`` who hold no GPU pages, ahead of their
+        requests' validation (``cache.prefetch``; ``hierarchical`` only). Each such record is locked, holds pages
+        for its host tokens and is counted as a host hit when its request is acquired (the request's verified
+        prefix still decides the reuse); records not acquired by the end of the next step are handed back as
+        GPU-resident. Users without room in the pool, unknown, locked or already on the GPU are skipped."""
+        if self.host is None:
+            return
+        started = False
+        for user_id in user_ids:
+            try:
+                record = self.users.get(user_id)
+            except TypeError:  # an unhashable id: the request's validation reports it
+                continue
+            if record is None or record.locked or record.num_pages or not record.host_tokens:
+                continue
+            need = self.pages_for(record.host_tokens)
+            if need > self.pool.num_free + self._evictable_pages:
+                continue
+            if need > self.pool.num_free:
+                self._evict_until_free(need)
+            self._take_pages(record, need)
+            self.host.plan_onload(record, record.host_tokens)
+            record.num_tokens = record.prefetched = record.host_tokens
+            record.locked = True
+            self.stats.prefetched_tokens += record.host_tokens
+            self.host.lru.touch(user_id, record)
+            self._prefetched.append(user_id)
+            started = True
+        if started:
+            self._prefetch_events = self.host.launch_onloads()
+
+    def hand_back_prefetched(self) -> None:
+        """Unlock the prefetched records no request acquired (their requests failed validation or wait): they stay
+        on the GPU, in the LRU (called at the end of each step, and by the engine when a step schedules nothing)."""
+        for user_id in self._prefetched:
+            record = self.users.get(user_id)
+            if record is not None and record.prefetched:
+                record.locked, record.prefetched = False, 0
+                self._lru.touch(user_id, record)
+                self._evictable_pages += record.num_pages
+        self._prefetched.clear()
 
     def issue_deferred_offloads(self) -> None:
         """Issue the copies to host of the offloads gathered so far (the engine calls this once the step's
@@ -105,6 +155,7 @@ class KVCacheManager:
         """Start offloads of chunks that became full (within the admission cap), and with
         ``cache.writeback_pages`` the write-back of the next eviction victims' tails."""
         if self.host is not None:
+            self.hand_back_prefetched()
             if self.config.writeback_pages and self.config.persist_tails:
                 self._write_back(self.config.writeback_pages)
             self.host.launch_offloads()
@@ -131,11 +182,11 @@ class KVCacheManager:
             ``None`` if the pages cannot be found now (nothing was changed).
         """
         record = self.users.get(user_id)
-        gpu = host = held = 0
+        gpu = host = held = prefetched = 0
         if record is not None:
-            if record.locked:
+            if record.locked and not record.prefetched:
                 raise RuntimeError(f"user {user_id!r} already has a running request")
-            held = record.num_pages
+            held, prefetched = record.num_pages, record.prefetched
             if record.hashed_tokens and self._reuses:
                 reuse = min(self._verified_prefix(record, token_hashes), reuse_limit)
                 gpu = min(reuse, record.num_tokens)
@@ -144,16 +195,16 @@ class KVCacheManager:
         # An unlocked record holding pages is in the LRU (``check_invariants``), so ``held`` tells membership.
         deficit = -(-len(token_hashes) // self.page_size) - held
         if deficit > self.pool.num_free:
-            reclaimable = self._evictable_pages - held if self._evicts else 0
+            reclaimable = self._evictable_pages - (0 if prefetched else held) if self._evicts else 0
             if deficit > self.pool.num_free + reclaimable:
                 return None
 
         if record is None:
             record = self.users[user_id] = UserRecord(generation=next(self._generations))
-        elif held:
+        elif held and not prefetched:
             del self._lru[user_id]
             self._evictable_pages -= held
-        record.locked = True
+        record.locked, record.prefetched = True, 0
         if gpu + host < record.hashed_tokens:
             self._cut(user_id, record, gpu + host, token_hashes)
         if deficit > 0:
@@ -161,8 +212,13 @@ class KVCacheManager:
                 self._evict_until_free(deficit)
             self._take_pages(record, deficit)
         elif deficit < 0:
+            if prefetched:
+                self.host.wait_for_onloads()  # the pages given back may still be being written
             self._drop_pages(record, held + deficit)
-        if host:
+        if prefetched:  # tokens the prefetch brought from host count as host hits
+            moved = min(gpu, prefetched)
+            gpu, host = gpu - moved, moved
+        elif host:
             self.host.plan_onload(record, host)
             record.num_tokens = host
         if self.host is not None and (host or record.host_slots):

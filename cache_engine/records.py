@@ -37,7 +37,9 @@ class UserRecord:
         hash_buffer: uint64 ``[>= ceil(hashed_tokens / page_size)]``; entry ``k < ceil(hashed_tokens /
             page_size)`` hashes the tokens of page ``k`` that are known (see :mod:`cache_engine.prefix_hash`);
             entries beyond are garbage.
-        locked: a running request owns the record.
+        locked: a running request owns the record (or, with ``prefetched``, a request on its way).
+        prefetched: history tokens loaded from host ahead of the user's request (:meth:`~cache_engine.KVCacheManager.
+            prefetch`), until the request acquires the record; 0 otherwise.
         readers: offloads in flight still reading its GPU pages (it cannot be evicted meanwhile).
         generation: changed whenever the cached history is cut back, unique to the record (see
             :class:`~cache_engine.KVCacheManager`) and 0 once the record is deleted (:meth:`retire`);
@@ -52,6 +54,7 @@ class UserRecord:
     hashed_tokens: int = 0
     hash_buffer: np.ndarray = field(default_factory=lambda: _NO_HASHES)
     locked: bool = False
+    prefetched: int = 0
     readers: int = 0
     generation: int = 0
 
@@ -100,5 +103,6 @@ class CacheStats:
     offloaded_bytes: int = 0
     tail_persisted_tokens: int = 0  # tails persisted as their user was evicted
     written_back_tokens: int = 0  # tails persisted ahead of their user's eviction (``cache.writeback_pages``)
+    prefetched_tokens: int = 0  # loaded from host as the user's request arrived (``cache.prefetch``)
     lost_tokens: int = 0
     deferred_offloads: int = 0

@@ -95,6 +95,7 @@ class GREngine:
         if self.device.type == "cuda" and config.cache.prioritise_forward:
             self._step_stream = torch.cuda.Stream(self.device, priority=-1)
             self._caller_stream, self._fence = CurrentStream(self.device), StreamFence()
+        self._prefetch_s = 0.0  # host time of prefetches since the last step (counted in its onload phase)
         self._seq = itertools.count()
         self._in_flight: set[str] = set()
         self._undelivered: list[Output] = []
@@ -184,6 +185,13 @@ class GREngine:
         Candidates and the events not equal to the user's last validated history are value-checked for the
         whole batch at once (:func:`values_valid`); only when that finds a problem are they checked request by
         request, in :func:`parse_request` then :func:`check_events`' order, to say which request fails and why."""
+        if self.config.cache.prefetch and not self.scheduler.num_unfinished:
+            # Before validation, the users of the step to come (the first max_num_seqs requests when nothing else
+            # waits): their onloads then run while the host validates and schedules.
+            t = time.perf_counter()
+            first = requests[:self.config.scheduler.max_num_seqs]
+            self.kv.prefetch([getattr(request, "user_id", None) for request in first])
+            self._prefetch_s += time.perf_counter() - t
         t0 = time.perf_counter()
         added: list[int | RequestError | None] = [None] * len(requests)
         parsed, valid, ids, matches = [], [], set(), []
@@ -253,6 +261,7 @@ class GREngine:
         done = [(state, self._output(state, None, error=reason)) for state, reason in plan.failed]
         chunks = plan.chunks
         if not chunks:
+            self.kv.hand_back_prefetched()  # their pages may be what the waiting requests need
             return done
         phases = {"schedule": time.perf_counter() - t0 - plan.prepare_s - poll_s}
         transferred = (self.kv.stats.onloaded_bytes, self.kv.stats.offloaded_bytes)
@@ -300,7 +309,8 @@ class GREngine:
         """Steps 3-5 and the issue of step 7's copies: returns the step's metadata and its final states, whose
         computation is queued on the device."""
         # Onloads first: the PCIe copies then run while the host builds the step's metadata.
-        layer_ready = self._timed(phases, "onload", self.kv.launch_onloads)
+        prefetch_s, self._prefetch_s = self._prefetch_s, 0.0
+        layer_ready = self._timed(phases, "onload", self.kv.launch_onloads, already=prefetch_s)
         meta = self._timed(phases, "prepare", self.runner.prepare, chunks, already=prepare_s)
         tokens = self._timed(phases, "strip", self.runner.strip, chunks, meta)
         states = self._timed(phases, "forward", self.runner.forward, tokens, meta, layer_ready)

@@ -88,9 +88,9 @@ def test_cached_modes_equal_recompute_over_thousands_of_requests(long_stream, mo
        max_num_seqs=st.integers(1, 6), budget=st.integers(13, 80), slack=st.integers(0, 80),
        mode=st.sampled_from(["gpu_only", "hierarchical"]), chunk_pages=st.integers(1, 5),
        host_chunks=st.integers(0, 40), max_pending=st.integers(1, 4), persist_tails=st.booleans(),
-       writeback_pages=st.sampled_from([0, 0, 5, 30]))
+       writeback_pages=st.sampled_from([0, 0, 5, 30]), prefetch=st.booleans())
 def test_random_configurations_equal_recompute(seed, page_size, max_num_seqs, budget, slack, mode, chunk_pages,
-                                               host_chunks, max_pending, persist_tails, writeback_pages):
+                                               host_chunks, max_pending, persist_tails, writeback_pages, prefetch):
     config = tiny_config(page_size=page_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                          max_history_len=160, chunk_pages=chunk_pages, host_chunks=host_chunks)
     requests = stream(config, num_users=6, visits=8, seed=seed, rewrite_prob=0.1, replay_prob=0.1)
@@ -98,8 +98,28 @@ def test_random_configurations_equal_recompute(seed, page_size, max_num_seqs, bu
     expected = GREngine(with_cache(config, mode="recompute", num_gpu_pages=min_pages)).rank(requests, use_tqdm=False)
     engine = GREngine(with_cache(config, mode=mode, num_gpu_pages=min_pages + slack,
                                  max_pending_offloads=max_pending, persist_tails=persist_tails,
-                                 writeback_pages=writeback_pages))
+                                 writeback_pages=writeback_pages, prefetch=prefetch))
     assert max_diff(engine.rank(requests, use_tqdm=False), expected) <= 1e-5
+    engine.kv.check_invariants()
+
+
+@pytest.mark.parametrize("prefetch,writeback_pages", [(True, 0), (True, 40), (False, 40)])
+def test_prefetch_and_write_back_equal_recompute_over_thousands_of_requests(long_stream, prefetch, writeback_pages):
+    """Users loaded from host as their requests arrive (``prefetch``) and tails written back ahead of evictions
+    (``writeback_pages``), under a small GPU pool: the same scores as recompute, and the prefetch's onloads are
+    counted as host hits."""
+    _, requests, expected = long_stream
+    engine = GREngine(with_cache(tiny_config(max_num_seqs=4, max_num_batched_tokens=96, host_chunks=800),
+                                 mode="hierarchical", num_gpu_pages=160, prefetch=prefetch,
+                                 writeback_pages=writeback_pages))
+    outputs = []
+    for part in np.array_split(np.arange(len(requests)), 40):  # many rank() calls: each one prefetches
+        outputs += engine.rank([requests[i] for i in part], use_tqdm=False)
+    assert max_diff(outputs, expected) <= 1e-5
+    kv = engine.kv.stats
+    assert kv.onloaded_tokens > 0 and engine.stats.host_hit_tokens > 0
+    assert (kv.written_back_tokens > 0) == (writeback_pages > 0)
+    assert (kv.prefetched_tokens > 0) == prefetch
     engine.kv.check_invariants()
 
 

@@ -73,8 +73,8 @@ def test_onload_waits_per_layer_event():
 def test_kernel_onload_engine_equals_copy_engine(host_dtype):
     """The transfer kernels (offloads packed and quantised by one kernel, onloads read from host pages), launched
     eagerly or replayed from CUDA graphs, also with tails written back ahead of evictions (``writeback_pages``) or
-    steps on a high-priority stream (``prioritise_forward``), give exactly the copy engine's scores: the same
-    quantisation and dequantisation."""
+    steps on a high-priority stream (``prioritise_forward``) or users loaded as their requests arrive
+    (``prefetch``), give exactly the copy engine's scores: the same quantisation and dequantisation."""
     config = cuda_config("bfloat16", mode="hierarchical", num_gpu_pages=200, host_dtype=host_dtype)
     requests = stream(config, num_users=30, visits=20, seed=6)
     outputs = {}
@@ -82,18 +82,23 @@ def test_kernel_onload_engine_equals_copy_engine(host_dtype):
                                                         ("kernel", "kernel", False, 0, False),
                                                         ("kernel_graphs", "kernel", True, 0, False),
                                                         ("kernel_graphs_writeback", "kernel", True, 60, False),
-                                                        ("kernel_graphs_forward_first", "kernel", True, 0, True)):
+                                                        ("kernel_graphs_forward_first", "kernel", True, 0, True),
+                                                        ("kernel_graphs_prefetch", "kernel", True, 0, False)):
         engine = GREngine(with_cache(config, onload_engine=engine_name, onload_graphs=graphs,
-                                     writeback_pages=writeback, prioritise_forward=first))
+                                     writeback_pages=writeback, prioritise_forward=first,
+                                     prefetch=name.endswith("prefetch")))
         engine.kv.host.store.wait_until_allocated()
-        outputs[name] = scores(engine.rank(requests, use_tqdm=False))
+        # Closed-loop batches of 8, as the benchmark serves them (each rank() call prefetches, with prefetch).
+        outputs[name] = scores([o for i in range(0, len(requests), 8)
+                                for o in engine.rank(requests[i:i + 8], use_tqdm=False)])
         assert engine.stats.host_hit_tokens > 0
+        assert (engine.kv.stats.prefetched_tokens > 0) == name.endswith("prefetch")
         captured = engine.kv.host.transfer._graphs
         assert (captured is not None and captured.enabled and len(captured._graphs) > 0) == graphs
         engine.close()
         engine.kv.check_invariants()
     assert all(np.array_equal(a, b) for a, b in zip(outputs["kernel"], outputs["copy"]))
-    for name in ("kernel_graphs", "kernel_graphs_writeback", "kernel_graphs_forward_first"):
+    for name in ("kernel_graphs", "kernel_graphs_writeback", "kernel_graphs_forward_first", "kernel_graphs_prefetch"):
         assert all(np.array_equal(a, b) for a, b in zip(outputs[name], outputs["copy"])), name
 
 

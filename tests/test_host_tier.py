@@ -110,6 +110,72 @@ def test_write_back_respects_the_cap_on_chunks_in_flight():
     kv.check_invariants()
 
 
+def evict_everyone(kv: KVCacheManager, seed: int = 9) -> None:
+    """One request that needs the whole pool: every other user leaves the GPU (their KV stays on host)."""
+    run(kv, "x", hashes(kv.pool.num_pages * PS, seed))
+
+
+def test_prefetch_loads_a_returning_user_before_its_request_is_acquired():
+    """``prefetch``: a user only on host gets pages and its onload before its request arrives at acquire; the
+    acquire counts those tokens as host hits and the K/V equals what was written; users unknown or already on the
+    GPU are skipped."""
+    kv = manager(pages=12, host_chunks=16)
+    h = hashes(19)
+    run(kv, "a", h)
+    before = kv_of(kv, "a", 19)
+    evict_everyone(kv)
+    kv.begin_step()
+    assert not kv.users["a"].num_pages and kv.users["a"].host_tokens == 19
+    kv.prefetch(["a", "nobody", "x", ["unhashable"]])
+    record = kv.users["a"]
+    assert record.num_pages == 5 and record.locked and record.prefetched == 19
+    assert not kv.users["x"].prefetched and kv.stats.onloaded_tokens == 19
+    kv.check_invariants()
+    hit = kv.acquire("a", h, 19)
+    assert hit == (0, 19) and not record.prefetched
+    assert kv.launch_onloads() is not None
+    kv.commit("a", 19, h)
+    kv.release("a")
+    kv.end_step()
+    assert torch.equal(kv_of(kv, "a", 19), before)
+    assert run(kv, "a", h) == (19, 0)  # on the GPU now
+    kv.check_invariants()
+
+
+def test_prefetched_user_whose_history_changed_keeps_only_the_verified_prefix():
+    """The prefetch loads the user's whole host copy; the request's history differs after 10 tokens and is shorter:
+    the acquire keeps the verified prefix only, gives back the surplus pages, and the K/V of the prefix is right."""
+    kv = manager(pages=12, host_chunks=16)
+    h = hashes(19)
+    run(kv, "a", h)
+    before = kv_of(kv, "a", 19)
+    evict_everyone(kv)
+    kv.begin_step()
+    kv.prefetch(["a"])
+    changed = hashes(14, seed=5)
+    changed[:8] = h[:8]  # the first two pages (8 tokens) agree
+    hit = kv.acquire("a", changed, 14)
+    assert hit == (0, 8) and kv.users["a"].num_pages == 4
+    kv.launch_onloads()
+    kv.check_invariants()
+    assert torch.equal(kv_of(kv, "a", 8), before[:, :8])
+
+
+def test_prefetched_users_no_request_acquired_are_handed_back_at_the_end_of_the_step():
+    kv = manager(pages=12, host_chunks=16)
+    h = hashes(19)
+    run(kv, "a", h)
+    evict_everyone(kv)
+    kv.begin_step()
+    kv.prefetch(["a"])
+    kv.launch_onloads()
+    kv.end_step()
+    record = kv.users["a"]
+    assert not record.locked and not record.prefetched and record.num_pages == 5
+    kv.check_invariants()
+    assert run(kv, "a", h) == (19, 0)  # a GPU hit: the tokens came from host one step earlier
+
+
 def test_without_tail_persistence_the_tail_is_lost():
     kv = manager(pages=6, persist_tails=False)
     h = hashes(19)

@@ -56,7 +56,7 @@ class KVCacheManager:
         # differ), and a completing copy needs no lookup to know whether its record is still current.
         self._generations = itertools.count(1)
         self.stats = CacheStats()
-        self._prefetched: list[Hashable] = []  # users prefetched and not yet acquired or handed back
+        self._prefetched: set[Hashable] = set()  # users locked by a prefetch, not yet acquired or handed back
         self._prefetch_events: list[torch.cuda.Event | None] | None = None  # the last prefetch's, until a step waits
         self.host: HostTier | None = None
         if config.mode == "hierarchical":
@@ -129,20 +129,20 @@ class KVCacheManager:
             record.locked = True
             self.stats.prefetched_tokens += record.host_tokens
             self.host.lru.touch(user_id, record)
-            self._prefetched.append(user_id)
+            self._prefetched.add(user_id)
             started = True
         if started:
             self._prefetch_events = self.host.launch_onloads()
 
     def hand_back_prefetched(self) -> None:
         """Unlock the prefetched records no request acquired (their requests failed validation or wait): they stay
-        on the GPU, in the LRU (called at the end of each step, and by the engine when a step schedules nothing)."""
+        on the GPU, in the LRU, their prefetched tokens still to be counted as host hits (called at the end of each
+        step, and by the engine when a step schedules nothing)."""
         for user_id in self._prefetched:
-            record = self.users.get(user_id)
-            if record is not None and record.prefetched:
-                record.locked, record.prefetched = False, 0
-                self._lru.touch(user_id, record)
-                self._evictable_pages += record.num_pages
+            record = self.users[user_id]
+            record.locked = False
+            self._lru.touch(user_id, record)
+            self._evictable_pages += record.num_pages
         self._prefetched.clear()
 
     def issue_deferred_offloads(self) -> None:
@@ -183,8 +183,9 @@ class KVCacheManager:
         """
         record = self.users.get(user_id)
         gpu = host = held = prefetched = 0
+        waiting = user_id in self._prefetched  # locked by a prefetch for this request
         if record is not None:
-            if record.locked and not record.prefetched:
+            if record.locked and not waiting:
                 raise RuntimeError(f"user {user_id!r} already has a running request")
             held, prefetched = record.num_pages, record.prefetched
             if record.hashed_tokens and self._reuses:
@@ -195,16 +196,17 @@ class KVCacheManager:
         # An unlocked record holding pages is in the LRU (``check_invariants``), so ``held`` tells membership.
         deficit = -(-len(token_hashes) // self.page_size) - held
         if deficit > self.pool.num_free:
-            reclaimable = self._evictable_pages - (0 if prefetched else held) if self._evicts else 0
+            reclaimable = self._evictable_pages - (0 if waiting else held) if self._evicts else 0
             if deficit > self.pool.num_free + reclaimable:
                 return None
 
         if record is None:
             record = self.users[user_id] = UserRecord(generation=next(self._generations))
-        elif held and not prefetched:
+        elif held and not waiting:
             del self._lru[user_id]
             self._evictable_pages -= held
         record.locked, record.prefetched = True, 0
+        self._prefetched.discard(user_id)
         if gpu + host < record.hashed_tokens:
             self._cut(user_id, record, gpu + host, token_hashes)
         if deficit > 0:
@@ -212,7 +214,7 @@ class KVCacheManager:
                 self._evict_until_free(deficit)
             self._take_pages(record, deficit)
         elif deficit < 0:
-            if prefetched:
+            if waiting:
                 self.host.wait_for_onloads()  # the pages given back may still be being written
             self._drop_pages(record, held + deficit)
         if prefetched:  # tokens the prefetch brought from host count as host hits

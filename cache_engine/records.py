@@ -37,9 +37,10 @@ class UserRecord:
         hash_buffer: uint64 ``[>= ceil(hashed_tokens / page_size)]``; entry ``k < ceil(hashed_tokens /
             page_size)`` hashes the tokens of page ``k`` that are known (see :mod:`cache_engine.prefix_hash`);
             entries beyond are garbage.
-        locked: a running request owns the record (or, with ``prefetched``, a request on its way).
-        prefetched: history tokens loaded from host ahead of the user's request (:meth:`~cache_engine.KVCacheManager.
-            prefetch`), until the request acquires the record; 0 otherwise.
+        locked: a running request owns the record (or a request on its way: see
+            :meth:`~cache_engine.KVCacheManager.prefetch`).
+        prefetched: history tokens loaded from host ahead of the user's next request (:meth:`~cache_engine.
+            KVCacheManager.prefetch`), counted as host hits when that request acquires the record; 0 otherwise.
         readers: offloads in flight still reading its GPU pages (it cannot be evicted meanwhile).
         generation: changed whenever the cached history is cut back, unique to the record (see
             :class:`~cache_engine.KVCacheManager`) and 0 once the record is deleted (:meth:`retire`);
@@ -71,7 +72,7 @@ class UserRecord:
     def forget_pages(self) -> None:
         """Hold no pages (the caller has given them back), releasing the buffer's memory."""
         self.page_buffer = _NO_PAGES
-        self.num_pages = 0
+        self.num_pages = self.prefetched = 0
 
 
 _NO_PAGES = np.zeros(0, dtype=np.int32)  # shared by records without pages: capacity 0, so never written

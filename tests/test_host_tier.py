@@ -162,6 +162,8 @@ def test_prefetched_user_whose_history_changed_keeps_only_the_verified_prefix():
 
 
 def test_prefetched_users_no_request_acquired_are_handed_back_at_the_end_of_the_step():
+    """A prefetched record whose request did not come is unlocked into the LRU at the end of the step; its tokens
+    still count as host hits when the request comes later, and not once its pages are gone."""
     kv = manager(pages=12, host_chunks=16)
     h = hashes(19)
     run(kv, "a", h)
@@ -171,9 +173,21 @@ def test_prefetched_users_no_request_acquired_are_handed_back_at_the_end_of_the_
     kv.launch_onloads()
     kv.end_step()
     record = kv.users["a"]
-    assert not record.locked and not record.prefetched and record.num_pages == 5
+    assert not record.locked and record.prefetched == 19 and record.num_pages == 5
     kv.check_invariants()
-    assert run(kv, "a", h) == (19, 0)  # a GPU hit: the tokens came from host one step earlier
+    assert run(kv, "a", h) == (0, 19)  # loaded from host one step earlier: host hits
+    assert run(kv, "a", h) == (19, 0)  # then GPU hits
+    kv.begin_step()
+    kv.prefetch(["a"])  # on the GPU already: nothing to do
+    kv.end_step()
+    evict_everyone(kv)
+    kv.begin_step()
+    kv.prefetch(["a"])
+    kv.end_step()  # handed back again, then evicted with its pages: its prefetch no longer counts
+    evict_everyone(kv, seed=10)
+    assert not kv.users["a"].num_pages and not kv.users["a"].prefetched
+    assert run(kv, "a", h) == (0, 19)  # loaded by its own acquire
+    kv.check_invariants()
 
 
 def test_without_tail_persistence_the_tail_is_lost():

@@ -1,7 +1,7 @@
 """Hierarchical batches against their bound, batch by batch (a diagnostic for ``gr-engine bench``'s
 ``hier_over_bound_bs8``).
 
-    python benchmarks/bound_probe.py [--batch 8] [--variant onload_graphs=false] [--out probe.json]
+    python benchmarks/bound_probe.py [--batch 8] [--variant onload_graphs=false] [--out probe.json] [--quick]
 
 Runs the benchmark's hierarchical and unlimited engines over the benchmark's own measured windows at one batch
 size (the same batches in both, in the same order) and prints, for each batch: its latency in both modes, the
@@ -20,7 +20,7 @@ import numpy as np
 
 from gr_engine.bench.experiments import host_arena, peak_h2d_GBps
 from gr_engine.bench.report import batch_bound_ratios, latency_fit
-from gr_engine.bench.runner import BenchRun, BenchSettings, cache_config, unlimited_pages
+from gr_engine.bench.runner import BenchRun, BenchSettings, cache_config, quick_settings, unlimited_pages
 from gr_engine.bench.trace import generate_trace
 from gr_engine.config import apply_overrides
 
@@ -31,10 +31,13 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                         help="also measure hierarchical batches with these cache fields changed (repeatable)")
     parser.add_argument("--out", help="write the window reports here (JSON)")
+    parser.add_argument("--quick", action="store_true", help="the tests' CPU-sized settings (no bound off CUDA)")
     args = parser.parse_args()
-    settings = BenchSettings(simulation_workers=0)
+    settings = quick_settings() if args.quick else BenchSettings(simulation_workers=0)
     trace = generate_trace(settings.trace)
     peak = peak_h2d_GBps(settings.device)  # before the host arena and the engines: nothing else on the machine
+    # Off CUDA there is no copy peak: every batch's bound is then its unlimited latency.
+    bound_peak = peak if peak is not None else float("inf")
     arena = host_arena(settings)
     reports = {}
     variants = [(v, "hierarchical", apply_overrides({}, v.split(","))) for v in args.variant]
@@ -48,8 +51,8 @@ def main() -> None:
     for name, _, _ in runs:
         report = reports[name]
         hier, onloaded = report["batch_latency_ms"], report["batch_onloaded_bytes"]
-        ratios = batch_bound_ratios(report, unlimited, peak)
-        print(f"{name}: peak {peak:.1f} GB/s; batch: hierarchical ms, unlimited ms, onloaded MB, latency / bound")
+        ratios = batch_bound_ratios(report, unlimited, bound_peak)
+        print(f"{name}: peak {bound_peak:.1f} GB/s; batch: hierarchical ms, unlimited ms, onloaded MB, latency / bound")
         for i, row in enumerate(zip(hier, unlimited["batch_latency_ms"], onloaded, ratios, strict=True)):
             print(f"{i:3d} {row[0]:7.2f} {row[1]:6.2f} {row[2] / 1e6:8.1f} {row[3]:5.2f}")
         print(f"{name} medians: hierarchical {report['median_ms']:.2f} ms, unlimited {unlimited['median_ms']:.2f} ms; "

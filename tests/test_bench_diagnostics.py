@@ -1,5 +1,6 @@
-"""Per-batch device timelines (:mod:`gr_engine.bench.timeline`) from a hand-made Chrome trace, and from a real
-``torch.profiler`` trace of CPU work (the annotation and event format the GPU runs produce)."""
+"""The benchmark's diagnostics: per-batch device timelines (:mod:`gr_engine.bench.timeline`) from a hand-made
+Chrome trace and from a real ``torch.profiler`` trace of CPU work (the annotation and event format the GPU runs
+produce), and the scripts ``benchmarks/batch_timeline.py`` and ``benchmarks/bound_probe.py`` run on CPU."""
 
 from __future__ import annotations
 
@@ -76,3 +77,17 @@ def test_the_timeline_script_runs_the_benchmarks_engine_quickly(tmp_path):
     assert result["batches"] == 2 and len(result["rows"]) == 2
     assert all(row["host_ms"] > 0 and row["onloaded_bytes"] >= 0 for row in result["rows"])
     assert (tmp_path / "trace_hierarchical.json.gz").exists()
+
+
+def test_the_bound_probe_runs_its_variants_quickly(tmp_path):
+    """``benchmarks/bound_probe.py --quick``: the hierarchical engine, a variant with cache fields changed and the
+    unlimited engine over the same batches, on CPU (the GPU sessions' A/B command must not fail on a typo)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bound_probe.py"
+    out = tmp_path / "probe.json"
+    run = subprocess.run([sys.executable, str(script), "--quick", "--variant", "prefetch=true,writeback_pages=20",
+                          "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "prefetch=true,writeback_pages=20 against hierarchical" in run.stdout
+    reports = json.loads(out.read_text())
+    assert {"hierarchical", "prefetch=true,writeback_pages=20", "unlimited"} <= set(reports)
+    assert len(reports["hierarchical"]["batch_latency_ms"]) == len(reports["unlimited"]["batch_latency_ms"]) > 0

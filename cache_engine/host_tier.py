@@ -187,6 +187,23 @@ class HostTier:
                 self.stats.tail_persisted_tokens += end - chunk * size
         return added or bool(in_flight)
 
+    def write_back(self, records: Iterable[tuple[Hashable, UserRecord]], pages: int) -> None:
+        """Persist the un-persisted tails of the first users of ``records`` (the GPU LRU's, least recently used
+        first) that hold ``pages`` GPU pages, the next eviction victims, so that evicting them later writes nothing:
+        their copies run now, alongside the step's forward, instead of before the onloads of the step that evicts
+        them (``cache.writeback_pages``). Only users whose full chunks are all on host are written back (a tail
+        copied before its chunk's predecessors would be discarded when it completes first); the others wait for a
+        later step. Like the offloads of full chunks, write-backs stop at ``cache.max_pending_offloads`` chunks in
+        flight."""
+        covered, chunk = 0, self.chunk
+        for user, record in records:
+            if covered >= pages or self.pending_chunks >= self.config.max_pending_offloads:
+                break
+            covered += record.num_pages
+            tokens = record.num_tokens
+            if tokens > record.host_tokens >= tokens // chunk * chunk and not record.readers:
+                self.persist_all(user, record, ahead=True)
+
     def _add(self, user: Hashable, record: UserRecord, chunk: int, end: int, slot: int) -> None:
         """Decide to copy tokens ``[chunk * chunk_tokens, end)`` of ``record`` into ``slot``; its pages are
         resolved now (they may be handed to another user right after)."""

@@ -157,7 +157,7 @@ class KVCacheManager:
         if self.host is not None:
             self.hand_back_prefetched()
             if self.config.writeback_pages and self.config.persist_tails:
-                self._write_back(self.config.writeback_pages)
+                self.host.write_back(self._lru.items(), self.config.writeback_pages)
             self.host.launch_offloads()
 
     def close(self) -> None:
@@ -373,22 +373,6 @@ class KVCacheManager:
                     break  # the LRU changed: walk it again from the start
             else:  # only users whose pages are still being gathered: let that finish
                 self.host.poll(wait=True)
-
-    def _write_back(self, pages: int) -> None:
-        """Persist the un-persisted tails of the least recently used users holding ``pages`` pages (the next
-        eviction victims), so that evicting them later writes nothing: their copies run now, alongside the
-        step's forward, instead of before the onloads of the step that evicts them. Only users whose full chunks
-        are all on host are written back (a tail copied before its chunk's predecessors would be discarded when
-        it completes first); the others wait for a later step. Like the offloads of full chunks, write-backs stop
-        at ``cache.max_pending_offloads`` chunks in flight (admission control)."""
-        covered, chunk, host = 0, self.config.chunk_tokens, self.host
-        for user_id, record in self._lru.items():  # least recently used first
-            if covered >= pages or host.pending_chunks >= self.config.max_pending_offloads:
-                break
-            covered += record.num_pages
-            tokens = record.num_tokens
-            if tokens > record.host_tokens >= tokens // chunk * chunk and not record.readers:
-                host.persist_all(user_id, record, ahead=True)
 
     def _evict(self, user_id: Hashable, record: UserRecord) -> None:
         del self._lru[user_id]

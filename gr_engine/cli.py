@@ -77,6 +77,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         changes["host_budget_bytes"] = int(args.host_budget_gib * 2**30)
     if args.users is not None:
         changes["trace"] = dataclasses.replace(settings.trace, num_users=args.users)
+    if args.cache:
+        from cache_engine import CacheConfig
+
+        from .config import apply_overrides
+
+        try:
+            cache = apply_overrides({}, args.cache)
+            msgspec.convert(cache, CacheConfig)  # unknown fields and bad values fail here, before any engine exists
+        except (msgspec.ValidationError, ValueError) as exc:
+            print(f"gr-engine bench: invalid --cache: {exc}", file=sys.stderr)
+            return 2
+        changes["cache"] = tuple(cache.items())
     settings = dataclasses.replace(settings, **changes)
     if args.calibrate:  # the trace's calibration check: gpu_only hit ratios over three seeds (CPU, seconds)
         from .bench.runner import cache_config
@@ -97,7 +109,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     result = run_benchmark(settings, echo=lambda line: print(line, file=sys.stderr), checkpoint=checkpoint)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     result["commit"] = args.commit or commit.stdout.strip() or "unknown"
-    result["command"] = "gr-engine bench " + " ".join(sys.argv[2:])
+    result["command"] = "gr-engine " + " ".join(args.argv)
     import torch
 
     result["gpu"] = torch.cuda.get_device_name() if settings.device.startswith("cuda") else "cpu"
@@ -144,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--host-dtype", choices=["kv", "float8_e4m3fn"], help="host chunk dtype (default float8_e4m3fn)")
     bench.add_argument("--onload-engine", choices=["copy", "kernel"],
                        help="how host chunks reach GPU pages (default kernel; see cache.onload_engine)")
+    bench.add_argument("--cache", action="append", default=[], metavar="KEY=VALUE",
+                       help="set a cache field for every engine (repeatable), e.g. --cache prefetch=true")
     bench.add_argument("--commit", help="commit id to record (when the checkout has no .git)")
     bench.add_argument("--calibrate", action="store_true",
                        help="only check the trace's calibration: gpu_only hit ratios by policy simulation (CPU)")
@@ -158,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run ``gr-engine`` with ``argv`` (default: the process's arguments); returns the exit status."""
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: the benchmark records its command
     try:
         return args.run(args)
     except (ValueError, OSError, ImportError) as exc:

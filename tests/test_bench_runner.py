@@ -50,6 +50,33 @@ def test_quick_bench_writes_reports(tmp_path, capsys):
     assert "speedup_bs8" in capsys.readouterr().out
 
 
+def test_bench_sets_cache_fields_for_every_engine(tmp_path, capsys, monkeypatch):
+    """``--cache KEY=VALUE``: every engine of the run gets the field (the command records it); an unknown field
+    or a bad value is refused before anything runs."""
+    from gr_engine.bench import runner
+    from gr_engine.cli import main
+
+    seen = []
+    build = runner.cache_config
+
+    def recording(settings, mode, **changes):
+        config = build(settings, mode, **changes)
+        seen.append(config)
+        return config
+
+    monkeypatch.setattr(runner, "cache_config", recording)
+    monkeypatch.setattr("gr_engine.bench.experiments.cache_config", recording)
+    assert main(["bench", "--quick", "--out", str(tmp_path), "--cache", "prefetch=true",
+                 "--cache", "writeback_pages=20"]) == 0
+    assert seen and all(c.prefetch and c.writeback_pages == 20 for c in seen)
+    assert "--cache prefetch=true" in json.loads((tmp_path / "summary.json").read_text())["command"]
+    capsys.readouterr()
+    for bad in ("bogus=1", "prefetch=maybe", "writeback_pages=-3"):
+        assert main(["bench", "--quick", "--out", str(tmp_path / "x"), "--cache", bad]) == 2
+        assert "invalid --cache" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
 def test_simulations_in_worker_processes_equal_inline():
     from gr_engine.bench.runner import cache_config, quick_settings
     from gr_engine.bench.simulate import Simulations

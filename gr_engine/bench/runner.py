@@ -69,6 +69,7 @@ class BenchSettings:
     host_budget_bytes: int = 64 * 2**30
     host_dtype: str = "float8_e4m3fn"  # half the PCIe bytes; the score drift it causes is measured
     onload_engine: str = "kernel"
+    cache: tuple[tuple[str, object], ...] = ()  # other cache fields, set for every engine (``--cache KEY=VALUE``)
     max_batched_tokens: int = 163_840  # a batch of 8 whole histories (up to 20,000 events) in one step
     window_requests: int = 240
     window_strata: int = 10
@@ -327,6 +328,7 @@ def cache_config(settings: BenchSettings, mode: str, **changes: object) -> Cache
     fields = dict(mode=mode, page_size=settings.page_size, num_gpu_pages=settings.gpu_pages,
                   chunk_tokens=settings.chunk_tokens, host_budget_bytes=settings.host_budget_bytes,
                   host_dtype=settings.host_dtype, onload_engine=settings.onload_engine)
+    fields.update(settings.cache)
     fields.update(changes)
     return CacheConfig(**fields)
 

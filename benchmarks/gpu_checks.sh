@@ -15,5 +15,5 @@ tail -2 "$out/gpu_tests.log"
 timeout 270 python -m pytest -q -ra tests/test_offload_kernel.py tests/test_onload_kernel.py \
     tests/test_hstu_triton_device_plan.py -p no:cacheprovider > "$out/kernel_tests.log" 2>&1
 tail -2 "$out/kernel_tests.log"
-timeout 150 python benchmarks/cache_bench.py --out "$out/cache_bench.json" --commit "$commit" > "$out/cache_bench.log" 2>&1
+timeout 200 python benchmarks/cache_bench.py --out "$out/cache_bench.json" --commit "$commit" > "$out/cache_bench.log" 2>&1
 echo "cache_bench exit $?"

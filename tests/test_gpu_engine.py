@@ -102,10 +102,12 @@ def test_kernel_onload_engine_equals_copy_engine(host_dtype):
         assert all(np.array_equal(a, b) for a, b in zip(outputs[name], outputs["copy"])), name
 
 
-def test_forward_graph_waits_for_slow_onloads(monkeypatch):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_forward_graph_waits_for_slow_onloads(monkeypatch, prefetch):
     """With onloads replayed from graphs and the forward from per-layer graphs, every onload held back ~10 ms on the
     device (the forward would read pages not loaded yet if a wait were missing): scores still equal the copy engine's
-    exactly."""
+    exactly. With ``prefetch``, served in closed-loop batches of 8, the onloads launched as requests arrive are the
+    ones held back: the step's forward must wait for their events."""
     from cache_engine.onload_graphs import OnloadGraphs
 
     config = tiny_config(mode="hierarchical", num_gpu_pages=50, page_size=16, max_num_seqs=8,
@@ -125,9 +127,13 @@ def test_forward_graph_waits_for_slow_onloads(monkeypatch):
         return replay(self, *args)
 
     monkeypatch.setattr(OnloadGraphs, "replay", slow_replay)
-    engine = GREngine(with_cache(config, onload_engine="kernel", onload_graphs=True))
+    engine = GREngine(with_cache(config, onload_engine="kernel", onload_graphs=True, prefetch=prefetch))
     engine.kv.host.store.wait_until_allocated()
-    got = scores(engine.rank(requests, use_tqdm=False))
+    if prefetch:
+        got = scores([o for i in range(0, len(requests), 8) for o in engine.rank(requests[i:i + 8], use_tqdm=False)])
+        assert engine.kv.stats.prefetched_tokens > 0
+    else:
+        got = scores(engine.rank(requests, use_tqdm=False))
     assert engine.stats.host_hit_tokens > 0
     step_graphs = engine.runner.graphs
     assert step_graphs.enabled and any(not whole for _, _, whole in step_graphs._graphs)  # per-layer graphs replayed

@@ -116,9 +116,15 @@ def test_forward_graph_waits_for_slow_onloads(monkeypatch, prefetch):
     # hstu_triton (pages of 16 tokens): replayable, small steps run from graphs
     config = msgspec.structs.replace(config, device="cuda", attention_backend="hstu_triton")
     requests = stream(config, num_users=20, visits=8, seed=7)
+
+    def serve(engine):  # with prefetch, closed-loop batches of 8 (each rank() call prefetches); both engines alike
+        if not prefetch:
+            return scores(engine.rank(requests, use_tqdm=False))
+        return scores([o for i in range(0, len(requests), 8) for o in engine.rank(requests[i:i + 8], use_tqdm=False)])
+
     expected_engine = GREngine(with_cache(config, onload_engine="copy"))
     expected_engine.kv.host.store.wait_until_allocated()
-    expected = scores(expected_engine.rank(requests, use_tqdm=False))
+    expected = serve(expected_engine)
     expected_engine.close()
     replay = OnloadGraphs.replay
 
@@ -129,11 +135,8 @@ def test_forward_graph_waits_for_slow_onloads(monkeypatch, prefetch):
     monkeypatch.setattr(OnloadGraphs, "replay", slow_replay)
     engine = GREngine(with_cache(config, onload_engine="kernel", onload_graphs=True, prefetch=prefetch))
     engine.kv.host.store.wait_until_allocated()
-    if prefetch:
-        got = scores([o for i in range(0, len(requests), 8) for o in engine.rank(requests[i:i + 8], use_tqdm=False)])
-        assert engine.kv.stats.prefetched_tokens > 0
-    else:
-        got = scores(engine.rank(requests, use_tqdm=False))
+    got = serve(engine)
+    assert (engine.kv.stats.prefetched_tokens > 0) == prefetch
     assert engine.stats.host_hit_tokens > 0
     step_graphs = engine.runner.graphs
     assert step_graphs.enabled and any(not whole for _, _, whole in step_graphs._graphs)  # per-layer graphs replayed

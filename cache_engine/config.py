@@ -49,11 +49,11 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             about a dozen and a copy per chunk. On CPU both are synchronous copies.
         onload_graphs: with the ``kernel`` engine on CUDA, replay each step's per-layer onload launches from a
             CUDA graph (:mod:`cache_engine.onload_graphs`): one launch for the host instead of one per layer.
-        writeback_pages: at the end of each step, persist the tails (and any un-persisted chunks) of the least
-            recently used users holding this many GPU pages, the next eviction victims (``hierarchical`` with
-            ``persist_tails``; 0: off). Evicting them later then writes nothing: without it, a victim's tail
-            crosses PCIe to host before the onloads into its pages may start. Costs host slots and PCIe writes
-            for users who return before they are evicted.
+        writeback_pages: at the end of each step, persist the tails of the least recently used users holding
+            this many GPU pages, the next eviction victims (``hierarchical`` with ``persist_tails``; 0: off; users
+            whose full chunks are not all on host yet wait for a later step). Evicting them later then writes
+            nothing: without it, a victim's tail crosses PCIe to host before the onloads into its pages may start.
+            Costs PCIe writes for users who return before they are evicted (their tails are written again later).
         prioritise_forward: on CUDA, the engine runs each step on its own stream of high CUDA priority (then
             the caller's stream waits for it), so the block scheduler starts the forward's kernels ahead of the
             queued blocks of onload kernels, which run at the default priority and fill the multiprocessors the

@@ -118,16 +118,17 @@ class KVCacheManager:
                 continue
             if record is None or record.locked or record.num_pages or not record.host_tokens:
                 continue
-            need = self.pages_for(record.host_tokens)
+            tokens = record.host_tokens  # evicting may complete copies to host: its host tokens may grow meanwhile
+            need = self.pages_for(tokens)
             if need > self.pool.num_free + self._evictable_pages:
                 continue
+            record.locked = True  # before evicting others: the host LRU must not drop this copy meanwhile
             if need > self.pool.num_free:
                 self._evict_until_free(need)
             self._take_pages(record, need)
-            self.host.plan_onload(record, record.host_tokens)
-            record.num_tokens = record.prefetched = record.host_tokens
-            record.locked = True
-            self.stats.prefetched_tokens += record.host_tokens
+            self.host.plan_onload(record, tokens)
+            record.num_tokens = record.prefetched = tokens
+            self.stats.prefetched_tokens += tokens
             self.host.lru.touch(user_id, record)
             self._prefetched.add(user_id)
             started = True

@@ -123,6 +123,24 @@ def test_prefetch_and_write_back_equal_recompute_over_thousands_of_requests(long
     engine.kv.check_invariants()
 
 
+def test_generate_with_prefetch_and_write_back_equals_recompute():
+    """``generate`` (the last history token always recomputed) in calls of four requests, each prefetching, with
+    write-back under a small pool: evictions that wait for copies in flight (completing a prefetched user's own
+    tail) happen, and the prefetched pages must match what was loaded."""
+    config = tiny_config(max_num_seqs=4, host_chunks=400)
+    requests = [r for r in stream(config, 30, 10, seed=3) if len(r.item_ids) > 0]
+    params = GenerateParams(top_k=7)
+    expected = GREngine(with_cache(config, mode="recompute")).generate(requests, params, use_tqdm=False)
+    engine = GREngine(with_cache(config, mode="hierarchical", num_gpu_pages=130, prefetch=True, writeback_pages=10))
+    outputs = [o for i in range(0, len(requests), 4) for o in engine.generate(requests[i:i + 4], params,
+                                                                              use_tqdm=False)]
+    for out, ref in zip(outputs, expected, strict=True):
+        assert out.error is None and out.item_ids == ref.item_ids
+        np.testing.assert_allclose(out.scores, ref.scores, atol=1e-5, rtol=0)
+    assert engine.kv.stats.prefetched_tokens > 0 and engine.kv.stats.written_back_tokens > 0
+    engine.kv.check_invariants()
+
+
 def test_generate_equals_recompute():
     config = tiny_config(max_num_seqs=4)
     requests = [r for r in stream(config, 20, 10, seed=3) if len(r.item_ids) > 0]

@@ -95,7 +95,9 @@ class GREngine:
         if self.device.type == "cuda" and config.cache.prioritise_forward:
             self._step_stream = torch.cuda.Stream(self.device, priority=-1)
             self._caller_stream, self._fence = CurrentStream(self.device), StreamFence()
-        self._prefetch_s = 0.0  # host time of prefetches since the last step (counted in its onload phase)
+        # Prefetches since the last step: their host time (counted in its onload phase) and the bytes they moved
+        # (counted in its metrics), (onloaded, offloaded).
+        self._prefetch_s, self._prefetch_bytes = 0.0, (0, 0)
         self._seq = itertools.count()
         self._in_flight: set[str] = set()
         self._undelivered: list[Output] = []
@@ -188,10 +190,12 @@ class GREngine:
         if self.config.cache.prefetch and not self.scheduler.num_unfinished:
             # Before validation, the users of the step to come (the first max_num_seqs requests when nothing else
             # waits): their onloads then run while the host validates and schedules.
-            t = time.perf_counter()
+            t, moved = time.perf_counter(), (self.kv.stats.onloaded_bytes, self.kv.stats.offloaded_bytes)
             first = requests[:self.config.scheduler.max_num_seqs]
             self.kv.prefetch([getattr(request, "user_id", None) for request in first])
             self._prefetch_s += time.perf_counter() - t
+            self._prefetch_bytes = (self._prefetch_bytes[0] + self.kv.stats.onloaded_bytes - moved[0],
+                                    self._prefetch_bytes[1] + self.kv.stats.offloaded_bytes - moved[1])
         t0 = time.perf_counter()
         added: list[int | RequestError | None] = [None] * len(requests)
         parsed, valid, ids, matches = [], [], set(), []
@@ -254,6 +258,9 @@ class GREngine:
             self._fence(caller, self._step_stream)  # the caller's later work sees the step's
 
     def _step_here(self) -> list[tuple[RequestState, Output]]:
+        # Bytes this step moves: from here on (acquires plan onloads and persist evicted tails), plus its prefetches'.
+        prefetched = self._prefetch_bytes
+        transferred = (self.kv.stats.onloaded_bytes - prefetched[0], self.kv.stats.offloaded_bytes - prefetched[1])
         t0 = time.perf_counter()
         self.kv.begin_step()
         poll_s = time.perf_counter() - t0
@@ -263,8 +270,8 @@ class GREngine:
         if not chunks:
             self.kv.hand_back_prefetched()  # their pages may be what the waiting requests need
             return done
+        self._prefetch_bytes = (0, 0)  # counted in this step's metrics
         phases = {"schedule": time.perf_counter() - t0 - plan.prepare_s - poll_s}
-        transferred = (self.kv.stats.onloaded_bytes, self.kv.stats.offloaded_bytes)
         try:
             meta, states = self._launch(chunks, phases, plan.prepare_s + poll_s)
         except Exception as exc:  # never crash the caller: retry batch-mates alone, fail the culprit

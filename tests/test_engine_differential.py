@@ -120,6 +120,8 @@ def test_prefetch_and_write_back_equal_recompute_over_thousands_of_requests(long
     assert kv.onloaded_tokens > 0 and engine.stats.host_hit_tokens > 0
     assert (kv.written_back_tokens > 0) == (writeback_pages > 0)
     assert (kv.prefetched_tokens > 0) == prefetch
+    # every byte moved, prefetches' included, is in some step's metrics
+    assert engine.stats.onloaded_bytes == kv.onloaded_bytes and engine.stats.offloaded_bytes == kv.offloaded_bytes
     engine.kv.check_invariants()
 
 

@@ -243,6 +243,8 @@ class GREngine:
             self._in_flight.add(request.request_id)
             self.scheduler.add(state)
             added[i] = state.seq_id
+        if not self.scheduler.num_unfinished:  # every request was refused: no step will hand prefetches back
+            self.kv.hand_back_prefetched()
         return added
 
     def _step(self) -> list[tuple[RequestState, Output]]:

@@ -143,6 +143,25 @@ def test_generate_with_prefetch_and_write_back_equals_recompute():
     engine.kv.check_invariants()
 
 
+def test_a_prefetched_user_whose_requests_are_all_refused_is_not_left_locked():
+    """The prefetch runs before validation: when every request of the call is refused, no step follows, and the
+    prefetched record is handed back at once (not left locked, holding pages nobody may evict)."""
+    config = tiny_config(max_num_seqs=4, host_chunks=400)
+    engine = GREngine(with_cache(config, mode="hierarchical", num_gpu_pages=60, prefetch=True))
+    requests = stream(config, num_users=6, visits=3, seed=2)
+    engine.rank(requests, use_tqdm=False)
+    on_host = [u for u, r in engine.kv.users.items() if r.host_tokens and not r.num_pages]
+    assert on_host
+    user = on_host[0]
+    bad = next(r for r in requests if r.user_id == user)
+    bad = msgspec.structs.replace(bad, request_id="refused", candidate_item_ids=np.array([-5]))
+    out, = engine.rank([bad], use_tqdm=False)
+    assert out.error is not None and engine.kv.stats.prefetched_tokens > 0
+    record = engine.kv.users[user]
+    assert record.num_pages and not record.locked
+    engine.kv.check_invariants()
+
+
 def test_generate_equals_recompute():
     config = tiny_config(max_num_seqs=4)
     requests = [r for r in stream(config, 20, 10, seed=3) if len(r.item_ids) > 0]

@@ -102,20 +102,26 @@ class KVCacheManager:
             self._prefetch_events = None
         return events
 
-    def prefetch(self, user_ids: Sequence[Hashable]) -> None:
-        """Start loading the host-resident history of users of ``user_ids`` who hold no GPU pages, ahead of their
-        requests' validation (``cache.prefetch``; ``hierarchical`` only). Each such record is locked, holds pages
-        for its host tokens and is counted as a host hit when its request is acquired (the request's verified
-        prefix still decides the reuse); records not acquired by the end of the next step are handed back as
-        GPU-resident. Users without room in the pool, unknown, locked or already on the GPU are skipped."""
+    def prefetch(self, user_ids: Sequence[Hashable], count: int | None = None) -> None:
+        """Start loading the host-resident history of the first ``count`` (default: all) users of ``user_ids`` who
+        hold no GPU pages, ahead of their requests' validation (``cache.prefetch``; ``hierarchical`` only); all of
+        ``user_ids`` become the most recently used, so that the evictions making room take other users. Each record
+        loaded is locked, holds pages for its host tokens and is counted as a host hit when its request is acquired
+        (the request's verified prefix still decides the reuse); records not acquired by the end of the next step
+        are handed back as GPU-resident. Users without room in the pool, unknown, locked or on the GPU are skipped."""
         if self.host is None:
             return
-        started = False
+        users = []
         for user_id in user_ids:
             try:
-                record = self.users.get(user_id)
+                if user_id in self._lru:  # about to be used: the evictions below must take other users first
+                    self._lru.move_to_end(user_id)
             except TypeError:  # an unhashable id: the request's validation reports it
                 continue
+            users.append(user_id)
+        started = False
+        for user_id in users[:count]:
+            record = self.users.get(user_id)
             if record is None or record.locked or record.num_pages or not record.host_tokens:
                 continue
             tokens = record.host_tokens  # evicting may complete copies to host: its host tokens may grow meanwhile

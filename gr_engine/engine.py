@@ -188,11 +188,11 @@ class GREngine:
         whole batch at once (:func:`values_valid`); only when that finds a problem are they checked request by
         request, in :func:`parse_request` then :func:`check_events`' order, to say which request fails and why."""
         if self.config.cache.prefetch and not self.scheduler.num_unfinished:
-            # Before validation, the users of the step to come (the first max_num_seqs requests when nothing else
-            # waits): their onloads then run while the host validates and schedules.
+            # Before validation, the users of the step to come: their onloads then run while the host validates and
+            # schedules.
             t, moved = time.perf_counter(), (self.kv.stats.onloaded_bytes, self.kv.stats.offloaded_bytes)
-            first = requests[:self.config.scheduler.max_num_seqs]
-            self.kv.prefetch([getattr(request, "user_id", None) for request in first])
+            users = [getattr(request, "user_id", None) for request in requests]
+            self.kv.prefetch(users, self._next_step_size(requests))
             self._prefetch_s += time.perf_counter() - t
             self._prefetch_bytes = (self._prefetch_bytes[0] + self.kv.stats.onloaded_bytes - moved[0],
                                     self._prefetch_bytes[1] + self.kv.stats.offloaded_bytes - moved[1])
@@ -246,6 +246,23 @@ class GREngine:
         if not self.scheduler.num_unfinished:  # every request was refused: no step will hand prefetches back
             self.kv.hand_back_prefetched()
         return added
+
+    def _next_step_size(self, requests: Sequence[Any]) -> int:
+        """How many of ``requests`` (not validated yet) the next step would admit when nothing else waits: at most
+        ``max_num_seqs``, while their uncached rows (history beyond what the cache holds, plus candidates) fit the
+        step's token budget (an estimate: a request that fails validation still counts)."""
+        budget, count = self.config.scheduler.max_num_batched_tokens, 0
+        for request in requests[:self.config.scheduler.max_num_seqs]:
+            if budget <= 0:
+                break
+            count += 1
+            try:
+                cached = self.kv.cached_tokens(request.user_id)
+                rows = len(request.item_ids) - cached + len(request.candidate_item_ids)
+            except (TypeError, AttributeError):  # malformed: validation will say why
+                rows = 0
+            budget -= max(rows, 1)
+        return count
 
     def _step(self) -> list[tuple[RequestState, Output]]:
         """One engine step, on the high-priority step stream with ``cache.prioritise_forward``."""

@@ -142,6 +142,26 @@ def test_prefetch_loads_a_returning_user_before_its_request_is_acquired():
     kv.check_invariants()
 
 
+def test_prefetch_evicts_users_outside_the_call_first():
+    """The users of the call become the most recently used before the prefetch makes room: the pool's least
+    recently used user "a", whose request is in the call too, keeps its pages; "b" is evicted instead."""
+    kv = manager(pages=12, host_chunks=16)
+    c = hashes(16, 3)
+    run(kv, "c", c)
+    evict_everyone(kv)  # "c" only on host now; "x" holds the whole pool
+    kv.begin_step()
+    kv.prefetch(["x"], count=0)  # touches "x" only: nothing loaded
+    assert kv.stats.prefetched_tokens == 0
+    kv.end_step()
+    run(kv, "a", hashes(16, 1))  # evicts "x"; then "b": the pool is full with "a" (4 pages), "b" (8 pages)
+    run(kv, "b", hashes(32, 2))
+    assert kv.pool.num_free == 0 and list(kv._lru) == ["a", "b"]
+    kv.begin_step()
+    kv.prefetch(["a", "c"])  # "c" needs 4 pages
+    assert kv.users["a"].num_pages == 4 and not kv.users["b"].num_pages and kv.users["c"].prefetched == 16
+    kv.check_invariants()
+
+
 def test_prefetched_user_whose_history_changed_keeps_only_the_verified_prefix():
     """The prefetch loads the user's whole host copy; the request's history differs after 10 tokens and is shorter:
     the acquire keeps the verified prefix only, gives back the surplus pages, and the K/V of the prefix is right."""

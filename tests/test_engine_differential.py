@@ -88,18 +88,30 @@ def test_cached_modes_equal_recompute_over_thousands_of_requests(long_stream, mo
        max_num_seqs=st.integers(1, 6), budget=st.integers(13, 80), slack=st.integers(0, 80),
        mode=st.sampled_from(["gpu_only", "hierarchical"]), chunk_pages=st.integers(1, 5),
        host_chunks=st.integers(0, 40), max_pending=st.integers(1, 4), persist_tails=st.booleans(),
-       writeback_pages=st.sampled_from([0, 0, 5, 30]), prefetch=st.booleans())
+       writeback_pages=st.sampled_from([0, 0, 5, 30]), prefetch=st.booleans(), call=st.integers(1, 9),
+       retrieval=st.booleans())
 def test_random_configurations_equal_recompute(seed, page_size, max_num_seqs, budget, slack, mode, chunk_pages,
-                                               host_chunks, max_pending, persist_tails, writeback_pages, prefetch):
+                                               host_chunks, max_pending, persist_tails, writeback_pages, prefetch,
+                                               call, retrieval):
+    """Random cache configurations, served ``call`` requests at a time (each call prefetches, with ``prefetch``),
+    ranking or retrieval (``generate``, whose last history token is always recomputed)."""
     config = tiny_config(page_size=page_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                          max_history_len=160, chunk_pages=chunk_pages, host_chunks=host_chunks)
     requests = stream(config, num_users=6, visits=8, seed=seed, rewrite_prob=0.1, replay_prob=0.1)
+    params = GenerateParams(top_k=3) if retrieval else None
+    if retrieval:
+        requests = [r for r in requests if len(r.item_ids) > 0]
+
+    def serve(engine, part):
+        return engine.generate(part, params, use_tqdm=False) if retrieval else engine.rank(part, use_tqdm=False)
+
     min_pages = -(-160 // page_size)
-    expected = GREngine(with_cache(config, mode="recompute", num_gpu_pages=min_pages)).rank(requests, use_tqdm=False)
+    expected = serve(GREngine(with_cache(config, mode="recompute", num_gpu_pages=min_pages)), requests)
     engine = GREngine(with_cache(config, mode=mode, num_gpu_pages=min_pages + slack,
                                  max_pending_offloads=max_pending, persist_tails=persist_tails,
                                  writeback_pages=writeback_pages, prefetch=prefetch))
-    assert max_diff(engine.rank(requests, use_tqdm=False), expected) <= 1e-5
+    got = [o for i in range(0, len(requests), call) for o in serve(engine, requests[i:i + call])]
+    assert max_diff(got, expected) <= 1e-5
     engine.kv.check_invariants()
 
 

@@ -115,16 +115,23 @@ def evict_everyone(kv: KVCacheManager, seed: int = 9) -> None:
     run(kv, "x", hashes(kv.pool.num_pages * PS, seed))
 
 
+def user_only_on_host(kv: KVCacheManager, user: str = "a", n: int = 19) -> tuple[np.ndarray, torch.Tensor]:
+    """Serve ``user`` a history of ``n`` tokens, then push it off the GPU; returns its hashes and its K/V as served,
+    and begins the next step."""
+    h = hashes(n)
+    run(kv, user, h)
+    before = kv_of(kv, user, n)
+    evict_everyone(kv)
+    kv.begin_step()
+    return h, before
+
+
 def test_prefetch_loads_a_returning_user_before_its_request_is_acquired():
     """``prefetch``: a user only on host gets pages and its onload before its request arrives at acquire; the
     acquire counts those tokens as host hits and the K/V equals what was written; users unknown or already on the
     GPU are skipped."""
     kv = manager(pages=12, host_chunks=16)
-    h = hashes(19)
-    run(kv, "a", h)
-    before = kv_of(kv, "a", 19)
-    evict_everyone(kv)
-    kv.begin_step()
+    h, before = user_only_on_host(kv)
     assert not kv.users["a"].num_pages and kv.users["a"].host_tokens == 19
     kv.prefetch(["a", "nobody", "x", ["unhashable"]])
     record = kv.users["a"]
@@ -143,34 +150,27 @@ def test_prefetch_loads_a_returning_user_before_its_request_is_acquired():
 
 
 def test_prefetch_evicts_users_outside_the_call_first():
-    """The users of the call become the most recently used before the prefetch makes room: the pool's least
-    recently used user "a", whose request is in the call too, keeps its pages; "b" is evicted instead."""
+    """Every user of the call becomes the most recently used before the prefetch makes room, also those beyond
+    ``count`` (not loaded): the pool's least recently used user "a", whose request is in the call too, keeps its
+    pages; "b" is evicted instead."""
     kv = manager(pages=12, host_chunks=16)
     c = hashes(16, 3)
     run(kv, "c", c)
     evict_everyone(kv)  # "c" only on host now; "x" holds the whole pool
-    kv.begin_step()
-    kv.prefetch(["x"], count=0)  # touches "x" only: nothing loaded
-    assert kv.stats.prefetched_tokens == 0
-    kv.end_step()
     run(kv, "a", hashes(16, 1))  # evicts "x"; then "b": the pool is full with "a" (4 pages), "b" (8 pages)
     run(kv, "b", hashes(32, 2))
     assert kv.pool.num_free == 0 and list(kv._lru) == ["a", "b"]
     kv.begin_step()
-    kv.prefetch(["a", "c"])  # "c" needs 4 pages
+    kv.prefetch(["c", "a"], count=1)  # loads "c" (4 pages), touches "a" too
     assert kv.users["a"].num_pages == 4 and not kv.users["b"].num_pages and kv.users["c"].prefetched == 16
     kv.check_invariants()
 
 
 def test_prefetched_user_whose_history_changed_keeps_only_the_verified_prefix():
-    """The prefetch loads the user's whole host copy; the request's history differs after 10 tokens and is shorter:
+    """The prefetch loads the user's whole host copy; the request's history differs after 8 tokens and is shorter:
     the acquire keeps the verified prefix only, gives back the surplus pages, and the K/V of the prefix is right."""
     kv = manager(pages=12, host_chunks=16)
-    h = hashes(19)
-    run(kv, "a", h)
-    before = kv_of(kv, "a", 19)
-    evict_everyone(kv)
-    kv.begin_step()
+    h, before = user_only_on_host(kv)
     kv.prefetch(["a"])
     changed = hashes(14, seed=5)
     changed[:8] = h[:8]  # the first two pages (8 tokens) agree
@@ -185,10 +185,7 @@ def test_prefetched_users_no_request_acquired_are_handed_back_at_the_end_of_the_
     """A prefetched record whose request did not come is unlocked into the LRU at the end of the step; its tokens
     still count as host hits when the request comes later, and not once its pages are gone."""
     kv = manager(pages=12, host_chunks=16)
-    h = hashes(19)
-    run(kv, "a", h)
-    evict_everyone(kv)
-    kv.begin_step()
+    h, _ = user_only_on_host(kv)
     kv.prefetch(["a"])
     kv.launch_onloads()
     kv.end_step()

@@ -98,11 +98,12 @@ def test_kernel_onload_engine_equals_copy_engine(host_dtype):
         assert (captured is not None and captured.enabled and len(captured._graphs) > 0) == graphs
         engine.close()
         engine.kv.check_invariants()
-    for name, baseline in (("kernel", "copy"), ("kernel_graphs", "copy"), ("kernel_graphs_writeback", "copy"),
+    for name, baseline in (("kernel", "copy"), ("kernel_graphs", "copy"), ("kernel_graphs_writeback", "copy_writeback"),
                            ("kernel_graphs_forward_first", "copy"), ("kernel_graphs_prefetch", "copy_prefetch")):
         assert all(np.array_equal(a, b) for a, b in zip(outputs[name], outputs[baseline])), name
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 def test_forward_graph_waits_for_slow_onloads(monkeypatch, prefetch):
     """With onloads replayed from graphs and the forward from per-layer graphs, every onload held back ~10 ms on the
     device (the forward would read pages not loaded yet if a wait were missing): scores still equal the copy engine's

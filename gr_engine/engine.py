@@ -19,7 +19,6 @@ from tqdm.auto import tqdm
 
 from attention_backends import AttentionSpec, BackendRegistry
 from cache_engine import IncrementalHasher, KVCacheManager
-from cache_engine.streams import CurrentStream, StreamFence, on_stream
 from scheduler import RequestState, ScheduledChunk, Scheduler
 
 from .config import EngineConfig
@@ -90,11 +89,6 @@ class GREngine:
                                 config.scheduler.max_num_seqs, config.cache.num_gpu_pages)
         self.runner = ModelRunner(self.model, self.backend, self.kv, self.device, graphs)
         self.stats = EngineStats()
-        # cache.prioritise_forward: steps run on a high-priority stream (the caller's stream waits for it)
-        self._step_stream: torch.cuda.Stream | None = None
-        if self.device.type == "cuda" and config.cache.prioritise_forward:
-            self._step_stream = torch.cuda.Stream(self.device, priority=-1)
-            self._caller_stream, self._fence = CurrentStream(self.device), StreamFence()
         # Prefetches since the last step: their host time (counted in its onload phase) and the bytes they moved
         # (counted in its metrics), (onloaded, offloaded).
         self._prefetch_s, self._prefetch_bytes = 0.0, (0, 0)
@@ -265,18 +259,6 @@ class GREngine:
         return count
 
     def _step(self) -> list[tuple[RequestState, Output]]:
-        """One engine step, on the high-priority step stream with ``cache.prioritise_forward``."""
-        if self._step_stream is None:
-            return self._step_here()
-        caller = self._caller_stream()
-        self._fence(self._step_stream, caller)
-        try:
-            with on_stream(self._step_stream, caller):
-                return self._step_here()
-        finally:
-            self._fence(caller, self._step_stream)  # the caller's later work sees the step's
-
-    def _step_here(self) -> list[tuple[RequestState, Output]]:
         # Bytes this step moves: from here on (acquires plan onloads and persist evicted tails), plus its prefetches'.
         prefetched = self._prefetch_bytes
         transferred = (self.kv.stats.onloaded_bytes - prefetched[0], self.kv.stats.offloaded_bytes - prefetched[1])

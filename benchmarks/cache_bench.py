@@ -11,9 +11,7 @@
 3. CPU time per batch of 8 returning users with 100,000 users known to the cache, split into metadata
    preparation + eviction (acquire, page table, batch metadata upload), launching onloads, and commit +
    release + launching offloads; for users drawn at random (mostly host hits and evictions) and among
-   the 800 most recent (mostly GPU hits). Then again with ``cache.writeback_pages`` = 2,000: the tails of the
-   next eviction victims are persisted at the end of each step (in "commit + offload launch"), so the acquires
-   that evict them copy nothing.
+   the 800 most recent (mostly GPU hits).
 Medians over repetitions; all modes measured in the same run.
 """
 
@@ -103,12 +101,10 @@ def transfer_bandwidth(device, chunk_tokens: int, tokens: int, layers=8, heads=4
             "offload_ms": offload_s * 1e3, "offload_GBps": nbytes / offload_s / 1e9}
 
 
-def metadata_overhead(device, num_users=100_000, batch=8, steps=300, history=1000, new_events=20,
-                      writeback_pages=0) -> dict:
+def metadata_overhead(device, num_users=100_000, batch=8, steps=300, history=1000, new_events=20) -> dict:
     """CPU seconds per batch for the cache manager's work, with ``num_users`` users known."""
     config = CacheConfig(mode="hierarchical", page_size=32, num_gpu_pages=40_960, chunk_tokens=1024,
-                         host_budget_bytes=num_users * 2 * 1024 * 8 * 2, host_segment_bytes=2**28,
-                         writeback_pages=writeback_pages)
+                         host_budget_bytes=num_users * 2 * 1024 * 8 * 2, host_segment_bytes=2**28)
     kv = KVCacheManager(config, num_layers=1, num_heads=1, head_dim=4, dtype=torch.float16, device=device)
     kv.host.store.wait_until_allocated()
     rng = np.random.default_rng(0)
@@ -173,8 +169,7 @@ def main() -> None:
               "transfers": [transfer_bandwidth(device, c, args.tokens, streams=s, engine=e)
                             for e, s in (("copy", 1), ("copy", 2), ("kernel", 1), ("kernel_graphs", 1))
                             for c in (512, 1024, 2048, 4096)],
-              "metadata": metadata_overhead(device),
-              "metadata_writeback_2000": metadata_overhead(device, writeback_pages=2000)}
+              "metadata": metadata_overhead(device)}
     result["command"] = "python benchmarks/cache_bench.py --out " + args.out
     print(json.dumps(result, indent=2))
     with open(args.out, "w") as f:

@@ -49,11 +49,6 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             about a dozen and a copy per chunk. On CPU both are synchronous copies.
         onload_graphs: with the ``kernel`` engine on CUDA, replay each step's per-layer onload launches from a
             CUDA graph (:mod:`cache_engine.onload_graphs`): one launch for the host instead of one per layer.
-        writeback_pages: at the end of each step, persist the tails of the least recently used users holding
-            this many GPU pages, the next eviction victims (``hierarchical`` with ``persist_tails``; 0: off; users
-            whose full chunks are not all on host yet wait for a later step). Evicting them later then writes
-            nothing: without it, a victim's tail crosses PCIe to host before the onloads into its pages may start.
-            Costs PCIe writes for users who return before they are evicted (their tails are written again later).
         prefetch: as requests arrive, before they are validated and hashed, start loading the host-resident
             history of their users who hold no GPU pages (``hierarchical``): the onload then starts about an intake
             and a scheduling earlier. The request's own verified prefix still decides what is reused. Measured on
@@ -73,12 +68,9 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     onload_streams: int = 1
     onload_engine: OnloadEngine = "kernel"
     onload_graphs: bool = True
-    writeback_pages: int = 0
     prefetch: bool = True
 
     def __post_init__(self) -> None:
-        if self.writeback_pages < 0:
-            raise ValueError(f"cache.writeback_pages must be >= 0, got {self.writeback_pages}")
         for name in ("page_size", "num_gpu_pages", "chunk_tokens", "host_segment_bytes", "max_pending_offloads",
                      "onload_streams"):
             if getattr(self, name) <= 0:

@@ -162,10 +162,10 @@ class HostTier:
         self.stats.deferred_offloads += len(self._queue)  # chunk-steps spent waiting for admission
         self.flush()
 
-    def persist_all(self, user: Hashable, record: UserRecord, ahead: bool = False) -> bool:
-        """Persist everything of the user's GPU history not yet on host (before its pages are reused, or
-        ``ahead`` of that: its tail then counts as written back). The copies start at the next :meth:`flush`,
-        which must come before any write to the pages. Returns whether any copy is now pending for the user."""
+    def persist_all(self, user: Hashable, record: UserRecord) -> bool:
+        """Persist everything of the user's GPU history not yet on host (before its pages are reused). The copies
+        start at the next :meth:`flush`, which must come before any write to the pages. Returns whether any copy is
+        now pending for the user."""
         writing = self._copies_in_flight(user) if self._in_flight else None
         in_flight = {(e.chunk, e.end) for e in writing if e.generation == record.generation} if writing else ()
         added = False
@@ -176,33 +176,13 @@ class HostTier:
                 continue
             slot = self._allocate_slot(user)
             if slot is None:
-                if not ahead:  # ahead of an eviction nothing is lost yet: the user keeps its pages
-                    self.stats.lost_tokens += tokens - chunk * size
+                self.stats.lost_tokens += tokens - chunk * size
                 break
             self._add(user, record, chunk, end, slot)
             added = True
-            if end % size and ahead:
-                self.stats.written_back_tokens += end - chunk * size
-            elif end % size:
+            if end % size:
                 self.stats.tail_persisted_tokens += end - chunk * size
         return added or bool(in_flight)
-
-    def write_back(self, records: Iterable[tuple[Hashable, UserRecord]], pages: int) -> None:
-        """Persist the un-persisted tails of the first users of ``records`` (the GPU LRU's, least recently used
-        first) that hold ``pages`` GPU pages, the next eviction victims, so that evicting them later writes nothing:
-        their copies run now, alongside the step's forward, instead of before the onloads of the step that evicts
-        them (``cache.writeback_pages``). Only users whose full chunks are all on host are written back (a tail
-        copied before its chunk's predecessors would be discarded when it completes first); the others wait for a
-        later step. Like the offloads of full chunks, write-backs stop at ``cache.max_pending_offloads`` chunks in
-        flight."""
-        covered, chunk = 0, self.chunk
-        for user, record in records:
-            if covered >= pages or self.pending_chunks >= self.config.max_pending_offloads:
-                break
-            covered += record.num_pages
-            tokens = record.num_tokens
-            if tokens > record.host_tokens >= tokens // chunk * chunk and not record.readers:
-                self.persist_all(user, record, ahead=True)
 
     def _add(self, user: Hashable, record: UserRecord, chunk: int, end: int, slot: int) -> None:
         """Decide to copy tokens ``[chunk * chunk_tokens, end)`` of ``record`` into ``slot``; its pages are

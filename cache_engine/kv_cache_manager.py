@@ -159,12 +159,10 @@ class KVCacheManager:
             self.host.transfer.issue_deferred()
 
     def end_step(self) -> None:
-        """Start offloads of chunks that became full (within the admission cap), and with
-        ``cache.writeback_pages`` the write-back of the next eviction victims' tails."""
+        """Hand back the step's prefetched records and start offloads of chunks that became full (within the
+        admission cap)."""
         if self.host is not None:
             self.hand_back_prefetched()
-            if self.config.writeback_pages and self.config.persist_tails:
-                self.host.write_back(self._lru.items(), self.config.writeback_pages)
             self.host.launch_offloads()
 
     def close(self) -> None:

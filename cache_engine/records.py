@@ -103,7 +103,6 @@ class CacheStats:
     offloaded_tokens: int = 0
     offloaded_bytes: int = 0
     tail_persisted_tokens: int = 0  # tails persisted as their user was evicted
-    written_back_tokens: int = 0  # tails persisted ahead of their user's eviction (``cache.writeback_pages``)
     prefetched_tokens: int = 0  # loaded from host as the user's request arrived (``cache.prefetch``)
     lost_tokens: int = 0
     deferred_offloads: int = 0

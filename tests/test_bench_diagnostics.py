@@ -84,10 +84,10 @@ def test_the_bound_probe_runs_its_variants_quickly(tmp_path):
     unlimited engine over the same batches, on CPU (the GPU sessions' A/B command must not fail on a typo)."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "bound_probe.py"
     out = tmp_path / "probe.json"
-    run = subprocess.run([sys.executable, str(script), "--quick", "--variant", "prefetch=true,writeback_pages=20",
+    run = subprocess.run([sys.executable, str(script), "--quick", "--variant", "prefetch=false,max_pending_offloads=20",
                           "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert "prefetch=true,writeback_pages=20 against hierarchical" in run.stdout
+    assert "prefetch=false,max_pending_offloads=20 against hierarchical" in run.stdout
     reports = json.loads(out.read_text())
-    assert {"hierarchical", "prefetch=true,writeback_pages=20", "unlimited"} <= set(reports)
+    assert {"hierarchical", "prefetch=false,max_pending_offloads=20", "unlimited"} <= set(reports)
     assert len(reports["hierarchical"]["batch_latency_ms"]) == len(reports["unlimited"]["batch_latency_ms"]) > 0

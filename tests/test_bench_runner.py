@@ -66,12 +66,12 @@ def test_bench_sets_cache_fields_for_every_engine(tmp_path, capsys, monkeypatch)
 
     monkeypatch.setattr(runner, "cache_config", recording)
     monkeypatch.setattr("gr_engine.bench.experiments.cache_config", recording)
-    assert main(["bench", "--quick", "--out", str(tmp_path), "--cache", "prefetch=true",
-                 "--cache", "writeback_pages=20"]) == 0
-    assert seen and all(c.prefetch and c.writeback_pages == 20 for c in seen)
-    assert "--cache prefetch=true" in json.loads((tmp_path / "summary.json").read_text())["command"]
+    assert main(["bench", "--quick", "--out", str(tmp_path), "--cache", "prefetch=false",
+                 "--cache", "max_pending_offloads=20"]) == 0
+    assert seen and all(not c.prefetch and c.max_pending_offloads == 20 for c in seen)
+    assert "--cache prefetch=false" in json.loads((tmp_path / "summary.json").read_text())["command"]
     capsys.readouterr()
-    for bad in ("bogus=1", "prefetch=maybe", "writeback_pages=-3"):
+    for bad in ("bogus=1", "prefetch=maybe", "max_pending_offloads=-3"):
         assert main(["bench", "--quick", "--out", str(tmp_path / "x"), "--cache", bad]) == 2
         assert "invalid --cache" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()

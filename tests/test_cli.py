@@ -85,8 +85,8 @@ def test_config_file_and_overrides(tmp_path):
         load_config(None, ["model.num_layers=three"])
     with pytest.raises(ValueError, match="must be positive"):
         load_config(None, ["cache.page_size=0"])
-    with pytest.raises(ValueError, match="writeback_pages must be >= 0"):
-        load_config(None, ["cache.writeback_pages=-1"])
+    with pytest.raises(ValueError, match="host_budget_bytes must be >= 0"):
+        load_config(None, ["cache.host_budget_bytes=-1"])
     with pytest.raises(ValueError, match="must exceed"):
         load_config(None, ["scheduler.max_num_batched_tokens=100", "model.max_candidates=128"])
 

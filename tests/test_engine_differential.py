@@ -88,10 +88,10 @@ def test_cached_modes_equal_recompute_over_thousands_of_requests(long_stream, mo
        max_num_seqs=st.integers(1, 6), budget=st.integers(13, 80), slack=st.integers(0, 80),
        mode=st.sampled_from(["gpu_only", "hierarchical"]), chunk_pages=st.integers(1, 5),
        host_chunks=st.integers(0, 40), max_pending=st.integers(1, 4), persist_tails=st.booleans(),
-       writeback_pages=st.sampled_from([0, 0, 5, 30]), prefetch=st.booleans(), call=st.integers(1, 9),
+       prefetch=st.booleans(), call=st.integers(1, 9),
        retrieval=st.booleans())
 def test_random_configurations_equal_recompute(seed, page_size, max_num_seqs, budget, slack, mode, chunk_pages,
-                                               host_chunks, max_pending, persist_tails, writeback_pages, prefetch,
+                                               host_chunks, max_pending, persist_tails, prefetch,
                                                call, retrieval):
     """Random cache configurations, served ``call`` requests at a time (each call prefetches, with ``prefetch``),
     ranking or retrieval (``generate``, whose last history token is always recomputed)."""
@@ -108,50 +108,45 @@ def test_random_configurations_equal_recompute(seed, page_size, max_num_seqs, bu
     min_pages = -(-160 // page_size)
     expected = serve(GREngine(with_cache(config, mode="recompute", num_gpu_pages=min_pages)), requests)
     engine = GREngine(with_cache(config, mode=mode, num_gpu_pages=min_pages + slack,
-                                 max_pending_offloads=max_pending, persist_tails=persist_tails,
-                                 writeback_pages=writeback_pages, prefetch=prefetch))
+                                 max_pending_offloads=max_pending, persist_tails=persist_tails, prefetch=prefetch))
     got = [o for i in range(0, len(requests), call) for o in serve(engine, requests[i:i + call])]
     assert max_diff(got, expected) <= 1e-5
     engine.kv.check_invariants()
 
 
-@pytest.mark.parametrize("prefetch,writeback_pages", [(True, 0), (True, 40), (False, 40)])
-def test_prefetch_and_write_back_equal_recompute_over_thousands_of_requests(long_stream, prefetch, writeback_pages):
-    """Users loaded from host as their requests arrive (``prefetch``) and tails written back ahead of evictions
-    (``writeback_pages``), under a small GPU pool: the same scores as recompute, and the prefetch's onloads are
-    counted as host hits."""
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_prefetch_equals_recompute_over_thousands_of_requests(long_stream, prefetch):
+    """Users loaded from host as their requests arrive (``prefetch``, or not), under a small GPU pool: the same
+    scores as recompute, and the prefetch's onloads are counted as host hits."""
     _, requests, expected = long_stream
     engine = GREngine(with_cache(tiny_config(max_num_seqs=4, max_num_batched_tokens=96, host_chunks=800),
-                                 mode="hierarchical", num_gpu_pages=160, prefetch=prefetch,
-                                 writeback_pages=writeback_pages))
+                                 mode="hierarchical", num_gpu_pages=160, prefetch=prefetch))
     outputs = []
     for part in np.array_split(np.arange(len(requests)), 40):  # many rank() calls: each one prefetches
         outputs += engine.rank([requests[i] for i in part], use_tqdm=False)
     assert max_diff(outputs, expected) <= 1e-5
     kv = engine.kv.stats
     assert kv.onloaded_tokens > 0 and engine.stats.host_hit_tokens > 0
-    assert (kv.written_back_tokens > 0) == (writeback_pages > 0)
     assert (kv.prefetched_tokens > 0) == prefetch
     # every byte moved, prefetches' included, is in some step's metrics
     assert engine.stats.onloaded_bytes == kv.onloaded_bytes and engine.stats.offloaded_bytes == kv.offloaded_bytes
     engine.kv.check_invariants()
 
 
-def test_generate_with_prefetch_and_write_back_equals_recompute():
-    """``generate`` (the last history token always recomputed) in calls of four requests, each prefetching, with
-    write-back under a small pool: evictions that wait for copies in flight (completing a prefetched user's own
-    tail) happen, and the prefetched pages must match what was loaded."""
+def test_generate_with_prefetch_equals_recompute():
+    """``generate`` (the last history token always recomputed) in calls of four requests, each prefetching, under a
+    small pool: the prefetched pages must match what was loaded."""
     config = tiny_config(max_num_seqs=4, host_chunks=400)
     requests = [r for r in stream(config, 30, 10, seed=3) if len(r.item_ids) > 0]
     params = GenerateParams(top_k=7)
     expected = GREngine(with_cache(config, mode="recompute")).generate(requests, params, use_tqdm=False)
-    engine = GREngine(with_cache(config, mode="hierarchical", num_gpu_pages=130, prefetch=True, writeback_pages=10))
+    engine = GREngine(with_cache(config, mode="hierarchical", num_gpu_pages=130, prefetch=True))
     outputs = [o for i in range(0, len(requests), 4) for o in engine.generate(requests[i:i + 4], params,
                                                                               use_tqdm=False)]
     for out, ref in zip(outputs, expected, strict=True):
         assert out.error is None and out.item_ids == ref.item_ids
         np.testing.assert_allclose(out.scores, ref.scores, atol=1e-5, rtol=0)
-    assert engine.kv.stats.prefetched_tokens > 0 and engine.kv.stats.written_back_tokens > 0
+    assert engine.kv.stats.prefetched_tokens > 0
     engine.kv.check_invariants()
 
 

@@ -72,24 +72,18 @@ def test_onload_waits_per_layer_event():
 @pytest.mark.parametrize("host_dtype", ["kv", "float8_e4m3fn"])
 def test_kernel_onload_engine_equals_copy_engine(host_dtype):
     """The transfer kernels (offloads packed and quantised by one kernel, onloads read from host pages), launched
-    eagerly or replayed from CUDA graphs, also with tails written back ahead of evictions (``writeback_pages``) or
-    users loaded as their requests arrive (``prefetch``), give exactly the copy engine's scores: the same
-    quantisation and dequantisation."""
+    eagerly or replayed from CUDA graphs, with or without users loaded as their requests arrive (``prefetch``), give
+    exactly the copy engine's scores: the same quantisation and dequantisation."""
     config = cuda_config("bfloat16", mode="hierarchical", num_gpu_pages=200, host_dtype=host_dtype)
     requests = stream(config, num_users=30, visits=20, seed=6)
     outputs = {}
-    # name: (onload engine, graphs, writeback_pages, prefetch)
-    variants = {"copy": ("copy", False, 0, False), "kernel": ("kernel", False, 0, False),
-                "kernel_graphs": ("kernel", True, 0, False),
-                # FP8 host chunks are lossy: a policy that changes which users' KV comes from host changes scores,
-                # so write-back and prefetch are compared with the copy engine under the same policy
-                "copy_writeback": ("copy", False, 60, False),
-                "kernel_graphs_writeback": ("kernel", True, 60, False),
-                "copy_prefetch": ("copy", False, 0, True),
-                "kernel_graphs_prefetch": ("kernel", True, 0, True)}
-    for name, (engine_name, graphs, writeback, prefetch) in variants.items():
-        engine = GREngine(with_cache(config, onload_engine=engine_name, onload_graphs=graphs,
-                                     writeback_pages=writeback, prefetch=prefetch))
+    # name: (onload engine, graphs, prefetch). FP8 host chunks are lossy: a policy that changes which users' KV
+    # comes from host changes scores, so each variant is compared with the copy engine under the same policy.
+    variants = {"copy": ("copy", False, False), "kernel": ("kernel", False, False),
+                "kernel_graphs": ("kernel", True, False), "copy_prefetch": ("copy", False, True),
+                "kernel_prefetch": ("kernel", False, True), "kernel_graphs_prefetch": ("kernel", True, True)}
+    for name, (engine_name, graphs, prefetch) in variants.items():
+        engine = GREngine(with_cache(config, onload_engine=engine_name, onload_graphs=graphs, prefetch=prefetch))
         engine.kv.host.store.wait_until_allocated()
         # Closed-loop batches of 8, as the benchmark serves them (each rank() call prefetches, with prefetch).
         outputs[name] = scores([o for i in range(0, len(requests), 8)
@@ -100,7 +94,7 @@ def test_kernel_onload_engine_equals_copy_engine(host_dtype):
         assert (captured is not None and captured.enabled and len(captured._graphs) > 0) == graphs
         engine.close()
         engine.kv.check_invariants()
-    for name, baseline in (("kernel", "copy"), ("kernel_graphs", "copy"), ("kernel_graphs_writeback", "copy_writeback"),
+    for name, baseline in (("kernel", "copy"), ("kernel_graphs", "copy"), ("kernel_prefetch", "copy_prefetch"),
                            ("kernel_graphs_prefetch", "copy_prefetch")):
         assert all(np.array_equal(a, b) for a, b in zip(outputs[name], outputs[baseline])), name
 

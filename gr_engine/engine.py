@@ -164,6 +164,28 @@ class GREngine:
                 bar.close()
         return results
 
+    def warmup(self, use_tqdm: bool = True) -> int:
+        """Capture every CUDA graph a step can replay now, before serving, instead of when its first step arrives
+        (a capture, and the kernels a new launch shape compiles, cost that step seconds): call it once at start-up.
+        Only free pages of the pool are written; cached users are untouched. Without step graphs (CPU, a backend
+        without graph support, ``cuda_graph_max_rows = 0``) it does nothing.
+
+        Returns:
+            How many (bucket, launch shape) forwards were replayed (0 without step graphs).
+        """
+        if self.scheduler.num_unfinished:
+            raise RuntimeError("warmup() runs between calls, not while requests are in flight")
+        if self.runner.graphs is None:
+            return 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # free pages may still be read by gathers in flight
+        pages = np.empty(min(self.kv.pool.num_free, self.runner.graphs.max_pages), dtype=np.int32)
+        self.kv.pool.allocate(pages)
+        try:
+            return self.runner.capture_graphs(pages, use_tqdm)
+        finally:
+            self.kv.pool.free(pages)
+
     def close(self) -> None:
         """Finish in-flight transfers and stop background work (the engine stays usable)."""
         self.kv.close()

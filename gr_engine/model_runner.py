@@ -25,6 +25,7 @@ from attention_backends.base import layout_arrays, upload, upload_int32
 from cache_engine import KVCacheManager
 from scheduler import ScheduledChunk
 
+from .graph_warmup import capture_all
 from .models import GRModel
 from .request import GenerateParams
 from .step_graphs import StagedStep, StepGraphs, run_segments
@@ -151,6 +152,15 @@ class ModelRunner:
             meta.common, meta.backend = meta.staged.common, self.graphs.backend_metadata(meta.staged)
             return StepTokens(**meta.staged.tokens)
         return StepTokens(**upload_int32(arrays, self.device))
+
+    @torch.no_grad()
+    def capture_graphs(self, pages: np.ndarray, use_tqdm: bool = True) -> int:
+        """Capture every step graph before serving (:func:`.graph_warmup.capture_all`), writing only ``pages``
+        (int32, free pages of the pool); returns the (bucket, launch shape) keys replayed, 0 without graphs."""
+        if self.graphs is None:
+            return 0
+        return capture_all(self.graphs, lambda t, c, b: self._segments(StepTokens(**t), c, b), self._rank_head,
+                           pages, len(self.model.layers), use_tqdm)
 
     @torch.no_grad()
     def forward(self, tokens: StepTokens, meta: StepMetadata,

@@ -218,3 +218,70 @@ def test_staging_and_padding_write_every_field_and_pad_inertly():
                 assert not spare.any(), name
         assert np.array_equal(common.kv_indices.cpu().numpy()[:indptr[-1]], arrays["kv_indices"])
     assert buckets == {128, 256, 300}
+
+
+def _record_replayed_keys(graphs: StepGraphs) -> set:
+    """Wrap ``graphs.replay`` to collect each replayed step's (bucket, launch shape)."""
+    keys, replay = set(), graphs.replay
+
+    def recording(step, *args):
+        keys.add((step.bucket, step.plan_key))
+        return replay(step, *args)
+
+    graphs.replay = recording
+    return keys
+
+
+@needs_interpreter
+def test_warmup_covers_every_shape_served_and_writes_only_free_pages():
+    """``engine.warmup()`` between calls: cached users' pages are left as they were (only free pages are written),
+    their scores still equal recompute afterwards, and every (bucket, launch shape) the stream's staged steps then
+    use was among those warmed up (the probes of the longest request's rows find every launch shape)."""
+    config = tiny_config(mode="hierarchical", num_gpu_pages=60, page_size=16, max_num_seqs=3,
+                         max_num_batched_tokens=96, head_dim=16, chunk_pages=2, host_chunks=200)
+    requests = stream(config, num_users=8, visits=5, seed=4)
+    expected = GREngine(with_cache(config, mode="recompute")).rank(requests, use_tqdm=False)
+    engine = graph_engine(config, max_rows=64)
+    got = engine.rank(requests[:10], use_tqdm=False)
+    held = np.concatenate([r.page_buffer[:r.num_pages] for r in engine.kv.users.values()])
+    before = engine.kv.kv_cache[:, held].clone()
+    warmed = _record_replayed_keys(engine.runner.graphs)
+    assert engine.warmup(use_tqdm=False) == len(warmed) >= 2  # float32 tiles: a decode-like shape and the default
+    assert torch.equal(engine.kv.kv_cache[:, held], before)
+    assert engine.kv.pool.num_free == 60 - len(held)  # the pages it borrowed are free again
+    served = _record_replayed_keys(engine.runner.graphs)
+    got += engine.rank(requests[10:], use_tqdm=False)
+    assert max_diff(got, expected) <= 1e-4
+    assert served and served <= warmed
+    engine.kv.check_invariants()
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_warmed_up_engine_captures_nothing_while_serving():
+    """After ``warmup()`` a stream of every kind of step (host onloads included: per-layer graphs) captures no
+    graph, and scores exactly as an engine that captures as steps arrive."""
+    config = tiny_config(mode="hierarchical", num_gpu_pages=50, page_size=16, max_num_seqs=8,
+                         max_num_batched_tokens=256, host_chunks=400, d_model=64, num_heads=2, head_dim=32,
+                         dtype="bfloat16")
+    config = msgspec.structs.replace(config, device="cuda")
+    requests = stream(config, num_users=20, visits=12, seed=8)
+    outputs = []
+    for warm in (False, True):
+        engine = graph_engine(config, max_rows=256)
+        engine.kv.host.store.wait_until_allocated()
+        captured = engine.warmup(use_tqdm=False) if warm else 0
+        graphs = engine.runner.graphs.num_graphs
+        assert (graphs >= 2 * captured > 0) == warm  # each key: a whole-forward graph and a per-layer one
+        outputs.append(engine.rank(requests, use_tqdm=False))
+        assert engine.stats.host_hit_tokens > 0
+        if warm:
+            assert engine.runner.graphs.num_graphs == graphs, "a graph was captured while serving"
+        engine.close()
+    assert max_diff(outputs[1], outputs[0]) == 0
+
+
+def test_warmup_without_step_graphs_does_nothing(config):
+    """On CPU (no step graphs) ``warmup()`` captures nothing and leaves the pool as it was."""
+    engine = GREngine(config)
+    assert engine.warmup(use_tqdm=False) == 0 and engine.kv.pool.num_free == config.cache.num_gpu_pages

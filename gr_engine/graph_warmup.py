@@ -24,7 +24,8 @@ from attention_backends.base import layout_arrays
 from .step_graphs import HeadFn, SegmentsFn, StepGraphs
 
 
-def synthetic_step(rows: int, longest: int, pages: np.ndarray, page_size: int) -> tuple[dict, dict] | None:
+def synthetic_step(rows: int, longest: int, pages: np.ndarray,
+                   page_size: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None:
     """A step of ``rows`` history rows in requests of at most ``longest`` rows each (the first ones exactly
     ``longest``), nothing cached, written into the first of ``pages`` (int32); ``None`` when ``pages`` are too few.
     Returns the :func:`~attention_backends.layout_arrays` arrays and the token arrays (all zero: any valid ids)."""

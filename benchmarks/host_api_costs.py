@@ -1,10 +1,14 @@
 """Host time of the CUDA-facing calls on the engine's per-step path (a diagnostic: what each call costs the host).
 
-    python benchmarks/host_api_costs.py [--out costs.json]
+    python benchmarks/host_api_costs.py [--out costs.json] [--host-only]
 
 Each call is repeated (device work trivial: tiny tensors) and timed with ``time.perf_counter``; medians of
 batches, in microseconds per call. The GPU machine's host runs Python several times slower than a dev box,
-and CUDA driver calls cost it more still: this says which calls to avoid or batch on the hot path.
+and CUDA driver calls cost it more still: this says which calls to avoid or batch on the hot path. The host-only
+part (pure Python, small numpy calls and two of the engine's numpy-heavy helpers at the benchmark's sizes) runs
+anywhere (``--host-only``: nothing else): the same numbers from a dev box and from the GPU machine, and against
+``host_breakdown.py``'s in-step times of the same helpers, say whether the GPU machine's host is slow or the engine
+makes it slow.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import numpy as np
 import torch
 
 
-def per_call_us(fn, calls: int = 200, batches: int = 7) -> float:
+def per_call_us(fn, calls: int = 200, batches: int = 7, sync: bool = True) -> float:
     fn()
     times = []
     for _ in range(batches):
@@ -25,14 +29,49 @@ def per_call_us(fn, calls: int = 200, batches: int = 7) -> float:
         for _ in range(calls):
             fn()
         times.append((time.perf_counter() - t0) / calls)
-        torch.cuda.synchronize()
+        if sync:
+            torch.cuda.synchronize()
     return float(np.median(times)) * 1e6
+
+
+def host_costs() -> dict[str, float]:
+    """Microseconds per call of host-only work: a Python loop, small numpy calls, and ``layout_arrays`` /
+    ``host_page_addresses`` at a benchmark batch's sizes (8 requests of ~10,000 cached events; 10 chunks)."""
+    from attention_backends.base import layout_arrays
+    from cache_engine.transfer import OnloadJob, host_page_addresses
+
+    rng = np.random.default_rng(0)
+    start, hist, cand = rng.integers(500, 20_000, 8), rng.integers(1, 40, 8), np.full(8, 100)
+    pages = -(-(start + hist) // 32)
+    indptr = np.concatenate([[0], np.cumsum(pages)])
+    indices = rng.permutation(50_000)[: indptr[-1]]
+    slots = torch.empty(10, 8, 32, 2, 32, 4, 128, dtype=torch.uint8)  # 10 host chunks of the benchmark's layout
+    jobs = [OnloadJob(i, slots[i], np.arange(32 * i, 32 * i + 32, dtype=np.int32)) for i in range(10)]
+    small = np.arange(8, dtype=np.int64)
+    return {
+        "python: sum(range(1000))": per_call_us(lambda: sum(range(1000)), sync=False),
+        "numpy: np.cumsum([8])": per_call_us(lambda: np.cumsum(small), sync=False),
+        "numpy: np.repeat([8], [8])": per_call_us(lambda: np.repeat(small, small), sync=False),
+        "numpy: np.concatenate(3 x [8])": per_call_us(lambda: np.concatenate([small, small, small]), sync=False),
+        "layout_arrays (8 requests)": per_call_us(
+            lambda: layout_arrays(start, hist, cand, indptr, indices, 32), sync=False),
+        "host_page_addresses (10 chunks)": per_call_us(lambda: host_page_addresses(jobs), sync=False),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
+    parser.add_argument("--host-only", action="store_true", help="only the host-only part (no CUDA needed)")
     args = parser.parse_args()
+    if args.host_only:
+        costs = host_costs()
+        for name, us in costs.items():
+            print(f"{us:9.2f} us  {name}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"us_per_call": costs}, f, indent=1)
+        return
     device = torch.device("cuda")
     stream, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
     small = torch.zeros(1024, dtype=torch.int32, device=device)
@@ -83,6 +122,7 @@ def main() -> None:
         ring_device[: len(values)].copy_(ring_host[: len(values)], non_blocking=True)
 
     costs = {
+        **host_costs(),
         "upload 3000 int64: pinned torch.empty + fill + .to(device)": per_call_us(upload_allocating),
         "upload 3000 int64: kept pinned and device buffers": per_call_us(upload_persistent),
         "torch.cuda.current_stream()": per_call_us(lambda: torch.cuda.current_stream(device)),

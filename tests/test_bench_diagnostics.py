@@ -1,6 +1,7 @@
 """The benchmark's diagnostics: per-batch device timelines (:mod:`gr_engine.bench.timeline`) from a hand-made
 Chrome trace and from a real ``torch.profiler`` trace of CPU work (the annotation and event format the GPU runs
-produce), and the scripts ``benchmarks/batch_timeline.py`` and ``benchmarks/bound_probe.py`` run on CPU."""
+produce), and the scripts ``benchmarks/batch_timeline.py``, ``benchmarks/bound_probe.py`` and ``host_api_costs.py
+--host-only`` run on CPU."""
 
 from __future__ import annotations
 
@@ -91,3 +92,15 @@ def test_the_bound_probe_runs_its_variants_quickly(tmp_path):
     reports = json.loads(out.read_text())
     assert {"hierarchical", "prefetch=false,max_pending_offloads=20", "unlimited"} <= set(reports)
     assert len(reports["hierarchical"]["batch_latency_ms"]) == len(reports["unlimited"]["batch_latency_ms"]) > 0
+
+
+def test_host_api_costs_host_only_part_runs_anywhere(tmp_path):
+    """``benchmarks/host_api_costs.py --host-only``: the host-only costs (no CUDA) are written, each positive."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "host_api_costs.py"
+    out = tmp_path / "costs.json"
+    run = subprocess.run([sys.executable, str(script), "--host-only", "--out", str(out)], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    costs = json.loads(out.read_text())["us_per_call"]
+    assert {"layout_arrays (8 requests)", "host_page_addresses (10 chunks)"} <= set(costs)
+    assert all(us > 0 for us in costs.values())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 import time
 from collections import defaultdict
 from typing import Any
@@ -115,8 +116,10 @@ def main() -> None:
         result[mode] = {"median_ms": report["median_ms"], "phase_ms_per_batch": report["phase_ms_per_batch"],
                         "host_ms_per_batch": report["host_ms_per_batch"], "functions_ms_per_batch": per_batch}
         print(mode, json.dumps(result[mode], indent=1), flush=True)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+        json.dump({"command": " ".join(["python benchmarks/host_breakdown.py", *sys.argv[1:]]), "gpu": gpu,
+                   "result": result}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The benchmark's diagnostics: per-batch device timelines (:mod:`gr_engine.bench.timeline`) from a hand-made
 Chrome trace and from a real ``torch.profiler`` trace of CPU work (the annotation and event format the GPU runs
-produce), and the scripts ``benchmarks/batch_timeline.py``, ``benchmarks/bound_probe.py`` and ``host_api_costs.py
---host-only`` run on CPU."""
+produce), and the scripts ``benchmarks/batch_timeline.py``, ``bound_probe.py``, ``host_breakdown.py`` and
+``host_api_costs.py --host-only`` run on CPU."""
 
 from __future__ import annotations
 
@@ -104,3 +104,17 @@ def test_host_api_costs_host_only_part_runs_anywhere(tmp_path):
     costs = json.loads(out.read_text())["us_per_call"]
     assert {"layout_arrays (8 requests)", "host_page_addresses (10 chunks)"} <= set(costs)
     assert all(us > 0 for us in costs.values())
+
+
+def test_host_breakdown_runs_quickly_and_records_its_command(tmp_path):
+    """``benchmarks/host_breakdown.py --quick``: the per-function host times of the hierarchical engine's steps,
+    prefetch included, written with the command that produced them."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "host_breakdown.py"
+    out = tmp_path / "breakdown.json"
+    run = subprocess.run([sys.executable, str(script), "--quick", "--prime", "2", "--batches", "4", "--modes",
+                          "hierarchical", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    saved = json.loads(out.read_text())
+    assert saved["command"].endswith(f"--out {out}")
+    functions = saved["result"]["hierarchical"]["functions_ms_per_batch"]
+    assert functions["kv.prefetch"]["calls"] > 0 and functions["kv.acquire"]["mean_ms"] > 0

@@ -147,9 +147,11 @@ class PagedBatchMetadata:
         max_query_len: largest per-request row count (host int).
         max_kv_len: largest ``kv_seq_lens`` entry (host int).
         max_pages: largest per-request page count (host int).
-        host: the index tensors' host copies (int numpy, same shapes and values) keyed by field name
-            (``"query_start_loc"``, ``"kv_seq_lens"``, ...), or ``None``; :meth:`from_layout` sets it so that a
-            backend can plan a step on the host without reading the device. Read-only.
+        host: host copies (int numpy, same shapes and values) of index tensors keyed by field name, or ``None``:
+            at least the per-request ones (``query_start_loc``, ``num_history_rows``, ``num_candidate_rows``,
+            ``kv_indptr``, ``kv_seq_lens``; a step replayed from a CUDA graph has only these), every field from
+            :meth:`from_layout`; so that a backend can plan a step on the host without reading the device.
+            Read-only.
         timestamps: event times for the relative time bias, or ``None`` when the model has none.
     """
 

@@ -32,6 +32,7 @@ from cache_engine.onload_kernel import OnloadLauncher
 from cache_engine.transfer import TransferEngine
 from gr_engine import engine as engine_module
 from gr_engine import model_runner as runner_module
+from gr_engine import step_expand
 from gr_engine.bench.experiments import steady_state_parser, steady_state_runs, steady_state_settings
 from gr_engine.step_graphs import StepGraphs
 from scheduler.scheduler import Scheduler
@@ -54,12 +55,12 @@ WRAPPED = {
     "transfer.host_page_addresses": (transfer_module, "host_page_addresses"),
     "runner.prepare": (runner_module.ModelRunner, "prepare"), "runner.strip": (runner_module.ModelRunner, "strip"),
     "runner.forward": (runner_module.ModelRunner, "forward"), "runner.score": (runner_module.ModelRunner, "score"),
-    "runner.layout_arrays": (runner_module, "layout_arrays"), "graphs.stage": (StepGraphs, "stage"),
+    "step_expand.write_compact": (step_expand, "write_compact"), "graphs.stage": (StepGraphs, "stage"),
     "graphs.replay": (StepGraphs, "replay"), "backend.graph_plan": (HSTUTritonBackend, "graph_plan"),
     "backend.graph_metadata": (HSTUTritonBackend, "graph_metadata"),
     "engine._output": (engine_module.GREngine, "_output"), "engine._add": (engine_module.GREngine, "_add"),
     "torch.Event.record": (torch.cuda.Event, "record"), "torch.CUDAGraph.replay": (torch.cuda.CUDAGraph, "replay"),
-    "from_arrays": (attention_base.PagedBatchMetadata, "from_arrays"),
+    "from_layout": (attention_base.PagedBatchMetadata, "from_layout"),
     "OnloadGraphs.replay": (OnloadGraphs, "replay"), "OnloadLauncher.__call__": (OnloadLauncher, "__call__"),
     "ChunkPacker.__call__": (ChunkPacker, "__call__"),
 }

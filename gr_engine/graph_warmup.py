@@ -19,8 +19,6 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from attention_backends.base import layout_arrays
-
 from .step_graphs import HeadFn, SegmentsFn, StepGraphs
 
 
@@ -28,7 +26,7 @@ def synthetic_step(rows: int, longest: int, pages: np.ndarray,
                    page_size: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None:
     """A step of ``rows`` history rows in requests of at most ``longest`` rows each (the first ones exactly
     ``longest``), nothing cached, written into the first of ``pages`` (int32); ``None`` when ``pages`` are too few.
-    Returns the :func:`~attention_backends.layout_arrays` arrays and the token arrays (all zero: any valid ids)."""
+    Returns the layout and the token arrays :meth:`StepGraphs.stage` takes (tokens all zero: any valid ids)."""
     count = -(-rows // longest)
     hist = np.full(count, longest, dtype=np.int64)
     hist[-1] = rows - longest * (count - 1)
@@ -36,10 +34,11 @@ def synthetic_step(rows: int, longest: int, pages: np.ndarray,
     if per_request.sum() > len(pages):
         return None
     indptr = np.concatenate([[0], np.cumsum(per_request)])
-    arrays = layout_arrays(np.zeros(count, dtype=np.int64), hist, np.zeros(count, dtype=np.int64), indptr,
-                           pages[: indptr[-1]].astype(np.int64), page_size)
-    tokens = {name: np.zeros(rows, dtype=np.int64) for name in ("item_ids", "action_ids", "positions")}
-    return arrays, tokens
+    zeros = np.zeros(count, dtype=np.int64)
+    layout = {"history_start": zeros, "num_history_rows": hist, "num_candidate_rows": zeros, "kv_indptr": indptr,
+              "kv_indices": pages[: indptr[-1]]}
+    tokens = {name: np.zeros(rows, dtype=np.int64) for name in ("item_ids", "action_ids")}
+    return layout, tokens
 
 
 def capture_all(graphs: StepGraphs, segments: SegmentsFn, head: HeadFn, pages: np.ndarray, num_layers: int,
@@ -71,13 +70,14 @@ def capture_all(graphs: StepGraphs, segments: SegmentsFn, head: HeadFn, pages: n
             if step is None or not graphs.fits(bucket, len(step[0]["num_history_rows"]), bucket,
                                                len(step[0]["kv_indices"])):
                 continue
-            arrays, tokens = step
-            key = (bucket, graphs.backend.graph_plan(arrays, bucket, graphs.max_requests)[0])
+            layout, tokens = step
+            staged = graphs.stage(layout, tokens)
+            key = (bucket, staged.plan_key)
             if key in keys or not graphs.enabled:  # (after a failed capture steps run eagerly: nothing to capture)
                 continue
             keys.add(key)
-            for layer_ready in waits:
-                graphs.replay(graphs.stage(arrays, tokens), segments, head, layer_ready)
+            for i, layer_ready in enumerate(waits):
+                graphs.replay(staged if i == 0 else graphs.stage(layout, tokens), segments, head, layer_ready)
     if cuda:
         torch.cuda.synchronize(graphs.device)
     return len(keys)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from attention_backends import AttentionBackend, PagedBatchMetadata
-from attention_backends.base import layout_arrays, upload, upload_int32
+from attention_backends.base import upload, upload_int32
 from cache_engine import KVCacheManager
 from scheduler import ScheduledChunk
 
@@ -63,7 +63,8 @@ class StepMetadata:
     """``common``: the page tables and row layout; ``backend``: the backend's own view of it;
     ``retrieval_rows``: int64 ``[R]`` rows of the last history token of each finishing retrieval
     request, whose chunk indices are ``retrieval_chunks`` (``None`` when there is none).
-    A step replayed from a CUDA graph has ``layout`` (host arrays, set by ``prepare``) and, once ``strip``
+    A step replayed from a CUDA graph has ``layout`` (per-request host arrays, set by ``prepare``: see
+    :meth:`~.step_graphs.StepGraphs.stage`) and, once ``strip``
     has staged it, ``staged``; until then its ``common`` and ``backend`` are ``None``; its replay sets ``logits``
     (float32 ``[C, num_tasks]``)."""
 
@@ -111,7 +112,8 @@ class ModelRunner:
             retrieval_rows = upload(rows.astype(np.int64), self.device)
         if (self.graphs is not None and not self.model.config.time_bias_buckets
                 and self.graphs.fits(int((hist + cand).sum()), len(chunks), int(hist.sum()), len(indices))):
-            layout = layout_arrays(start, hist, cand, indptr, indices, self.kv.page_size)
+            layout = {"history_start": start, "num_history_rows": hist, "num_candidate_rows": cand,
+                      "kv_indptr": indptr, "kv_indices": indices}
             return StepMetadata(None, None, retrieval_rows, retrieval, layout=layout)  # staged by strip
         times = self._timestamps(chunks) if self.model.config.time_bias_buckets else (None, None)
         common = PagedBatchMetadata.from_layout(start, hist, cand, indptr, indices, self.kv.page_size,
@@ -140,18 +142,18 @@ class ModelRunner:
             items += [arrays.item_ids[s:e], arrays.candidate_item_ids[:c]]
             actions += [arrays.action_ids[s:e], self._candidate_actions[:c]]
             num_history[i] = arrays.num_history
+        item_ids, action_ids = np.concatenate(items), np.concatenate(actions)
+        if meta.layout is not None:  # positions are derived on the device
+            meta.staged = self.graphs.stage(meta.layout, {"item_ids": item_ids, "action_ids": action_ids})
+            meta.common, meta.backend = meta.staged.common, self.graphs.backend_metadata(meta.staged)
+            return StepTokens(**meta.staged.tokens)
         # History rows sit at their event's position, candidates one past the user's last event.
-        layout = meta.layout if meta.layout is not None else meta.common.host
-        item_ids = np.concatenate(items)
+        layout = meta.common.host
         positions = np.empty(len(item_ids), dtype=np.int64)
         positions[layout["history_rows"]] = layout["append_positions"]
         positions[layout["candidate_rows"]] = num_history[layout["candidate_batch_indices"]]
-        arrays = {"item_ids": item_ids, "action_ids": np.concatenate(actions), "positions": positions}
-        if meta.layout is not None:
-            meta.staged = self.graphs.stage(meta.layout, arrays)
-            meta.common, meta.backend = meta.staged.common, self.graphs.backend_metadata(meta.staged)
-            return StepTokens(**meta.staged.tokens)
-        return StepTokens(**upload_int32(arrays, self.device))
+        return StepTokens(**upload_int32({"item_ids": item_ids, "action_ids": action_ids, "positions": positions},
+                                         self.device))
 
     @torch.no_grad()
     def capture_graphs(self, pages: np.ndarray, use_tqdm: bool = True) -> int:

@@ -3,12 +3,12 @@
 Launching a step's kernels one by one from Python costs milliseconds of host time, more than the GPU needs
 for a batch of returning users (a few new events and the candidates over cached histories). A step that
 fits a capture bucket (at most ``max_rows`` rows, ``max_requests`` requests, at least one new history row,
-no relative time bias) is instead *staged*: its tokens and page tables are copied to the device as they are, in one
-host-to-device copy (with the attention backend's plan, :meth:`~attention_backends.GraphReplayable.graph_plan`, a
-second one, unless the backend writes its plan on the device), and the forward captured for that bucket is
-replayed. The replay's first work pads the step into the static buffers the graphs read (:meth:`StepGraphs._expand`,
-a few tensor operations): the host never builds or writes the bucket's padded layout, which cost it a numpy gather
-per step and, for each new step shape, the gather's index.
+no relative time bias) is instead *staged*: its per-request numbers, tokens and page ids are copied to the device in
+one compact host-to-device copy (with the attention backend's plan,
+:meth:`~attention_backends.GraphReplayable.graph_plan`, a second one, unless the backend writes its plan on the
+device), and the forward captured for that bucket is replayed. The replay's first work expands the step into the
+static buffers the graphs read, every per-row field padded to the bucket (:mod:`.step_expand`, one kernel): the host
+builds no per-row array.
 Padding is inert: spare requests have no rows, spare append rows repeat the step's last real append (the
 same values written to the same slot), spare token rows are computed and never read.
 
@@ -23,8 +23,9 @@ batch of 8, against 0.14 ms for per-layer replays) and hierarchical batches took
 (``benchmarks/results/bench_d566081/``). The last graph also runs the ranking head over the candidate rows, so
 that scoring a replayed step is one device-to-host copy. All graphs share one memory pool: replays never overlap,
 a layer's output is written and read within one replay, and each bucket's final states and logits (read before the
-next replay) stay held, so memory is the largest bucket's, not the sum over buckets. On CPU (for tests) the same
-padded forward runs eagerly in place of a replay, so the padding's inertness is tested without a GPU.
+next replay) stay held, so memory is the largest bucket's, not the sum over buckets. On CPU (for tests, with Triton's
+interpreter) the same padded forward runs eagerly in place of a replay, so the padding's inertness is tested without
+a GPU.
 """
 
 from __future__ import annotations
@@ -42,21 +43,15 @@ from cache_engine.streams import CurrentStream, indexed
 
 logger = logging.getLogger(__name__)
 
-# Per-step int32 fields in the static buffer, in order, and the capacity each is padded to ("requests":
-# max_requests, "requests1": max_requests + 1, "rows": max_rows); ``kv_indices`` (max_pages) goes last so that
-# a step copies only the pages it uses.
-_FIELDS = {
+# The real length of each field of a staged step: per request (+ 1), per new history row, per candidate, per row.
+_LENGTHS = {
     "query_start_loc": "requests1", "kv_indptr": "requests1", "num_history_rows": "requests",
     "num_candidate_rows": "requests", "kv_last_page_len": "requests", "kv_seq_lens": "requests",
-    "append_batch_indices": "rows", "append_positions": "rows", "append_pages": "rows", "append_entries": "rows",
-    "history_rows": "rows", "candidate_rows": "rows", "candidate_batch_indices": "rows",
-    "item_ids": "rows", "action_ids": "rows", "positions": "rows",
+    "append_batch_indices": "history", "append_positions": "history", "append_pages": "history",
+    "append_entries": "history", "history_rows": "history", "candidate_rows": "candidates",
+    "candidate_batch_indices": "candidates", "item_ids": "rows", "action_ids": "rows", "positions": "rows",
 }
-_APPEND_FIELDS = ("append_batch_indices", "append_positions", "append_pages", "append_entries", "history_rows")
-_CANDIDATE_FIELDS = ("candidate_rows", "candidate_batch_indices")
-_PADDED_WITH_LAST = (*_APPEND_FIELDS, "query_start_loc", "kv_indptr")  # spare append rows repeat, spare requests empty
 TOKEN_FIELDS = ("item_ids", "action_ids", "positions")
-_HEADER = len(_FIELDS) + 1  # a staged step starts with each field's length, then its page count
 _VIEW_CACHE_SIZE = 4096  # (bucket, field, length) views of the static buffer kept
 
 Segment = Callable[[torch.Tensor | None], torch.Tensor]
@@ -83,11 +78,11 @@ def run_segments(parts: list[Segment], layer_ready: list[torch.cuda.Event | None
 
 @dataclass
 class StagedStep:
-    """A step copied to the device, to be padded into the static buffers by the replay (or :meth:`StepGraphs._expand`).
+    """A step copied to the device, expanded into the static buffers by its replay (or :meth:`StepGraphs._expand`).
 
     Attributes:
         common: the step's metadata over the static buffer, every tensor at its real length (for eager
-            use and for the heads), valid once the step is padded; ``common.host`` holds the host arrays.
+            use and for the heads), valid once the step is expanded; ``common.host`` holds the per-request host arrays.
         tokens: int32 ``[T]`` token tensors at their real length, keyed by :data:`TOKEN_FIELDS`.
         rows: ``T``, the step's rows.
         bucket: rows of the capture bucket (``>= T``).
@@ -103,17 +98,6 @@ class StagedStep:
     plan_key: Hashable
     plan_writer: PlanWriter | None
     stream: torch.cuda.Stream | None
-
-
-@dataclass
-class _Expansion:
-    """How a bucket's padded fields are read from a staged step, per entry of the static buffer before
-    ``kv_indices``: ``field`` (int64, the field's index in :data:`_FIELDS`), ``within`` (int64, the entry's position in
-    its field) and ``repeats`` (bool, its field's padding repeats the field's last value instead of zeros)."""
-
-    field: torch.Tensor
-    within: torch.Tensor
-    repeats: torch.Tensor
 
 
 @dataclass
@@ -139,27 +123,25 @@ class StepGraphs:
         self.backend, self.device, self.page_size = backend, indexed(device), page_size
         self.max_rows, self.max_requests, self.max_pages = max_rows, max_requests, max_pages
         self.buckets = [b for b in (128 * 2**i for i in range(16)) if b < max_rows] + [max_rows]
+        from . import step_expand  # imports Triton: only engines with a graph-replayable backend get here
+
+        self._layout = step_expand
         # Per bucket: each field's capacity and offset in the static buffer (rows fields hold the bucket's rows, so
-        # that a step writes one contiguous prefix); kv_indices (max_pages) goes last.
+        # that a step's page ids come right after its bucket's fields).
         self._caps: dict[int, dict[str, int]] = {}
         self._offsets: dict[int, dict[str, int]] = {}
         for bucket in self.buckets:
-            sizes = {"requests": max_requests, "requests1": max_requests + 1, "rows": bucket}
-            self._caps[bucket] = {name: sizes[cap] for name, cap in _FIELDS.items()}
-            ends = np.cumsum(list(self._caps[bucket].values())).tolist()
-            self._offsets[bucket] = dict(zip([*_FIELDS, "kv_indices"], [0, *ends], strict=True))
+            self._caps[bucket], self._offsets[bucket] = step_expand.field_offsets(max_requests, bucket)
         end = self._offsets[max_rows]["kv_indices"]
         self._cuda = device.type == "cuda"
         self._current_stream = CurrentStream(self.device) if self._cuda else None
         self._buffer = torch.zeros(end + max_pages, dtype=torch.int32, device=device)  # padded, what graphs read
-        # A staged step as copied: _HEADER lengths, every field's values in _FIELDS order, then the page ids.
-        self._compact = torch.zeros(_HEADER + end + max_pages, dtype=torch.int32, device=device)
-        self._staging = [torch.zeros(_HEADER + end + max_pages, dtype=torch.int32, pin_memory=self._cuda)
-                         for _ in range(2)]
+        # A staged step as copied (step_expand.write_compact), and its pinned staging, double-buffered.
+        size = step_expand.compact_size(max_requests, max_rows, max_pages)
+        self._compact = torch.zeros(size, dtype=torch.int32, device=device)
+        self._staging = [torch.zeros(size, dtype=torch.int32, pin_memory=self._cuda) for _ in range(2)]
         self._copied = [self._event(), self._event()]  # the last copy out of each staging buffer
         self._turn = 0
-        self._expansions = {bucket: self._expansion(bucket) for bucket in self.buckets}
-        self._page_entries = torch.arange(max_pages, device=device)
         self._plans: dict[Hashable, tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Event | None]] = {}
         self._views: dict[tuple[int, str, int], torch.Tensor] = {}
         self._graphs: dict[tuple[int, Hashable], _Graph] = {}
@@ -182,23 +164,36 @@ class StepGraphs:
         return (self.enabled and num_history_rows > 0 and num_rows <= self.max_rows
                 and num_requests <= self.max_requests and num_pages <= self.max_pages)
 
-    def stage(self, arrays: dict[str, np.ndarray], tokens: dict[str, np.ndarray]) -> StagedStep:
-        """Copy a step (:func:`~attention_backends.base.layout_arrays` output and its token arrays) to the device
-        without blocking, for its replay to pad (and upload the backend's plan if the host made it); the caller
-        checked :meth:`fits`."""
-        rows = int(arrays["query_start_loc"][-1])
+    def stage(self, layout: dict[str, np.ndarray], tokens: dict[str, np.ndarray]) -> StagedStep:
+        """Copy a step to the device in compact form (:func:`.step_expand.write_compact`) without blocking, for its
+        replay to expand into the static buffer (and upload the backend's plan if the host made it); the caller
+        checked :meth:`fits`.
+
+        Args:
+            layout: int arrays ``history_start``, ``num_history_rows``, ``num_candidate_rows`` (``[B]``),
+                ``kv_indptr`` (``[B + 1]``) and ``kv_indices`` (``[P]``): the arguments of
+                :meth:`~attention_backends.PagedBatchMetadata.from_layout`.
+            tokens: int ``item_ids`` and ``action_ids`` ``[T]``, rows of each request in turn (its new history rows,
+                then its candidates); positions are derived on the device.
+        """
+        start, hist, cand = layout["history_start"], layout["num_history_rows"], layout["num_candidate_rows"]
+        indptr, pages = layout["kv_indptr"], layout["kv_indices"]
+        per_request = hist + cand
+        query_start_loc = np.zeros(len(hist) + 1, dtype=np.int64)
+        np.cumsum(per_request, out=query_start_loc[1:])
+        seq_lens = start + hist
+        host = {"query_start_loc": query_start_loc, "num_history_rows": hist, "num_candidate_rows": cand,
+                "kv_indptr": indptr, "kv_seq_lens": seq_lens}
+        rows, history = int(query_start_loc[-1]), int(hist.sum())
         bucket = next(b for b in self.buckets if b >= rows)
-        plan_key, plan = self.backend.graph_plan(arrays, bucket, self.max_requests)
+        plan_key, plan = self.backend.graph_plan(host, bucket, self.max_requests)
         staging, copied = self._staging[self._turn], self._copied[self._turn]
         self._turn ^= 1
         if copied is not None:
             copied.synchronize()  # a step ago at the latest: its buffer is free
-        fields = [arrays[name] if name in arrays else tokens[name] for name in _FIELDS]
-        pages = arrays["kv_indices"]
-        lengths = np.array([len(values) for values in fields] + [len(pages)])
-        used = _HEADER + int(lengths.sum())
-        np.concatenate([lengths, *fields, pages], out=staging.numpy()[:used])  # int64 -> int32, same_kind
-        self._compact[:used].copy_(staging[:used], non_blocking=True)  # padded on the device, by _expand
+        used = self._layout.write_compact(staging.numpy(), start, hist, cand, indptr, pages, tokens["item_ids"],
+                                          tokens["action_ids"])
+        self._compact[:used].copy_(staging[:used], non_blocking=True)  # expanded on the device, by _expand
         writer = plan if callable(plan) else None  # a writer: the backend writes the plan inside the replay
         device_plan, pinned_plan, plan_copied = self._plan_buffers(plan_key, uploaded=writer is None)
         stream = self._current_stream() if self._cuda else None
@@ -211,11 +206,15 @@ class StepGraphs:
             device_plan.copy_(pinned_plan, non_blocking=True)
             if stream is not None:
                 plan_copied.record(stream)
-        views = {name: self._view(bucket, name, len(values)) for name, values in zip(_FIELDS, fields, strict=True)}
-        views["kv_indices"] = self._view(bucket, "kv_indices", len(pages))
+        lengths = {"requests1": len(indptr), "requests": len(hist), "history": history, "candidates": rows - history,
+                   "rows": rows}
+        views = {name: self._view(bucket, name, lengths[kind]) for name, kind in _LENGTHS.items()}
         tokens_views = {name: views.pop(name) for name in TOKEN_FIELDS}
-        return StagedStep(PagedBatchMetadata.from_arrays(arrays, views, self.page_size), tokens_views, rows, bucket,
-                          plan_key, writer, stream)
+        common = PagedBatchMetadata(
+            **views, kv_indices=self._view(bucket, "kv_indices", len(pages)), page_size=self.page_size,
+            max_query_len=int(per_request.max()), max_kv_len=int(seq_lens.max()),
+            max_pages=int((indptr[1:] - indptr[:-1]).max()), host=host)
+        return StagedStep(common, tokens_views, rows, bucket, plan_key, writer, stream)
 
     def backend_metadata(self, step: StagedStep) -> Any:
         """The backend's metadata of a staged step (over the padded plan; valid for eager use too)."""
@@ -269,27 +268,10 @@ class StepGraphs:
         states = run_segments(segments(step.tokens, step.common, backend), layer_ready)
         return states, head(states, step.common.candidate_rows)
 
-    def _expansion(self, bucket: int) -> _Expansion:
-        caps = list(self._caps[bucket].values())
-        field = np.repeat(np.arange(len(caps)), caps)
-        within = np.arange(len(field)) - np.repeat(np.cumsum(caps) - caps, caps)
-        repeats = np.array([name in _PADDED_WITH_LAST for name in _FIELDS])[field]
-        return _Expansion(*(torch.from_numpy(a).to(self.device) for a in (field, within, repeats)))
-
     def _expand(self, bucket: int) -> None:
-        """Pad the staged step into the static buffer as ``bucket``'s graphs read it, on the current stream (the first
-        work of a replay): each field at its offset, then zeros or (append rows, offsets) its last value repeated up
-        to its capacity; then the page ids. A few tensor operations over the bucket's entries, no host work."""
-        expansion = self._expansions[bucket]
-        lengths = self._compact[:_HEADER].long()
-        starts = _HEADER + torch.cumsum(lengths, 0) - lengths  # where each field's values start in the staged step
-        length = lengths[expansion.field]
-        read = starts[expansion.field] + torch.minimum(expansion.within, length - 1).clamp_min(0)
-        keep = (expansion.within < length) | (expansion.repeats & (length > 0))
-        size = len(expansion.field)
-        self._buffer[:size] = torch.where(keep, self._compact[read], 0)
-        # Page ids: beyond the step's, whatever follows in the staged buffer (never read: kv_indptr bounds them).
-        self._buffer[size:size + self.max_pages] = self._compact[starts[-1] + self._page_entries]
+        """Write the staged step into the static buffer as ``bucket``'s graphs read it (:func:`.step_expand.expand`,
+        one kernel on the current stream: the first work of a replay)."""
+        self._layout.expand(self._compact, self._buffer, self.max_requests, bucket, self.page_size)
 
     def _view(self, bucket: int, name: str, length: int) -> torch.Tensor:
         """``length`` entries of field ``name`` in ``bucket``'s layout of the static buffer (views kept: slicing a
@@ -324,7 +306,7 @@ class StepGraphs:
     def _static_inputs(self, step: StagedStep) -> tuple[dict[str, torch.Tensor], PagedBatchMetadata, Any]:
         """A bucket's graph inputs: tokens, page tables padded to the capacities, the backend's metadata."""
         caps = self._caps[step.bucket]
-        views = {name: self._view(step.bucket, name, caps[name]) for name in _FIELDS if name not in TOKEN_FIELDS}
+        views = {name: self._view(step.bucket, name, caps[name]) for name in caps if name not in TOKEN_FIELDS}
         tokens = {name: self._view(step.bucket, name, caps[name]) for name in TOKEN_FIELDS}
         views["kv_indices"] = self._view(step.bucket, "kv_indices", self.max_pages)
         common = PagedBatchMetadata(**views, page_size=self.page_size, max_query_len=step.bucket,

@@ -174,14 +174,18 @@ def test_failed_capture_falls_back_to_eager_without_failing_requests(monkeypatch
 
 
 @needs_hstu_triton
-def test_staging_and_padding_write_every_field_and_pad_inertly():
-    """Steps of many shapes and buckets, in a random order (each over whatever the previous one left), are staged and
-    padded on the device (:meth:`StepGraphs._expand`, the replay's first work): every field and the page ids read
-    back at their real length, and the bucket-padded views a graph reads repeat the last append row and the last
-    offsets, with zeros elsewhere."""
+def test_staging_and_expansion_write_every_field_and_pad_inertly():
+    """Steps of many shapes and buckets, in a random order (each over whatever the previous one left), are staged in
+    compact form and expanded on the device (:meth:`StepGraphs._expand`, the replay's first work): every field, the
+    token positions and the page ids read back at their real length equal the host's layout
+    (:func:`~attention_backends.base.layout_arrays`), and the bucket-padded views a graph reads repeat the last append
+    row and the last offsets, with zeros elsewhere."""
     from attention_backends.base import layout_arrays
-    from gr_engine.step_graphs import _APPEND_FIELDS, _FIELDS, TOKEN_FIELDS
+    from gr_engine.step_expand import FIELDS
+    from gr_engine.step_graphs import TOKEN_FIELDS
 
+    repeated = ("append_batch_indices", "append_positions", "append_pages", "append_entries", "history_rows",
+                "query_start_loc", "kv_indptr")
     config = tiny_config(page_size=16, num_heads=2, head_dim=16)
     engine = GREngine(msgspec.structs.replace(config, attention_backend="hstu_triton", device=DEVICE))
     graphs = StepGraphs(engine.backend, engine.device, 16, max_rows=300, max_requests=4, max_pages=200)
@@ -196,23 +200,30 @@ def test_staging_and_padding_write_every_field_and_pad_inertly():
             cand[:] = 70
         pages = -(-(start + hist) // 16)
         indptr = np.concatenate([[0], np.cumsum(pages)])
-        arrays = layout_arrays(start, hist, cand, indptr, rng.permutation(200)[: indptr[-1]], 16)
+        kv_indices = rng.permutation(200)[: indptr[-1]]
+        arrays = layout_arrays(start, hist, cand, indptr, kv_indices, 16)
         rows = int(arrays["query_start_loc"][-1])
-        tokens = {name: rng.integers(0, 1000, rows) for name in TOKEN_FIELDS}
-        staged = graphs.stage(arrays, tokens)
+        tokens = {name: rng.integers(0, 1000, rows) for name in ("item_ids", "action_ids")}
+        positions = np.empty(rows, dtype=np.int64)  # history rows at their event, candidates one past the last
+        positions[arrays["history_rows"]] = arrays["append_positions"]
+        positions[arrays["candidate_rows"]] = arrays["kv_seq_lens"][arrays["candidate_batch_indices"]]
+        layout = {"history_start": start, "num_history_rows": hist, "num_candidate_rows": cand, "kv_indptr": indptr,
+                  "kv_indices": kv_indices}
+        staged = graphs.stage(layout, tokens)
         graphs._expand(staged.bucket)
+        tokens["positions"] = positions
         buckets.add(staged.bucket)
         for name, values in arrays.items():
             assert np.array_equal(getattr(staged.common, name).cpu().numpy(), values), name
         for name, values in tokens.items():
             assert np.array_equal(staged.tokens[name].cpu().numpy(), values), name
         static, common, _ = graphs._static_inputs(staged)
-        for name in _FIELDS:
+        for name in FIELDS:
             view = (static[name] if name in TOKEN_FIELDS else getattr(common, name)).cpu().numpy()
             values = tokens[name] if name in TOKEN_FIELDS else arrays[name]
             assert np.array_equal(view[:len(values)], values), name
             spare = view[len(values):]
-            if name in _APPEND_FIELDS or name in ("query_start_loc", "kv_indptr"):
+            if name in repeated:
                 assert (spare == values[-1]).all(), name
             else:
                 assert not spare.any(), name

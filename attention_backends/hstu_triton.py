@@ -83,7 +83,8 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
         self.plan_on_device = True
         cuda = spec.device_type == "cuda"  # processors planned for; on CPU (the interpreter, for tests) a nominal 4
         self.num_sms = torch.cuda.get_device_properties("cuda").multi_processor_count if cuda else 4
-        self._device_keys: dict[Hashable, tuple[Hashable, PlanWriter]] = {}  # graph_plan's, by capacities
+        # graph_plan's device-planned keys, by (longest request's rows, capacities, num_sms)
+        self._device_keys: dict[tuple[int, int, int, int], tuple[Hashable, PlanWriter]] = {}
         # graph_metadata's views of each static plan buffer, by key: (the buffer, its tile map, its work items)
         self._plan_views: dict[Hashable, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -117,9 +118,12 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
         (request ``-1``, no parts) and spare items (tile ``-1``) are skipped by the kernels. Key: the launch
         shape, the two capacities and whether the plan is written on the device (with ``plan_on_device``, when
         :func:`.hstu_triton_device_plan.fits` the capacities; then :meth:`write_device_plan` is the writer)."""
-        config = self._config(int(np.diff(common_host["query_start_loc"]).max(initial=0)))
-        if self.plan_on_device and (config, max_rows, max_requests, self.num_sms) in self._device_keys:
-            return self._device_keys[config, max_rows, max_requests, self.num_sms]
+        longest = int(np.diff(common_host["query_start_loc"]).max(initial=0))
+        if self.plan_on_device:  # by the longest request's rows: no tile config to build and hash per step
+            planned = self._device_keys.get((longest, max_rows, max_requests, self.num_sms))
+            if planned is not None:
+                return planned
+        config = self._config(longest)
         num_tiles = (max_rows + max_requests * (config.block_m - 1)) // config.block_m  # plan_tile_map's bound
         num_items = max(num_tiles, -(-MAX_PROGRAMS_PER_SM * self.num_sms // self.spec.num_heads))
         if self.plan_on_device:
@@ -127,7 +131,7 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
 
             if fits(num_tiles, num_items, max_requests):
                 key = (config, num_tiles, num_items, True)
-                planned = self._device_keys[config, max_rows, max_requests, self.num_sms] = (
+                planned = self._device_keys[longest, max_rows, max_requests, self.num_sms] = (
                     key, functools.partial(self.write_device_plan, key))
                 return planned
         plan = padded_plan(*self._plan(common_host, config), num_tiles, num_items)

@@ -64,9 +64,9 @@ class StepMetadata:
     ``retrieval_rows``: int64 ``[R]`` rows of the last history token of each finishing retrieval
     request, whose chunk indices are ``retrieval_chunks`` (``None`` when there is none).
     A step replayed from a CUDA graph has ``layout`` (per-request host arrays, set by ``prepare``: see
-    :meth:`~.step_graphs.StepGraphs.stage`) and, once ``strip``
-    has staged it, ``staged``; until then its ``common`` and ``backend`` are ``None``; its replay sets ``logits``
-    (float32 ``[C, num_tasks]``)."""
+    :meth:`~.step_graphs.StepGraphs.stage`) and, once ``strip`` has staged it, ``staged``; its ``common`` and
+    ``backend`` stay ``None`` (the replay reads the graphs' static buffers); its replay sets ``logits`` (float32
+    ``[C, num_tasks]``)."""
 
     common: PagedBatchMetadata | None
     backend: Any
@@ -132,9 +132,10 @@ class ModelRunner:
             keys.append(times[: chunk.end])
         return np.concatenate(queries), np.concatenate(keys)
 
-    def strip(self, chunks: list[ScheduledChunk], meta: StepMetadata) -> StepTokens:
+    def strip(self, chunks: list[ScheduledChunk], meta: StepMetadata) -> StepTokens | None:
         """Model input: each request's uncached history ``[start, end)``, then its candidates if final.
-        A step to be replayed from a graph (``meta.layout``) is staged here, tokens and metadata together."""
+        A step to be replayed from a graph (``meta.layout``) is staged here, tokens and metadata together (``None``
+        is returned: its replay reads them from the graphs' buffers)."""
         items, actions, num_history = [], [], np.empty(len(chunks), dtype=np.int64)
         for i, chunk in enumerate(chunks):
             arrays: RequestArrays = chunk.request.payload.arrays
@@ -145,8 +146,7 @@ class ModelRunner:
         item_ids, action_ids = np.concatenate(items), np.concatenate(actions)
         if meta.layout is not None:  # positions are derived on the device
             meta.staged = self.graphs.stage(meta.layout, {"item_ids": item_ids, "action_ids": action_ids})
-            meta.common, meta.backend = meta.staged.common, self.graphs.backend_metadata(meta.staged)
-            return StepTokens(**meta.staged.tokens)
+            return None
         # History rows sit at their event's position, candidates one past the user's last event.
         layout = meta.common.host
         positions = np.empty(len(item_ids), dtype=np.int64)
@@ -165,11 +165,12 @@ class ModelRunner:
                            pages, len(self.model.layers), use_tqdm)
 
     @torch.no_grad()
-    def forward(self, tokens: StepTokens, meta: StepMetadata,
+    def forward(self, tokens: StepTokens | None, meta: StepMetadata,
                 layer_ready: list[torch.cuda.Event | None]) -> torch.Tensor:
         """Run all layers; returns final states ``[T, d_model]``. Appends new history K/V to pages.
 
         Args:
+            tokens: :meth:`strip`'s input (``None`` for a staged step).
             layer_ready: per layer, an event the layer's attention must wait for (its pages are being
                 loaded from host), or ``None``; a graph replay waits for it before the layer's graph.
         """

@@ -79,25 +79,30 @@ def run_segments(parts: list[Segment], layer_ready: list[torch.cuda.Event | None
 @dataclass
 class StagedStep:
     """A step copied to the device, expanded into the static buffers by its replay (or :meth:`StepGraphs._expand`).
+    Its tensors at their real length are built only when needed (:meth:`StepGraphs.step_inputs`): a replay reads the
+    bucket's padded buffers.
 
     Attributes:
-        common: the step's metadata over the static buffer, every tensor at its real length (for eager
-            use and for the heads), valid once the step is expanded; ``common.host`` holds the per-request host arrays.
-        tokens: int32 ``[T]`` token tensors at their real length, keyed by :data:`TOKEN_FIELDS`.
-        rows: ``T``, the step's rows.
+        host: the per-request host arrays (see :attr:`PagedBatchMetadata.host`).
+        lengths: each kind of field's real length (``"requests1"``, ``"requests"``, ``"history"``,
+            ``"candidates"``, ``"rows"``) and the page count (``"pages"``).
         bucket: rows of the capture bucket (``>= T``).
         plan_key: the backend's launch-shape key for :meth:`GraphReplayable.graph_plan`.
         plan_writer: writes the plan inside the replay (nothing was uploaded for it), or ``None``.
         stream: the CUDA stream its copies were queued on, where it is replayed (``None`` on CPU).
     """
 
-    common: PagedBatchMetadata
-    tokens: dict[str, torch.Tensor]
-    rows: int
+    host: dict[str, np.ndarray]
+    lengths: dict[str, int]
     bucket: int
     plan_key: Hashable
     plan_writer: PlanWriter | None
     stream: torch.cuda.Stream | None
+
+    @property
+    def rows(self) -> int:
+        """``T``, the step's rows."""
+        return self.lengths["rows"]
 
 
 @dataclass
@@ -207,18 +212,21 @@ class StepGraphs:
             if stream is not None:
                 plan_copied.record(stream)
         lengths = {"requests1": len(indptr), "requests": len(hist), "history": history, "candidates": rows - history,
-                   "rows": rows}
-        views = {name: self._view(bucket, name, lengths[kind]) for name, kind in _LENGTHS.items()}
-        tokens_views = {name: views.pop(name) for name in TOKEN_FIELDS}
-        common = PagedBatchMetadata(
-            **views, kv_indices=self._view(bucket, "kv_indices", len(pages)), page_size=self.page_size,
-            max_query_len=int(per_request.max()), max_kv_len=int(seq_lens.max()),
-            max_pages=int((indptr[1:] - indptr[:-1]).max()), host=host)
-        return StagedStep(common, tokens_views, rows, bucket, plan_key, writer, stream)
+                   "rows": rows, "pages": len(pages)}
+        return StagedStep(host, lengths, bucket, plan_key, writer, stream)
 
-    def backend_metadata(self, step: StagedStep) -> Any:
-        """The backend's metadata of a staged step (over the padded plan; valid for eager use too)."""
-        return self.backend.graph_metadata(step.common, step.plan_key, self._plans[step.plan_key][0])
+    def step_inputs(self, step: StagedStep) -> tuple[dict[str, torch.Tensor], PagedBatchMetadata]:
+        """A staged step's token tensors (keyed by :data:`TOKEN_FIELDS`) and metadata over the static buffer, every
+        tensor at its real length (valid once the step is expanded), for eager use."""
+        views = {name: self._view(step.bucket, name, step.lengths[kind]) for name, kind in _LENGTHS.items()}
+        tokens = {name: views.pop(name) for name in TOKEN_FIELDS}
+        host = step.host
+        indptr = host["kv_indptr"]
+        common = PagedBatchMetadata(
+            **views, kv_indices=self._view(step.bucket, "kv_indices", step.lengths["pages"]), page_size=self.page_size,
+            max_query_len=int(np.diff(host["query_start_loc"]).max()), max_kv_len=int(host["kv_seq_lens"].max()),
+            max_pages=int((indptr[1:] - indptr[:-1]).max()), host=host)
+        return tokens, common
 
     def replay(self, step: StagedStep, segments: SegmentsFn, head: HeadFn,
                layer_ready: list[torch.cuda.Event | None]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,7 +255,7 @@ class StepGraphs:
                 if ready is not None:
                     step.stream.wait_event(ready)
                 graph.replay()
-        return entry.states[: step.rows], entry.logits[: len(step.common.candidate_rows)]
+        return entry.states[: step.rows], entry.logits[: step.lengths["candidates"]]
 
     # ------------------------------------------------------------------ internals
     def _run_eagerly(self, step: StagedStep, segments: SegmentsFn, head: HeadFn,
@@ -257,16 +265,16 @@ class StepGraphs:
         self._expand(step.bucket)
         self._write_plan(step, common)
         states = run_segments(segments(tokens, common, backend), layer_ready)
-        return states[: step.rows], head(states, common.candidate_rows)[: len(step.common.candidate_rows)]
+        return states[: step.rows], head(states, common.candidate_rows)[: step.lengths["candidates"]]
 
     def _run_unpadded(self, step: StagedStep, segments: SegmentsFn, head: HeadFn,
                       layer_ready: list[torch.cuda.Event | None]) -> tuple[torch.Tensor, torch.Tensor]:
         """The staged step at its real size with the backend's eager metadata (planned on the host): after a failed
         capture, nothing the capture needed (a device-written plan, say) is relied on."""
         self._expand(step.bucket)
-        backend = self.backend.build_metadata(step.common)
-        states = run_segments(segments(step.tokens, step.common, backend), layer_ready)
-        return states, head(states, step.common.candidate_rows)
+        tokens, common = self.step_inputs(step)
+        states = run_segments(segments(tokens, common, self.backend.build_metadata(common)), layer_ready)
+        return states, head(states, common.candidate_rows)
 
     def _expand(self, bucket: int) -> None:
         """Write the staged step into the static buffer as ``bucket``'s graphs read it (:func:`.step_expand.expand`,

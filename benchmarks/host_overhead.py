@@ -57,7 +57,7 @@ class HostOnlyGraphs(StepGraphs):
     def replay(self, step: StagedStep, segments: Any, head: Any,
                layer_ready: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         self.num_replays += 1
-        return torch.zeros(step.rows, 1), torch.zeros(len(step.common.candidate_rows), self.num_tasks)
+        return torch.zeros(step.rows, 1), torch.zeros(step.lengths["candidates"], self.num_tasks)
 
 
 def use_graph_path(engine: GREngine) -> HostOnlyGraphs:

@@ -100,6 +100,8 @@ class KVCacheManager:
         if self._prefetch_events is not None:  # recorded in order on one stream: a later onload's events cover it
             events = self._prefetch_events if events[-1] is None else events
             self._prefetch_events = None
+        if events[-1] is not None and events[-1].query():  # a prefetch already done: nothing to wait for (a step
+            return [None] * len(events)  # replayed from CUDA graphs then replays one graph, not one per layer)
         return events
 
     def prefetch(self, user_ids: Sequence[Hashable], count: int | None = None) -> None:

@@ -135,6 +135,8 @@ class TransferEngine:
         self._buffers: list[torch.Tensor] = []  # the two onload buffers, grown on demand
         self._deferred: list[tuple[OffloadHandle, list[OffloadJob]]] = []  # gathered, not yet copied out
         self.last_gather: torch.cuda.Event | None = None
+        # The gather before_writes last made the streams wait for, and the current stream then.
+        self._waited_gather: tuple[torch.cuda.Event, torch.cuda.Stream] | None = None
         self._last_scatter: torch.cuda.Event | None = None
         self._launcher: OnloadLauncher | None = None  # the onload kernel's, created at the first kernel onload
         self._packer: ChunkPacker | None = None  # the offload kernel's, created at the first kernel offload
@@ -237,11 +239,16 @@ class TransferEngine:
         return (chunks.float() / scale[:, :, None, :, None, :, None]).to(FP8)
 
     def before_writes(self) -> None:
-        """Make the compute and scatter streams wait for gathers already issued (pages that were
-        being read may now be written by their new owner)."""
-        if self.is_cuda and self.last_gather is not None:
-            self.current_stream().wait_event(self.last_gather)
+        """Make the compute (current) and scatter streams wait for gathers already issued (pages that were
+        being read may now be written by their new owner); nothing to do when both already waited for the last one
+        (no gather since the last call, on the same current stream)."""
+        if not self.is_cuda or self.last_gather is None:
+            return
+        compute = self.current_stream()
+        if self._waited_gather != (self.last_gather, compute):
+            compute.wait_event(self.last_gather)
             self.scatter_stream.wait_event(self.last_gather)
+            self._waited_gather = (self.last_gather, compute)
 
     # ------------------------------------------------------------------ onload
     def onload(self, kv: torch.Tensor, jobs: list[OnloadJob]) -> list[torch.cuda.Event | None]:

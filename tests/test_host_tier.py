@@ -341,3 +341,27 @@ def test_transfers_can_be_switched_off_for_fast_forwarding():
     assert run(kv, "a", h) == (0, 19)
     assert not bool((kv_of(kv, "a", 8) == 7.0).any())  # the onload moved nothing either
     kv.check_invariants()
+
+
+class _Event:
+    """A stand-in for a CUDA event: ``query()`` says whether the work before it is done."""
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+@pytest.mark.parametrize("done", [False, True])
+def test_a_finished_prefetch_leaves_nothing_to_wait_for(monkeypatch, done):
+    """The step after a prefetch waits for the prefetch's per-layer events while its onload runs (a step replayed
+    from CUDA graphs then replays one graph per layer), and for nothing once the last layer's event reports done
+    (events are recorded in layer order on one stream)."""
+    kv = manager()
+    events = [_Event(done), _Event(done)]
+    monkeypatch.setattr(kv.host, "launch_onloads", lambda: [None, None])
+    kv._prefetch_events = events
+    assert kv.launch_onloads() == ([None, None] if done else events)
+    monkeypatch.setattr(kv.host, "launch_onloads", lambda: events)  # the step's own onload, just launched
+    assert kv.launch_onloads() == ([None, None] if done else events)

@@ -9,9 +9,10 @@
    512..4096 tokens, benchmark model KV (8 layers, 4 heads x 128,
    bf16, page 32), and offload bandwidth (gather + device->host).
 3. CPU time per batch of 8 returning users with 100,000 users known to the cache, split into metadata
-   preparation + eviction (acquire, page table, batch metadata upload), launching onloads, and commit +
-   release + launching offloads; for users drawn at random (mostly host hits and evictions) and among
-   the 800 most recent (mostly GPU hits).
+   preparation + eviction (acquire, page table, and the batch metadata's upload: the engine's staging of a step
+   replayed from CUDA graphs, ``StepGraphs.stage``, for steps that fit one; ``prepare_eager``: the eager path's
+   ``PagedBatchMetadata.from_layout`` instead), launching onloads, and commit + release + launching offloads; for
+   users drawn at random (mostly host hits and evictions) and among the 800 most recent (mostly GPU hits).
 Medians over repetitions; all modes measured in the same run.
 """
 
@@ -21,14 +22,17 @@ import argparse
 import json
 import platform
 import subprocess
+import sys
 import time
 
 import numpy as np
 import torch
 
-from attention_backends import PagedBatchMetadata
+from attention_backends import AttentionSpec, PagedBatchMetadata
+from attention_backends.hstu_triton import HSTUTritonBackend
 from cache_engine import CacheConfig, HostChunkStore, KVCacheManager, OffloadJob, OnloadJob, TransferEngine
 from cache_engine.prefix_hash import page_prefix_hashes
+from gr_engine.step_graphs import StepGraphs
 
 
 def cuda_time(fn, reps: int) -> float:
@@ -107,6 +111,11 @@ def metadata_overhead(device, num_users=100_000, batch=8, steps=300, history=100
                          host_budget_bytes=num_users * 2 * 1024 * 8 * 2, host_segment_bytes=2**28)
     kv = KVCacheManager(config, num_layers=1, num_heads=1, head_dim=4, dtype=torch.float16, device=device)
     kv.host.store.wait_until_allocated()
+    # The engine's staging of a step replayed from CUDA graphs (benchmark model: 4 heads x 128, bf16, page 32).
+    spec = AttentionSpec(kind="hstu", num_heads=4, head_dim=128, page_size=32, dtype=torch.bfloat16,
+                         device_type=device.type, alpha=128**-0.5, scaling_seqlen=20_000)
+    graphs = StepGraphs(HSTUTritonBackend(spec), device, 32, 4096, batch, config.num_gpu_pages)
+    token_ids = np.zeros(4096, dtype=np.int64)
     rng = np.random.default_rng(0)
     base = rng.integers(0, 10**6, num_users)  # user u's events are base[u] + 0, 1, 2, ...
     lengths = np.full(num_users, history)
@@ -120,16 +129,26 @@ def metadata_overhead(device, num_users=100_000, batch=8, steps=300, history=100
         assert all(h is not None for h in hits)
         indptr, indices = kv.page_table([int(u) for u in users], [len(h) for h in hashes])
         done = np.array([hit.total for hit in hits])
-        PagedBatchMetadata.from_layout(done, lengths[users] - done, np.full(len(users), 100), indptr, indices,
-                                       32, device)
-        t1 = time.perf_counter()
+        layout = {"history_start": done, "num_history_rows": lengths[users] - done,
+                  "num_candidate_rows": np.full(len(users), 100), "kv_indptr": indptr, "kv_indices": indices}
+        rows = int(layout["num_history_rows"].sum()) + 100 * len(users)
+        tokens = {"item_ids": token_ids[:rows], "action_ids": token_ids[:rows]}
+        t_table = time.perf_counter()
+        staged = graphs.fits(rows, len(users), rows - 100 * len(users), len(indices))
+        if staged:  # the engine's path for a step replayed from CUDA graphs
+            graphs.stage(layout, tokens)
+        t_staged = time.perf_counter()
+        PagedBatchMetadata.from_layout(*layout.values(), 32, device)  # the eager path's metadata
+        t_eager = time.perf_counter()
         kv.launch_onloads()
         t2 = time.perf_counter()
         for u, h in zip(users, hashes):
             kv.commit(int(u), len(h), h)
             kv.release(int(u))
         kv.end_step()
-        return (t1 - t0, t2 - t1, time.perf_counter() - t2), hits
+        table = t_table - t0
+        return (table + (t_staged - t_table if staged else t_eager - t_staged), table + t_eager - t_staged,
+                t2 - t_eager, time.perf_counter() - t2, staged), hits
 
     for start in range(0, num_users, batch):  # everybody's first visit
         serve(np.arange(start, min(start + batch, num_users)))
@@ -143,11 +162,13 @@ def metadata_overhead(device, num_users=100_000, batch=8, steps=300, history=100
             times.append(seconds)
             host_hits += sum(h.host for h in hits)
             gpu_hits += sum(h.gpu for h in hits)
-        ms = np.asarray(times) * 1e3
+        ms = np.asarray(times)[:, :4] * 1e3
         results[name] = {"prepare_median_ms": float(np.median(ms[:, 0])),
                          "prepare_p90_ms": float(np.percentile(ms[:, 0], 90)),
-                         "onload_launch_median_ms": float(np.median(ms[:, 1])),
-                         "commit_and_offload_launch_median_ms": float(np.median(ms[:, 2])),
+                         "prepare_eager_median_ms": float(np.median(ms[:, 1])),
+                         "staged_steps": int(sum(t[4] for t in times)),
+                         "onload_launch_median_ms": float(np.median(ms[:, 2])),
+                         "commit_and_offload_launch_median_ms": float(np.median(ms[:, 3])),
                          "host_hit_tokens": int(host_hits), "gpu_hit_tokens": int(gpu_hits)}
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -160,17 +181,20 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tokens", type=int, default=49_152, help="tokens moved per transfer measurement")
     parser.add_argument("--commit", default=None, help="commit id to record (the device copy has no .git)")
+    parser.add_argument("--metadata-only", action="store_true", help="only part 3 (the cache manager's CPU time)")
     args = parser.parse_args()
     device = torch.device("cuda")
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                            text=True).stdout.strip()
     result = {"gpu": torch.cuda.get_device_name(), "commit": commit or "unknown", "torch": torch.__version__,
-              "python": platform.python_version(), "peak_pinned_h2d_GBps": peak_h2d(device),
-              "transfers": [transfer_bandwidth(device, c, args.tokens, streams=s, engine=e)
-                            for e, s in (("copy", 1), ("copy", 2), ("kernel", 1), ("kernel_graphs", 1))
-                            for c in (512, 1024, 2048, 4096)],
-              "metadata": metadata_overhead(device)}
-    result["command"] = "python benchmarks/cache_bench.py --out " + args.out
+              "python": platform.python_version()}
+    if not args.metadata_only:
+        result |= {"peak_pinned_h2d_GBps": peak_h2d(device),
+                   "transfers": [transfer_bandwidth(device, c, args.tokens, streams=s, engine=e)
+                                 for e, s in (("copy", 1), ("copy", 2), ("kernel", 1), ("kernel_graphs", 1))
+                                 for c in (512, 1024, 2048, 4096)]}
+    result["metadata"] = metadata_overhead(device)
+    result["command"] = "python benchmarks/cache_bench.py " + " ".join(sys.argv[1:])
     print(json.dumps(result, indent=2))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Callable
 
@@ -21,6 +22,19 @@ import numpy as np
 import torch
 
 from attention_backends.base import layout_arrays
+
+
+def host_work() -> dict[str, Callable[[], object]]:
+    """Host-only work to time, by name: ``layout_arrays`` at a benchmark batch's sizes (8 requests of 5,000-15,000
+    cached events, a few new ones and 100 candidates each) and a 1,000-step Python loop."""
+    rng = np.random.default_rng(0)
+    start = rng.integers(5_000, 15_000, 8)
+    hist, cand = rng.integers(1, 10, 8), np.full(8, 100)
+    pages = -(-(start + hist) // 32)
+    indptr = np.concatenate([[0], np.cumsum(pages)])
+    indices = rng.permutation(40_960)[: indptr[-1]].astype(np.int32)
+    return {"layout_arrays (8 requests)": lambda: layout_arrays(start, hist, cand, indptr, indices, 32),
+            "python: sum(range(1000))": lambda: sum(range(1000))}
 
 
 def timed_after(wait: Callable[[], None], work: Callable[[], object], repeats: int) -> float:
@@ -41,14 +55,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=300)
     parser.add_argument("--host-only", action="store_true", help="no device waits (no CUDA needed)")
     args = parser.parse_args()
-    rng = np.random.default_rng(0)
-    start = rng.integers(5_000, 15_000, 8)
-    hist, cand = rng.integers(1, 10, 8), np.full(8, 100)
-    pages = -(-(start + hist) // 32)
-    indptr = np.concatenate([[0], np.cumsum(pages)])
-    indices = rng.permutation(40_960)[: indptr[-1]].astype(np.int32)
-    work = {"layout_arrays (8 requests)": lambda: layout_arrays(start, hist, cand, indptr, indices, 32),
-            "python: sum(range(1000))": lambda: sum(range(1000))}
+    work = host_work()
     seconds = args.wait_ms / 1e3
 
     def spin() -> None:
@@ -84,10 +91,16 @@ def main() -> None:
               for name, job in work.items()}
     result["settings"] = {"wait_ms": args.wait_ms, "repeats": args.repeats,
                           "gpu": None if args.host_only else torch.cuda.get_device_name()}
+    report(result, args.out)
+
+
+def report(result: dict, out: str | None) -> None:
+    """Print ``result`` as JSON with the command that produced it, and write it to ``out`` if given."""
+    result["command"] = " ".join(["python", *sys.argv])
     text = json.dumps(result, indent=1)
     print(text)
-    if args.out:
-        with open(args.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             f.write(text)
 
 

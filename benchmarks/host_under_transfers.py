@@ -13,7 +13,6 @@ Usage (CUDA): ``python benchmarks/host_under_transfers.py --out result.json``
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable
 
@@ -21,8 +20,7 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-
-from attention_backends.base import layout_arrays
+from host_after_wait import host_work, report  # this folder: the scripts run as `python benchmarks/...`
 
 
 @triton.jit
@@ -59,14 +57,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    rng = np.random.default_rng(0)
-    start = rng.integers(5_000, 15_000, 8)
-    hist, cand = rng.integers(1, 10, 8), np.full(8, 100)
-    pages = -(-(start + hist) // 32)
-    indptr = np.concatenate([[0], np.cumsum(pages)])
-    indices = rng.permutation(40_960)[: indptr[-1]].astype(np.int32)
-    work = {"layout_arrays (8 requests)": lambda: layout_arrays(start, hist, cand, indptr, indices, 32),
-            "python: sum(range(1000))": lambda: sum(range(1000))}
+    work = host_work()
     n = int(args.gib * 2**30) // 4
     pinned = torch.ones(n, dtype=torch.float32, pin_memory=True)
     device = torch.empty(n, dtype=torch.float32, device="cuda")
@@ -97,11 +88,7 @@ def main() -> None:
         result[name] = entry
     result["settings"] = {"gib": args.gib, "calls": args.calls, "rounds": args.rounds,
                           "gpu": torch.cuda.get_device_name()}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,20 @@ def test_host_api_costs_host_only_part_runs_anywhere(tmp_path):
     assert all(us > 0 for us in costs.values())
 
 
+def test_host_after_wait_host_only_part_runs_anywhere(tmp_path):
+    """``benchmarks/host_after_wait.py --host-only``: each host work's time after each host-side wait is written,
+    with the command."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "host_after_wait.py"
+    out = tmp_path / "after_wait.json"
+    run = subprocess.run([sys.executable, str(script), "--host-only", "--repeats", "3", "--wait-ms", "0.2", "--out",
+                          str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    saved = json.loads(out.read_text())
+    assert saved["command"].endswith(f"--out {out}")
+    times = saved["layout_arrays (8 requests)"]
+    assert set(times) == {"none", "time.sleep", "python busy loop"} and all(us > 0 for us in times.values())
+
+
 def test_host_breakdown_runs_quickly_and_records_its_command(tmp_path):
     """``benchmarks/host_breakdown.py --quick``: the per-function host times of the hierarchical engine's steps,
     prefetch included, written with the command that produced them."""

@@ -130,7 +130,7 @@ class StepGraphs:
         self.buckets = [b for b in (128 * 2**i for i in range(16)) if b < max_rows] + [max_rows]
         from . import step_expand  # imports Triton: only engines with a graph-replayable backend get here
 
-        self._layout = step_expand
+        self._step_expand = step_expand
         # Per bucket: each field's capacity and offset in the static buffer (rows fields hold the bucket's rows, so
         # that a step's page ids come right after its bucket's fields).
         self._caps: dict[int, dict[str, int]] = {}
@@ -196,8 +196,8 @@ class StepGraphs:
         self._turn ^= 1
         if copied is not None:
             copied.synchronize()  # a step ago at the latest: its buffer is free
-        used = self._layout.write_compact(staging.numpy(), start, hist, cand, indptr, pages, tokens["item_ids"],
-                                          tokens["action_ids"])
+        used = self._step_expand.write_compact(staging.numpy(), start, hist, cand, indptr, pages,
+                                               tokens["item_ids"], tokens["action_ids"])
         self._compact[:used].copy_(staging[:used], non_blocking=True)  # expanded on the device, by _expand
         writer = plan if callable(plan) else None  # a writer: the backend writes the plan inside the replay
         device_plan, pinned_plan, plan_copied = self._plan_buffers(plan_key, uploaded=writer is None)
@@ -279,7 +279,7 @@ class StepGraphs:
     def _expand(self, bucket: int) -> None:
         """Write the staged step into the static buffer as ``bucket``'s graphs read it (:func:`.step_expand.expand`,
         one kernel on the current stream: the first work of a replay)."""
-        self._layout.expand(self._compact, self._buffer, self.max_requests, bucket, self.page_size)
+        self._step_expand.expand(self._compact, self._buffer, self.max_requests, bucket, self.page_size)
 
     def _view(self, bucket: int, name: str, length: int) -> torch.Tensor:
         """``length`` entries of field ``name`` in ``bucket``'s layout of the static buffer (views kept: slicing a

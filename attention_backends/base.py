@@ -366,7 +366,8 @@ class GraphReplayable(abc.ABC):
         """This step's own metadata for CUDA-graph replay.
 
         Args:
-            common_host: :attr:`PagedBatchMetadata.host` of the step.
+            common_host: the step's per-request host arrays (:attr:`PagedBatchMetadata.host` of a replayed step:
+                ``query_start_loc``, ``num_history_rows``, ``num_candidate_rows``, ``kv_indptr``, ``kv_seq_lens``).
             max_rows, max_requests: capacities the step is padded to (``T <= max_rows``, ``B <= max_requests``).
 
         Returns:

@@ -84,12 +84,15 @@ class HostTier:
             self.transfer.issue_deferred()
         self.store.adopt_ready_segments()
         for handle, _, readers in self._in_flight:
-            if readers and (wait or handle.gather_done()):
-                if wait and handle.gathered is not None:
-                    handle.gathered.synchronize()
-                for record in readers:
-                    record.readers -= 1
-                readers.clear()
+            if not readers:
+                continue
+            if not (wait or handle.gather_done()):
+                break  # gathers run in order on one stream: the later ones are not done either
+            if wait and handle.gathered is not None:
+                handle.gathered.synchronize()
+            for record in readers:
+                record.readers -= 1
+            readers.clear()
         pending, busy = self._pending, self._busy
         while self._in_flight and (wait or self._in_flight[0][0].copy_done()):
             handle, entries, _ = self._in_flight.popleft()

@@ -28,6 +28,7 @@ def test_quick_bench_writes_reports(tmp_path, capsys):
     assert host["mean"] == pytest.approx(summary["overhead_mean_ms_bs8"])  # the per-batch sums add up to the same
     assert summary["overhead_ms_bs8"] == host["median"] and 0 < host["median"] <= host["p90"]
     assert summary["intake_ms_bs8"] == pytest.approx(phases["intake"])
+    assert 0 < summary["host_python_loop_us"] < 1e4  # the host's speed, to compare instances
     result = json.loads((tmp_path / "bench.json").read_text())
     for mode in result["modes"].values():  # each batch's latency and onloaded bytes, in the order served
         for e in mode["batch_sizes"].values():

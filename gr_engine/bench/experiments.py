@@ -68,6 +68,7 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print,
     checkpoint(result)
     result["score_drift"] = _score_drift(settings, model)
     result["peak_pinned_h2d_GBps"] = peak_h2d_GBps(settings.device)
+    result["host_python_loop_us"] = host_python_loop_us()
     result["simulated"] = {name: simulations.get(cache) for name, cache in main.items()}
     simulations.close()
     return result
@@ -183,6 +184,18 @@ def peak_h2d_GBps(device: str) -> float | None:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return host.numel() / float(np.median(times)) / 1e9
+
+
+def host_python_loop_us(rounds: int = 200) -> float:
+    """The host's speed at the engine's kind of work: median microseconds of a 1,000-step Python loop
+    (``sum(range(1000))``), over ``rounds`` rounds. The GPU machines' hosts differ by up to ~2x from one instance to
+    the next, which moves every host phase; this says which kind of instance a run had."""
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        sum(range(1000))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e6
 
 
 def _settings_dict(settings: BenchSettings) -> dict:

@@ -48,6 +48,7 @@ def summarize(result: dict, bs: int = 8) -> dict:
         summary["overhead_ms_bs8"] = host.get("median")
         summary["overhead_mean_ms_bs8"] = sum(phases.get(k, 0.0) for k in HOST_PHASES)
         summary["intake_ms_bs8"] = phases.get("intake", 0.0)
+    summary["host_python_loop_us"] = result.get("host_python_loop_us")
     if "gpu_only" in modes:
         summary["gpu_only_hit_ratio_bs8"] = modes["gpu_only"]["batch_sizes"][bs]["gpu_hit_ratio"]
     if "score_drift" in result:
@@ -112,6 +113,9 @@ def markdown(result: dict) -> str:
         lines += ["", f"Hierarchical batches at BS={max(sizes)} that onloaded at least 20 MB: latency ~ "
                   f"{fit['intercept_ms']:.2f} ms + bytes / {fit['GBps']:.1f} GB/s (least squares; the rate is what "
                   "onloads cost a batch per byte)."]
+    if result.get("host_python_loop_us") is not None:
+        lines += ["", f"This instance's host: a 1,000-step Python loop takes {result['host_python_loop_us']:.1f} us "
+                  "(hosts differ by up to ~2x between instances: compare host times within a run, or scaled by this)."]
     lines += ["", "Whole-trace hit ratios (policy simulation, same cache code, no model):", ""]
     lines += [f"- {k}: GPU {v['gpu_hit_ratio']:.2%}, total {v['total_hit_ratio']:.2%}"
               for k, v in result["simulated"].items()]

@@ -83,8 +83,9 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
         self.plan_on_device = True
         cuda = spec.device_type == "cuda"  # processors planned for; on CPU (the interpreter, for tests) a nominal 4
         self.num_sms = torch.cuda.get_device_properties("cuda").multi_processor_count if cuda else 4
-        # graph_plan's device-planned keys, by (longest request's rows, capacities, num_sms)
-        self._device_keys: dict[tuple[int, int, int, int], tuple[Hashable, PlanWriter]] = {}
+        # graph_plan's device-planned keys, by (tile config, capacities, num_sms) and by (longest request's rows,
+        # capacities, num_sms): one writer per launch shape, found per step without building a tile config
+        self._device_keys: dict[tuple, tuple[Hashable, PlanWriter]] = {}
         # graph_metadata's views of each static plan buffer, by key: (the buffer, its tile map, its work items)
         self._plan_views: dict[Hashable, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -119,8 +120,9 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
         shape, the two capacities and whether the plan is written on the device (with ``plan_on_device``, when
         :func:`.hstu_triton_device_plan.fits` the capacities; then :meth:`write_device_plan` is the writer)."""
         longest = int(np.diff(common_host["query_start_loc"]).max(initial=0))
+        by_rows = (longest, max_rows, max_requests, self.num_sms)
         if self.plan_on_device:  # by the longest request's rows: no tile config to build and hash per step
-            planned = self._device_keys.get((longest, max_rows, max_requests, self.num_sms))
+            planned = self._device_keys.get(by_rows)
             if planned is not None:
                 return planned
         config = self._config(longest)
@@ -129,10 +131,13 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
         if self.plan_on_device:
             from .hstu_triton_device_plan import fits
 
-            if fits(num_tiles, num_items, max_requests):
+            by_config = (config, max_rows, max_requests, self.num_sms)
+            planned = self._device_keys.get(by_config)
+            if planned is None and fits(num_tiles, num_items, max_requests):
                 key = (config, num_tiles, num_items, True)
-                planned = self._device_keys[longest, max_rows, max_requests, self.num_sms] = (
-                    key, functools.partial(self.write_device_plan, key))
+                planned = self._device_keys[by_config] = (key, functools.partial(self.write_device_plan, key))
+            if planned is not None:
+                self._device_keys[by_rows] = planned
                 return planned
         plan = padded_plan(*self._plan(common_host, config), num_tiles, num_items)
         return (config, num_tiles, num_items, False), plan

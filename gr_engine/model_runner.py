@@ -136,22 +136,22 @@ class ModelRunner:
         """Model input: each request's uncached history ``[start, end)``, then its candidates if final.
         A step to be replayed from a graph (``meta.layout``) is staged here, tokens and metadata together (``None``
         is returned: its replay reads them from the graphs' buffers)."""
-        items, actions, num_history = [], [], np.empty(len(chunks), dtype=np.int64)
-        for i, chunk in enumerate(chunks):
+        items, actions = [], []
+        for chunk in chunks:
             arrays: RequestArrays = chunk.request.payload.arrays
             s, e, c = chunk.start, chunk.end, chunk.num_candidate_rows
             items += [arrays.item_ids[s:e], arrays.candidate_item_ids[:c]]
             actions += [arrays.action_ids[s:e], self._candidate_actions[:c]]
-            num_history[i] = arrays.num_history
         item_ids, action_ids = np.concatenate(items), np.concatenate(actions)
         if meta.layout is not None:  # positions are derived on the device
             meta.staged = self.graphs.stage(meta.layout, {"item_ids": item_ids, "action_ids": action_ids})
             return None
-        # History rows sit at their event's position, candidates one past the user's last event.
+        # History rows sit at their event's position, candidates one past the user's last event (candidates come
+        # with a request's final chunk only, whose history then ends at kv_seq_lens).
         layout = meta.common.host
         positions = np.empty(len(item_ids), dtype=np.int64)
         positions[layout["history_rows"]] = layout["append_positions"]
-        positions[layout["candidate_rows"]] = num_history[layout["candidate_batch_indices"]]
+        positions[layout["candidate_rows"]] = layout["kv_seq_lens"][layout["candidate_batch_indices"]]
         return StepTokens(**upload_int32({"item_ids": item_ids, "action_ids": action_ids, "positions": positions},
                                          self.device))
 
@@ -170,7 +170,7 @@ class ModelRunner:
         """Run all layers; returns final states ``[T, d_model]``. Appends new history K/V to pages.
 
         Args:
-            tokens: :meth:`strip`'s input (``None`` for a staged step).
+            tokens: what :meth:`strip` returned (``None`` for a staged step).
             layer_ready: per layer, an event the layer's attention must wait for (its pages are being
                 loaded from host), or ``None``; a graph replay waits for it before the layer's graph.
         """

@@ -55,7 +55,8 @@ def write_compact(out: np.ndarray, history_start: np.ndarray, num_history_rows: 
     """Write a step in compact form into ``out`` (int32, at least :func:`compact_size` entries); returns the entries
     used. The arguments are those of :meth:`~attention_backends.PagedBatchMetadata.from_layout` (``[B]`` per request,
     ``kv_indptr [B + 1]``, ``kv_indices [P]``) and the step's int ``[T]`` tokens (rows of each request in turn: its
-    new history rows, then its candidates)."""
+    new history rows, then its candidates). Candidates come with a request's final chunk only, so they are placed one
+    past its history in pages (position ``history_start + num_history_rows``)."""
     counts = (len(num_history_rows), len(item_ids), len(kv_indices))
     used = _HEADER + 4 * counts[0] + 1 + 2 * counts[1] + counts[2]
     np.concatenate([counts, history_start, num_history_rows, num_candidate_rows, kv_indptr, item_ids, action_ids,

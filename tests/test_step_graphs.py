@@ -234,6 +234,27 @@ def test_staging_and_expansion_write_every_field_and_pad_inertly(max_requests):
     assert {128, 300} <= buckets  # the smallest bucket and the largest (not a power of two)
 
 
+@needs_hstu_triton
+def test_graph_plan_keys_do_not_depend_on_the_steps_planned_before():
+    """``hstu_triton``'s ``graph_plan`` remembers device-planned keys by the longest request's rows and by tile
+    config: in any order, each step gets the key a fresh backend gives it, and steps of one key share one writer."""
+    from attention_backends import AttentionSpec
+    from attention_backends.hstu_triton import HSTUTritonBackend
+
+    spec = AttentionSpec(kind="hstu", num_heads=2, head_dim=16, page_size=16, dtype=torch.float32, device_type=DEVICE,
+                         alpha=0.25, scaling_seqlen=100)
+    backend, writers = HSTUTritonBackend(spec), {}
+    for longest in np.random.default_rng(0).permutation(np.repeat(np.arange(1, 70), 2)).tolist():
+        rows = np.array([longest, 1])
+        host = {"query_start_loc": np.concatenate([[0], np.cumsum(rows)]), "num_history_rows": rows,
+                "num_candidate_rows": np.zeros(2, dtype=np.int64), "kv_indptr": np.array([0, 3, 4]),
+                "kv_seq_lens": rows + 20}
+        key, writer = backend.graph_plan(host, 256, 4)
+        assert key == HSTUTritonBackend(spec).graph_plan(host, 256, 4)[0], longest
+        assert writers.setdefault(key, writer) is writer
+    assert len(writers) >= 3  # decode-like tiles of 16 and 32 rows, and the default
+
+
 def _record_replayed_keys(graphs: StepGraphs) -> set:
     """Wrap ``graphs.replay`` to collect each replayed step's (bucket, launch shape)."""
     keys, replay = set(), graphs.replay

@@ -132,3 +132,31 @@ def test_host_breakdown_runs_quickly_and_records_its_command(tmp_path):
     assert saved["command"].endswith(f"--out {out}")
     functions = saved["result"]["hierarchical"]["functions_ms_per_batch"]
     assert functions["kv.prefetch"]["calls"] > 0 and functions["kv.acquire"]["mean_ms"] > 0
+
+
+def test_host_sampling_counts_only_the_marked_samples_by_region_and_library():
+    """``benchmarks/host_sampling.py``'s summary of a hand-made py-spy raw profile: samples outside
+    ``sampled_window`` are ignored, each sample goes to its innermost listed region, and to the kind of code below
+    the innermost frame of our packages."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        from host_sampling import summarise
+    finally:
+        sys.path.pop(0)
+    top = "main (b.py:1);sampled_window (benchmarks/host_sampling.py:90);GREngine._step (gr_engine/engine.py:299)"
+    raw = [
+        "main (b.py:1);warmup (gr_engine/bench/runner.py:3);GREngine._step (gr_engine/engine.py:299) 50",
+        f"{top};ModelRunner.prepare (gr_engine/model_runner.py:121);plan (attention_backends/p.py:9);"
+        "PyArray_Pack (numpy/_core/_multiarray_umath.so) 3",
+        f"{top};ModelRunner.prepare (gr_engine/model_runner.py:121);plan (attention_backends/p.py:9) 2",
+        f"{top};ModelRunner.forward (gr_engine/model_runner.py:200);at::empty (torch/lib/libtorch_cpu.so);"
+        "cuLaunchKernel (libcuda.so.1) 4",
+        f"{top};step (gr_engine/engine.py:10);memcpy (libc.so.6) 1",
+    ]
+    summary = summarise(raw)
+    assert summary["samples"] == 10
+    assert summary["regions"] == {"GREngine._step": 10, "ModelRunner.prepare": 5, "ModelRunner.forward": 4}
+    assert summary["where"] == {"ModelRunner.prepare": {"numpy": 3, "python": 2}, "ModelRunner.forward": {"cuda": 4},
+                                "GREngine._step": {"libc": 1}}
+    assert summary["innermost"] == {"ModelRunner.forward -> cuda": 4, "plan -> numpy": 3, "plan -> python": 2,
+                                    "step -> libc": 1}

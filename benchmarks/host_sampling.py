@@ -2,9 +2,10 @@
 
     python benchmarks/host_sampling.py --out sampled.json --py-spy /path/to/py-spy --modes hierarchical [--batches 300]
 
-Re-runs itself under ``py-spy record --native --format raw`` (a sampling profiler: it adds no cost to each call,
-unlike cProfile or ``host_breakdown.py``'s wrappers), serving each mode's measured batches of 8 in a function named
-``sampled_window`` so that only those samples are counted. Writes the raw stacks next to ``--out`` and a summary:
+Attaches ``py-spy record --native --format raw`` (a sampling profiler: it adds no cost to each call, unlike
+cProfile or ``host_breakdown.py``'s wrappers) to itself while it serves each mode's measured batches of 8 (set-up,
+warm-up and priming are not sampled), in a function named ``sampled_window`` whose samples alone are counted.
+Writes the raw stacks next to ``--out`` (``<stem>_<mode>.raw.txt``) and a summary per mode:
 
 - ``regions``: samples under each engine function (inclusive), e.g. ``GREngine._add`` (intake and prefetch),
   ``GREngine._step`` (steps 1-7), ``ModelRunner.prepare``;
@@ -19,12 +20,15 @@ dispatcher or to the CUDA driver.
 
 from __future__ import annotations
 
-import argparse
+import ctypes
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -95,42 +99,46 @@ def sampled_window(run: BenchRun, batches: int) -> dict:
     return run.window(8, 8 * batches, prime_batches=0)
 
 
-def serve(args: argparse.Namespace) -> None:
-    from gr_engine.bench.experiments import steady_state_runs, steady_state_settings
+def allow_tracing_by_any_process() -> None:
+    """Let a process that is not this one's ancestor (py-spy, started below) read its memory where the kernel's
+    Yama policy would forbid it (``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)``; no effect elsewhere)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(0x59616D61, ctypes.c_ulong(-1 & 0xFFFFFFFFFFFFFFFF), 0, 0, 0)
 
-    reports = {}
-    for mode, run in steady_state_runs(steady_state_settings(args), args.prime):
-        report = sampled_window(run, args.batches)
-        reports[mode] = {"median_ms": report["median_ms"], "host_ms_per_batch": report["host_ms_per_batch"],
-                         "phase_ms_per_batch": report["phase_ms_per_batch"]}
-        print(mode, json.dumps(reports[mode]), flush=True)
-    Path(args.out).with_suffix(".reports.json").write_text(json.dumps(reports, indent=1))
+
+def sample(py_spy: str, raw: Path, rate: int, work: Callable[[], dict]) -> dict:
+    """Run ``work()`` while py-spy samples this process into ``raw``; returns ``work()``'s result."""
+    allow_tracing_by_any_process()
+    sampler = subprocess.Popen([py_spy, "record", "--native", "--format", "raw", "--rate", str(rate), "-o", str(raw),
+                                "--pid", str(os.getpid())], stderr=subprocess.PIPE, text=True)
+    time.sleep(3.0)  # attached: py-spy starts sampling well within this
+    if sampler.poll() is not None:
+        raise RuntimeError(f"py-spy exited: {sampler.stderr.read() if sampler.stderr else ''}")
+    try:
+        return work()
+    finally:
+        sampler.send_signal(signal.SIGINT)  # py-spy writes its samples on an interrupt
+        sampler.wait(timeout=120)
 
 
 def main() -> None:
-    from gr_engine.bench.experiments import steady_state_parser
+    from gr_engine.bench.experiments import steady_state_parser, steady_state_runs, steady_state_settings
 
     parser = steady_state_parser(__doc__.splitlines()[0], batches=300)
-    parser.add_argument("--py-spy", help="the py-spy executable; without it, only serve (the sampled child's part)")
+    parser.add_argument("--py-spy", required=True, help="the py-spy executable")
     parser.add_argument("--rate", type=int, default=500, help="samples per second")
     args = parser.parse_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if not args.py_spy:
-        serve(args)
-        return
-    raw = out.with_suffix(".raw.txt")
-    child = [sys.executable, os.path.abspath(__file__), *sys.argv[1:]]
-    at = child.index("--py-spy")
-    del child[at:at + 2]
-    subprocess.run([args.py_spy, "record", "--native", "--format", "raw", "--rate", str(args.rate), "-o", str(raw),
-                    "--", *child], check=True)
-    summary = summarise(raw.read_text().splitlines())
-    reports_path = out.with_suffix(".reports.json")
-    reports = json.loads(reports_path.read_text()) if reports_path.exists() else {}
-    out.write_text(json.dumps({"command": " ".join(["python benchmarks/host_sampling.py", *sys.argv[1:]]),
-                               "reports": reports, **summary}, indent=1))
-    print(json.dumps(summary, indent=1))
+    result: dict = {"command": " ".join(["python benchmarks/host_sampling.py", *sys.argv[1:]])}
+    for mode, run in steady_state_runs(steady_state_settings(args), args.prime):
+        raw = out.with_name(f"{out.stem}_{mode}.raw.txt")
+        report = sample(args.py_spy, raw, args.rate, lambda run=run: sampled_window(run, args.batches))
+        result[mode] = {"median_ms": report["median_ms"], "host_ms_per_batch": report["host_ms_per_batch"],
+                        "phase_ms_per_batch": report["phase_ms_per_batch"],
+                        **summarise(raw.read_text().splitlines())}
+        print(mode, json.dumps(result[mode], indent=1), flush=True)
+    out.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """A staged step's layout built on the device: the static buffer a bucket's graphs read, written by one Triton kernel.
 
-A step replayed from a CUDA graph is copied to the device in *compact* form (:func:`write_compact`): its per-request
-numbers, its tokens and its page ids, ``7 + 4 B + 2 T + P`` int32 values. The first work of each replay
-(:func:`expand`, captured with the graphs) derives from them every index field of
+A step replayed from a CUDA graph is written in *compact* form (:func:`write_compact`) into pinned host memory: its
+per-request numbers, its tokens and its page ids, ``7 + 4 B + 2 T + P`` int32 values. The first work of each replay
+(:func:`expand`, captured with the graphs, reading the compact step over PCIe) derives from them every index field of
 :class:`~attention_backends.PagedBatchMetadata` and the token positions, padded to the bucket's capacities, as
 :func:`~attention_backends.base.layout_arrays` derives them on the host: the host then builds no per-row array
 (``layout_arrays`` alone took 0.135 ms a step on the GPU machine's host, ``benchmarks/results/profiles/
@@ -66,8 +66,8 @@ def write_compact(out: np.ndarray, history_start: np.ndarray, num_history_rows: 
 
 def expand(compact: torch.Tensor, buffer: torch.Tensor, max_requests: int, bucket: int, page_size: int) -> None:
     """Write the static buffer of ``bucket`` (int32, :func:`field_offsets` layout) from a compact step (int32,
-    :func:`write_compact`), on the current stream (capturable). The step must have at least one new history row and
-    fit the capacities."""
+    :func:`write_compact`; in device memory or pinned host memory), on the current stream (capturable). The step must
+    have at least one new history row and fit the capacities."""
     r_p2 = triton.next_power_of_2(max_requests + 1)
     block = min(256, max(16, 4096 // r_p2))
     _expand_kernel[(triton.cdiv(bucket, block),)](

@@ -3,12 +3,16 @@
 Launching a step's kernels one by one from Python costs milliseconds of host time, more than the GPU needs
 for a batch of returning users (a few new events and the candidates over cached histories). A step that
 fits a capture bucket (at most ``max_rows`` rows, ``max_requests`` requests, at least one new history row,
-no relative time bias) is instead *staged*: its per-request numbers, tokens and page ids are copied to the device in
-one compact host-to-device copy (with the attention backend's plan,
-:meth:`~attention_backends.GraphReplayable.graph_plan`, a second one, unless the backend writes its plan on the
-device), and the forward captured for that bucket is replayed. The replay's first work expands the step into the
-static buffers the graphs read, every per-row field padded to the bucket (:mod:`.step_expand`, one kernel): the host
-builds no per-row array.
+no relative time bias) is instead *staged*: its per-request numbers, tokens and page ids are written in compact
+form into a pinned host buffer (the attention backend's plan,
+:meth:`~attention_backends.GraphReplayable.graph_plan`, is copied to the device unless the backend writes it on
+the device), and the forward captured for that bucket is replayed. The replay's first work expands the step into
+the static buffers the graphs read, every per-row field padded to the bucket (:mod:`.step_expand`, one kernel that
+reads the compact step over PCIe: pinned memory is device-addressable): the host builds no per-row array and
+queues no copy (a copy cost ~36 us of host time a step on the GPU machine,
+``benchmarks/results/profiles/host_breakdown_torch_calls_e5d2a43.json``). The host writes the buffer again only
+once the event recorded after the last replay reports done (normally long before: scoring a step waits for its
+replay).
 Padding is inert: spare requests have no rows, spare append rows repeat the step's last real append (the
 same values written to the same slot), spare token rows are computed and never read.
 
@@ -78,7 +82,7 @@ def run_segments(parts: list[Segment], layer_ready: list[torch.cuda.Event | None
 
 @dataclass
 class StagedStep:
-    """A step copied to the device, expanded into the static buffers by its replay (or :meth:`StepGraphs._expand`).
+    """A step staged in compact form, expanded into the static buffers by its replay (or :meth:`StepGraphs._expand`).
     Its tensors at their real length are built only when needed (:meth:`StepGraphs.step_inputs`): a replay reads the
     bucket's padded buffers.
 
@@ -141,12 +145,11 @@ class StepGraphs:
         self._cuda = device.type == "cuda"
         self._current_stream = CurrentStream(self.device) if self._cuda else None
         self._buffer = torch.zeros(end + max_pages, dtype=torch.int32, device=device)  # padded, what graphs read
-        # A staged step as copied (step_expand.write_compact), and its pinned staging, double-buffered.
-        size = step_expand.compact_size(max_requests, max_rows, max_pages)
-        self._compact = torch.zeros(size, dtype=torch.int32, device=device)
-        self._staging = [torch.zeros(size, dtype=torch.int32, pin_memory=self._cuda) for _ in range(2)]
-        self._copied = [self._event(), self._event()]  # the last copy out of each staging buffer
-        self._turn = 0
+        # A staged step in compact form (step_expand.write_compact), pinned: the expansion reads it from host memory.
+        self._compact = torch.zeros(step_expand.compact_size(max_requests, max_rows, max_pages), dtype=torch.int32,
+                                    pin_memory=self._cuda)
+        self._compact_host = self._compact.numpy()  # kept: a tensor's numpy view costs microseconds to make
+        self._compact_read = self._event()  # recorded after each reader of the compact step (CUDA)
         self._plans: dict[Hashable, tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Event | None]] = {}
         self._views: dict[tuple[int, str, int], torch.Tensor] = {}
         self._graphs: dict[tuple[int, Hashable], _Graph] = {}
@@ -170,9 +173,9 @@ class StepGraphs:
                 and num_requests <= self.max_requests and num_pages <= self.max_pages)
 
     def stage(self, layout: dict[str, np.ndarray], tokens: dict[str, np.ndarray]) -> StagedStep:
-        """Copy a step to the device in compact form (:func:`.step_expand.write_compact`) without blocking, for its
-        replay to expand into the static buffer (and upload the backend's plan if the host made it); the caller
-        checked :meth:`fits`.
+        """Write a step in compact form (:func:`.step_expand.write_compact`) into the pinned buffer its replay expands
+        from into the static buffer (and upload the backend's plan if the host made it); the caller checked
+        :meth:`fits`. Waits only if the last staged step's replay (or expansion) has not run yet.
 
         Args:
             layout: int arrays ``history_start``, ``num_history_rows``, ``num_candidate_rows`` (``[B]``),
@@ -192,18 +195,14 @@ class StepGraphs:
         rows, history = int(query_start_loc[-1]), int(hist.sum())
         bucket = next(b for b in self.buckets if b >= rows)
         plan_key, plan = self.backend.graph_plan(host, bucket, self.max_requests)
-        staging, copied = self._staging[self._turn], self._copied[self._turn]
-        self._turn ^= 1
-        if copied is not None:
-            copied.synchronize()  # a step ago at the latest: its buffer is free
-        used = self._step_expand.write_compact(staging.numpy(), start, hist, cand, indptr, pages,
-                                               tokens["item_ids"], tokens["action_ids"])
-        self._compact[:used].copy_(staging[:used], non_blocking=True)  # expanded on the device, by _expand
+        compact_read = self._compact_read
+        if compact_read is not None and not compact_read.query():
+            compact_read.synchronize()  # the last staged step's expansion may still read the buffer
+        self._step_expand.write_compact(self._compact_host, start, hist, cand, indptr, pages, tokens["item_ids"],
+                                        tokens["action_ids"])
         writer = plan if callable(plan) else None  # a writer: the backend writes the plan inside the replay
         device_plan, pinned_plan, plan_copied = self._plan_buffers(plan_key, uploaded=writer is None)
         stream = self._current_stream() if self._cuda else None
-        if stream is not None:
-            copied.record(stream)
         if writer is None:
             if stream is not None:
                 plan_copied.synchronize()
@@ -255,6 +254,7 @@ class StepGraphs:
                 if ready is not None:
                     step.stream.wait_event(ready)
                 graph.replay()
+        self._compact_read.record(step.stream)  # after the replay (its expansion read the compact step)
         return entry.states[: step.rows], entry.logits[: step.lengths["candidates"]]
 
     # ------------------------------------------------------------------ internals
@@ -276,10 +276,13 @@ class StepGraphs:
         states = run_segments(segments(tokens, common, self.backend.build_metadata(common)), layer_ready)
         return states, head(states, common.candidate_rows)
 
-    def _expand(self, bucket: int) -> None:
+    def _expand(self, bucket: int, record: bool = True) -> None:
         """Write the staged step into the static buffer as ``bucket``'s graphs read it (:func:`.step_expand.expand`,
-        one kernel on the current stream: the first work of a replay)."""
+        one kernel on the current stream: the first work of a replay); with ``record`` (not while capturing), mark
+        the compact step read after it."""
         self._step_expand.expand(self._compact, self._buffer, self.max_requests, bucket, self.page_size)
+        if record and self._compact_read is not None:
+            self._compact_read.record(self._current_stream())
 
     def _view(self, bucket: int, name: str, length: int) -> torch.Tensor:
         """``length`` entries of field ``name`` in ``bucket``'s layout of the static buffer (views kept: slicing a
@@ -344,7 +347,7 @@ class StepGraphs:
             # thread_local: the host tier's worker threads may call CUDA (events, pinning) during the capture
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 if index == 0:
-                    self._expand(step.bucket)
+                    self._expand(step.bucket, record=False)  # replay() records after the replay
                     self._write_plan(step, common)
                 for part in group:
                     x = part(x)

@@ -173,6 +173,38 @@ def test_failed_capture_falls_back_to_eager_without_failing_requests(monkeypatch
     assert "CUDA graph capture failed" in caplog.text
 
 
+def random_step(rng: np.random.Generator, max_requests: int, largest: bool) -> tuple[dict, dict, dict, np.ndarray]:
+    """A random step of at most ``max_requests`` requests over a pool of 200 pages of 16 tokens (``largest``: all
+    requests, over 256 rows): ``(layout, tokens, layout_arrays' fields, token positions)``."""
+    from attention_backends.base import layout_arrays
+
+    b = max_requests if largest else int(rng.integers(1, max_requests + 1))
+    start, hist, cand = rng.integers(0, 160, b), rng.integers(0, 6, b), rng.integers(0, 61, b)
+    if not hist.any():  # a staged step has a new history row somewhere (any request may have none)
+        hist[rng.integers(b)] = 1
+    cand[rng.random(b) < 0.3] = 0
+    if largest:
+        cand[:] = 280 // b
+    pages = -(-(start + hist) // 16)
+    indptr = np.concatenate([[0], np.cumsum(pages)])
+    kv_indices = rng.permutation(200)[: indptr[-1]]
+    arrays = layout_arrays(start, hist, cand, indptr, kv_indices, 16)
+    rows = int(arrays["query_start_loc"][-1])
+    tokens = {name: rng.integers(0, 1000, rows) for name in ("item_ids", "action_ids")}
+    positions = np.empty(rows, dtype=np.int64)  # history rows at their event, candidates one past the last
+    positions[arrays["history_rows"]] = arrays["append_positions"]
+    positions[arrays["candidate_rows"]] = arrays["kv_seq_lens"][arrays["candidate_batch_indices"]]
+    layout = {"history_start": start, "num_history_rows": hist, "num_candidate_rows": cand, "kv_indptr": indptr,
+              "kv_indices": kv_indices}
+    return layout, tokens, arrays, positions
+
+
+def staging_graphs(max_requests: int) -> StepGraphs:
+    config = tiny_config(page_size=16, num_heads=2, head_dim=16)
+    engine = GREngine(msgspec.structs.replace(config, attention_backend="hstu_triton", device=DEVICE))
+    return StepGraphs(engine.backend, engine.device, 16, max_rows=300, max_requests=max_requests, max_pages=200)
+
+
 @needs_hstu_triton
 @pytest.mark.parametrize("max_requests", [4, 1])
 def test_staging_and_expansion_write_every_field_and_pad_inertly(max_requests):
@@ -181,36 +213,16 @@ def test_staging_and_expansion_write_every_field_and_pad_inertly(max_requests):
     token positions and the page ids read back at their real length equal the host's layout
     (:func:`~attention_backends.base.layout_arrays`), and the bucket-padded views a graph reads repeat the last append
     row and the last offsets, with zeros elsewhere."""
-    from attention_backends.base import layout_arrays
     from gr_engine.step_expand import FIELDS
     from gr_engine.step_graphs import TOKEN_FIELDS
 
     repeated = ("append_batch_indices", "append_positions", "append_pages", "append_entries", "history_rows",
                 "query_start_loc", "kv_indptr")
-    config = tiny_config(page_size=16, num_heads=2, head_dim=16)
-    engine = GREngine(msgspec.structs.replace(config, attention_backend="hstu_triton", device=DEVICE))
-    graphs = StepGraphs(engine.backend, engine.device, 16, max_rows=300, max_requests=max_requests, max_pages=200)
+    graphs = staging_graphs(max_requests)
     rng = np.random.default_rng(max_requests)
     buckets = set()
     for step in range(90):
-        b = max_requests if step % 10 == 9 else int(rng.integers(1, max_requests + 1))
-        start, hist, cand = rng.integers(0, 160, b), rng.integers(0, 6, b), rng.integers(0, 61, b)
-        if not hist.any():  # a staged step has a new history row somewhere (any request may have none)
-            hist[rng.integers(b)] = 1
-        cand[rng.random(b) < 0.3] = 0
-        if step % 10 == 9:  # the largest bucket: over 256 rows
-            cand[:] = 280 // b
-        pages = -(-(start + hist) // 16)
-        indptr = np.concatenate([[0], np.cumsum(pages)])
-        kv_indices = rng.permutation(200)[: indptr[-1]]
-        arrays = layout_arrays(start, hist, cand, indptr, kv_indices, 16)
-        rows = int(arrays["query_start_loc"][-1])
-        tokens = {name: rng.integers(0, 1000, rows) for name in ("item_ids", "action_ids")}
-        positions = np.empty(rows, dtype=np.int64)  # history rows at their event, candidates one past the last
-        positions[arrays["history_rows"]] = arrays["append_positions"]
-        positions[arrays["candidate_rows"]] = arrays["kv_seq_lens"][arrays["candidate_batch_indices"]]
-        layout = {"history_start": start, "num_history_rows": hist, "num_candidate_rows": cand, "kv_indptr": indptr,
-                  "kv_indices": kv_indices}
+        layout, tokens, arrays, positions = random_step(rng, max_requests, largest=step % 10 == 9)
         staged = graphs.stage(layout, tokens)
         graphs._expand(staged.bucket)
         tokens["positions"] = positions
@@ -230,8 +242,28 @@ def test_staging_and_expansion_write_every_field_and_pad_inertly(max_requests):
                 assert (spare == values[-1]).all(), name
             else:
                 assert not spare.any(), name
-        assert np.array_equal(common.kv_indices.cpu().numpy()[:indptr[-1]], arrays["kv_indices"])
+        assert np.array_equal(common.kv_indices.cpu().numpy()[:layout["kv_indptr"][-1]], arrays["kv_indices"])
     assert {128, 300} <= buckets  # the smallest bucket and the largest (not a power of two)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_staging_waits_until_the_last_expansion_has_read_the_compact_step():
+    """The compact step lives in one pinned buffer that the device reads when the expansion runs: staging the next
+    step while the device is still busy (here 0.1 s of sleep queued first) must wait for that read, so each expansion
+    sees its own step."""
+    graphs = staging_graphs(4)
+    rng = np.random.default_rng(7)
+    first, second = random_step(rng, 4, largest=False), random_step(rng, 4, largest=False)
+    torch.cuda._sleep(200_000_000)  # ~0.1 s ahead of the first expansion
+    staged = graphs.stage(first[0], first[1])
+    graphs._expand(staged.bucket)
+    seen_first = graphs.step_inputs(staged)[1].append_positions.clone()  # queued: copied when the device gets here
+    staged = graphs.stage(second[0], second[1])
+    graphs._expand(staged.bucket)
+    seen_second = graphs.step_inputs(staged)[1].append_positions
+    assert np.array_equal(seen_first.cpu().numpy(), first[2]["append_positions"])
+    assert np.array_equal(seen_second.cpu().numpy(), second[2]["append_positions"])
 
 
 @needs_hstu_triton

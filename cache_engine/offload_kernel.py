@@ -78,6 +78,9 @@ class ChunkPacker:
 
     def __init__(self, num_warps: int = NUM_WARPS) -> None:
         self._kernels = CompiledKernels(_pack_chunks_kernel, num_warps)
+        # (pool shape and dtype, out dtype, slot pages, quantise) -> (constexprs, their part of the key); building
+        # them costs ~20 us of host time a launch on the GPU machine
+        self._constants: dict[tuple, tuple[dict[str, object], tuple]] = {}
 
     def __call__(self, kv: torch.Tensor, pages: torch.Tensor, out_addr: torch.Tensor, out_dtype: torch.dtype,
                  slot_pages: int, slot_ids: torch.Tensor | None = None, scales: torch.Tensor | None = None,
@@ -110,12 +113,17 @@ class ChunkPacker:
         if quantise and slot_ids is None:
             raise ValueError("scales need the chunks' slot_ids")
         slot_ids, scales = (slot_ids, scales) if quantise else (pages, kv)  # placeholders, never read
-        constants = {"NUM_LAYERS": num_layers, "POOL_PAGES": kv.shape[1], "SLOT_PAGES": slot_pages,
-                     "PAGE_SIZE": page_size, "NUM_HEADS": num_heads, "HEAD_DIM": head_dim,
-                     "BLOCK_D": triton.next_power_of_2(head_dim), "BLOCK_T": triton.next_power_of_2(page_size),
-                     "BLOCK_P": triton.next_power_of_2(slot_pages),
-                     "QUANTISE": quantise, "OUT_DTYPE": POINTER_DTYPES[out_dtype]}
-        key = (kv.dtype, pages.dtype, slot_ids.dtype, out_addr.dtype, scales.dtype, out_dtype, *constants.values(),
+        shape = (kv.shape, kv.dtype, out_dtype, slot_pages, quantise)
+        cached = self._constants.get(shape)
+        if cached is None:
+            constants = {"NUM_LAYERS": num_layers, "POOL_PAGES": kv.shape[1], "SLOT_PAGES": slot_pages,
+                         "PAGE_SIZE": page_size, "NUM_HEADS": num_heads, "HEAD_DIM": head_dim,
+                         "BLOCK_D": triton.next_power_of_2(head_dim), "BLOCK_T": triton.next_power_of_2(page_size),
+                         "BLOCK_P": triton.next_power_of_2(slot_pages),
+                         "QUANTISE": quantise, "OUT_DTYPE": POINTER_DTYPES[out_dtype]}
+            cached = self._constants[shape] = (constants, (kv.dtype, out_dtype, *constants.values()))
+        constants, shape_key = cached
+        key = (*shape_key, pages.dtype, slot_ids.dtype, out_addr.dtype, scales.dtype,
                *(t.data_ptr() % 16 for t in (kv, pages, slot_ids, scales)))
         self._kernels.launch(key, (num_chunks, num_layers, two * num_heads), (kv, pages, slot_ids, out_addr, scales),
                              constants, None if stream is None else stream.cuda_stream)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 
+import numpy as np
 import torch
 
 
@@ -42,7 +43,11 @@ class HostChunkStore:
         self._stop = threading.Event()
         self._thread = None
         if memory is not None:
-            self.num_slots = min(num_slots, memory.numel() // self.slot_bytes)
+            num_slots = min(num_slots, memory.numel() // self.slot_bytes)
+        self.num_slots = num_slots
+        #: int64 ``[num_slots]``: each slot's address once its segment is adopted (for kernels reading host memory)
+        self.addresses = np.zeros(num_slots, dtype=np.int64)
+        if memory is not None:
             self.segment_slots = max(self.num_slots, 1)
             if self.num_slots:
                 self._coming = 1
@@ -50,7 +55,6 @@ class HostChunkStore:
                 self._ready.put(flat.view(self.num_slots, *slot_shape))
                 self.adopt_ready_segments()
             return
-        self.num_slots = num_slots
         self.segment_slots = max(1, segment_slots)
         sizes = [min(self.segment_slots, num_slots - s) for s in range(0, num_slots, self.segment_slots)]
         self._coming = len(sizes)
@@ -90,6 +94,8 @@ class HostChunkStore:
             base = self.num_allocated
             self._segments.append(segment)
             self._slots.extend(segment.unbind(0))  # one view per slot, made once (slicing per use costs µs)
+            self.addresses[base:base + len(segment)] = (segment.data_ptr()
+                                                        + np.arange(len(segment), dtype=np.int64) * self.slot_bytes)
             self._free.extend(range(base + len(segment) - 1, base - 1, -1))
             added += len(segment)
         return added

@@ -72,7 +72,8 @@ class KVCacheManager:
                 scales = torch.ones(num_slots, num_layers, 2, num_heads, dtype=torch.float32, device=device)
             self.host = HostTier(config, store, TransferEngine(device, scales, config.onload_streams,
                                                           kernels=config.onload_engine == "kernel",
-                                                          graphs=config.onload_graphs),
+                                                          graphs=config.onload_graphs,
+                                                          slot_addresses=store.addresses),
                                  self.pool.kv, self.users, self.stats)
 
     @property

@@ -88,13 +88,18 @@ class OffloadHandle:
         return not self.deferred and (self.copied is None or self.copied.query())
 
 
-def host_page_addresses(jobs: list[OnloadJob]) -> tuple[np.ndarray, int]:
+def host_page_addresses(jobs: list[OnloadJob], slot_addresses: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """For :func:`~.onload_kernel.onload_pages`: the host address of each job page's first layer, in job
     order, and the bytes from one layer of a page to the next (slots ``[L, chunk_pages, 2, page_size, H, D]``,
-    contiguous, 16-byte aligned: the kernel loads 16 bytes at a time)."""
+    contiguous, 16-byte aligned: the kernel loads 16 bytes at a time). ``slot_addresses``: int64, each slot id's
+    address (:attr:`.host_store.HostChunkStore.addresses`), read instead of asking each job's tensor (a torch call
+    per job)."""
     slot = jobs[0].slot
     page_bytes, layer_bytes = slot.stride(1) * slot.element_size(), slot.stride(0) * slot.element_size()
-    slot_addresses = np.fromiter((job.slot.data_ptr() for job in jobs), dtype=np.int64, count=len(jobs))
+    if slot_addresses is None:
+        slot_addresses = np.fromiter((job.slot.data_ptr() for job in jobs), dtype=np.int64, count=len(jobs))
+    else:
+        slot_addresses = slot_addresses[np.fromiter((job.slot_id for job in jobs), dtype=np.int64, count=len(jobs))]
     if page_bytes % 16 or (slot_addresses % 16).any():
         raise ValueError("host pages must start 16-byte aligned for the onload kernel")
     counts = np.fromiter((len(job.pages) for job in jobs), dtype=np.int64, count=len(jobs))
@@ -117,12 +122,16 @@ class TransferEngine:
             :class:`.onload_kernel.OnloadLauncher`; otherwise torch operations, copies and scatters.
         graphs: with ``kernels``, replay each onload's launches from a CUDA graph of its capacity
             (:class:`.onload_graphs.OnloadGraphs`).
+        slot_addresses: int64, the address of each host slot id (:attr:`.host_store.HostChunkStore.addresses`,
+            read when a kernel is given host addresses; kept by reference, so it may grow), or ``None``: ask each
+            job's slot tensor.
     """
 
     def __init__(self, device: torch.device, scales: torch.Tensor | None = None, onload_streams: int = 1,
-                 kernels: bool = False, graphs: bool = False) -> None:
+                 kernels: bool = False, graphs: bool = False, slot_addresses: np.ndarray | None = None) -> None:
         self.device = indexed(device)
         self.scales = scales
+        self.slot_addresses = slot_addresses
         self.is_cuda = device.type == "cuda"
         self.kernels = kernels and self.is_cuda and importlib.util.find_spec("triton") is not None
         self.onload_graphs = graphs
@@ -180,7 +189,9 @@ class TransferEngine:
         with on_stream(self.offload_stream, compute):
             self._fence(self.offload_stream, compute)
             if self.kernels:  # the kernel reads the indices from pinned memory and writes the slots: no copies
-                host[num_pages + num_jobs:] = [job.slot.data_ptr() for job in jobs]
+                host[num_pages + num_jobs:] = (self.slot_addresses[host[num_pages:num_pages + num_jobs]]
+                                               if self.slot_addresses is not None
+                                               else [job.slot.data_ptr() for job in jobs])
                 self._pack(kv, index, num_pages, jobs[0].slot)
             else:  # [L, jobs * slot_pages, 2, ps, H, D], laid out and quantised by issue_deferred
                 index = self._upload(host)
@@ -315,7 +326,7 @@ class TransferEngine:
         """Per layer, one kernel on the scatter stream reads every job's host pages (pinned, device-addressable)
         into their GPU pages, replayed from a CUDA graph (:class:`.onload_graphs.OnloadGraphs`) when graphs are on;
         returns the per-layer events."""
-        addresses, layer_bytes = host_page_addresses(jobs)
+        addresses, layer_bytes = host_page_addresses(jobs, self.slot_addresses)
         src_dtype = jobs[0].slot.dtype
         if self._launcher is None:
             from .onload_graphs import OnloadGraphs  # imports Triton

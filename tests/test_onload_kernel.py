@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -152,7 +153,8 @@ def test_a_count_on_the_device_limits_the_pages_loaded(fp8):
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="a CPU cache manager's (unpinned) host memory: the interpreter only")
 def test_engine_job_addresses_load_like_the_copy_path():
-    """The transfer engine's job -> address plan, fed to the kernel, gives what the CPU copy path gives."""
+    """The transfer engine's job -> address plan (from the jobs' tensors or the store's address table), fed to the
+    kernel, gives what the CPU copy path gives."""
     from cache_engine import CacheConfig, KVCacheManager
     from cache_engine.onload_kernel import onload_pages
     from cache_engine.transfer import OnloadJob, host_page_addresses
@@ -172,6 +174,9 @@ def test_engine_job_addresses_load_like_the_copy_path():
     kv.host.transfer.onload(expected, jobs)  # the CPU path: plain indexed copies
     got = torch.zeros_like(kv.kv_cache)
     addresses, layer_bytes = host_page_addresses(jobs)
+    # The store's address table (what the engine's transfers read) gives the same addresses, over its 3 segments.
+    assert store.addresses.tolist() == [store.slot(s).data_ptr() for s in range(store.num_slots)]
+    assert np.array_equal(host_page_addresses(jobs, store.addresses)[0], addresses)
     dst = torch.tensor([p for job in jobs for p in job.pages])
     for layer in range(got.shape[0]):
         onload_pages(got[layer], torch.from_numpy(addresses), dst, layer * layer_bytes, torch.float32, layer)

@@ -71,7 +71,9 @@ class BenchSettings:
     onload_engine: str = "kernel"
     cache: tuple[tuple[str, object], ...] = ()  # other cache fields, set for every engine (``--cache KEY=VALUE``)
     max_batched_tokens: int = 163_840  # a batch of 8 whole histories (up to 20,000 events) in one step
-    window_requests: int = 240
+    # 60 batches of 8 per mode: with 30, the median of hierarchical's heavy-tailed batch latencies moved 5% between
+    # two runs whose batch latencies summed to within 0.3% (benchmarks/results/bench_160677a/ and bench/ at fa6aa16)
+    window_requests: int = 480
     window_strata: int = 10
     chunk_sweep: tuple[int, ...] = (512, 1024, 2048, 4096)
     budget_sweep: tuple[int, ...] = (20_480, 30_720, 40_960, 51_200, 61_440)

@@ -54,11 +54,6 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             and a scheduling earlier. The request's own verified prefix still decides what is reused. Measured on
             the H200 (``benchmarks/results/profiles/bound_probe_prefetch_f694434.log``): 0.83 ms a batch faster
             (median of the per-batch differences; 7.05 -> 5.18 ms median at batch size 8).
-        free_page_reserve: ``hierarchical``: at the end of each step (while the device runs its forward), evict
-            least recently used users, persisting their tails, until at least this many GPU pages are free. The
-            next batch's arriving users then get pages without evicting first, so their onloads start without
-            waiting for evictions, tail copies and the gathers of the pages they reuse; the reserve is GPU cache
-            capacity left unused. 0 (default): evict only when pages are needed.
     """
 
     mode: CacheMode = "hierarchical"
@@ -74,15 +69,12 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     onload_engine: OnloadEngine = "kernel"
     onload_graphs: bool = True
     prefetch: bool = True
-    free_page_reserve: int = 0
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_gpu_pages", "chunk_tokens", "host_segment_bytes", "max_pending_offloads",
                      "onload_streams"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"cache.{name} must be positive, got {getattr(self, name)}")
-        if self.free_page_reserve < 0 or self.free_page_reserve > self.num_gpu_pages:
-            raise ValueError(f"cache.free_page_reserve must be in [0, num_gpu_pages], got {self.free_page_reserve}")
         if self.host_budget_bytes < 0:
             raise ValueError(f"cache.host_budget_bytes must be >= 0, got {self.host_budget_bytes}")
         if self.chunk_tokens % self.page_size:

@@ -13,10 +13,9 @@ a request:
    ``hierarchical`` mode, queues chunks that became full for offload.
 3. :meth:`KVCacheManager.release` unlocks the record (``recompute`` mode drops it).
 
-Each engine step calls :meth:`begin_step` (apply finished transfers), then :meth:`launch_onloads` before the
-forward pass, and :meth:`end_step` after it (start offloads, evict down to ``cache.free_page_reserve``). With
-``cache.prefetch`` the engine calls :meth:`prefetch` as requests arrive: users only on host start loading before
-step 1.
+Each engine step calls :meth:`begin_step` (apply finished transfers), then :meth:`launch_onloads`
+before the forward pass, and :meth:`end_step` after it (start offloads). With ``cache.prefetch`` the engine calls
+:meth:`prefetch` as requests arrive: users only on host start loading before step 1.
 """
 
 from __future__ import annotations
@@ -163,11 +162,10 @@ class KVCacheManager:
             self.host.transfer.issue_deferred()
 
     def end_step(self) -> None:
-        """Hand back the step's prefetched records, evict down to ``free_page_reserve`` free pages and start offloads
-        of chunks that became full (within the admission cap) and of the evicted users' tails."""
+        """Hand back the step's prefetched records and start offloads of chunks that became full (within the
+        admission cap)."""
         if self.host is not None:
             self.hand_back_prefetched()
-            self._evict_until_free(self.config.free_page_reserve, wait=False)
             self.host.launch_offloads()
 
     def close(self) -> None:
@@ -375,17 +373,14 @@ class KVCacheManager:
         else:
             record.forget_pages()
 
-    def _evict_until_free(self, count: int, wait: bool = True) -> None:
-        """Evict least recently used users whose pages are not being read until ``count`` pages are free; when only
-        users being read are left, wait for their gathers (``wait``) or stop."""
+    def _evict_until_free(self, count: int) -> None:
         while self.pool.num_free < count:
-            victim = next(((u, r) for u, r in self._lru.items() if not r.readers), None)
-            if victim is not None:
-                self._evict(*victim)  # the LRU changed: walk it again from the start
-            elif wait:
+            for victim, record in self._lru.items():  # least recently used first
+                if not record.readers:
+                    self._evict(victim, record)
+                    break  # the LRU changed: walk it again from the start
+            else:  # only users whose pages are still being gathered: let that finish
                 self.host.poll(wait=True)
-            else:
-                return
 
     def _evict(self, user_id: Hashable, record: UserRecord) -> None:
         del self._lru[user_id]

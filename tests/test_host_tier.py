@@ -11,11 +11,11 @@ from cache_engine import CacheConfig, KVCacheManager, page_prefix_hashes
 PS, CHUNK = 4, 8  # tokens per page, tokens per chunk (2 pages)
 
 
-def manager(pages=12, host_chunks=8, max_pending=64, persist_tails=True, reserve=0) -> KVCacheManager:
+def manager(pages=12, host_chunks=8, max_pending=64, persist_tails=True) -> KVCacheManager:
     slot_bytes = 2 * CHUNK * 2 * 1 * 2 * 4  # layers * tokens * (K, V) * heads * dim * float32
     config = CacheConfig(mode="hierarchical", page_size=PS, num_gpu_pages=pages, chunk_tokens=CHUNK,
                          host_budget_bytes=host_chunks * slot_bytes, host_segment_bytes=3 * slot_bytes,
-                         max_pending_offloads=max_pending, persist_tails=persist_tails, free_page_reserve=reserve)
+                         max_pending_offloads=max_pending, persist_tails=persist_tails)
     return KVCacheManager(config, num_layers=2, num_heads=1, head_dim=2, dtype=torch.float32, device="cpu")
 
 
@@ -59,26 +59,6 @@ def test_evicted_user_comes_back_from_host_with_identical_kv():
     hit = run(kv, "a", h)
     assert hit == (0, 19)
     assert torch.equal(kv_of(kv, "a", 19), before)
-    kv.check_invariants()
-
-
-def test_the_free_page_reserve_is_restored_at_the_end_of_each_step_without_losing_tails():
-    """With ``free_page_reserve``, the end of a step evicts least recently used users (tails persisted) until that
-    many pages are free, so the next user's pages need no eviction; the evicted users come back from host intact."""
-    kv = manager(pages=12, reserve=5)
-    run(kv, "a", hashes(11))  # 3 pages: 12 - 3 free
-    run(kv, "b", hashes(13, 1))  # 4 pages: 5 free, the reserve holds
-    assert kv.pool.num_free == 5 and kv.users["a"].num_pages == 3
-    before = kv_of(kv, "b", 13)
-    run(kv, "c", hashes(9, 2))  # 3 pages: 2 free at the end of the step, so "a" (least recent) is evicted
-    assert kv.pool.num_free == 5 and not kv.users["a"].num_pages and kv.users["b"].num_pages == 4
-    evicted = kv.stats.evicted_users
-    run(kv, "d", hashes(5, 3))  # 2 pages, free already: nothing evicted before it, "b" after it (3 + 4 free)
-    assert kv.stats.evicted_users == evicted + 1 and not kv.users["b"].num_pages and kv.pool.num_free >= 5
-    kv.begin_step()
-    assert kv.users["a"].host_tokens == 11 and kv.users["b"].host_tokens == 13  # tails included
-    assert run(kv, "b", hashes(13, 1)) == (0, 13)
-    assert torch.equal(kv_of(kv, "b", 13), before)
     kv.check_invariants()
 
 

@@ -208,3 +208,26 @@ def test_steady_state_options_make_the_benchmarks_settings():
     default = BenchSettings()
     assert (settings.host_dtype, settings.onload_engine, settings.model) == (default.host_dtype, default.onload_engine,
                                                                              default.model)
+
+
+def test_pooled_windows_take_every_window_at_the_default_configuration():
+    """Table 1's hierarchical window and the sweeps' windows at the settings' chunk size and GPU pages (and no other
+    sweep value) are pooled batch by batch; the bound uses the pooled mean bytes (10 GB/s: 1 ms per 10 MB)."""
+    from gr_engine.bench.report import default_config_windows, pooled_windows
+
+    def window(latency, onloaded):
+        return {"batch_latency_ms": latency, "batch_onloaded_bytes": onloaded}
+
+    table1, chunk, budget = window([4.0, 6.0], [40_000_000, 60_000_000]), window([8.0], [90_000_000]), window(
+        [2.0, 3.0], [0, 10_000_000])
+    result = {"settings": {"chunk_tokens": 1024, "gpu_pages": 4096},
+              "modes": {"hierarchical": {"batch_sizes": {8: table1}}},
+              "chunk_sweep": {"hierarchical": {512: window([99.0], [1]), 1024: chunk}},
+              "budget_sweep": {"gpu_only": {4096: window([77.0], [1])}, "hierarchical": {"4096": budget}}}
+    windows = default_config_windows(result, 8)
+    assert windows == [table1, chunk, budget]
+    pooled = pooled_windows(windows, unlimited_ms=2.5, peak_GBps=10.0)
+    # latencies 2, 3, 4, 6, 8: median 4; mean bytes 40 MB: a 4 ms bound (above unlimited's 2.5)
+    assert pooled == {"windows": 3, "batches": 5, "median_ms": 4.0, "over_bound": pytest.approx(1.0)}
+    assert pooled_windows(windows, unlimited_ms=8.0, peak_GBps=10.0)["over_bound"] == pytest.approx(0.5)
+    assert pooled_windows([{"median_ms": 3.0}], 1.0, 10.0) is None  # results from before per-batch data

@@ -231,3 +231,33 @@ def test_pooled_windows_take_every_window_at_the_default_configuration():
     assert pooled == {"windows": 3, "batches": 5, "median_ms": 4.0, "over_bound": pytest.approx(1.0)}
     assert pooled_windows(windows, unlimited_ms=8.0, peak_GBps=10.0)["over_bound"] == pytest.approx(0.5)
     assert pooled_windows([{"median_ms": 3.0}], 1.0, 10.0) is None  # results from before per-batch data
+
+
+def test_batches_grouped_by_onloaded_bytes():
+    """Batches fall in their byte group (MB, lower bound included); each group's means and the latency's excess over
+    the bytes' time at the peak (10 GB/s: 1 ms per 10 MB)."""
+    from gr_engine.bench.report import by_onloaded_bytes
+
+    windows = [{"batch_latency_ms": [3.0, 5.0], "batch_onloaded_bytes": [0, 100_000_000]},
+               {"batch_latency_ms": [9.0, 4.0], "batch_onloaded_bytes": [60_000_000, 50_000_000]}]
+    rows = by_onloaded_bytes(windows, peak_GBps=10.0)
+    assert [(r["mb"], r["batches"]) for r in rows] == [((0, 1), 1), ((50, 150), 3)]
+    assert rows[0]["excess_ms"] == pytest.approx(3.0)
+    assert rows[1]["latency_ms"] == pytest.approx(6.0) and rows[1]["bytes_at_peak_ms"] == pytest.approx(7.0)
+    assert rows[1]["excess_ms"] == pytest.approx(-1.0)
+
+
+def test_bound_sections_with_a_copy_peak(tmp_path, capsys, monkeypatch):
+    """With a pinned copy peak (a stand-in on CPU), the summary has the bound ratios, the pooled default-configuration
+    windows (Table 1's and the two sweeps': three windows) and bench.md their lines and the table by onloaded bytes."""
+    monkeypatch.setattr("gr_engine.bench.experiments.peak_h2d_GBps", lambda device: 0.5)
+    assert main(["bench", "--quick", "--out", str(tmp_path), "--commit", "test"]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    pooled = summary["hier_all_windows_bs8"]
+    assert summary["hier_over_bound_bs8"] > 0 and pooled["windows"] == 3 and pooled["over_bound"] > 0
+    result = json.loads((tmp_path / "bench.json").read_text())
+    bs = str(max(int(b) for b in result["modes"]["hierarchical"]["batch_sizes"]))
+    assert pooled["batches"] == 3 * result["modes"]["hierarchical"]["batch_sizes"][bs]["batches"]
+    text = (tmp_path / "bench.md").read_text()
+    assert "Over every window of hierarchical" in text and "| onloaded MB | batches |" in text
+    capsys.readouterr()

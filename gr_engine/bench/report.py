@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -97,6 +98,26 @@ def pooled_windows(windows: list[dict], unlimited_ms: float, peak_GBps: float) -
     return {"windows": len(windows), "batches": len(latency), "median_ms": median, "over_bound": median / bound}
 
 
+BYTE_BUCKETS_MB = (0, 1, 50, 150, 300, 500, float("inf"))
+
+
+def by_onloaded_bytes(windows: list[dict], peak_GBps: float) -> list[dict]:
+    """The batches of ``windows`` grouped by onloaded bytes (:data:`BYTE_BUCKETS_MB`, MB): per non-empty group its
+    bounds, batch count, mean latency (ms), mean time of its bytes at ``peak_GBps`` (ms) and the mean excess of the
+    latency over that time (what the batch spends beyond moving its bytes at the peak)."""
+    latency = np.concatenate([w["batch_latency_ms"] for w in windows])
+    mb = np.concatenate([w["batch_onloaded_bytes"] for w in windows]).astype(np.float64) / 1e6
+    at_peak = mb / peak_GBps  # MB / (GB/s) = ms
+    rows = []
+    for low, high in itertools.pairwise(BYTE_BUCKETS_MB):
+        keep = (mb >= low) & (mb < high)
+        if keep.any():
+            rows.append({"mb": (low, high), "batches": int(keep.sum()), "latency_ms": float(latency[keep].mean()),
+                         "bytes_at_peak_ms": float(at_peak[keep].mean()),
+                         "excess_ms": float((latency[keep] - at_peak[keep]).mean())})
+    return rows
+
+
 def latency_fit(hier: dict, min_bytes: int = 20_000_000) -> tuple[float, float] | None:
     """Least squares ``latency = intercept + onloaded bytes / rate`` over the window's batches that onloaded at least
     ``min_bytes``: ``(intercept ms, rate GB/s)``, the rate being what a batch's onloads cost it per byte (with
@@ -142,6 +163,15 @@ def markdown(result: dict) -> str:
         lines += ["", f"Over every window of hierarchical at BS={max(sizes)} and the default configuration (this "
                   f"table's, Table 3's and Table 6's: {pooled['batches']} batches of the trace): median "
                   f"{pooled['median_ms']:.2f} ms, {pooled['over_bound']:.2f}x its bound."]
+        windows = default_config_windows(result, max(sizes))
+        unlimited = modes["unlimited"]["batch_sizes"][max(sizes)]["median_ms"]
+        lines += ["", f"The same batches by onloaded bytes (unlimited's median: {unlimited:.2f} ms; excess: latency "
+                  "over the bytes' time at the copy peak, batch by batch):", "",
+                  "| onloaded MB | batches | latency ms | bytes at peak ms | excess ms |", "|---|---|---|---|---|"]
+        for row in by_onloaded_bytes(windows, result["peak_pinned_h2d_GBps"]):
+            low, high = row["mb"]
+            lines.append(f"| {low:g}-{high:g} | {row['batches']} | {row['latency_ms']:.2f} | "
+                         f"{row['bytes_at_peak_ms']:.2f} | {row['excess_ms']:.2f} |")
     if "hier_fit_bs8" in summary:
         fit = summary["hier_fit_bs8"]
         lines += ["", f"Hierarchical batches at BS={max(sizes)} that onloaded at least 20 MB: latency ~ "

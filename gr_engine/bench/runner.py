@@ -93,7 +93,8 @@ def quick_settings() -> BenchSettings:
     return BenchSettings(model=model, trace=trace, device="cpu", backend="torch_ref", gpu_pages=40, page_size=8,
                          chunk_tokens=32, host_budget_bytes=2**26, max_batched_tokens=1024, window_requests=16,
                          window_strata=2,
-                         chunk_sweep=(16, 64), budget_sweep=(24, 48), lengths=(32, 128), new_events=4,
+                         chunk_sweep=(16, 32), budget_sweep=(24, 40),  # each with the default: pooled windows
+                         lengths=(32, 128), new_events=4,
                          drift_history=100,
                          simulation_workers=0, prime_batches=1)
 

@@ -54,6 +54,12 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             and a scheduling earlier. The request's own verified prefix still decides what is reused. Measured on
             the H200 (``benchmarks/results/profiles/bound_probe_prefetch_f694434.log``): 0.83 ms a batch faster
             (median of the per-batch differences; 7.05 -> 5.18 ms median at batch size 8).
+        onload_first: ``hierarchical``: launch a step's (or prefetch's) onloads before the copies to host of the
+            users just evicted, without waiting for those copies' gathers, when none of the pages handed out since
+            the last launch is still to be read by a copy to host (otherwise, and without the option, the copies
+            go first and every write waits for their gathers). An evicted user's pages are then given back in
+            reverse, so that its first pages, whose chunks are on host already, are handed out before its tail,
+            which is being copied. Not yet measured on a GPU: off by default.
     """
 
     mode: CacheMode = "hierarchical"
@@ -69,6 +75,7 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     onload_engine: OnloadEngine = "kernel"
     onload_graphs: bool = True
     prefetch: bool = True
+    onload_first: bool = False
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_gpu_pages", "chunk_tokens", "host_segment_bytes", "max_pending_offloads",

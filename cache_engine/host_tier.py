@@ -6,7 +6,10 @@
   and GPU eviction skips readers.
 - **Tail persistence**: before a user's GPU pages are reclaimed, everything not yet on host (the
   un-persisted tail, and any queued full chunks) is persisted at once.
-- **Onload**: a returning user whose history is on host gets it copied into its new pages.
+- **Onload**: a returning user whose history is on host gets it copied into its new pages. With
+  ``onload_first``, when none of the pages handed out since the last launch is read by a copy to host decided or
+  in flight (:meth:`HostTier.writes_must_wait`), the onload is launched before those copies and does not wait for
+  their gathers; otherwise, and always without the option, after them.
 - **Host LRU**: when no slot is free, the least recently used user without a running request loses
   its host copy (it will be recomputed). A slot still being read by an onload is freed only once that onload finishes.
 - Completions are applied by :meth:`HostTier.poll` (start of each step); a transfer whose user's
@@ -21,6 +24,7 @@ from collections import deque
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .config import CacheConfig
@@ -71,6 +75,9 @@ class HostTier:
         self._planned_slots: list[int] = []
         self._busy: dict[int, int] = {}  # slot -> onloads in flight reading it
         self._deferred: set[int] = set()  # freed while busy
+        # Per pool page, the launched copies to host whose gathers may still read it; with those copies' pages.
+        self._gathering = np.zeros(kv.shape[1], dtype=np.int32)
+        self._gathers: deque[tuple[OffloadHandle, np.ndarray]] = deque()
 
     @property
     def pending_chunks(self) -> int:
@@ -83,6 +90,12 @@ class HostTier:
         if wait:
             self.transfer.issue_deferred()
         self.store.adopt_ready_segments()
+        gathers = self._gathers
+        while gathers and (wait or gathers[0][0].gather_done()):  # in order on one stream, like the readers below
+            handle, pages = gathers.popleft()
+            if wait and handle.gathered is not None:
+                handle.gathered.synchronize()
+            self._gathering[pages] -= 1
         for handle, _, readers in self._in_flight:
             if not readers:
                 continue
@@ -206,6 +219,9 @@ class HostTier:
         for record in readers:
             record.readers += 1
         handle = self.transfer.offload(self.kv, self._batch_jobs)
+        pages = np.concatenate([job.pages for job in self._batch_jobs])
+        self._gathering[pages] += 1  # (a page twice in ``pages`` counts once, here and when the gather finishes)
+        self._gathers.append((handle, pages))
         self._in_flight.append((handle, self._batch, readers))
         self._in_flight_chunks += len(self._batch)
         self._writing = None
@@ -237,12 +253,31 @@ class HostTier:
         self.stats.onloaded_bytes += num_pages * self.page_size * self.token_bytes
         self.stats.onloaded_tokens += tokens
 
-    def launch_onloads(self) -> list[torch.cuda.Event | None]:
-        """Start pending chunk copies, then the planned onloads; one entry per layer (see
-        :meth:`TransferEngine.onload`)."""
-        self.flush()
-        self.transfer.before_writes()
-        events = self.transfer.onload(self.kv, self._planned)
+    def copies_in_flight(self) -> bool:
+        """Whether a copy to host is decided or launched and not known to have finished its gather."""
+        return bool(self._gathers or self._batch_jobs)
+
+    def writes_must_wait(self, pages: np.ndarray) -> bool:
+        """Whether any of ``pages`` (int ``[n]``, pool pages handed out to be written) is read by a copy to host
+        decided or launched and not known to have finished its gather."""
+        if not len(pages):
+            return False
+        if self._gathering[pages].any():
+            return True
+        decided = self._batch_jobs  # not launched yet
+        return bool(decided) and bool(np.isin(pages, np.concatenate([job.pages for job in decided])).any())
+
+    def launch_onloads(self, handed_out: np.ndarray | None = None) -> list[torch.cuda.Event | None]:
+        """Start pending chunk copies and the planned onloads; one entry per layer (see :meth:`TransferEngine.onload`).
+        ``handed_out``: with ``onload_first``, every pool page handed out since the last call; when none must wait
+        (:meth:`writes_must_wait`) the onloads go first and nothing waits for the copies' gathers."""
+        if self.config.onload_first and handed_out is not None and not self.writes_must_wait(handed_out):
+            events = self.transfer.onload(self.kv, self._planned)
+            self.flush()
+        else:
+            self.flush()
+            self.transfer.before_writes()
+            events = self.transfer.onload(self.kv, self._planned)
         if self._planned:
             self._onloads.append((events, self._planned_slots))
         self._planned, self._planned_slots = [], []
@@ -298,6 +333,7 @@ class HostTier:
         assert len(every) == self.store.num_allocated, "a host slot leaked"
         assert all(self.users[u] is r and r.host_slots for u, r in self.lru.items()), "host LRU is stale"
         assert self._in_flight_chunks == sum(len(entries) for _, entries, _ in self._in_flight)
+        assert self._gathers or not self._gathering.any(), "a page is counted as read by a finished copy"
 
     def _release(self, slots: Iterable[int]) -> None:
         for slot in slots:

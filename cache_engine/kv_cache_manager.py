@@ -59,6 +59,8 @@ class KVCacheManager:
         self._prefetched: set[Hashable] = set()  # users locked by a prefetch, not yet acquired or handed back
         self._prefetch_events: list[torch.cuda.Event | None] | None = None  # the last prefetch's, until a step waits
         self.host: HostTier | None = None
+        # onload_first: the pool keeps the pages taken since the last onload launch (see HostTier.launch_onloads)
+        self._onload_first = self.pool.track_handed_out = config.onload_first and config.mode == "hierarchical"
         if config.mode == "hierarchical":
             slot_shape = (num_layers, config.chunk_pages, 2, config.page_size, num_heads, head_dim)
             host_dtype = dtype if config.host_dtype == "kv" else getattr(torch, config.host_dtype)
@@ -97,7 +99,7 @@ class KVCacheManager:
         """Start this step's onloads; entry ``l`` is what layer ``l`` must wait for (``None``: nothing)."""
         if self.host is None:
             return [None] * self.pool.kv.shape[0]
-        events = self.host.launch_onloads()
+        events = self.host.launch_onloads(self.pool.handed_out() if self._onload_first else None)
         if self._prefetch_events is not None:  # recorded in order on one stream: a later onload's events cover it
             events = self._prefetch_events if events[-1] is None else events
             self._prefetch_events = None
@@ -132,7 +134,7 @@ class KVCacheManager:
             if need > self.pool.num_free + self._evictable_pages:
                 continue
             record.locked = True  # before evicting others: the host LRU must not drop this copy meanwhile
-            if need > self.pool.num_free:
+            if need > self._clean_free():
                 self._evict_until_free(need)
             self._take_pages(record, need)
             self.host.plan_onload(record, tokens)
@@ -142,7 +144,7 @@ class KVCacheManager:
             self._prefetched.add(user_id)
             started = True
         if started:
-            self._prefetch_events = self.host.launch_onloads()
+            self._prefetch_events = self.host.launch_onloads(self.pool.handed_out() if self._onload_first else None)
 
     def hand_back_prefetched(self) -> None:
         """Unlock the prefetched records no request acquired (their requests failed validation or wait): they stay
@@ -218,7 +220,7 @@ class KVCacheManager:
         if gpu + host < record.hashed_tokens:
             self._cut(user_id, record, gpu + host, token_hashes)
         if deficit > 0:
-            if deficit > self.pool.num_free:
+            if deficit > self._clean_free():
                 self._evict_until_free(deficit)
             self._take_pages(record, deficit)
         elif deficit < 0:
@@ -373,14 +375,26 @@ class KVCacheManager:
         else:
             record.forget_pages()
 
+    def _clean_free(self) -> int:
+        """Free pages handed out before any given back while being copied (with ``onload_first``; else all)."""
+        if not self._onload_first:
+            return self.pool.num_free
+        if self.pool.num_free_last and not self.host.copies_in_flight():
+            self.pool.num_free_last = 0  # those copies finished: the pages are as good as any
+        return self.pool.num_free - self.pool.num_free_last
+
     def _evict_until_free(self, count: int) -> None:
-        while self.pool.num_free < count:
+        """Evict least recently used users whose pages are not being read until ``count`` pages are free (with
+        ``onload_first``: free and not being copied, while there are users to evict)."""
+        while self._clean_free() < count:
             for victim, record in self._lru.items():  # least recently used first
                 if not record.readers:
                     self._evict(victim, record)
                     break  # the LRU changed: walk it again from the start
-            else:  # only users whose pages are still being gathered: let that finish
-                self.host.poll(wait=True)
+            else:
+                if self.pool.num_free >= count:
+                    return  # enough pages, some still being copied: writes to them wait for the copy
+                self.host.poll(wait=True)  # only users whose pages are being gathered: let that finish
 
     def _evict(self, user_id: Hashable, record: UserRecord) -> None:
         del self._lru[user_id]
@@ -390,6 +404,10 @@ class KVCacheManager:
             persisting = self.host.persist_all(user_id, record)
         elif self.host is not None:
             self.stats.lost_tokens += record.num_tokens - record.host_tokens
+        if self._onload_first and persisting:  # the pages after its chunks on host, being copied, go out last
+            on_host = min(record.host_tokens // self.config.chunk_tokens * self.config.chunk_pages, record.num_pages)
+            self.pool.free_last(record.page_buffer[on_host: record.num_pages])
+            record.num_pages = on_host
         self._drop_pages(record, 0)
         self.stats.evicted_users += 1
         self.stats.evicted_tokens += record.num_tokens

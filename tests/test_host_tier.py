@@ -11,11 +11,11 @@ from cache_engine import CacheConfig, KVCacheManager, page_prefix_hashes
 PS, CHUNK = 4, 8  # tokens per page, tokens per chunk (2 pages)
 
 
-def manager(pages=12, host_chunks=8, max_pending=64, persist_tails=True) -> KVCacheManager:
+def manager(pages=12, host_chunks=8, max_pending=64, persist_tails=True, onload_first=False) -> KVCacheManager:
     slot_bytes = 2 * CHUNK * 2 * 1 * 2 * 4  # layers * tokens * (K, V) * heads * dim * float32
     config = CacheConfig(mode="hierarchical", page_size=PS, num_gpu_pages=pages, chunk_tokens=CHUNK,
                          host_budget_bytes=host_chunks * slot_bytes, host_segment_bytes=3 * slot_bytes,
-                         max_pending_offloads=max_pending, persist_tails=persist_tails)
+                         max_pending_offloads=max_pending, persist_tails=persist_tails, onload_first=onload_first)
     return KVCacheManager(config, num_layers=2, num_heads=1, head_dim=2, dtype=torch.float32, device="cpu")
 
 
@@ -59,6 +59,62 @@ def test_evicted_user_comes_back_from_host_with_identical_kv():
     hit = run(kv, "a", h)
     assert hit == (0, 19)
     assert torch.equal(kv_of(kv, "a", 19), before)
+    kv.check_invariants()
+
+
+def record_transfer_order(kv: KVCacheManager) -> list[str]:
+    """Wrap the transfer engine's onload and offload: each call with jobs appends its name to the list returned."""
+    order: list[str] = []
+    for name in ("onload", "offload"):
+        original = getattr(kv.host.transfer, name)
+
+        def recording(kv_pool, jobs, _name=name, _original=original):
+            if jobs:
+                order.append(_name)
+            return _original(kv_pool, jobs)
+        setattr(kv.host.transfer, name, recording)
+    return order
+
+
+def test_onload_first_goes_before_the_evicted_tails_copy():
+    """With ``onload_first``, a prefetch that evicts a user (its tail page to be copied to host) takes the evicted
+    user's first pages (its tail's page is handed out last) and launches its onload before the copy; both users come
+    back intact."""
+    kv = manager(pages=8, onload_first=True)
+    hb, ha = hashes(8, 1), hashes(11)
+    run(kv, "b", hb)  # a whole chunk: to host at the end of the step
+    b_kv = kv_of(kv, "b", 8)
+    run(kv, "a", ha)  # 3 pages: a whole chunk (copied at the end of the step) and a 3-token tail page
+    a_kv = kv_of(kv, "a", 11)
+    run(kv, "x", hashes(13, 2))  # 4 pages: evicts "b" (all on host), leaves 1 page free
+    assert not kv.users["b"].num_pages and kv.pool.num_free == 1
+    kv.begin_step()
+    order = record_transfer_order(kv)
+    kv.prefetch(["b"])  # 2 pages: "a" (least recent) is evicted, its tail page to be copied
+    assert not kv.users["a"].num_pages and kv.users["x"].num_pages and order == ["onload", "offload"]
+    kv.end_step()
+    assert run(kv, "b", hb) == (0, 8) and torch.equal(kv_of(kv, "b", 8), b_kv)
+    assert run(kv, "a", ha) == (0, 11) and torch.equal(kv_of(kv, "a", 11), a_kv)
+    kv.host.poll(wait=True)
+    kv.check_invariants()
+
+
+def test_onload_first_waits_for_the_copy_of_pages_it_must_reuse():
+    """With ``onload_first``, when a prefetch needs every page, the evicted user's tail page among them, the copy
+    goes first and the onload after it."""
+    kv = manager(pages=4, onload_first=True)
+    hb, ha = hashes(16, 1), hashes(11)
+    run(kv, "b", hb)  # the whole pool, two whole chunks (copied at the end of the step)
+    b_kv = kv_of(kv, "b", 16)
+    run(kv, "a", ha)  # evicts "b" (all on host), takes 3 pages
+    a_kv = kv_of(kv, "a", 11)
+    order = record_transfer_order(kv)
+    kv.prefetch(["b"])  # 4 pages: "a" is evicted, its tail page to be copied, and "b" needs that page too
+    assert not kv.users["a"].num_pages and order == ["offload", "onload"]
+    kv.end_step()
+    assert run(kv, "b", hb) == (0, 16) and torch.equal(kv_of(kv, "b", 16), b_kv)
+    assert run(kv, "a", ha) == (0, 11) and torch.equal(kv_of(kv, "a", 11), a_kv)
+    kv.host.poll(wait=True)
     kv.check_invariants()
 
 
@@ -360,8 +416,8 @@ def test_a_finished_prefetch_leaves_nothing_to_wait_for(monkeypatch, done):
     (events are recorded in layer order on one stream)."""
     kv = manager()
     events = [_Event(done), _Event(done)]
-    monkeypatch.setattr(kv.host, "launch_onloads", lambda: [None, None])
+    monkeypatch.setattr(kv.host, "launch_onloads", lambda handed_out: [None, None])
     kv._prefetch_events = events
     assert kv.launch_onloads() == ([None, None] if done else events)
-    monkeypatch.setattr(kv.host, "launch_onloads", lambda: events)  # the step's own onload, just launched
+    monkeypatch.setattr(kv.host, "launch_onloads", lambda handed_out: events)  # the step's own onload, just launched
     assert kv.launch_onloads() == ([None, None] if done else events)

@@ -75,7 +75,7 @@ class HostTier:
         self._planned_slots: list[int] = []
         self._busy: dict[int, int] = {}  # slot -> onloads in flight reading it
         self._deferred: set[int] = set()  # freed while busy
-        # Per pool page, the launched copies to host whose gathers may still read it; with those copies' pages.
+        # onload_first: per pool page, the launched copies to host whose gathers may still read it; those copies.
         self._gathering = np.zeros(kv.shape[1], dtype=np.int32)
         self._gathers: deque[tuple[OffloadHandle, np.ndarray]] = deque()
 
@@ -219,9 +219,10 @@ class HostTier:
         for record in readers:
             record.readers += 1
         handle = self.transfer.offload(self.kv, self._batch_jobs)
-        pages = np.concatenate([job.pages for job in self._batch_jobs])
-        self._gathering[pages] += 1  # (a page twice in ``pages`` counts once, here and when the gather finishes)
-        self._gathers.append((handle, pages))
+        if self.config.onload_first:  # the pages the copy reads, until its gather finishes (``writes_must_wait``)
+            pages = np.concatenate([job.pages for job in self._batch_jobs])
+            self._gathering[pages] += 1  # (a page twice in ``pages`` counts once, here and when the gather finishes)
+            self._gathers.append((handle, pages))
         self._in_flight.append((handle, self._batch, readers))
         self._in_flight_chunks += len(self._batch)
         self._writing = None

@@ -142,6 +142,41 @@ def test_forward_graph_waits_for_slow_onloads(monkeypatch, prefetch):
     engine.close()
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_onload_first_equals_recompute_with_slow_copies_to_host(monkeypatch, prefetch):
+    """``onload_first`` with every copy to host held back ~10 ms on the device before its gather: an onload or a
+    forward that skipped waiting for a copy still reading its pages would overwrite what the copy reads, and the
+    user's next visit from host would score differently. Served in closed-loop batches of 8 (each call prefetches);
+    the onloads went first while copies were pending at least once."""
+    from cache_engine.host_tier import HostTier
+    from cache_engine.offload_kernel import ChunkPacker
+
+    config = cuda_config("float32", mode="hierarchical", num_gpu_pages=200, onload_first=True, prefetch=prefetch)
+    requests = stream(config, num_users=30, visits=20, seed=5)
+    expected = scores(GREngine(with_cache(config, mode="recompute")).rank(requests, use_tqdm=False))
+    pack, must_wait, went_first = ChunkPacker.__call__, HostTier.writes_must_wait, []
+
+    def slow_pack(self, *args, **kwargs):
+        torch.cuda._sleep(20_000_000)  # on the offload stream, before the gather
+        return pack(self, *args, **kwargs)
+
+    def recording(self, pages):
+        wait = must_wait(self, pages)
+        went_first.append(not wait and bool(self._gathers or self._batch_jobs))
+        return wait
+
+    monkeypatch.setattr(ChunkPacker, "__call__", slow_pack)
+    monkeypatch.setattr(HostTier, "writes_must_wait", recording)
+    engine = GREngine(config)
+    engine.kv.host.store.wait_until_allocated()
+    got = scores([o for i in range(0, len(requests), 8) for o in engine.rank(requests[i:i + 8], use_tqdm=False)])
+    worst = max(float(np.abs(a - b).max()) for a, b in zip(got, expected, strict=True))
+    assert worst <= 1e-4, worst
+    assert engine.stats.host_hit_tokens > 0 and any(went_first)
+    engine.close()
+    engine.kv.check_invariants()
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_each_layer_event_covers_that_layers_onload(graphs):
     """A stream that waits for layer ``l``'s event and reads that layer's pages at once sees the loaded pages,

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
@@ -78,6 +79,25 @@ class HostTier:
         # onload_first: per pool page, the launched copies to host whose gathers may still read it; those copies.
         self._gathering = np.zeros(kv.shape[1], dtype=np.int32)
         self._gathers: deque[tuple[OffloadHandle, np.ndarray]] = deque()
+
+    @classmethod
+    def create(cls, config: CacheConfig, kv: torch.Tensor, users: dict[Hashable, UserRecord], stats: CacheStats,
+               host_memory: torch.Tensor | None = None) -> HostTier:
+        """The host tier of the pool ``kv`` (``[L, num_pages, 2, page_size, H, D]``) with its chunk store (slots in
+        ``config.host_dtype``, carved from ``host_memory`` if given) and transfer engine."""
+        num_layers, _, _, page_size, num_heads, head_dim = kv.shape
+        slot_shape = (num_layers, config.chunk_pages, 2, page_size, num_heads, head_dim)
+        host_dtype = kv.dtype if config.host_dtype == "kv" else getattr(torch, config.host_dtype)
+        slot_bytes = math.prod(slot_shape) * host_dtype.itemsize
+        store = HostChunkStore(config.host_budget_bytes // slot_bytes, slot_shape, host_dtype,
+                               config.host_segment_bytes // slot_bytes, pin=kv.device.type == "cuda",
+                               memory=host_memory)
+        scales = None  # FP8 host chunks: dequantisation scales per (slot, layer, K/V, head), on the device
+        if config.host_dtype != "kv":
+            scales = torch.ones(store.num_slots, num_layers, 2, num_heads, dtype=torch.float32, device=kv.device)
+        transfer = TransferEngine(kv.device, scales, config.onload_streams, kernels=config.onload_engine == "kernel",
+                                  graphs=config.onload_graphs, slot_addresses=store.addresses)
+        return cls(config, store, transfer, kv, users, stats)
 
     @property
     def pending_chunks(self) -> int:

@@ -27,12 +27,10 @@ import numpy as np
 import torch
 
 from .config import CacheConfig
-from .host_store import HostChunkStore
 from .host_tier import HostTier
 from .lru import LRUIndex
 from .page_pool import PagePool
 from .records import CacheHit, CacheStats, UserRecord, grown
-from .transfer import TransferEngine
 
 
 class KVCacheManager:
@@ -62,21 +60,7 @@ class KVCacheManager:
         # onload_first: the pool keeps the pages taken since the last onload launch (see HostTier.launch_onloads)
         self._onload_first = self.pool.track_handed_out = config.onload_first and config.mode == "hierarchical"
         if config.mode == "hierarchical":
-            slot_shape = (num_layers, config.chunk_pages, 2, config.page_size, num_heads, head_dim)
-            host_dtype = dtype if config.host_dtype == "kv" else getattr(torch, config.host_dtype)
-            slot_bytes = int(np.prod(slot_shape)) * host_dtype.itemsize
-            num_slots = config.host_budget_bytes // slot_bytes
-            store = HostChunkStore(num_slots, slot_shape, host_dtype, config.host_segment_bytes // slot_bytes,
-                                   pin=device.type == "cuda", memory=host_memory)
-            num_slots = store.num_slots
-            scales = None  # FP8 host chunks: dequantisation scales per (slot, layer, K/V, head), on the device
-            if config.host_dtype != "kv":
-                scales = torch.ones(num_slots, num_layers, 2, num_heads, dtype=torch.float32, device=device)
-            self.host = HostTier(config, store, TransferEngine(device, scales, config.onload_streams,
-                                                          kernels=config.onload_engine == "kernel",
-                                                          graphs=config.onload_graphs,
-                                                          slot_addresses=store.addresses),
-                                 self.pool.kv, self.users, self.stats)
+            self.host = HostTier.create(config, self.pool.kv, self.users, self.stats, host_memory)
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -377,11 +361,9 @@ class KVCacheManager:
 
     def _clean_free(self) -> int:
         """Free pages handed out before any given back while being copied (with ``onload_first``; else all)."""
-        if not self._onload_first:
-            return self.pool.num_free
-        if self.pool.num_free_last and not self.host.copies_in_flight():
+        if self._onload_first and self.pool.num_free_last and not self.host.copies_in_flight():
             self.pool.num_free_last = 0  # those copies finished: the pages are as good as any
-        return self.pool.num_free - self.pool.num_free_last
+        return self.pool.num_free - self.pool.num_free_last  # (num_free_last is 0 without onload_first)
 
     def _evict_until_free(self, count: int) -> None:
         """Evict least recently used users whose pages are not being read until ``count`` pages are free (with

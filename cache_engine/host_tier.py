@@ -76,9 +76,10 @@ class HostTier:
         self._planned_slots: list[int] = []
         self._busy: dict[int, int] = {}  # slot -> onloads in flight reading it
         self._deferred: set[int] = set()  # freed while busy
-        # onload_first: per pool page, the launched copies to host whose gathers may still read it; those copies.
+        # onload_first: per pool page, the copies to host decided or launched whose gathers may still read it; the
+        # launched ones with their jobs, until their gathers finish
         self._gathering = np.zeros(kv.shape[1], dtype=np.int32)
-        self._gathers: deque[tuple[OffloadHandle, np.ndarray]] = deque()
+        self._gathers: deque[tuple[OffloadHandle, list[OffloadJob]]] = deque()
 
     @classmethod
     def create(cls, config: CacheConfig, kv: torch.Tensor, users: dict[Hashable, UserRecord], stats: CacheStats,
@@ -112,10 +113,11 @@ class HostTier:
         self.store.adopt_ready_segments()
         gathers = self._gathers
         while gathers and (wait or gathers[0][0].gather_done()):  # in order on one stream, like the readers below
-            handle, pages = gathers.popleft()
+            handle, jobs = gathers.popleft()
             if wait and handle.gathered is not None:
                 handle.gathered.synchronize()
-            self._gathering[pages] -= 1
+            for job in jobs:
+                self._gathering[job.pages] -= 1
         for handle, _, readers in self._in_flight:
             if not readers:
                 continue
@@ -228,6 +230,8 @@ class HostTier:
         self._batch.append(_Persist(user, record, record.generation, chunk, end, slot))
         self._batch_jobs.append(OffloadJob(record.page_buffer[first: first + count].copy(), slot,
                                            self.store.slot(slot)))
+        if self.config.onload_first:
+            self._gathering[self._batch_jobs[-1].pages] += 1  # (a job's pages are distinct)
         self.stats.offloaded_tokens += end - start
         self.stats.offloaded_bytes += count * page_size * self.token_bytes
 
@@ -239,10 +243,8 @@ class HostTier:
         for record in readers:
             record.readers += 1
         handle = self.transfer.offload(self.kv, self._batch_jobs)
-        if self.config.onload_first:  # the pages the copy reads, until its gather finishes (``writes_must_wait``)
-            pages = np.concatenate([job.pages for job in self._batch_jobs])
-            self._gathering[pages] += 1  # (a page twice in ``pages`` counts once, here and when the gather finishes)
-            self._gathers.append((handle, pages))
+        if self.config.onload_first:  # its jobs' pages stay counted until its gather finishes
+            self._gathers.append((handle, self._batch_jobs))
         self._in_flight.append((handle, self._batch, readers))
         self._in_flight_chunks += len(self._batch)
         self._writing = None
@@ -281,12 +283,7 @@ class HostTier:
     def writes_must_wait(self, pages: np.ndarray) -> bool:
         """Whether any of ``pages`` (int ``[n]``, pool pages handed out to be written) is read by a copy to host
         decided or launched and not known to have finished its gather."""
-        if not len(pages):
-            return False
-        if self._gathering[pages].any():
-            return True
-        decided = self._batch_jobs  # not launched yet
-        return bool(decided) and bool(np.isin(pages, np.concatenate([job.pages for job in decided])).any())
+        return bool(len(pages)) and bool(self._gathering[pages].any())
 
     def launch_onloads(self, handed_out: np.ndarray | None = None) -> list[torch.cuda.Event | None]:
         """Start pending chunk copies and the planned onloads; one entry per layer (see :meth:`TransferEngine.onload`).

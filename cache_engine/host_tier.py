@@ -351,7 +351,7 @@ class HostTier:
         assert len(every) == self.store.num_allocated, "a host slot leaked"
         assert all(self.users[u] is r and r.host_slots for u, r in self.lru.items()), "host LRU is stale"
         assert self._in_flight_chunks == sum(len(entries) for _, entries, _ in self._in_flight)
-        assert self._gathers or not self._gathering.any(), "a page is counted as read by a finished copy"
+        assert self.copies_in_flight() or not self._gathering.any(), "a page is counted as read by a finished copy"
 
     def _release(self, slots: Iterable[int]) -> None:
         for slot in slots:

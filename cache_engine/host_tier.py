@@ -283,7 +283,7 @@ class HostTier:
     def writes_must_wait(self, pages: np.ndarray) -> bool:
         """Whether any of ``pages`` (int ``[n]``, pool pages handed out to be written) is read by a copy to host
         decided or launched and not known to have finished its gather."""
-        return bool(len(pages)) and bool(self._gathering[pages].any())
+        return self.copies_in_flight() and bool(len(pages)) and bool(self._gathering[pages].any())
 
     def launch_onloads(self, handed_out: np.ndarray | None = None) -> list[torch.cuda.Event | None]:
         """Start pending chunk copies and the planned onloads; one entry per layer (see :meth:`TransferEngine.onload`).

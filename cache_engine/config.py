@@ -57,9 +57,9 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         onload_first: ``hierarchical``: launch a step's (or prefetch's) onloads before the copies to host of the
             users just evicted, without waiting for those copies' gathers, when none of the pages handed out since
             the last launch is still to be read by a copy to host (otherwise, and without the option, the copies
-            go first and every write waits for their gathers). An evicted user's pages are then given back in
-            reverse, so that its first pages, whose chunks are on host already, are handed out before its tail,
-            which is being copied. Not yet measured on a GPU: off by default.
+            go first and every write waits for their gathers). An evicted user's pages being copied are then given
+            back below all other free pages, and evictions go on until enough other pages are free, so that the
+            pages handed out are rarely being copied. Not yet measured on a GPU: off by default.
     """
 
     mode: CacheMode = "hierarchical"

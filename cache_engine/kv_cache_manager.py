@@ -362,7 +362,7 @@ class KVCacheManager:
     def _clean_free(self) -> int:
         """Free pages handed out before any given back while being copied (with ``onload_first``; else all)."""
         if self._onload_first and self.pool.num_free_last and not self.host.copies_in_flight():
-            self.pool.num_free_last = 0  # those copies finished: the pages are as good as any
+            self.pool.settle_free_last()  # those copies finished: the pages are as good as any
         return self.pool.num_free - self.pool.num_free_last  # (num_free_last is 0 without onload_first)
 
     def _evict_until_free(self, count: int) -> None:

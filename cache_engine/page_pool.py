@@ -76,6 +76,11 @@ class PagePool:
         self._stack[:count] = pages
         self.num_free, self.num_free_last = end, self.num_free_last + count
 
+    def settle_free_last(self) -> None:
+        """Treat the pages given back by :meth:`free_last` like any other free page from now on (e.g. the copies
+        that read them finished); they stay where they are in the free list."""
+        self.num_free_last = 0
+
     def free_page_ids(self) -> list[int]:
         """A copy of the free list (for invariant checks)."""
         return self._stack[: self.num_free].tolist()

@@ -93,7 +93,8 @@ class StagedStep:
         bucket: rows of the capture bucket (``>= T``).
         plan_key: the backend's launch-shape key for :meth:`GraphReplayable.graph_plan`.
         plan_writer: writes the plan inside the replay (nothing was uploaded for it), or ``None``.
-        stream: the CUDA stream its copies were queued on, where it is replayed (``None`` on CPU).
+        stream: the CUDA stream current when it was staged (its plan's copy, if any, queued there), where it is
+            replayed (``None`` on CPU).
     """
 
     host: dict[str, np.ndarray]

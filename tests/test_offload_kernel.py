@@ -108,3 +108,19 @@ def test_scales_need_slot_ids():
     with pytest.raises(ValueError, match="slot_ids"):
         ChunkPacker()(kv, torch.zeros(2, dtype=torch.long, device=DEVICE), addresses(out), FP8, 2, None,
                       torch.ones(1, 1, 2, 1, device=DEVICE))
+
+
+def test_one_packer_serves_several_slot_shapes():
+    """A packer keeps each pool shape's launch constants: reused for chunks of 4, then 2, then 4 pages, each launch
+    gathers its own slots exactly (constants kept for the wrong shape would misplace pages)."""
+    from cache_engine.offload_kernel import ChunkPacker
+
+    gen = torch.Generator().manual_seed(3)
+    packer = ChunkPacker()
+    kv = torch.randn(2, 12, 2, 4, 1, 8, generator=gen).to(DEVICE)
+    for slot_pages in (4, 2, 4):
+        pages = chunk_pages(gen, 12, slot_pages, [slot_pages, slot_pages])
+        out = torch.zeros((2, 2, slot_pages, 2, 4, 1, 8), device=DEVICE)
+        packer(kv, pages.to(DEVICE), addresses(out), out.dtype, slot_pages)
+        expected = kv.cpu()[:, pages].view(2, 2, slot_pages, 2, 4, 1, 8).transpose(0, 1)
+        torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=0)

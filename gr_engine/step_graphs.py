@@ -34,6 +34,7 @@ a GPU.
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -80,7 +81,7 @@ def run_segments(parts: list[Segment], layer_ready: list[torch.cuda.Event | None
     return x
 
 
-@dataclass
+@dataclass(slots=True)
 class StagedStep:
     """A step staged in compact form, expanded into the static buffers by its replay (or :meth:`StepGraphs._expand`).
     Its tensors at their real length are built only when needed (:meth:`StepGraphs.step_inputs`): a replay reads the
@@ -187,14 +188,14 @@ class StepGraphs:
         """
         start, hist, cand = layout["history_start"], layout["num_history_rows"], layout["num_candidate_rows"]
         indptr, pages = layout["kv_indptr"], layout["kv_indices"]
-        per_request = hist + cand
+        # The ufuncs themselves, not np.cumsum / ndarray.sum: their Python wrappers cost a microsecond each.
         query_start_loc = np.zeros(len(hist) + 1, dtype=np.int64)
-        np.cumsum(per_request, out=query_start_loc[1:])
+        np.add.accumulate(hist + cand, dtype=np.int64, out=query_start_loc[1:])
         seq_lens = start + hist
         host = {"query_start_loc": query_start_loc, "num_history_rows": hist, "num_candidate_rows": cand,
                 "kv_indptr": indptr, "kv_seq_lens": seq_lens}
-        rows, history = int(query_start_loc[-1]), int(hist.sum())
-        bucket = next(b for b in self.buckets if b >= rows)
+        rows, history = query_start_loc.item(-1), int(np.add.reduce(hist, dtype=np.int64))
+        bucket = self.buckets[bisect.bisect_left(self.buckets, rows)]  # the smallest bucket >= rows (fits: exists)
         plan_key, plan = self.backend.graph_plan(host, bucket, self.max_requests)
         compact_read = self._compact_read
         if compact_read is not None and not compact_read.query():
@@ -309,11 +310,13 @@ class StepGraphs:
                                                                    torch.cuda.Event | None]:
         """The plan's device buffer, and when the plan is ``uploaded`` (not written on the device) its pinned
         staging buffer and the event of the last copy out of it (a key is planned one way or the other, always)."""
-        if key not in self._plans:
+        buffers = self._plans.get(key)  # one lookup: hashing a launch-shape key costs about a microsecond
+        if buffers is None:
             length = self.backend.graph_plan_size(key)
             pinned = torch.zeros(length, dtype=torch.int32, pin_memory=self._cuda) if uploaded else None
-            self._plans[key] = (torch.zeros(length, dtype=torch.int32, device=self.device), pinned, self._event())
-        return self._plans[key]
+            buffers = self._plans[key] = (torch.zeros(length, dtype=torch.int32, device=self.device), pinned,
+                                          self._event())
+        return buffers
 
     def _static_inputs(self, step: StagedStep) -> tuple[dict[str, torch.Tensor], PagedBatchMetadata, Any]:
         """A bucket's graph inputs: tokens, page tables padded to the capacities, the backend's metadata."""

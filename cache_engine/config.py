@@ -59,9 +59,9 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             the last launch is still to be read by a copy to host (otherwise, and without the option, the copies
             go first and every write waits for their gathers). An evicted user's pages being copied are then given
             back below all other free pages, and evictions go on until enough other pages are free, so that the
-            pages handed out are rarely being copied. Measured on the H200
-            (``benchmarks/results/profiles/bound_probe_onload_first_1840edf.log``): 0.18 ms a batch faster (median of
-            the per-batch differences; 5.40 -> 5.09 ms median at batch size 8), GPU hit ratio 63.0% -> 62.7%.
+            pages handed out are rarely being copied. Measured on the H200: no difference beyond run-to-run noise
+            (``benchmarks/results/profiles/bound_probe_aa_0b9577f.log``: two runs of one configuration differ by
+            0.1-0.3 ms a batch), so off by default.
     """
 
     mode: CacheMode = "hierarchical"
@@ -77,7 +77,7 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     onload_engine: OnloadEngine = "kernel"
     onload_graphs: bool = True
     prefetch: bool = True
-    onload_first: bool = True
+    onload_first: bool = False
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_gpu_pages", "chunk_tokens", "host_segment_bytes", "max_pending_offloads",

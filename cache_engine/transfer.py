@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+_QUANTISE_BYTES = 2**30  # float32 bytes the copy path quantises at once (see TransferEngine.issue_deferred)
 
 
 @dataclass(slots=True)
@@ -213,13 +214,18 @@ class TransferEngine:
             return
         with on_stream(self.offload_stream, self.current_stream()):
             for handle, jobs in self._deferred:
-                buffer, index = handle.buffer  # lay the gathered pages out like the slots, quantise
-                num_layers, slot_pages = buffer.shape[0], jobs[0].slot.shape[1]
-                buffer = buffer.view(num_layers, len(jobs), slot_pages, *buffer.shape[2:])
-                buffer = self._quantize(buffer.transpose(0, 1).contiguous(), index[-len(jobs):])
-                handle.buffer = (*handle.buffer, buffer)
-                for job, block in zip(jobs, buffer, strict=True):
-                    job.slot.copy_(block, non_blocking=True)
+                gathered, index = handle.buffer  # lay the gathered pages out like the slots, quantise
+                num_layers, slot_pages = gathered.shape[0], jobs[0].slot.shape[1]
+                by_chunk = gathered.view(num_layers, len(jobs), slot_pages, *gathered.shape[2:]).transpose(0, 1)
+                slot_ids, kept = index[-len(jobs):], []
+                # a few chunks at a time: quantising widens them to float32 (a warm-up step may offload hundreds)
+                group = max(1, _QUANTISE_BYTES // (by_chunk[0].numel() * 4))
+                for start in range(0, len(jobs), group):
+                    blocks = self._quantize(by_chunk[start:start + group].contiguous(), slot_ids[start:start + group])
+                    kept.append(blocks)  # held until the copies out of it are done (the handle keeps it)
+                    for job, block in zip(jobs[start:start + group], blocks, strict=True):
+                        job.slot.copy_(block, non_blocking=True)
+                handle.buffer = (*handle.buffer, kept)
                 handle.copied = torch.cuda.Event()
                 handle.copied.record(self.offload_stream)
                 handle.deferred = False

@@ -69,11 +69,14 @@ def test_onload_waits_per_layer_event():
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("host_dtype", ["kv", "float8_e4m3fn"])
-def test_kernel_onload_engine_equals_copy_engine(host_dtype):
+@pytest.mark.parametrize("host_dtype,quantise_bytes", [("kv", 2**30), ("float8_e4m3fn", 2**30),
+                                                        ("float8_e4m3fn", 1)])
+def test_kernel_onload_engine_equals_copy_engine(monkeypatch, host_dtype, quantise_bytes):
     """The transfer kernels (offloads packed and quantised by one kernel, onloads read from host pages), launched
     eagerly or replayed from CUDA graphs, with or without users loaded as their requests arrive (``prefetch``), give
-    exactly the copy engine's scores: the same quantisation and dequantisation."""
+    exactly the copy engine's scores: the same quantisation and dequantisation (also when the copy engine quantises
+    one chunk at a time: ``quantise_bytes`` 1)."""
+    monkeypatch.setattr("cache_engine.transfer._QUANTISE_BYTES", quantise_bytes)
     config = cuda_config("bfloat16", mode="hierarchical", num_gpu_pages=200, host_dtype=host_dtype)
     requests = stream(config, num_users=30, visits=20, seed=6)
     outputs = {}
@@ -334,3 +337,4 @@ def test_quick_benchmark_runs_its_engines_one_after_another_on_cuda():
     assert all(e["onloaded_bytes_per_batch"] > 0 for e in result["chunk_sweep"]["hierarchical"].values())
     assert result["score_drift"]["kv"]["requests_from_host"] > 0
     assert result["score_drift"]["kv"]["max_abs"] < 1e-3  # float32 host chunks: only kernel rounding differs
+

@@ -62,6 +62,8 @@ class HostTier:
         self.chunk = config.chunk_tokens
         self.page_size = config.page_size
         self.token_bytes = kv[:, 0, :, 0].numel() * store.dtype.itemsize  # host bytes: all layers, K and V
+        self._page_bytes = self.page_size * self.token_bytes
+        self._chunk_pages = config.chunk_pages
         self.lru = LRUIndex()  # users with host data -> their records, least recently used first
         self._queue: deque[tuple[Hashable, int, int]] = deque()  # (user, generation, chunk) to offload
         self._pending: set[tuple[Hashable, int, int]] = set()  # queued or in flight
@@ -233,7 +235,7 @@ class HostTier:
         if self.config.onload_first:
             self._gathering[self._batch_jobs[-1].pages] += 1  # (a job's pages are distinct)
         self.stats.offloaded_tokens += end - start
-        self.stats.offloaded_bytes += count * page_size * self.token_bytes
+        self.stats.offloaded_bytes += count * self._page_bytes
 
     def flush(self) -> None:
         """Launch the chunk copies collected so far, as one offload."""
@@ -263,17 +265,20 @@ class HostTier:
     # ------------------------------------------------------------------ onload
     def plan_onload(self, record: UserRecord, tokens: int) -> None:
         """Queue copying the user's first ``tokens`` host tokens into its (new) pages."""
-        busy, store_slot, planned = self._busy, self.store.slot, self._planned
-        chunk_pages, num_pages = self.chunk // self.page_size, -(-tokens // self.page_size)
+        busy, store_slot, planned, chunk_pages = self._busy, self.store.slot, self._planned, self._chunk_pages
+        num_pages = -(-tokens // self.page_size)
         # Views of the user's page ids: its pages stay as they are until this step's onloads are launched (the
-        # user is locked; other users' acquires take or free only their own pages).
-        pages = record.page_buffer
+        # user is locked; other users' acquires take or free only their own pages). Chunk ``i`` gets pages
+        # ``[i * chunk_pages, (i + 1) * chunk_pages)`` of them (the slice stops at the last page).
+        pages = record.page_buffer[:num_pages]
         slots = record.host_slots[: -(-tokens // self.chunk)]
-        for first, slot in zip(range(0, num_pages, chunk_pages), slots, strict=True):
-            planned.append(OnloadJob(slot, store_slot(slot), pages[first: min(first + chunk_pages, num_pages)]))
+        first = 0
+        for slot in slots:
+            planned.append(OnloadJob(slot, store_slot(slot), pages[first: first + chunk_pages]))
             busy[slot] = busy.get(slot, 0) + 1
+            first += chunk_pages
         self._planned_slots.extend(slots)
-        self.stats.onloaded_bytes += num_pages * self.page_size * self.token_bytes
+        self.stats.onloaded_bytes += num_pages * self._page_bytes
         self.stats.onloaded_tokens += tokens
 
     def copies_in_flight(self) -> bool:

@@ -43,13 +43,14 @@ class PagePool:
     def allocate(self, out: np.ndarray) -> None:
         """Fill ``out`` (int32 ``[count]``, e.g. a slice of a user's page buffer) with ``count`` free page ids
         (``RuntimeError`` if fewer are free; callers check first)."""
-        count = len(out)
-        if count > self.num_free:
-            raise RuntimeError(f"page pool exhausted: {count} pages asked, {self.num_free} free")
-        start = self.num_free - count
-        out[:] = self._stack[start: self.num_free]
+        count, end = len(out), self.num_free
+        if count > end:
+            raise RuntimeError(f"page pool exhausted: {count} pages asked, {end} free")
+        start = end - count
+        out[:] = self._stack[start:end]
         self.num_free = start
-        self.num_free_last = min(self.num_free_last, start)
+        if start < self.num_free_last:
+            self.num_free_last = start
         if self.track_handed_out:
             self._handed_out.append(out.copy())
 

@@ -78,10 +78,15 @@ class HostTier:
         self._planned_slots: list[int] = []
         self._busy: dict[int, int] = {}  # slot -> onloads in flight reading it
         self._deferred: set[int] = set()  # freed while busy
-        # onload_first: per pool page, the copies to host decided or launched whose gathers may still read it; the
-        # launched ones with their jobs, until their gathers finish
-        self._gathering = np.zeros(kv.shape[1], dtype=np.int32)
-        self._gathers: deque[tuple[OffloadHandle, list[OffloadJob]]] = deque()
+        # onload_first: copies to host are numbered from 1 as launched (the ones decided and not launched yet will be
+        # the next); per pool page, the number of the last one that reads it. Gathers finish in order (one stream),
+        # so a page is still read by some copy iff its last reader's number exceeds that of the last gather known
+        # finished: a finished gather touches no page. The launched copies with their numbers, until their gathers
+        # finish.
+        self._last_reader = np.zeros(kv.shape[1], dtype=np.int64)
+        self._num_offloads = 0  # copies launched (onload_first)
+        self._gathered = 0  # the number of the last copy whose gather is known finished
+        self._gathers: deque[tuple[OffloadHandle, int]] = deque()
 
     @classmethod
     def create(cls, config: CacheConfig, kv: torch.Tensor, users: dict[Hashable, UserRecord], stats: CacheStats,
@@ -115,11 +120,9 @@ class HostTier:
         self.store.adopt_ready_segments()
         gathers = self._gathers
         while gathers and (wait or gathers[0][0].gather_done()):  # in order on one stream, like the readers below
-            handle, jobs = gathers.popleft()
+            handle, self._gathered = gathers.popleft()
             if wait and handle.gathered is not None:
                 handle.gathered.synchronize()
-            for job in jobs:
-                self._gathering[job.pages] -= 1
         for handle, _, readers in self._in_flight:
             if not readers:
                 continue
@@ -233,7 +236,7 @@ class HostTier:
         self._batch_jobs.append(OffloadJob(record.page_buffer[first: first + count].copy(), slot,
                                            self.store.slot(slot)))
         if self.config.onload_first:
-            self._gathering[self._batch_jobs[-1].pages] += 1  # (a job's pages are distinct)
+            self._last_reader[self._batch_jobs[-1].pages] = self._num_offloads + 1  # launched by the next flush
         self.stats.offloaded_tokens += end - start
         self.stats.offloaded_bytes += count * self._page_bytes
 
@@ -245,8 +248,9 @@ class HostTier:
         for record in readers:
             record.readers += 1
         handle = self.transfer.offload(self.kv, self._batch_jobs)
-        if self.config.onload_first:  # its jobs' pages stay counted until its gather finishes
-            self._gathers.append((handle, self._batch_jobs))
+        if self.config.onload_first:  # its jobs' pages are read until its gather finishes
+            self._num_offloads += 1
+            self._gathers.append((handle, self._num_offloads))
         self._in_flight.append((handle, self._batch, readers))
         self._in_flight_chunks += len(self._batch)
         self._writing = None
@@ -288,7 +292,8 @@ class HostTier:
     def writes_must_wait(self, pages: np.ndarray) -> bool:
         """Whether any of ``pages`` (int ``[n]``, pool pages handed out to be written) is read by a copy to host
         decided or launched and not known to have finished its gather."""
-        return self.copies_in_flight() and bool(len(pages)) and bool(self._gathering[pages].any())
+        return (self.copies_in_flight() and bool(len(pages))
+                and bool((self._last_reader[pages] > self._gathered).any()))
 
     def launch_onloads(self, handed_out: np.ndarray | None = None) -> list[torch.cuda.Event | None]:
         """Start pending chunk copies and the planned onloads; one entry per layer (see :meth:`TransferEngine.onload`).
@@ -356,7 +361,8 @@ class HostTier:
         assert len(every) == self.store.num_allocated, "a host slot leaked"
         assert all(self.users[u] is r and r.host_slots for u, r in self.lru.items()), "host LRU is stale"
         assert self._in_flight_chunks == sum(len(entries) for _, entries, _ in self._in_flight)
-        assert self.copies_in_flight() or not self._gathering.any(), "a page is counted as read by a finished copy"
+        assert self.copies_in_flight() or not (self._last_reader > self._gathered).any(), \
+            "a page is counted as read by a finished copy"
 
     def _release(self, slots: Iterable[int]) -> None:
         for slot in slots:

@@ -62,6 +62,11 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             pages handed out are rarely being copied. Measured on the H200: no difference beyond run-to-run noise
             (``benchmarks/results/profiles/bound_probe_aa_0b9577f.log``: two runs of one configuration differ by
             0.1-0.3 ms a batch), so off by default.
+        onload_sms: ``kernel`` engine on CUDA: if positive, the onload kernels run on at most this many
+            multiprocessors (a CUDA green context; an ordinary stream, with a warning, where there is none), so that
+            a layer whose pages have arrived need not wait behind the queued programs of later layers' onloads:
+            device timelines show the forward's kernels starting only at the tail of each onload kernel
+            (``benchmarks/results/profiles/timeline_0b9577f/``). 0 (default): no confinement. Not yet run on a GPU.
     """
 
     mode: CacheMode = "hierarchical"
@@ -78,12 +83,15 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     onload_graphs: bool = True
     prefetch: bool = True
     onload_first: bool = False
+    onload_sms: int = 0
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_gpu_pages", "chunk_tokens", "host_segment_bytes", "max_pending_offloads",
                      "onload_streams"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"cache.{name} must be positive, got {getattr(self, name)}")
+        if self.onload_sms < 0:
+            raise ValueError(f"cache.onload_sms must be >= 0, got {self.onload_sms}")
         if self.host_budget_bytes < 0:
             raise ValueError(f"cache.host_budget_bytes must be >= 0, got {self.host_budget_bytes}")
         if self.chunk_tokens % self.page_size:

@@ -104,7 +104,8 @@ class HostTier:
         if config.host_dtype != "kv":
             scales = torch.ones(store.num_slots, num_layers, 2, num_heads, dtype=torch.float32, device=kv.device)
         transfer = TransferEngine(kv.device, scales, config.onload_streams, kernels=config.onload_engine == "kernel",
-                                  graphs=config.onload_graphs, slot_addresses=store.addresses)
+                                  graphs=config.onload_graphs, slot_addresses=store.addresses,
+                                  onload_sms=config.onload_sms)
         return cls(config, store, transfer, kv, users, stats)
 
     @property

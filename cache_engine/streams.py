@@ -9,10 +9,13 @@ measures them in the benchmark's steps: a kept event's record and wait cost ~3 u
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def indexed(device: torch.device) -> torch.device:
@@ -64,3 +67,21 @@ class StreamFence:
         """Make work queued on ``waiter`` from now on wait for the work queued on ``signaller`` so far."""
         self._event.record(signaller)
         waiter.wait_event(self._event)
+
+
+def confined_stream(device: torch.device, num_sms: int) -> tuple[object, torch.cuda.Stream] | None:
+    """A CUDA green context of at most ``num_sms`` multiprocessors of ``device`` and its stream (the caller keeps
+    the context while it uses the stream), or ``None`` where green contexts are not available (logged). Kernels
+    queued on the stream leave the other multiprocessors to work queued elsewhere, however many programs they still
+    have to start."""
+    try:
+        from torch.cuda.green_contexts import SUPPORTED, GreenContext
+
+        if not SUPPORTED:
+            raise RuntimeError("this torch was built without green context support")
+        context = GreenContext.create(num_sms=num_sms, device_id=indexed(device).index)
+        return context, context.Stream()
+    except Exception:  # an older driver or torch: the caller uses an ordinary stream
+        logger.warning("no green context of %d multiprocessors here; using an ordinary stream", num_sms,
+                       exc_info=True)
+        return None

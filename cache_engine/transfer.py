@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from .index_ring import PinnedIndexRing
-from .streams import CurrentStream, StreamFence, indexed, on_stream
+from .streams import CurrentStream, StreamFence, confined_stream, indexed, on_stream
 
 if TYPE_CHECKING:
     from .offload_kernel import ChunkPacker
@@ -126,10 +126,13 @@ class TransferEngine:
         slot_addresses: int64, the address of each host slot id (:attr:`.host_store.HostChunkStore.addresses`,
             read when a kernel is given host addresses; kept by reference, so it may grow), or ``None``: ask each
             job's slot tensor.
+        onload_sms: on CUDA, if positive, the scatter stream (where the onload kernels run) is confined to this
+            many multiprocessors (:func:`.streams.confined_stream`).
     """
 
     def __init__(self, device: torch.device, scales: torch.Tensor | None = None, onload_streams: int = 1,
-                 kernels: bool = False, graphs: bool = False, slot_addresses: np.ndarray | None = None) -> None:
+                 kernels: bool = False, graphs: bool = False, slot_addresses: np.ndarray | None = None,
+                 onload_sms: int = 0) -> None:
         self.device = indexed(device)
         self.scales = scales
         self.slot_addresses = slot_addresses
@@ -140,7 +143,9 @@ class TransferEngine:
             self.current_stream = CurrentStream(self.device)  # the compute stream, where the caller works
             self.offload_stream = torch.cuda.Stream(device)
             self.onload_streams = [torch.cuda.Stream(device) for _ in range(max(1, onload_streams))]
-            self.scatter_stream = torch.cuda.Stream(device)
+            # onload_sms: the green context is kept with its stream
+            self._confined = confined_stream(self.device, onload_sms) if onload_sms else None
+            self.scatter_stream = self._confined[1] if self._confined else torch.cuda.Stream(device)
             self._fence = StreamFence()  # side streams wait for the compute stream's work so far
         self._buffers: list[torch.Tensor] = []  # the two onload buffers, grown on demand
         self._deferred: list[tuple[OffloadHandle, list[OffloadJob]]] = []  # gathered, not yet copied out

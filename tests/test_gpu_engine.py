@@ -338,3 +338,23 @@ def test_quick_benchmark_runs_its_engines_one_after_another_on_cuda():
     assert result["score_drift"]["kv"]["requests_from_host"] > 0
     assert result["score_drift"]["kv"]["max_abs"] < 1e-3  # float32 host chunks: only kernel rounding differs
 
+
+
+def test_onloads_confined_to_a_few_multiprocessors_score_the_same():
+    """``cache.onload_sms``: the onload kernels run on a green context's stream (where this torch and driver have
+    green contexts) and every score equals that of an engine with the onloads on an ordinary stream."""
+    from torch.cuda.green_contexts import SUPPORTED
+
+    outputs = []
+    for sms in (0, 16):
+        engine = GREngine(cuda_config("bfloat16", mode="hierarchical", num_gpu_pages=200, onload_sms=sms))
+        engine.kv.host.store.wait_until_allocated()
+        transfer = engine.kv.host.transfer
+        assert (transfer._confined is not None) == (sms > 0 and SUPPORTED)
+        requests = stream(engine.config, num_users=30, visits=12, seed=4)
+        outputs.append(scores([o for i in range(0, len(requests), 8)
+                               for o in engine.rank(requests[i:i + 8], use_tqdm=False)]))
+        assert engine.kv.stats.onloaded_bytes > 0
+        engine.close()
+        engine.kv.check_invariants()
+    assert all(np.array_equal(a, b) for a, b in zip(*outputs, strict=True))

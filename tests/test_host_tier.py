@@ -421,3 +421,13 @@ def test_a_finished_prefetch_leaves_nothing_to_wait_for(monkeypatch, done):
     assert kv.launch_onloads() == ([None, None] if done else events)
     monkeypatch.setattr(kv.host, "launch_onloads", lambda handed_out: events)  # the step's own onload, just launched
     assert kv.launch_onloads() == ([None, None] if done else events)
+
+
+def test_onload_sms_is_validated_and_a_no_op_off_cuda():
+    """``cache.onload_sms`` must be >= 0; on CPU there is no stream to confine, and onloads run as before."""
+    with pytest.raises(ValueError, match="onload_sms"):
+        CacheConfig(onload_sms=-1)
+    kv = KVCacheManager(CacheConfig(mode="hierarchical", page_size=4, num_gpu_pages=12, chunk_tokens=8,
+                                    host_budget_bytes=1 << 20, onload_sms=8), 1, 1, 4, torch.float32,
+                        torch.device("cpu"))
+    assert kv.host is not None and not kv.host.transfer.is_cuda

@@ -1,6 +1,6 @@
 """Can the onload kernel run on a few multiprocessors only, beside a forward, through a CUDA green context?
 
-    python benchmarks/green_onload_probe.py --out X.json [--sms 8 16 32]
+    python benchmarks/green_onload_probe.py --out X.json [--sms 1 8 16 32]
 
 A diagnostic for ``hier_over_bound_bs8``: device timelines show a forward's kernels starting only at the tail of
 each per-layer onload kernel (thousands of queued programs hold the block scheduler), even on a high-priority
@@ -13,6 +13,9 @@ kernels launched on its stream to those N. This probe onloads 49,152 tokens of b
 - both at once, with the onload on an ordinary stream and on the green context's stream of each ``--sms``,
   as the time until each is done (both queued together; the onload first, as a prefetch queues it);
 - whether the green-context onload wrote exactly what the ordinary one did.
+
+One multiprocessor (the first ``--sms``) shows whether the confinement takes effect at all: its onload alone must
+be much slower than the unconfined one.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def timed_pair(onload, forward, onload_stream: torch.cuda.Stream, reps: int = 7)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--sms", type=int, nargs="+", default=[8, 16, 32])
+    parser.add_argument("--sms", type=int, nargs="+", default=[1, 8, 16, 32])
     parser.add_argument("--forward-reps", type=int, default=40)
     parser.add_argument("--commit", default="")
     args = parser.parse_args()

@@ -80,7 +80,13 @@ def confined_stream(device: torch.device, num_sms: int) -> tuple[object, torch.c
         if not SUPPORTED:
             raise RuntimeError("this torch was built without green context support")
         context = GreenContext.create(num_sms=num_sms, device_id=indexed(device).index)
-        return context, context.Stream()
+        if hasattr(context, "Stream"):
+            return context, context.Stream()
+        context.set_context()  # an older torch: a stream made while the green context is current is its own
+        try:
+            return context, torch.cuda.Stream(device)
+        finally:
+            context.pop_context()
     except Exception:  # an older driver or torch: the caller uses an ordinary stream
         logger.warning("no green context of %d multiprocessors here; using an ordinary stream", num_sms,
                        exc_info=True)

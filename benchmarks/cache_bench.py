@@ -13,7 +13,8 @@
    replayed from CUDA graphs, ``StepGraphs.stage``, for steps that fit one; ``prepare_eager``: the eager path's
    ``PagedBatchMetadata.from_layout`` instead), launching onloads, and commit + release + launching offloads; for
    users drawn at random (mostly host hits and evictions) and among the 800 most recent (mostly GPU hits).
-Medians over repetitions; all modes measured in the same run.
+Medians over repetitions; all modes measured in the same run. ``host_python_loop_us`` (a 1,000-step Python loop, as
+``gr-engine bench`` reports it) tells how fast this instance's host is.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from attention_backends import AttentionSpec, PagedBatchMetadata
 from attention_backends.hstu_triton import HSTUTritonBackend
 from cache_engine import CacheConfig, HostChunkStore, KVCacheManager, OffloadJob, OnloadJob, TransferEngine
 from cache_engine.prefix_hash import page_prefix_hashes
-from gr_engine.bench.experiments import peak_h2d_GBps
+from gr_engine.bench.experiments import host_python_loop_us, peak_h2d_GBps
 from gr_engine.step_graphs import StepGraphs
 
 
@@ -181,7 +182,9 @@ def main() -> None:
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                            text=True).stdout.strip()
     result = {"gpu": torch.cuda.get_device_name(), "commit": commit or "unknown", "torch": torch.__version__,
-              "python": platform.python_version()}
+              "python": platform.python_version(),
+              # this instance's host speed (hosts differ by up to ~2x): compare metadata times with it in mind
+              "host_python_loop_us": host_python_loop_us()}
     if not args.metadata_only:
         result |= {"peak_pinned_h2d_GBps": peak_h2d_GBps(str(device)),
                    "transfers": [transfer_bandwidth(device, c, args.tokens, streams=s, engine=e)

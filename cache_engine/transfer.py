@@ -11,7 +11,8 @@ On CUDA, three side streams keep copies off the compute stream:
   (the kernel's, the same) when the host data is complete.
 - **onload** (one or more streams): per layer, copies the layer's block of each host chunk into a device
   onload buffer (double-buffered: layer ``l`` reuses the buffer of layer ``l - 2`` once that one is
-  scattered).
+  scattered), in one driver call per layer and stream where the driver has batched copies
+  (:mod:`.batched_copy`), else one torch copy per chunk.
 - **scatter**: per layer, waits for that layer's copies and scatters the buffer into the users'
   pages; its event for layer ``l`` is what the model's layer ``l`` waits for.
 
@@ -32,12 +33,14 @@ Nothing here synchronises the device. On CPU the same calls copy synchronously a
 from __future__ import annotations
 
 import importlib.util
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from .batched_copy import BatchedCopier, onload_batches
 from .index_ring import PinnedIndexRing
 from .streams import CurrentStream, StreamFence, confined_stream, indexed, on_stream
 
@@ -45,6 +48,8 @@ if TYPE_CHECKING:
     from .offload_kernel import ChunkPacker
     from .onload_graphs import OnloadGraphs
     from .onload_kernel import OnloadLauncher
+
+logger = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -144,6 +149,8 @@ class TransferEngine:
             self.offload_stream = torch.cuda.Stream(device)
             self.onload_streams = [torch.cuda.Stream(device) for _ in range(max(1, onload_streams))]
             # onload_sms: the green context is kept with its stream
+            # the copy engine's per-layer copies in one driver call each, where the driver has it
+            self._copier = None if self.kernels else BatchedCopier.load(self.device.index)
             self._confined = confined_stream(self.device, onload_sms) if onload_sms else None
             self.scatter_stream = self._confined[1] if self._confined else torch.cuda.Stream(device)
             self._fence = StreamFence()  # side streams wait for the compute stream's work so far
@@ -308,6 +315,8 @@ class TransferEngine:
             dst = index[: len(pages)]
             scales = None if self.scales is None else self.scales[index[len(pages):]]
         starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        batches = (None if self._copier is None else
+                   onload_batches(jobs, counts, buffers, self.slot_addresses, len(self.onload_streams)))
         for layer in range(num_layers):
             buffer = buffers[layer % 2][: len(pages)]
             copied = []
@@ -315,9 +324,18 @@ class TransferEngine:
                 with on_stream(stream, compute):
                     if layer >= 2:
                         stream.wait_event(scattered[layer - 2])
-                    for j in range(s, len(jobs), len(self.onload_streams)):  # jobs dealt round-robin
-                        n = len(jobs[j].pages)
-                        buffer[starts[j]:starts[j] + n].copy_(jobs[j].slot[layer, :n], non_blocking=True)
+                    if batches is not None:  # jobs dealt round-robin: this stream's, in one driver call
+                        dsts, srcs, sizes, layer_bytes = batches[s]
+                        try:
+                            self._copier(dsts[layer % 2], srcs + np.uint64(layer * layer_bytes), sizes,
+                                         stream.cuda_stream)
+                        except RuntimeError:  # nothing was queued: copy one chunk at a time from now on
+                            logger.warning("batched copies failed; copying one chunk at a time", exc_info=True)
+                            self._copier, batches = None, None
+                    if batches is None:
+                        for j in range(s, len(jobs), len(self.onload_streams)):
+                            n = len(jobs[j].pages)
+                            buffer[starts[j]:starts[j] + n].copy_(jobs[j].slot[layer, :n], non_blocking=True)
                     copied.append(torch.cuda.Event())
                     copied[-1].record(stream)
             with on_stream(self.scatter_stream, compute):

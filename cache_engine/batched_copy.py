@@ -1,0 +1,118 @@
+"""Many host-to-device copies in one host call: the CUDA driver's ``cuMemcpyBatchAsync`` (CUDA 12.8 and later).
+
+The ``copy`` onload engine copies each host chunk's block of a layer into the onload buffer with the DMA engines,
+which leaves the multiprocessors to the forward; a copy per (layer, chunk) costs the host one torch call each
+(~10 us on the GPU machine, ~30 calls a layer for a batch of 8). :class:`BatchedCopier` issues a layer's copies in
+one driver call instead. torch does not expose the call, so it is bound here with :mod:`ctypes` from the driver
+library torch already uses (``libcuda.so.1``); where the driver lacks it, :meth:`BatchedCopier.load` returns
+``None`` and the engine copies one chunk at a time.
+
+The copies are stream-ordered (``CU_MEMCPY_SRC_ACCESS_ORDER_STREAM``) and hinted to run beside compute
+(``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``); a batch may run its copies in any order, so none may depend on
+another. The driver does not accept a batch inside a CUDA graph capture, nor on the legacy default stream.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+    from .transfer import OnloadJob
+
+logger = logging.getLogger(__name__)
+
+_SRC_ACCESS_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1  # CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+_LOCATION_DEVICE, _LOCATION_HOST = 1, 2  # CU_MEM_LOCATION_TYPE_DEVICE / _HOST
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]  # CUmemLocation
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _MemLocation), ("dstLocHint", _MemLocation),
+                ("flags", ctypes.c_uint)]  # CUmemcpyAttributes_v1
+
+
+def copy_arrays(dst_base: int, src_addresses: np.ndarray, counts: np.ndarray, unit_bytes: int) -> tuple[
+        np.ndarray, np.ndarray, np.ndarray]:
+    """The ``(dsts, srcs, sizes)`` uint64 arrays of a batch that packs runs of units back to back from
+    ``dst_base``: run ``i`` copies ``counts[i]`` units of ``unit_bytes`` from address ``src_addresses[i]`` to
+    ``dst_base + unit_bytes * (counts[0] + .. + counts[i - 1])``. ``src_addresses``, ``counts``: int ``[n]``."""
+    counts = np.asarray(counts, dtype=np.uint64)
+    sizes = counts * np.uint64(unit_bytes)
+    dsts = np.empty_like(sizes)
+    dsts[0:1] = dst_base
+    np.add.accumulate(sizes[:-1], out=dsts[1:])
+    dsts[1:] += np.uint64(dst_base)
+    return dsts, np.asarray(src_addresses, dtype=np.int64).astype(np.uint64), sizes
+
+
+def onload_batches(jobs: list[OnloadJob], counts: np.ndarray, buffers: list[torch.Tensor],
+                   slot_addresses: np.ndarray | None, share: int) -> list[tuple[tuple[np.ndarray, np.ndarray],
+                                                                                  np.ndarray, np.ndarray, int]]:
+    """An onload's copies of layer 0 into each of the two onload ``buffers`` (``[>= sum(counts), 2, page_size,
+    H, D]``, the host dtype): job ``j``'s first ``counts[j]`` pages of its slot, packed in job order. Per share
+    ``s`` of ``share`` (jobs ``s, s + share, ..``: one per onload stream): ``((dsts into buffer 0, dsts into
+    buffer 1), srcs, sizes, layer_bytes)``; layer ``l``'s sources are ``srcs + l * layer_bytes``.
+    ``slot_addresses``: int64, each slot id's host address, or ``None``: ask each job's slot tensor."""
+    slot = jobs[0].slot
+    layer_bytes, page_bytes = slot.stride(0) * slot.element_size(), slot.stride(1) * slot.element_size()
+    ids = np.fromiter((job.slot_id for job in jobs), dtype=np.int64, count=len(jobs))
+    addresses = (slot_addresses[ids] if slot_addresses is not None else
+                 np.fromiter((job.slot.data_ptr() for job in jobs), dtype=np.int64, count=len(jobs)))
+    packed = [copy_arrays(buffer.data_ptr(), addresses, counts, page_bytes) for buffer in buffers]
+    return [((packed[0][0][s::share].copy(), packed[1][0][s::share].copy()), packed[0][1][s::share].copy(),
+             packed[0][2][s::share].copy(), layer_bytes) for s in range(share)]
+
+
+class BatchedCopier:
+    """Issues host-to-device copies to one device as one ``cuMemcpyBatchAsync`` call per batch."""
+
+    def __init__(self, function: ctypes._CFuncPtr, with_fail_index: bool, device_index: int) -> None:
+        self._function, self._with_fail_index = function, with_fail_index
+        self._attributes = _MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM, _MemLocation(_LOCATION_HOST, 0),
+                                             _MemLocation(_LOCATION_DEVICE, device_index),
+                                             _FLAG_PREFER_OVERLAP_WITH_COMPUTE)
+        self._first_index = (ctypes.c_size_t * 1)(0)  # every copy has the one set of attributes
+        self._fail_index = ctypes.c_size_t(0)
+
+    @classmethod
+    def load(cls, device_index: int) -> BatchedCopier | None:
+        """The copier, or ``None`` (logged) where the driver has no ``cuMemcpyBatchAsync``."""
+        try:
+            driver = ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            logger.warning("no CUDA driver library to batch copies with; copying one chunk at a time")
+            return None
+        for name, with_fail_index in (("cuMemcpyBatchAsync_v2", False), ("cuMemcpyBatchAsync", True)):
+            function = getattr(driver, name, None)
+            if function is not None:
+                function.restype = ctypes.c_int
+                return cls(function, with_fail_index, device_index)
+        logger.warning("this CUDA driver has no cuMemcpyBatchAsync; copying one chunk at a time")
+        return None
+
+    def __call__(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
+        """Queue copying ``sizes[i]`` bytes from address ``srcs[i]`` to ``dsts[i]`` for every ``i`` (uint64 ``[n]``
+        arrays, C-contiguous) on the CUDA stream with handle ``stream`` (not the legacy default stream; not while
+        capturing a graph). The arrays are read during the call only."""
+        count = len(sizes)
+        if not count:
+            return
+        pointers = (dsts.ctypes.data_as(ctypes.c_void_p), srcs.ctypes.data_as(ctypes.c_void_p),
+                    sizes.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(count), ctypes.byref(self._attributes),
+                    self._first_index, ctypes.c_size_t(1))
+        if self._with_fail_index:
+            status = self._function(*pointers, ctypes.byref(self._fail_index), ctypes.c_void_p(stream))
+        else:
+            status = self._function(*pointers, ctypes.c_void_p(stream))
+        if status:
+            raise RuntimeError(f"cuMemcpyBatchAsync failed with CUDA error {status} ({count} copies)")

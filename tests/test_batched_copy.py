@@ -1,0 +1,57 @@
+"""The batched copies' address arithmetic (:mod:`cache_engine.batched_copy`), checked on CPU by carrying the copies
+out with ``memmove`` and comparing with the copy engine's per-chunk slices."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from cache_engine.batched_copy import BatchedCopier, copy_arrays, onload_batches
+from cache_engine.transfer import OnloadJob
+
+
+def test_copy_arrays_pack_runs_back_to_back():
+    dsts, srcs, sizes = copy_arrays(1000, np.array([50, 7, 900]), np.array([2, 1, 3]), 16)
+    assert dsts.tolist() == [1000, 1032, 1048] and srcs.tolist() == [50, 7, 900] and sizes.tolist() == [32, 16, 48]
+    assert dsts.dtype == srcs.dtype == sizes.dtype == np.uint64
+
+
+@pytest.mark.parametrize("share", [1, 2, 3])
+@pytest.mark.parametrize("by_table", [False, True])
+def test_onload_batches_copy_what_the_per_chunk_copies_do(share, by_table):
+    """Every layer's batched copies, carried out byte by byte, fill each onload buffer exactly as the copy engine's
+    ``buffer[start:start + n].copy_(slot[layer, :n])`` per job does (jobs of partial chunks, several streams'
+    shares, slot addresses from the store's table or from each slot tensor)."""
+    rng = np.random.default_rng(0)
+    layers, chunk_pages, page_shape = 3, 4, (2, 2, 3, 5)  # [2, page_size, H, D]
+    slots = torch.randn(6, layers, chunk_pages, *page_shape).to(torch.bfloat16)
+    table = np.array([slot.data_ptr() for slot in slots], dtype=np.int64)
+    counts = np.array([4, 1, 3, 4, 2])
+    jobs = [OnloadJob(int(i), slots[i], rng.integers(0, 100, n)) for i, n in zip([5, 0, 3, 1, 4], counts)]
+    buffers = [torch.zeros(20, *page_shape, dtype=torch.bfloat16) for _ in range(2)]
+    expected = torch.zeros(20, *page_shape, dtype=torch.bfloat16)
+    batches = onload_batches(jobs, counts, buffers, table if by_table else None, share)
+    assert len(batches) == share
+    for layer in range(layers):
+        start = 0
+        for job in jobs:
+            expected[start:start + len(job.pages)].copy_(job.slot[layer, :len(job.pages)])
+            start += len(job.pages)
+        buffer = buffers[layer % 2]
+        buffer.zero_()
+        for dsts_by_buffer, srcs, sizes, layer_bytes in batches:
+            for dst, src, size in zip(dsts_by_buffer[layer % 2], srcs + np.uint64(layer * layer_bytes), sizes):
+                ctypes.memmove(int(dst), int(src), int(size))
+        assert torch.equal(buffer[:start], expected[:start]), layer
+        assert not buffer[start:].any()  # nothing written past the packed pages
+
+
+def test_loading_the_copier_never_raises():
+    """Without a CUDA driver (or one without batched copies) the copier is ``None``; with one it is callable, and an
+    empty batch queues nothing."""
+    copier = BatchedCopier.load(0)
+    if copier is not None:
+        copier(*(np.empty(0, dtype=np.uint64) for _ in range(3)), stream=0)

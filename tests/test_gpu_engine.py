@@ -25,6 +25,12 @@ def scores(outputs):
     return [np.asarray(o.scores) for o in outputs]
 
 
+def closed_loop_scores(engine, requests):
+    """The scores of ``requests`` ranked in closed-loop batches of 8, as the benchmark serves them (each ``rank()``
+    call prefetches, with prefetch)."""
+    return scores([o for i in range(0, len(requests), 8) for o in engine.rank(requests[i:i + 8], use_tqdm=False)])
+
+
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 5e-2)])
 @pytest.mark.parametrize("mode", ["gpu_only", "hierarchical", "unlimited"])
 def test_cuda_pipeline_equals_recompute(mode, dtype, tol):
@@ -88,9 +94,7 @@ def test_kernel_onload_engine_equals_copy_engine(monkeypatch, host_dtype, quanti
     for name, (engine_name, graphs, prefetch) in variants.items():
         engine = GREngine(with_cache(config, onload_engine=engine_name, onload_graphs=graphs, prefetch=prefetch))
         engine.kv.host.store.wait_until_allocated()
-        # Closed-loop batches of 8, as the benchmark serves them (each rank() call prefetches, with prefetch).
-        outputs[name] = scores([o for i in range(0, len(requests), 8)
-                                for o in engine.rank(requests[i:i + 8], use_tqdm=False)])
+        outputs[name] = closed_loop_scores(engine, requests)
         assert engine.stats.host_hit_tokens > 0
         assert (engine.kv.stats.prefetched_tokens > 0) == prefetch
         captured = engine.kv.host.transfer._graphs
@@ -121,7 +125,7 @@ def test_forward_graph_waits_for_slow_onloads(monkeypatch, prefetch):
         # (the copy engine prefetches too: a prefetch may change what a step admits)
         if not prefetch:
             return scores(engine.rank(requests, use_tqdm=False))
-        return scores([o for i in range(0, len(requests), 8) for o in engine.rank(requests[i:i + 8], use_tqdm=False)])
+        return closed_loop_scores(engine, requests)
 
     expected_engine = GREngine(with_cache(config, onload_engine="copy", prefetch=prefetch))
     expected_engine.kv.host.store.wait_until_allocated()
@@ -172,7 +176,7 @@ def test_onload_first_equals_recompute_with_slow_copies_to_host(monkeypatch, pre
     monkeypatch.setattr(HostTier, "writes_must_wait", recording)
     engine = GREngine(config)
     engine.kv.host.store.wait_until_allocated()
-    got = scores([o for i in range(0, len(requests), 8) for o in engine.rank(requests[i:i + 8], use_tqdm=False)])
+    got = closed_loop_scores(engine, requests)
     worst = max(float(np.abs(a - b).max()) for a, b in zip(got, expected, strict=True))
     assert worst <= 1e-4, worst
     assert engine.stats.host_hit_tokens > 0 and any(went_first)
@@ -351,9 +355,7 @@ def test_onloads_confined_to_a_few_multiprocessors_score_the_same():
         engine.kv.host.store.wait_until_allocated()
         transfer = engine.kv.host.transfer
         assert (transfer._confined is not None) == (sms > 0 and SUPPORTED)
-        requests = stream(engine.config, num_users=30, visits=12, seed=4)
-        outputs.append(scores([o for i in range(0, len(requests), 8)
-                               for o in engine.rank(requests[i:i + 8], use_tqdm=False)]))
+        outputs.append(closed_loop_scores(engine, stream(engine.config, num_users=30, visits=12, seed=4)))
         assert engine.kv.stats.onloaded_bytes > 0
         engine.close()
         engine.kv.check_invariants()
@@ -372,9 +374,7 @@ def test_batched_copies_score_exactly_as_copies_one_chunk_at_a_time():
         assert transfer._copier is not None  # a driver of CUDA 12.8 or later
         if not batched:
             transfer._copier = None
-        requests = stream(engine.config, num_users=30, visits=12, seed=5)
-        outputs.append(scores([o for i in range(0, len(requests), 8)
-                               for o in engine.rank(requests[i:i + 8], use_tqdm=False)]))
+        outputs.append(closed_loop_scores(engine, stream(engine.config, num_users=30, visits=12, seed=5)))
         assert engine.kv.stats.onloaded_bytes > 0
         engine.close()
         engine.kv.check_invariants()

@@ -38,7 +38,7 @@ def host_costs() -> dict[str, float]:
     """Microseconds per call of host-only work: a Python loop, small numpy calls, and ``layout_arrays`` /
     ``host_page_addresses`` at a benchmark batch's sizes (8 requests of ~10,000 cached events; 10 chunks)."""
     from attention_backends.base import layout_arrays
-    from cache_engine.transfer import OnloadJob, host_page_addresses
+    from cache_engine.jobs import OnloadJob, host_page_addresses
 
     rng = np.random.default_rng(0)
     start, hist, cand = rng.integers(500, 20_000, 8), rng.integers(1, 40, 8), np.full(8, 100)

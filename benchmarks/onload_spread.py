@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from cache_bench import cuda_time  # this script's folder is on the path when run as a script
 
+from cache_engine.jobs import OnloadJob, host_page_addresses
 from cache_engine.onload_kernel import OnloadLauncher
-from cache_engine.transfer import OnloadJob, host_page_addresses
 
 
 def main() -> None:

@@ -3,12 +3,13 @@
 from .config import CacheConfig, CacheMode
 from .host_store import HostChunkStore
 from .host_tier import HostTier
+from .jobs import OffloadJob, OnloadJob
 from .kv_cache_manager import KVCacheManager
 from .lru import LRUIndex
 from .page_pool import PagePool
 from .prefix_hash import IncrementalHasher, page_prefix_hashes
 from .records import CacheHit, CacheStats, UserRecord
-from .transfer import OffloadJob, OnloadJob, TransferEngine
+from .transfer import TransferEngine
 
 __all__ = [
     "CacheConfig",

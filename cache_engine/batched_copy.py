@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .jobs import OnloadJob, job_slot_addresses
+
 if TYPE_CHECKING:
     import torch
-
-    from .transfer import OnloadJob
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +65,7 @@ def onload_batches(jobs: list[OnloadJob], counts: np.ndarray, buffers: list[torc
     ``slot_addresses``: int64, each slot id's host address, or ``None``: ask each job's slot tensor."""
     slot = jobs[0].slot
     layer_bytes, page_bytes = slot.stride(0) * slot.element_size(), slot.stride(1) * slot.element_size()
-    ids = np.fromiter((job.slot_id for job in jobs), dtype=np.int64, count=len(jobs))
-    addresses = (slot_addresses[ids] if slot_addresses is not None else
-                 np.fromiter((job.slot.data_ptr() for job in jobs), dtype=np.int64, count=len(jobs)))
+    addresses = job_slot_addresses(jobs, slot_addresses)
     packed = [copy_arrays(buffer.data_ptr(), addresses, counts, page_bytes) for buffer in buffers]
     return [((packed[0][0][s::share].copy(), packed[1][0][s::share].copy()), packed[0][1][s::share].copy(),
              packed[0][2][s::share].copy(), layer_bytes) for s in range(share)]

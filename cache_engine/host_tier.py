@@ -30,9 +30,10 @@ import torch
 
 from .config import CacheConfig
 from .host_store import HostChunkStore
+from .jobs import OffloadHandle, OffloadJob, OnloadJob
 from .lru import LRUIndex
 from .records import CacheStats, UserRecord
-from .transfer import OffloadHandle, OffloadJob, OnloadJob, TransferEngine
+from .transfer import TransferEngine
 
 
 @dataclass(eq=False, slots=True)

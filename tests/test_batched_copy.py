@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cache_engine.batched_copy import BatchedCopier, copy_arrays, onload_batches
-from cache_engine.transfer import OnloadJob
+from cache_engine.jobs import OnloadJob
 
 
 def test_copy_arrays_pack_runs_back_to_back():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cache_engine import HostChunkStore, LRUIndex, PagePool, page_prefix_hashes
-from cache_engine.transfer import OffloadHandle
+from cache_engine.jobs import OffloadHandle
 from tests.test_host_tier import PS, hashes, kv_of, manager, run
 from tests.test_kv_cache import manager as gpu_manager
 

@@ -156,8 +156,8 @@ def test_engine_job_addresses_load_like_the_copy_path():
     """The transfer engine's job -> address plan (from the jobs' tensors or the store's address table), fed to the
     kernel, gives what the CPU copy path gives."""
     from cache_engine import CacheConfig, KVCacheManager
+    from cache_engine.jobs import OnloadJob, host_page_addresses
     from cache_engine.onload_kernel import onload_pages
-    from cache_engine.transfer import OnloadJob, host_page_addresses
 
     gen = torch.Generator().manual_seed(2)
     slot_bytes = 3 * 3 * 2 * 4 * 2 * 8 * 4  # layers, chunk pages, K/V, page size, heads, head dim, float32

@@ -8,7 +8,7 @@ import msgspec
 
 CacheMode = Literal["recompute", "gpu_only", "hierarchical", "unlimited"]
 HostDType = Literal["kv", "float8_e4m3fn"]
-OnloadEngine = Literal["copy", "kernel"]
+OnloadEngine = Literal["copy", "kernel", "dma"]
 
 
 class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -48,7 +48,11 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             of host calls), then a scatter into the pages; offloads gathered and quantised with torch operations,
             then a copy per chunk. Same bandwidth on an H200 (``benchmarks/results/cache_bench.json``); the
             kernels issue one launch per layer instead of one copy per chunk and layer, and one launch per offload
-            instead of about a dozen and a copy per chunk. On CPU both are synchronous copies.
+            instead of about a dozen and a copy per chunk. ``"dma"`` (CUDA with Triton and a driver with batched
+            copies; else ``"kernel"``): offloads as ``"kernel"``; onloads by DMA, each layer's chunk copies in one
+            driver call into a device staging buffer, then the onload kernel reads that buffer into the pages
+            (dequantising FP8), so the bytes crossing PCIe take no multiprocessors from the forward. Not yet run
+            on a GPU. On CPU all three are synchronous copies.
         onload_graphs: with the ``kernel`` engine on CUDA, replay each step's per-layer onload launches from a
             CUDA graph (:mod:`cache_engine.onload_graphs`): one launch for the host instead of one per layer.
         prefetch: as requests arrive, before they are validated and hashed, start loading the host-resident

@@ -104,7 +104,8 @@ class HostTier:
         scales = None  # FP8 host chunks: dequantisation scales per (slot, layer, K/V, head), on the device
         if config.host_dtype != "kv":
             scales = torch.ones(store.num_slots, num_layers, 2, num_heads, dtype=torch.float32, device=kv.device)
-        transfer = TransferEngine(kv.device, scales, config.onload_streams, kernels=config.onload_engine == "kernel",
+        transfer = TransferEngine(kv.device, scales, config.onload_streams,
+                                  kernels=config.onload_engine in ("kernel", "dma"), dma=config.onload_engine == "dma",
                                   graphs=config.onload_graphs, slot_addresses=store.addresses,
                                   onload_sms=config.onload_sms)
         return cls(config, store, transfer, kv, users, stats)

@@ -105,12 +105,13 @@ class OnloadLauncher:
     def all_layers(self, kv: torch.Tensor, src_addr: torch.Tensor, dst_pages: torch.Tensor, layer_bytes: int,
                    src_dtype: torch.dtype, slot_ids: torch.Tensor | None = None, scales: torch.Tensor | None = None,
                    events: list[torch.cuda.Event] | None = None, stream: torch.cuda.Stream | None = None,
-                   count: torch.Tensor | None = None) -> None:
+                   count: torch.Tensor | None = None, before_layer: Callable[[int], None] | None = None) -> None:
         """For each layer ``l`` of the pool ``kv`` (``[L, num_pages, 2, page_size, H, D]``), one launch reading host
         addresses ``src_addr + l * layer_bytes``, then a record of ``events[l]`` (if given) on ``stream``; the rest
         as :func:`onload_pages`. ``stream``, if given, must be the current stream: its handle then needs no lookup
         per launch. ``count``: int64 ``[1]`` on the device; if given, only the first ``count[0]`` entries of the
-        index tensors are loaded (the launches can then be captured once for index tensors of a fixed capacity)."""
+        index tensors are loaded (the launches can then be captured once for index tensors of a fixed capacity).
+        ``before_layer(l)``, if given, is called just before layer ``l``'s launch (to queue a wait, say)."""
         if src_addr.shape[0] == 0:
             return
         uniform = kv[0].nbytes % 16 == 0  # then every layer has the first one's 16-byte alignment
@@ -120,6 +121,8 @@ class OnloadLauncher:
         for layer, kv_layer in enumerate(kv):
             if not uniform:
                 launch, fixed = self._bind(kv_layer, *bind)
+            if before_layer is not None:
+                before_layer(layer)
             launch((kv_layer, *fixed[:5], layer * layer_bytes, layer, *fixed[5:]))
             if events is not None:
                 events[layer].record(stream)

@@ -34,14 +34,15 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from .batched_copy import BatchedCopier, onload_batches
+from .batched_copy import BatchedCopier, copy_arrays, onload_batches
 from .index_ring import PinnedIndexRing
-from .jobs import OffloadHandle, OffloadJob, OnloadJob, host_page_addresses
+from .jobs import OffloadHandle, OffloadJob, OnloadJob, host_page_addresses, job_slot_addresses
 from .streams import CurrentStream, StreamFence, confined_stream, indexed, on_stream
 
 if TYPE_CHECKING:
@@ -76,15 +77,19 @@ class TransferEngine:
             job's slot tensor.
         onload_sms: on CUDA, if positive, the scatter stream (where the onload kernels run) is confined to this
             many multiprocessors (:func:`.streams.confined_stream`).
+        dma: with ``kernels`` and a driver with batched copies (:mod:`.batched_copy`), onloads first copy the host
+            pages into a device staging buffer by DMA, one driver call per layer, and the onload kernel reads that
+            buffer instead of host memory (no CUDA graphs).
     """
 
     def __init__(self, device: torch.device, scales: torch.Tensor | None = None, onload_streams: int = 1,
                  kernels: bool = False, graphs: bool = False, slot_addresses: np.ndarray | None = None,
-                 onload_sms: int = 0) -> None:
+                 onload_sms: int = 0, dma: bool = False) -> None:
         self.device = indexed(device)
         self.scales = scales
         self.slot_addresses = slot_addresses
         self.is_cuda = device.type == "cuda"
+        self.dma = False  # onloads by DMA into a staging buffer, then the onload kernel (CUDA: see below)
         self.kernels = kernels and self.is_cuda and importlib.util.find_spec("triton") is not None
         self.onload_graphs = graphs
         if self.is_cuda:
@@ -92,8 +97,9 @@ class TransferEngine:
             self.offload_stream = torch.cuda.Stream(device)
             self.onload_streams = [torch.cuda.Stream(device) for _ in range(max(1, onload_streams))]
             # onload_sms: the green context is kept with its stream
-            # the copy engine's per-layer copies in one driver call each, where the driver has it
-            self._copier = None if self.kernels else BatchedCopier.load(self.device.index)
+            # per-layer copies in one driver call each (copy engine, dma onloads), where the driver has it
+            self._copier = BatchedCopier.load(self.device.index) if dma or not self.kernels else None
+            self.dma = dma and self.kernels and self._copier is not None
             self._confined = confined_stream(self.device, onload_sms) if onload_sms else None
             self.scatter_stream = self._confined[1] if self._confined else torch.cuda.Stream(device)
             self._fence = StreamFence()  # side streams wait for the compute stream's work so far
@@ -107,6 +113,8 @@ class TransferEngine:
         self._packer: ChunkPacker | None = None  # the offload kernel's, created at the first kernel offload
         self._graphs: OnloadGraphs | None = None  # the kernel onload's CUDA graphs, with the launcher
         self._layer_events: list[torch.cuda.Event] = []  # recorded after each layer's kernel, reused every step
+        self._copy_events: list[torch.cuda.Event] = []  # dma: recorded after each layer's copies, reused every step
+        self._staging: torch.Tensor | None = None  # dma: [L, pages, 2, page_size, H, D] of the host dtype
         # The kernels' index arrays, read from pinned memory (CUDA with kernels only).
         self._offload_indices = PinnedIndexRing(pin=self.kernels)
         self._onload_indices = PinnedIndexRing(pin=self.kernels)
@@ -297,8 +305,10 @@ class TransferEngine:
                           page_slots: np.ndarray) -> list[torch.cuda.Event]:
         """Per layer, one kernel on the scatter stream reads every job's host pages (pinned, device-addressable)
         into their GPU pages, replayed from a CUDA graph (:class:`.onload_graphs.OnloadGraphs`) when graphs are on;
-        returns the per-layer events."""
-        addresses, layer_bytes = host_page_addresses(jobs, self.slot_addresses)
+        with ``dma``, from a staging buffer the pages were first copied into (:meth:`_stage_by_dma`). Returns the
+        per-layer events."""
+        if not self.dma:
+            addresses, layer_bytes = host_page_addresses(jobs, self.slot_addresses)
         src_dtype = jobs[0].slot.dtype
         if self._launcher is None:
             from .onload_graphs import OnloadGraphs  # imports Triton
@@ -309,14 +319,17 @@ class TransferEngine:
                 self._layer_events = [torch.cuda.Event(external=self.onload_graphs) for _ in range(kv.shape[0])]
             except TypeError:  # a torch without external events (before 2.9): onloads launch eagerly
                 self._layer_events, self.onload_graphs = [torch.cuda.Event() for _ in range(kv.shape[0])], False
-            if self.onload_graphs:
+            self._copy_events = [torch.cuda.Event() for _ in range(kv.shape[0])]
+            if self.onload_graphs and not self.dma:
                 self._graphs = OnloadGraphs(self._launcher, kv, layer_bytes, src_dtype, self.scales,
                                             self._layer_events, self.scatter_stream)
         compute = self.current_stream()
         # The same events every step: a stream that waits on one waits for its latest record at that time, and each
         # step's waits are queued before the next step records again. The host tier frees the host slots an onload
         # reads once its events report done, which a later record can only delay (one stream, in order).
-        events = self._layer_events
+        events, before_layer = self._layer_events, None
+        if self.dma:  # the host pages cross PCIe by DMA into the staging buffer; the kernels read that instead
+            addresses, layer_bytes, before_layer = self._stage_by_dma(kv, jobs, len(pages), compute)
         with on_stream(self.scatter_stream, compute):
             self._fence(self.scatter_stream, compute)  # the pages were just handed out on the host side
             graphs = self._graphs
@@ -328,10 +341,39 @@ class TransferEngine:
                 host[:count], host[count:2 * count], host[2 * count:] = pages, page_slots, addresses
                 dst, slot_ids, src = index[:count], index[count:2 * count], index[2 * count:]
                 self._launcher.all_layers(kv, src, dst, layer_bytes, src_dtype, slot_ids, self.scales, events,
-                                          self.scatter_stream)
+                                          self.scatter_stream, before_layer=before_layer)
                 self._onload_indices.guard(events[-1])  # re-recorded by later steps: that only waits longer
         self._last_scatter = events[-1]
         return list(events)
+
+    def _stage_by_dma(self, kv: torch.Tensor, jobs: list[OnloadJob], count: int, compute: torch.cuda.Stream
+                      ) -> tuple[np.ndarray, int, Callable[[int], None]]:
+        """Queue on the first onload stream, per layer, one batched DMA of every job's host pages into the staging
+        buffer, packed in job order (once the previous onload's kernels have read it). Returns the staged pages'
+        device addresses (layer 0, int64 ``[count]``), the bytes from one staged layer to the next, and what the
+        kernel of layer ``l`` must queue before its launch (a wait for that layer's copies)."""
+        slot = jobs[0].slot
+        page_bytes, host_layer_bytes = slot.stride(1) * slot.element_size(), slot.stride(0) * slot.element_size()
+        if self._staging is None or self._staging.shape[1] < count:
+            if self._staging is not None:  # freed once the side streams' work on it is done
+                for stream in (self.onload_streams[0], self.scatter_stream):
+                    self._staging.record_stream(stream)
+            size = max(count, 2 * (0 if self._staging is None else self._staging.shape[1]))
+            self._staging = torch.empty((kv.shape[0], size, *slot.shape[2:]), dtype=slot.dtype, device=self.device)
+        staging, stream, copied = self._staging, self.onload_streams[0], self._copy_events
+        staged_layer_bytes = staging.stride(0) * staging.element_size()
+        counts = np.fromiter((len(job.pages) for job in jobs), dtype=np.int64, count=len(jobs))
+        dsts, srcs, sizes = copy_arrays(staging.data_ptr(), job_slot_addresses(jobs, self.slot_addresses), counts,
+                                        page_bytes)
+        with on_stream(stream, compute):
+            if self._last_scatter is not None:
+                stream.wait_event(self._last_scatter)  # the previous onload's kernels read the buffer
+            for layer in range(kv.shape[0]):
+                self._copier(dsts + np.uint64(layer * staged_layer_bytes), srcs + np.uint64(layer * host_layer_bytes),
+                             sizes, stream.cuda_stream)
+                copied[layer].record(stream)
+        addresses = staging.data_ptr() + np.arange(count, dtype=np.int64) * page_bytes
+        return addresses, staged_layer_bytes, lambda layer: self.scatter_stream.wait_event(copied[layer])
 
     @staticmethod
     def _dequantize(pages: torch.Tensor, scales: torch.Tensor | None, layer: int, dtype: torch.dtype) -> torch.Tensor:

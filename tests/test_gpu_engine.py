@@ -379,3 +379,21 @@ def test_batched_copies_score_exactly_as_copies_one_chunk_at_a_time():
         engine.close()
         engine.kv.check_invariants()
     assert all(np.array_equal(a, b) for a, b in zip(*outputs, strict=True))
+
+
+@pytest.mark.parametrize("host_dtype", ["kv", "float8_e4m3fn"])
+def test_dma_onload_engine_equals_kernel_engine(host_dtype):
+    """``onload_engine="dma"``: host pages copied into a staging buffer by batched DMA, then the onload kernel reads
+    the buffer (offloads as ``kernel``): exactly the ``kernel`` engine's scores, which read the same bytes straight
+    from host memory and dequantise them the same way."""
+    outputs = []
+    for engine_name in ("kernel", "dma"):
+        engine = GREngine(cuda_config("bfloat16", mode="hierarchical", num_gpu_pages=200, onload_engine=engine_name,
+                                      host_dtype=host_dtype))
+        engine.kv.host.store.wait_until_allocated()
+        assert engine.kv.host.transfer.dma == (engine_name == "dma")  # a driver of CUDA 12.8 or later
+        outputs.append(closed_loop_scores(engine, stream(engine.config, num_users=30, visits=12, seed=7)))
+        assert engine.kv.stats.onloaded_bytes > 0
+        engine.close()
+        engine.kv.check_invariants()
+    assert all(np.array_equal(a, b) for a, b in zip(*outputs, strict=True))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -431,3 +432,14 @@ def test_onload_sms_is_validated_and_a_no_op_off_cuda():
                                     host_budget_bytes=1 << 20, onload_sms=8), 1, 1, 4, torch.float32,
                         torch.device("cpu"))
     assert kv.host is not None and not kv.host.transfer.is_cuda
+
+
+def test_dma_onload_engine_is_accepted_and_off_cuda_copies_synchronously():
+    """``cache.onload_engine = "dma"`` is accepted (an unknown engine is refused); off CUDA there is no DMA
+    (``transfer.dma`` is off): onloads take the synchronous copies every engine takes on CPU."""
+    kv = KVCacheManager(CacheConfig(mode="hierarchical", page_size=4, num_gpu_pages=12, chunk_tokens=8,
+                                    host_budget_bytes=1 << 20, onload_engine="dma"), 1, 1, 4, torch.float32,
+                        torch.device("cpu"))
+    assert not kv.host.transfer.dma
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"onload_engine": "dmaa"}, CacheConfig)

@@ -182,3 +182,27 @@ def test_engine_job_addresses_load_like_the_copy_path():
         onload_pages(got[layer], torch.from_numpy(addresses), dst, layer * layer_bytes, torch.float32, layer)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert expected.abs().sum() > 0
+
+
+def test_before_layer_is_called_in_layer_order_before_each_launch():
+    """``all_layers(before_layer=...)``: the hook runs once per layer, in order, before that layer's launch (the
+    ``dma`` onload queues its wait for the layer's copies there): at each call, only the earlier layers are written."""
+    from cache_engine.onload_kernel import OnloadLauncher
+
+    gen = torch.Generator().manual_seed(4)
+    layers, chunk_pages, page, heads, dim = 3, 2, 8, 2, 16
+    slots, _ = host_slots(2, layers, chunk_pages, page, heads, dim, torch.bfloat16, gen)
+    pool_dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    pool = torch.zeros(layers, 6, 2, page, heads, dim, dtype=pool_dtype, device=DEVICE)
+    addr = torch.tensor([slots[s, 0, p].data_ptr() for s in range(2) for p in range(chunk_pages)], device=DEVICE)
+    dst = torch.tensor([5, 0, 3, 1], device=DEVICE)
+    written = []
+
+    def before_layer(layer: int) -> None:
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        written.append((layer, [bool(pool[other].any()) for other in range(layers)]))
+
+    OnloadLauncher().all_layers(pool, addr, dst, slots.stride(1) * slots.element_size(), torch.bfloat16,
+                                before_layer=before_layer)
+    assert written == [(layer, [other < layer for other in range(layers)]) for layer in range(layers)]

@@ -307,8 +307,6 @@ class TransferEngine:
         into their GPU pages, replayed from a CUDA graph (:class:`.onload_graphs.OnloadGraphs`) when graphs are on;
         with ``dma``, from a staging buffer the pages were first copied into (:meth:`_stage_by_dma`). Returns the
         per-layer events."""
-        if not self.dma:
-            addresses, layer_bytes = host_page_addresses(jobs, self.slot_addresses)
         src_dtype = jobs[0].slot.dtype
         if self._launcher is None:
             from .onload_graphs import OnloadGraphs  # imports Triton
@@ -321,15 +319,21 @@ class TransferEngine:
                 self._layer_events, self.onload_graphs = [torch.cuda.Event() for _ in range(kv.shape[0])], False
             self._copy_events = [torch.cuda.Event() for _ in range(kv.shape[0])]
             if self.onload_graphs and not self.dma:
-                self._graphs = OnloadGraphs(self._launcher, kv, layer_bytes, src_dtype, self.scales,
-                                            self._layer_events, self.scatter_stream)
+                self._graphs = OnloadGraphs(self._launcher, kv, jobs[0].slot.stride(0) * jobs[0].slot.element_size(),
+                                            src_dtype, self.scales, self._layer_events, self.scatter_stream)
         compute = self.current_stream()
         # The same events every step: a stream that waits on one waits for its latest record at that time, and each
         # step's waits are queued before the next step records again. The host tier frees the host slots an onload
         # reads once its events report done, which a later record can only delay (one stream, in order).
         events, before_layer = self._layer_events, None
         if self.dma:  # the host pages cross PCIe by DMA into the staging buffer; the kernels read that instead
-            addresses, layer_bytes, before_layer = self._stage_by_dma(kv, jobs, len(pages), compute)
+            try:
+                addresses, layer_bytes, before_layer = self._stage_by_dma(kv, jobs, len(pages), compute)
+            except RuntimeError:  # copies queued before the failure only wrote the staging buffer
+                logger.warning("batched copies failed; onload kernels read host memory from now on", exc_info=True)
+                self.dma = False
+        if not self.dma:
+            addresses, layer_bytes = host_page_addresses(jobs, self.slot_addresses)
         with on_stream(self.scatter_stream, compute):
             self._fence(self.scatter_stream, compute)  # the pages were just handed out on the host side
             graphs = self._graphs

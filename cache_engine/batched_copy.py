@@ -71,6 +71,13 @@ def onload_batches(jobs: list[OnloadJob], counts: np.ndarray, buffers: list[torc
              packed[0][2][s::share].copy(), layer_bytes) for s in range(share)]
 
 
+def parameter_types(with_fail_index: bool) -> list[type]:
+    """``cuMemcpyBatchAsync``'s parameters: ``dsts``, ``srcs``, ``sizes`` (arrays), ``count``, ``attrs``,
+    ``attrsIdxs``, ``numAttrs``, then (CUDA 12.8's, not ``_v2``) ``failIdx``, then ``hStream``."""
+    pointer, size = ctypes.c_void_p, ctypes.c_size_t
+    return [pointer, pointer, pointer, size, pointer, pointer, size, *([pointer] if with_fail_index else []), pointer]
+
+
 class BatchedCopier:
     """Issues host-to-device copies to one device as one ``cuMemcpyBatchAsync`` call per batch."""
 
@@ -93,7 +100,7 @@ class BatchedCopier:
         for name, with_fail_index in (("cuMemcpyBatchAsync_v2", False), ("cuMemcpyBatchAsync", True)):
             function = getattr(driver, name, None)
             if function is not None:
-                function.restype = ctypes.c_int
+                function.restype, function.argtypes = ctypes.c_int, parameter_types(with_fail_index)
                 return cls(function, with_fail_index, device_index)
         logger.warning("this CUDA driver has no cuMemcpyBatchAsync; copying one chunk at a time")
         return None
@@ -105,12 +112,10 @@ class BatchedCopier:
         count = len(sizes)
         if not count:
             return
-        pointers = (dsts.ctypes.data_as(ctypes.c_void_p), srcs.ctypes.data_as(ctypes.c_void_p),
-                    sizes.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(count), ctypes.byref(self._attributes),
-                    self._first_index, ctypes.c_size_t(1))
+        arguments = [dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, count, ctypes.addressof(self._attributes),
+                     ctypes.addressof(self._first_index), 1]
         if self._with_fail_index:
-            status = self._function(*pointers, ctypes.byref(self._fail_index), ctypes.c_void_p(stream))
-        else:
-            status = self._function(*pointers, ctypes.c_void_p(stream))
+            arguments.append(ctypes.addressof(self._fail_index))
+        status = self._function(*arguments, stream)
         if status:
             raise RuntimeError(f"cuMemcpyBatchAsync failed with CUDA error {status} ({count} copies)")

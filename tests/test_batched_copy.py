@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from cache_engine.batched_copy import BatchedCopier, copy_arrays, onload_batches
+from cache_engine.batched_copy import BatchedCopier, copy_arrays, onload_batches, parameter_types
 from cache_engine.jobs import OnloadJob
 
 
@@ -55,3 +55,29 @@ def test_loading_the_copier_never_raises():
     copier = BatchedCopier.load(0)
     if copier is not None:
         copier(*(np.empty(0, dtype=np.uint64) for _ in range(3)), stream=0)
+
+
+@pytest.mark.parametrize("with_fail_index", [False, True])
+def test_the_driver_call_gets_the_batch_as_the_driver_declares_it(with_fail_index):
+    """A stand-in for ``cuMemcpyBatchAsync`` (``_v2`` of CUDA 13: no ``failIdx``; CUDA 12.8's with it), declared
+    with the driver's parameter types: it receives the three arrays, their length, one set of stream-ordered
+    attributes applying from copy 0, and the stream; a non-zero status becomes a ``RuntimeError``."""
+    seen, status = [], [0]
+
+    def driver(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, *rest):
+        def read(address, kind=ctypes.c_uint64, n=count):
+            return list(ctypes.cast(address, ctypes.POINTER(kind * n)).contents)
+
+        seen.append((read(dsts), read(srcs), read(sizes), read(attrs, ctypes.c_int, 6), read(attrs_idxs, n=1),
+                     num_attrs, len(rest), rest[-1]))
+        return status[0]
+
+    function = ctypes.CFUNCTYPE(ctypes.c_int, *parameter_types(with_fail_index))(driver)
+    copier = BatchedCopier(function, with_fail_index, device_index=3)
+    dsts, srcs, sizes = copy_arrays(4096, np.array([100, 200]), np.array([1, 2]), 64)
+    copier(dsts, srcs, sizes, stream=0x1234)
+    assert seen == [([4096, 4160], [100, 200], [64, 128], [1, 2, 0, 1, 3, 1], [0], 1, 2 if with_fail_index else 1,
+                     0x1234)]
+    status[0] = 1
+    with pytest.raises(RuntimeError, match="cuMemcpyBatchAsync failed with CUDA error 1"):
+        copier(dsts, srcs, sizes, stream=0x1234)

@@ -65,10 +65,10 @@ def onload_batches(jobs: list[OnloadJob], counts: np.ndarray, buffers: list[torc
     ``slot_addresses``: int64, each slot id's host address, or ``None``: ask each job's slot tensor."""
     slot = jobs[0].slot
     layer_bytes, page_bytes = slot.stride(0) * slot.element_size(), slot.stride(1) * slot.element_size()
-    addresses = job_slot_addresses(jobs, slot_addresses)
-    packed = [copy_arrays(buffer.data_ptr(), addresses, counts, page_bytes) for buffer in buffers]
-    return [((packed[0][0][s::share].copy(), packed[1][0][s::share].copy()), packed[0][1][s::share].copy(),
-             packed[0][2][s::share].copy(), layer_bytes) for s in range(share)]
+    offsets, srcs, sizes = copy_arrays(0, job_slot_addresses(jobs, slot_addresses), counts, page_bytes)
+    bases = [np.uint64(buffer.data_ptr()) for buffer in buffers]
+    return [(tuple(offsets[s::share] + base for base in bases), srcs[s::share].copy(), sizes[s::share].copy(),
+             layer_bytes) for s in range(share)]
 
 
 def parameter_types(with_fail_index: bool) -> list[type]:

@@ -63,7 +63,8 @@ def host_page_addresses(jobs: list[OnloadJob], slot_addresses: np.ndarray | None
     return np.repeat(slot_addresses, counts) + (np.arange(int(counts.sum())) - first) * page_bytes, layer_bytes
 
 
-def job_slot_addresses(jobs: list[OnloadJob], slot_addresses: np.ndarray | None = None) -> np.ndarray:
+def job_slot_addresses(jobs: list[OnloadJob] | list[OffloadJob], slot_addresses: np.ndarray | None = None
+                       ) -> np.ndarray:
     """int64 ``[len(jobs)]``: the host address of each job's slot, read from ``slot_addresses`` (each slot id's
     address, :attr:`.host_store.HostChunkStore.addresses`) if given, else asked of each job's tensor (a torch
     call per job)."""

@@ -96,10 +96,10 @@ class TransferEngine:
             self.current_stream = CurrentStream(self.device)  # the compute stream, where the caller works
             self.offload_stream = torch.cuda.Stream(device)
             self.onload_streams = [torch.cuda.Stream(device) for _ in range(max(1, onload_streams))]
-            # onload_sms: the green context is kept with its stream
             # per-layer copies in one driver call each (copy engine, dma onloads), where the driver has it
             self._copier = BatchedCopier.load(self.device.index) if dma or not self.kernels else None
             self.dma = dma and self.kernels and self._copier is not None
+            # onload_sms: the green context is kept with its stream
             self._confined = confined_stream(self.device, onload_sms) if onload_sms else None
             self.scatter_stream = self._confined[1] if self._confined else torch.cuda.Stream(device)
             self._fence = StreamFence()  # side streams wait for the compute stream's work so far
@@ -153,9 +153,7 @@ class TransferEngine:
         with on_stream(self.offload_stream, compute):
             self._fence(self.offload_stream, compute)
             if self.kernels:  # the kernel reads the indices from pinned memory and writes the slots: no copies
-                host[num_pages + num_jobs:] = (self.slot_addresses[host[num_pages:num_pages + num_jobs]]
-                                               if self.slot_addresses is not None
-                                               else [job.slot.data_ptr() for job in jobs])
+                host[num_pages + num_jobs:] = job_slot_addresses(jobs, self.slot_addresses)
                 self._pack(kv, index, num_pages, jobs[0].slot)
             else:  # [L, jobs * slot_pages, 2, ps, H, D], laid out and quantised by issue_deferred
                 index = self._upload(host)
@@ -188,7 +186,7 @@ class TransferEngine:
                     kept.append(blocks)  # held until the copies out of it are done (the handle keeps it)
                     for job, block in zip(jobs[start:start + group], blocks, strict=True):
                         job.slot.copy_(block, non_blocking=True)
-                handle.buffer = (*handle.buffer, kept)
+                handle.buffer = (*handle.buffer, *kept)
                 handle.copied = torch.cuda.Event()
                 handle.copied.record(self.offload_stream)
                 handle.deferred = False
@@ -253,7 +251,7 @@ class TransferEngine:
                 kv[layer].index_copy_(0, dst, self._dequantize(src, scales, layer, kv.dtype))
             return [None] * num_layers
         if self.kernels:
-            return self._onload_by_kernel(kv, jobs, pages, page_slots)
+            return self._onload_by_kernel(kv, jobs, pages, page_slots, counts)
         compute = self.current_stream()
         buffers = self._onload_buffers(jobs[0].slot, len(pages))
         scattered: list[torch.cuda.Event] = []
@@ -301,8 +299,8 @@ class TransferEngine:
         self._last_scatter = scattered[-1]
         return scattered
 
-    def _onload_by_kernel(self, kv: torch.Tensor, jobs: list[OnloadJob], pages: np.ndarray,
-                          page_slots: np.ndarray) -> list[torch.cuda.Event]:
+    def _onload_by_kernel(self, kv: torch.Tensor, jobs: list[OnloadJob], pages: np.ndarray, page_slots: np.ndarray,
+                          counts: np.ndarray) -> list[torch.cuda.Event]:
         """Per layer, one kernel on the scatter stream reads every job's host pages (pinned, device-addressable)
         into their GPU pages, replayed from a CUDA graph (:class:`.onload_graphs.OnloadGraphs`) when graphs are on;
         with ``dma``, from a staging buffer the pages were first copied into (:meth:`_stage_by_dma`). Returns the
@@ -328,7 +326,7 @@ class TransferEngine:
         events, before_layer = self._layer_events, None
         if self.dma:  # the host pages cross PCIe by DMA into the staging buffer; the kernels read that instead
             try:
-                addresses, layer_bytes, before_layer = self._stage_by_dma(kv, jobs, len(pages), compute)
+                addresses, layer_bytes, before_layer = self._stage_by_dma(kv, jobs, counts, compute)
             except RuntimeError:  # copies queued before the failure only wrote the staging buffer
                 logger.warning("batched copies failed; onload kernels read host memory from now on", exc_info=True)
                 self.dma = False
@@ -350,13 +348,14 @@ class TransferEngine:
         self._last_scatter = events[-1]
         return list(events)
 
-    def _stage_by_dma(self, kv: torch.Tensor, jobs: list[OnloadJob], count: int, compute: torch.cuda.Stream
+    def _stage_by_dma(self, kv: torch.Tensor, jobs: list[OnloadJob], counts: np.ndarray, compute: torch.cuda.Stream
                       ) -> tuple[np.ndarray, int, Callable[[int], None]]:
         """Queue on the first onload stream, per layer, one batched DMA of every job's host pages into the staging
         buffer, packed in job order (once the previous onload's kernels have read it). Returns the staged pages'
         device addresses (layer 0, int64 ``[count]``), the bytes from one staged layer to the next, and what the
-        kernel of layer ``l`` must queue before its launch (a wait for that layer's copies)."""
-        slot = jobs[0].slot
+        kernel of layer ``l`` must queue before its launch (a wait for that layer's copies). ``counts``: int64
+        ``[len(jobs)]``, each job's pages."""
+        slot, count = jobs[0].slot, int(counts.sum())
         page_bytes, host_layer_bytes = slot.stride(1) * slot.element_size(), slot.stride(0) * slot.element_size()
         if self._staging is None or self._staging.shape[1] < count:
             if self._staging is not None:  # freed once the side streams' work on it is done
@@ -366,7 +365,6 @@ class TransferEngine:
             self._staging = torch.empty((kv.shape[0], size, *slot.shape[2:]), dtype=slot.dtype, device=self.device)
         staging, stream, copied = self._staging, self.onload_streams[0], self._copy_events
         staged_layer_bytes = staging.stride(0) * staging.element_size()
-        counts = np.fromiter((len(job.pages) for job in jobs), dtype=np.int64, count=len(jobs))
         dsts, srcs, sizes = copy_arrays(staging.data_ptr(), job_slot_addresses(jobs, self.slot_addresses), counts,
                                         page_bytes)
         with on_stream(stream, compute):

@@ -38,21 +38,21 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             FP8 with one scale per (chunk, layer, K/V, head): half the host memory and PCIe bytes, scores
             no longer exactly equal to recomputing (the benchmark reports the drift).
         onload_streams: CUDA streams the host-to-device chunk copies are spread over (``copy`` engine).
-        onload_engine: how KV moves between pages and host chunks on CUDA. ``"kernel"`` (default): one Triton
-            kernel per layer reads the host pages directly (pinned memory is device-addressable) and writes the
-            pages (:mod:`cache_engine.onload_kernel`), and one kernel gathers (and quantises) an offload's
-            chunks and stores them into their host slots (:mod:`cache_engine.offload_kernel`); without Triton
-            installed, ``"copy"`` is used. ``"copy"``: a DMA copy per (layer, chunk) into a device buffer (one
-            driver call per layer where the driver has batched copies, :mod:`cache_engine.batched_copy`; measured
-            before batching at 47 GB/s a byte beside the forward against the kernel's 43, but +0.28 ms a batch
-            of host calls), then a scatter into the pages; offloads gathered and quantised with torch operations,
-            then a copy per chunk. Same bandwidth on an H200 (``benchmarks/results/cache_bench.json``); the
-            kernels issue one launch per layer instead of one copy per chunk and layer, and one launch per offload
-            instead of about a dozen and a copy per chunk. ``"dma"`` (CUDA with Triton and a driver with batched
-            copies; else ``"kernel"``): offloads as ``"kernel"``; onloads by DMA, each layer's chunk copies in one
-            driver call into a device staging buffer, then the onload kernel reads that buffer into the pages
-            (dequantising FP8), so the bytes crossing PCIe take no multiprocessors from the forward. Not yet run
-            on a GPU. On CPU all three are synchronous copies.
+        onload_engine: how KV moves between pages and host chunks on CUDA. ``"dma"`` (default; CUDA with Triton
+            and a driver with batched copies, else ``"kernel"``): offloads by kernel (below); onloads by DMA, each
+            layer's chunk copies in one driver call (:mod:`cache_engine.batched_copy`) into a device staging
+            buffer, then the onload kernel reads that buffer into the pages (dequantising FP8), so the bytes
+            crossing PCIe take no multiprocessors from the forward. Measured on the H200 against ``"kernel"``
+            over the benchmark's batches of 8: -1.30 ms a batch (median of the batch differences, two runs
+            each), latency ~ 1.92 ms + bytes / 50.6 GB/s against 2.30 ms + bytes / 44.0
+            (``benchmarks/results/profiles/bound_probe_engines_1599954.log``). ``"kernel"``: one Triton kernel
+            per layer reads the host pages directly (pinned memory is device-addressable) and writes the pages
+            (:mod:`cache_engine.onload_kernel`), and one kernel gathers (and quantises) an offload's chunks and
+            stores them into their host slots (:mod:`cache_engine.offload_kernel`); without Triton installed,
+            ``"copy"`` is used. ``"copy"``: DMA copies (one driver call per layer where the driver has batched
+            copies) into a device buffer, then a scatter into the pages; offloads gathered and quantised with
+            torch operations, then a copy per chunk (more host work per step). On CPU all three are synchronous
+            copies.
         onload_graphs: with the ``kernel`` engine on CUDA, replay each step's per-layer onload launches from a
             CUDA graph (:mod:`cache_engine.onload_graphs`): one launch for the host instead of one per layer.
         prefetch: as requests arrive, before they are validated and hashed, start loading the host-resident
@@ -68,11 +68,15 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             pages handed out are rarely being copied. Measured on the H200: no difference beyond run-to-run noise
             (``benchmarks/results/profiles/bound_probe_aa_0b9577f.log``: two runs of one configuration differ by
             0.1-0.3 ms a batch), so off by default.
-        onload_sms: ``kernel`` engine on CUDA: if positive, the onload kernels run on at most this many
+        onload_sms: on CUDA: if positive, the onload kernels run on at most this many
             multiprocessors (a CUDA green context; an ordinary stream, with a warning, where there is none), so that
             a layer whose pages have arrived need not wait behind the queued programs of later layers' onloads:
             device timelines show the forward's kernels starting only at the tail of each onload kernel
-            (``benchmarks/results/profiles/timeline_0b9577f/``). 0 (default): no confinement. Not yet run on a GPU.
+            (``benchmarks/results/profiles/timeline_0b9577f/``). 0 (default): no confinement. Measured on the
+            H200 (``benchmarks/results/green_onload_probe_1599954.json``): confinement works (a kernel onload on one
+            multiprocessor still reads 50 GB/s, and a stand-in forward beside it ends at 11.0 ms instead of 23.5);
+            but with the ``kernel`` engine the benchmark's batches gained 0.18 ms, within run-to-run noise, and
+            the ``dma`` engine's onload kernels read device memory only (``bound_probe_engines_1599954.log``).
     """
 
     mode: CacheMode = "hierarchical"
@@ -85,7 +89,7 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     persist_tails: bool = True
     host_dtype: HostDType = "kv"
     onload_streams: int = 1
-    onload_engine: OnloadEngine = "kernel"
+    onload_engine: OnloadEngine = "dma"
     onload_graphs: bool = True
     prefetch: bool = True
     onload_first: bool = False

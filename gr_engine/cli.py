@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--host-budget-gib", type=float, help="host chunk pool size (default 64)")
     bench.add_argument("--host-dtype", choices=["kv", "float8_e4m3fn"], help="host chunk dtype (default float8_e4m3fn)")
     bench.add_argument("--onload-engine", choices=["copy", "kernel", "dma"],
-                       help="how host chunks reach GPU pages (default kernel; see cache.onload_engine)")
+                       help="how host chunks reach GPU pages (default dma; see cache.onload_engine)")
     bench.add_argument("--cache", action="append", default=[], metavar="KEY=VALUE",
                        help="set a cache field for every engine (repeatable), e.g. --cache prefetch=true")
     bench.add_argument("--commit", help="commit id to record (when the checkout has no .git)")

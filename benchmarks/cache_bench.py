@@ -3,9 +3,10 @@
     python benchmarks/cache_bench.py --out benchmarks/results/cache_bench.json
 
 1. Peak pinned host->device bandwidth (the benchmark's measurement: median of 5 copies of 256 MiB), for reference.
-2. Onload bandwidth of the engine's pipeline (host chunks -> device onload buffer -> scatter into
-   pages, one event per layer; with 1 and 2 copy streams; and the ``kernel`` engine, which reads host
-   pages directly, launched eagerly and replayed from CUDA graphs: ``kernel_graphs``) for chunk sizes
+2. Onload bandwidth of the engine's pipelines: ``dma`` (the default: host chunks -> device staging buffer by
+   batched DMA -> the onload kernel into pages, one event per layer), ``copy`` (host chunks -> device onload
+   buffer -> scatter into pages; with 1 and 2 copy streams) and ``kernel`` (reads host pages directly, launched
+   eagerly and replayed from CUDA graphs: ``kernel_graphs``), for chunk sizes
    512..4096 tokens, benchmark model KV (8 layers, 4 heads x 128,
    bf16, page 32), and offload bandwidth (gather + device->host).
 3. CPU time per batch of 8 returning users with 100,000 users known to the cache, split into metadata
@@ -60,8 +61,9 @@ def transfer_bandwidth(device, chunk_tokens: int, tokens: int, layers=8, heads=4
     store.wait_until_allocated()
     for s in range(num_chunks):
         store.slot(s).copy_(torch.randn(shape).to(torch.bfloat16))
-    transfer = TransferEngine(device, onload_streams=streams, kernels=engine.startswith("kernel"),
-                              graphs=engine == "kernel_graphs")
+    transfer = TransferEngine(device, onload_streams=streams, kernels=engine in ("kernel", "kernel_graphs", "dma"),
+                              graphs=engine == "kernel_graphs", dma=engine == "dma")
+    assert transfer.dma == (engine == "dma"), "this driver has no batched copies"
     # Job pages as the engine's cache manager hands them over: int64 arrays.
     pages = np.random.default_rng(0).permutation(kv.shape[1])[: num_chunks * chunk_pages]
     onload_jobs = [OnloadJob(c, store.slot(c), pages[c * chunk_pages:(c + 1) * chunk_pages]) for c in range(num_chunks)]
@@ -188,7 +190,7 @@ def main() -> None:
     if not args.metadata_only:
         result |= {"peak_pinned_h2d_GBps": peak_h2d_GBps(str(device)),
                    "transfers": [transfer_bandwidth(device, c, args.tokens, streams=s, engine=e)
-                                 for e, s in (("copy", 1), ("copy", 2), ("kernel", 1), ("kernel_graphs", 1))
+                                 for e, s in (("dma", 1), ("copy", 1), ("copy", 2), ("kernel", 1), ("kernel_graphs", 1))
                                  for c in (512, 1024, 2048, 4096)]}
     result["metadata"] = metadata_overhead(device)
     result["command"] = "python benchmarks/cache_bench.py " + " ".join(sys.argv[1:])

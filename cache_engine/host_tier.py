@@ -37,16 +37,15 @@ from .transfer import TransferEngine
 
 
 @dataclass(eq=False, slots=True)
-class _Persist:
-    """One chunk copy in flight: tokens ``[chunk * C, end)`` of ``user`` (its ``record`` at ``generation``)
-    into ``slot``."""
+class _Persist(OffloadJob):
+    """One chunk copy decided or in flight: tokens ``[chunk * C, end)`` of ``user`` (its ``record`` at
+    ``generation``) into slot ``slot_id``; itself the transfer's job (one object per chunk copy)."""
 
     user: Hashable
     record: UserRecord
     generation: int
     chunk: int
     end: int
-    slot: int
 
 
 class HostTier:
@@ -74,7 +73,6 @@ class HostTier:
         self._writing: dict[Hashable, list[_Persist]] | None = None  # those per user, built when first needed
         self._onloads: deque[tuple[list[torch.cuda.Event | None], list[int]]] = deque()
         self._batch: list[_Persist] = []  # chunk copies decided this step, launched by flush()
-        self._batch_jobs: list[OffloadJob] = []
         self._planned: list[OnloadJob] = []
         self._planned_slots: list[int] = []
         self._busy: dict[int, int] = {}  # slot -> onloads in flight reading it
@@ -165,7 +163,7 @@ class HostTier:
         record = entry.record  # generations are unique, and 0 once deleted: no lookup needed
         if (record.generation != entry.generation or record.host_tokens < entry.chunk * self.chunk
                 or entry.end <= record.host_tokens):
-            self._release((entry.slot,))
+            self._release((entry.slot_id,))
             if record.generation and not (record.num_pages or record.host_slots or record.locked):
                 del self.users[entry.user]  # evicted, and its copy came too late to be used
                 record.retire()
@@ -173,10 +171,10 @@ class HostTier:
         slots = record.host_slots
         if entry.chunk < len(slots):
             old = slots[entry.chunk]
-            slots[entry.chunk] = entry.slot
+            slots[entry.chunk] = entry.slot_id
             self._release((old,))
         else:
-            slots.append(entry.slot)
+            slots.append(entry.slot_id)
         record.host_tokens = entry.end
         self.lru.touch(entry.user, record)
 
@@ -231,17 +229,19 @@ class HostTier:
         return added or bool(in_flight)
 
     def _add(self, user: Hashable, record: UserRecord, chunk: int, end: int, slot: int) -> None:
-        """Decide to copy tokens ``[chunk * chunk_tokens, end)`` of ``record`` into ``slot``; its pages are
-        resolved now (they may be handed to another user right after)."""
+        """Decide to copy tokens ``[chunk * chunk_tokens, end)`` of ``record`` into ``slot``. The job's pages are a
+        view of the record's page buffer, read by the next :meth:`flush`: until then the buffer's entries are not
+        written (an evicted record abandons its buffer, :meth:`~cache_engine.records.UserRecord.forget_pages`, so
+        its pages may be handed to another user meanwhile)."""
         page_size, start = self.page_size, chunk * self.chunk
         first, count = start // page_size, -(-(end - start) // page_size)  # within the record's pages
-        self._batch.append(_Persist(user, record, record.generation, chunk, end, slot))
-        self._batch_jobs.append(OffloadJob(record.page_buffer[first: first + count].copy(), slot,
-                                           self.store.slot(slot)))
+        pages = record.page_buffer[first: first + count]
+        self._batch.append(_Persist(pages, slot, self.store.slot(slot), user, record, record.generation, chunk, end))
         if self.config.onload_first:
-            self._last_reader[self._batch_jobs[-1].pages] = self._num_offloads + 1  # launched by the next flush
-        self.stats.offloaded_tokens += end - start
-        self.stats.offloaded_bytes += count * self._page_bytes
+            self._last_reader[pages] = self._num_offloads + 1  # launched by the next flush
+        stats = self.stats
+        stats.offloaded_tokens += end - start
+        stats.offloaded_bytes += count * self._page_bytes
 
     def flush(self) -> None:
         """Launch the chunk copies collected so far, as one offload."""
@@ -250,14 +250,14 @@ class HostTier:
         readers = list({id(p.record): p.record for p in self._batch if p.record.num_pages}.values())
         for record in readers:
             record.readers += 1
-        handle = self.transfer.offload(self.kv, self._batch_jobs)
+        handle = self.transfer.offload(self.kv, self._batch)
         if self.config.onload_first:  # its jobs' pages are read until its gather finishes
             self._num_offloads += 1
             self._gathers.append((handle, self._num_offloads))
         self._in_flight.append((handle, self._batch, readers))
         self._in_flight_chunks += len(self._batch)
         self._writing = None
-        self._batch, self._batch_jobs = [], []
+        self._batch = []
 
     def _copies_in_flight(self, user: Hashable) -> list[_Persist]:
         """The user's chunk copies launched and not finished (the per-user index is rebuilt once after each
@@ -290,7 +290,7 @@ class HostTier:
 
     def copies_in_flight(self) -> bool:
         """Whether a copy to host is decided or launched and not known to have finished its gather."""
-        return bool(self._gathers or self._batch_jobs)
+        return bool(self._gathers or self._batch)
 
     def writes_must_wait(self, pages: np.ndarray) -> bool:
         """Whether any of ``pages`` (int ``[n]``, pool pages handed out to be written) is read by a copy to host
@@ -357,7 +357,7 @@ class HostTier:
     def check_slots(self) -> None:
         """Every allocated slot is free, owned by one user, being written, or awaiting a deferred free."""
         owned = [s for r in self.users.values() for s in r.host_slots]
-        writing = [e.slot for _, entries, _ in self._in_flight for e in entries] + [e.slot for e in self._batch]
+        writing = [e.slot_id for _, entries, _ in self._in_flight for e in entries] + [e.slot_id for e in self._batch]
         free = self.store.free_slot_ids()
         every = owned + writing + free + list(self._deferred)
         assert len(every) == len(set(every)), "a host slot is used twice"

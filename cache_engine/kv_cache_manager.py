@@ -61,6 +61,7 @@ class KVCacheManager:
         self._onload_first = self.pool.track_handed_out = config.onload_first and config.mode == "hierarchical"
         if config.mode == "hierarchical":
             self.host = HostTier.create(config, self.pool.kv, self.users, self.stats, host_memory)
+        self._persist_tails = self.host is not None and config.persist_tails  # an evicted user's tail goes to host
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -204,8 +205,7 @@ class KVCacheManager:
         if gpu + host < record.hashed_tokens:
             self._cut(user_id, record, gpu + host, token_hashes)
         if deficit > 0:
-            if deficit > self._clean_free():
-                self._evict_until_free(deficit)
+            self._evict_until_free(deficit)  # (nothing if enough pages are free)
             self._take_pages(record, deficit)
         elif deficit < 0:
             if waiting:
@@ -382,7 +382,7 @@ class KVCacheManager:
         del self._lru[user_id]
         self._evictable_pages -= record.num_pages
         persisting = False
-        if self.host is not None and self.config.persist_tails:
+        if self._persist_tails:
             persisting = self.host.persist_all(user_id, record)
         elif self.host is not None:
             self.stats.lost_tokens += record.num_tokens - record.host_tokens

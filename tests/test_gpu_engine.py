@@ -169,7 +169,7 @@ def test_onload_first_equals_recompute_with_slow_copies_to_host(monkeypatch, pre
 
     def recording(self, pages):
         wait = must_wait(self, pages)
-        went_first.append(not wait and bool(self._gathers or self._batch_jobs))
+        went_first.append(not wait and bool(self._gathers or self._batch))
         return wait
 
     monkeypatch.setattr(ChunkPacker, "__call__", slow_pack)

@@ -40,7 +40,9 @@ OUR_PACKAGES = ("gr_engine/", "cache_engine/", "scheduler/", "attention_backends
 REGIONS = ("GREngine._add", "GREngine._step", "KVCacheManager.prefetch", "Scheduler.schedule", "KVCacheManager.acquire",
            "HostTier.poll", "KVCacheManager.launch_onloads", "ModelRunner.prepare", "ModelRunner.strip",
            "ModelRunner.forward", "ModelRunner.score", "KVCacheManager.issue_deferred_offloads", "GREngine._output",
-           "KVCacheManager.commit", "Scheduler.complete")
+           "KVCacheManager.commit", "Scheduler.complete", "HostTier.flush", "TransferEngine.offload",
+           "TransferEngine.onload", "TransferEngine._stage_by_dma", "BatchedCopier.__call__",
+           "OnloadLauncher.all_layers", "KVCacheManager._evict")
 
 
 def library(frame: str) -> str:

@@ -55,6 +55,11 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             copies.
         onload_graphs: with the ``kernel`` engine on CUDA, replay each step's per-layer onload launches from a
             CUDA graph (:mod:`cache_engine.onload_graphs`): one launch for the host instead of one per layer.
+        dma_graphs: with the ``dma`` engine and ``onload_graphs``, replay the onload kernels from CUDA graphs too,
+            each layer's kernel waiting inside the graph for that layer's copies (:mod:`cache_engine.dma_staging`).
+            Off by default: with two graph turns it was no faster than eager launches on the H200 and its host
+            waited for earlier replays (``benchmarks/results/profiles/bound_probe_dma_graphs_8754ecb.log``); it now
+            uses four turns and has not yet run on a GPU.
         prefetch: as requests arrive, before they are validated and hashed, start loading the host-resident
             history of their users who hold no GPU pages (``hierarchical``): the onload then starts about an intake
             and a scheduling earlier. The request's own verified prefix still decides what is reused. Measured on
@@ -91,6 +96,7 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     onload_streams: int = 1
     onload_engine: OnloadEngine = "dma"
     onload_graphs: bool = True
+    dma_graphs: bool = False
     prefetch: bool = True
     onload_first: bool = False
     onload_sms: int = 0

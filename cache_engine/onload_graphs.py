@@ -7,9 +7,16 @@ index once), loading the first ``count`` entries (the step's page count, read on
 :meth:`~.onload_kernel.OnloadLauncher.all_layers`'s ``count``), then that layer's event recorded as an external event
 node, which the model's layer waits for as for an eagerly recorded event. A step writes its indices and count into
 the buffer with numpy and replays the graph on the transfer engine's scatter stream: no upload, no allocation. Each
-capacity has two buffers, each with its own graph, used in turn; a buffer is written again only once the event
-recorded after its previous replay reports done. If a capture fails, graphs are turned off and onloads are launched
-eagerly.
+capacity has one buffer per turn (two by default), each with its own graph, used in turn; a buffer is written again
+only once the event recorded after its previous replay reports done. If a capture fails, graphs are turned off and
+onloads are launched eagerly.
+
+With the ``dma`` engine the kernels read a device staging buffer instead of host memory, and each layer's kernel
+must first wait for that layer's copies into it: the graph of turn ``t`` holds, before layer ``l``'s kernel, a wait
+on the external event ``waits[t][l]``, which the copies of an onload of that turn record just before its replay
+(:meth:`OnloadGraphs.begin` tells the turn). An event of turn ``t`` is recorded again only once the previous replay of
+that turn, which waits on it, is done; as that replay waits for its own copies, the ``dma`` engine uses more turns
+(:data:`.dma_staging.DMA_TURNS`), so that the host rarely waits.
 
 This module imports Triton (through :mod:`.onload_kernel`).
 """
@@ -39,16 +46,21 @@ class OnloadGraphs:
         events: one per layer, created with ``external=True``; recorded by every replay.
         stream: where graphs are captured and replayed (a side stream, never the legacy default stream).
         min_capacity: the smallest capacity captured, in pages.
+        waits: per turn, per layer, an external event layer ``l``'s kernel waits for inside the graph (the
+            ``dma`` engine's copies into its staging buffer), or ``None``.
+        turns: index buffers (and graphs) per capacity, used in turn (``len(waits)`` with ``waits``).
     """
 
     def __init__(self, launcher: OnloadLauncher, kv: torch.Tensor, layer_bytes: int, src_dtype: torch.dtype,
                  scales: torch.Tensor | None, events: list[torch.cuda.Event], stream: torch.cuda.Stream,
-                 min_capacity: int = 256) -> None:
+                 min_capacity: int = 256, waits: list[list[torch.cuda.Event]] | None = None, turns: int = 2) -> None:
         self.launcher, self.kv, self.layer_bytes, self.src_dtype = launcher, kv, layer_bytes, src_dtype
         self.scales, self.events, self.stream, self.min_capacity = scales, events, stream, min_capacity
-        # (capacity, turn) -> (graph, its pinned indices as numpy, the event recorded after its last replay)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, np.ndarray, torch.cuda.Event]] = {}
+        self.waits = waits
+        # (capacity, turn) -> (graph, its pinned indices as numpy)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, np.ndarray]] = {}
         self._turn = 0
+        self._replayed = [torch.cuda.Event() for _ in range(turns)]  # per turn: recorded after its latest replay
         self._pinned: list[torch.Tensor] = []  # every graph's index buffer
         self.enabled = True
 
@@ -56,43 +68,57 @@ class OnloadGraphs:
         """Whether an onload into ``kv`` from host pages of this layout can be replayed from these graphs."""
         return self.enabled and kv is self.kv and layer_bytes == self.layer_bytes and src_dtype == self.src_dtype
 
+    def begin(self) -> int:
+        """The turn the next :meth:`replay` uses, once the previous replay of that turn is done (the host
+        waits, rarely): its index buffers may then be written and its ``waits`` events recorded again."""
+        replayed = self._replayed[self._turn]
+        if not replayed.query():
+            replayed.synchronize()
+        return self._turn
+
     def replay(self, pages: np.ndarray, slot_ids: np.ndarray, addresses: np.ndarray) -> bool:
         """Queue the onload of ``pages`` (int64 ``[P]`` pool pages) from host ``addresses`` (int64 ``[P]``, each page's
         first layer) of slots ``slot_ids`` (int64 ``[P]``) on the scatter stream, which must be current; returns
         ``False`` (nothing queued: launch eagerly) if its graph could not be captured."""
         count = len(pages)
         capacity = max(self.min_capacity, 1 << max(count - 1, 0).bit_length())
-        key = (capacity, self._turn)
+        turn = self.begin()
+        key = (capacity, turn)
         if key not in self._graphs:
             try:
-                self._graphs[key] = self._capture(capacity)
+                self._graphs[key] = self._capture(capacity, turn)
             except Exception:  # never fail a step over a capture: launch eagerly from now on
                 logger.warning("CUDA graph capture of the onload failed; onloads launch eagerly", exc_info=True)
                 self.enabled = False
                 return False
-        self._turn ^= 1
-        graph, flat, replayed = self._graphs[key]
-        if not replayed.query():
-            replayed.synchronize()  # its previous replay (two onloads ago) may still read the indices
+        self._turn = (turn + 1) % len(self._replayed)
+        graph, flat = self._graphs[key]
         flat[:count] = pages  # rows of ``capacity``: pool pages, slot ids, host addresses; then the count
         flat[capacity:capacity + count] = slot_ids
         flat[2 * capacity:2 * capacity + count] = addresses
         flat[-1] = count
         graph.replay()
-        replayed.record(self.stream)
+        self._replayed[turn].record(self.stream)
         return True
 
-    def _capture(self, capacity: int) -> tuple[torch.cuda.CUDAGraph, np.ndarray, torch.cuda.Event]:
+    def close(self) -> None:
+        """Wait until every replay is done (the host waits): the graphs and their index buffers may then go."""
+        for replayed in self._replayed:
+            replayed.synchronize()
+
+    def _capture(self, capacity: int, turn: int) -> tuple[torch.cuda.CUDAGraph, np.ndarray]:
         indices = torch.zeros(3 * capacity + 1, dtype=torch.long, pin_memory=True)  # count 0: loads nothing
         dst, slot_ids, src = indices[:capacity], indices[capacity:2 * capacity], indices[2 * capacity:3 * capacity]
         args = (self.kv, src, dst, self.layer_bytes, self.src_dtype, slot_ids if self.scales is not None else None,
                 self.scales)
         self.launcher.all_layers(*args, None, self.stream, indices[-1:])  # compiles outside the capture
+        waits = None if self.waits is None else self.waits[turn]
         graph = torch.cuda.CUDAGraph()
         # thread_local: the host tier's worker threads may call CUDA (pinning) during the capture
         with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
-            self.launcher.all_layers(*args, self.events, self.stream, indices[-1:])
-        replayed = torch.cuda.Event()
-        replayed.record(self.stream)  # after the warm-up launches, which read the indices too
+            self.launcher.all_layers(*args, self.events, self.stream, indices[-1:],
+                                     before_layer=None if waits is None else lambda layer: self.stream.wait_event(
+                                         waits[layer]))
+        self._replayed[turn].record(self.stream)  # after the warm-up launches, which read the indices too
         self._pinned.append(indices)  # kept alive: the graph reads it; the numpy view below does not own it
-        return graph, indices.numpy(), replayed
+        return graph, indices.numpy()

@@ -18,7 +18,10 @@ On CUDA, three side streams keep copies off the compute stream:
 
 With ``kernels``, the scatter stream instead runs one kernel per layer that reads the host pages
 directly (:mod:`.onload_kernel`) and records that layer's event: no onload buffer, no DMA per chunk. With
-``graphs`` too, those launches and records are replayed from a CUDA graph (:mod:`.onload_graphs`).
+``dma`` (the default engine), the onload stream first copies each layer's host pages into a device staging buffer,
+one batched DMA call per layer (:mod:`.dma_staging`), and the kernels read that buffer instead, so the bytes crossing
+PCIe take no multiprocessors from the forward. With ``graphs`` too, those launches, the waits for the copies and the
+records are replayed from a CUDA graph (:mod:`.onload_graphs`).
 
 The kernels read their index arrays (pool pages, slot ids, host addresses) from pinned host memory
 (:class:`.index_ring.PinnedIndexRing`, or the graphs' own buffers): no upload per transfer.
@@ -40,7 +43,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .batched_copy import BatchedCopier, copy_arrays, onload_batches
+from .batched_copy import BatchedCopier, onload_batches
+from .dma_staging import DmaStaging
 from .index_ring import PinnedIndexRing
 from .jobs import OffloadHandle, OffloadJob, OnloadJob, host_page_addresses, job_slot_addresses
 from .streams import CurrentStream, StreamFence, confined_stream, indexed, on_stream
@@ -78,20 +82,22 @@ class TransferEngine:
         onload_sms: on CUDA, if positive, the scatter stream (where the onload kernels run) is confined to this
             many multiprocessors (:func:`.streams.confined_stream`).
         dma: with ``kernels`` and a driver with batched copies (:mod:`.batched_copy`), onloads first copy the host
-            pages into a device staging buffer by DMA, one driver call per layer, and the onload kernel reads that
-            buffer instead of host memory (no CUDA graphs).
+            pages into a device staging buffer by DMA, one driver call per layer (:mod:`.dma_staging`), and the
+            onload kernel reads that buffer instead of host memory (replayed from graphs with ``graphs`` and
+            ``dma_graphs``).
+        dma_graphs: with ``dma``, replay the onload kernels from CUDA graphs too (``graphs`` must be on).
     """
 
     def __init__(self, device: torch.device, scales: torch.Tensor | None = None, onload_streams: int = 1,
                  kernels: bool = False, graphs: bool = False, slot_addresses: np.ndarray | None = None,
-                 onload_sms: int = 0, dma: bool = False) -> None:
+                 onload_sms: int = 0, dma: bool = False, dma_graphs: bool = False) -> None:
         self.device = indexed(device)
         self.scales = scales
         self.slot_addresses = slot_addresses
         self.is_cuda = device.type == "cuda"
         self.dma = False  # onloads by DMA into a staging buffer, then the onload kernel (CUDA: see below)
         self.kernels = kernels and self.is_cuda and importlib.util.find_spec("triton") is not None
-        self.onload_graphs = graphs
+        self.onload_graphs, self.dma_graphs = graphs, dma_graphs
         if self.is_cuda:
             self.current_stream = CurrentStream(self.device)  # the compute stream, where the caller works
             self.offload_stream = torch.cuda.Stream(device)
@@ -113,8 +119,7 @@ class TransferEngine:
         self._packer: ChunkPacker | None = None  # the offload kernel's, created at the first kernel offload
         self._graphs: OnloadGraphs | None = None  # the kernel onload's CUDA graphs, with the launcher
         self._layer_events: list[torch.cuda.Event] = []  # recorded after each layer's kernel, reused every step
-        self._copy_events: list[torch.cuda.Event] = []  # dma: recorded after each layer's copies, reused every step
-        self._staging: torch.Tensor | None = None  # dma: [L, pages, 2, page_size, H, D] of the host dtype
+        self._staging: DmaStaging | None = None  # dma: the staging buffer and its copies
         # The kernels' index arrays, read from pinned memory (CUDA with kernels only).
         self._offload_indices = PinnedIndexRing(pin=self.kernels)
         self._onload_indices = PinnedIndexRing(pin=self.kernels)
@@ -311,12 +316,15 @@ class TransferEngine:
             from .onload_kernel import OnloadLauncher
 
             self._launcher = OnloadLauncher()
+            self.onload_graphs = self.onload_graphs and (self.dma_graphs or not self.dma)
             try:  # external: graph replays record them as event nodes, waited for outside the graphs
                 self._layer_events = [torch.cuda.Event(external=self.onload_graphs) for _ in range(kv.shape[0])]
             except TypeError:  # a torch without external events (before 2.9): onloads launch eagerly
                 self._layer_events, self.onload_graphs = [torch.cuda.Event() for _ in range(kv.shape[0])], False
-            self._copy_events = [torch.cuda.Event() for _ in range(kv.shape[0])]
-            if self.onload_graphs and not self.dma:
+            if self.dma:
+                self._staging = DmaStaging(self._copier, self.onload_streams[0], self.device, kv.shape[0],
+                                           external_events=self.onload_graphs)
+            elif self.onload_graphs:
                 self._graphs = OnloadGraphs(self._launcher, kv, jobs[0].slot.stride(0) * jobs[0].slot.element_size(),
                                             src_dtype, self.scales, self._layer_events, self.scatter_stream)
         compute = self.current_stream()
@@ -329,7 +337,7 @@ class TransferEngine:
                 addresses, layer_bytes, before_layer = self._stage_by_dma(kv, jobs, counts, compute)
             except RuntimeError:  # copies queued before the failure only wrote the staging buffer
                 logger.warning("batched copies failed; onload kernels read host memory from now on", exc_info=True)
-                self.dma = False
+                self.dma, self._graphs = False, None
         if not self.dma:
             addresses, layer_bytes = host_page_addresses(jobs, self.slot_addresses)
         with on_stream(self.scatter_stream, compute):
@@ -350,32 +358,27 @@ class TransferEngine:
 
     def _stage_by_dma(self, kv: torch.Tensor, jobs: list[OnloadJob], counts: np.ndarray, compute: torch.cuda.Stream
                       ) -> tuple[np.ndarray, int, Callable[[int], None]]:
-        """Queue on the first onload stream, per layer, one batched DMA of every job's host pages into the staging
-        buffer, packed in job order (once the previous onload's kernels have read it). Returns the staged pages'
-        device addresses (layer 0, int64 ``[count]``), the bytes from one staged layer to the next, and what the
-        kernel of layer ``l`` must queue before its launch (a wait for that layer's copies). ``counts``: int64
+        """Queue the copies of every job's host pages into the staging buffer (:meth:`.dma_staging.DmaStaging.copy`,
+        once the previous onload's kernels have read it), with the events of the turn the onload graphs replay next
+        (graphs are made for each staging layout: it changes when the buffer grows). Returns the staged pages'
+        device addresses (layer 0, int64 ``[count]``), the bytes from one staged layer to the next, and what an
+        eager kernel of layer ``l`` must queue before its launch (a wait for that layer's copies). ``counts``: int64
         ``[len(jobs)]``, each job's pages."""
-        slot, count = jobs[0].slot, int(counts.sum())
-        page_bytes, host_layer_bytes = slot.stride(1) * slot.element_size(), slot.stride(0) * slot.element_size()
-        if self._staging is None or self._staging.shape[1] < count:
-            if self._staging is not None:  # freed once the side streams' work on it is done
-                for stream in (self.onload_streams[0], self.scatter_stream):
-                    self._staging.record_stream(stream)
-            size = max(count, 2 * (0 if self._staging is None else self._staging.shape[1]))
-            self._staging = torch.empty((kv.shape[0], size, *slot.shape[2:]), dtype=slot.dtype, device=self.device)
-        staging, stream, copied = self._staging, self.onload_streams[0], self._copy_events
-        staged_layer_bytes = staging.stride(0) * staging.element_size()
-        dsts, srcs, sizes = copy_arrays(staging.data_ptr(), job_slot_addresses(jobs, self.slot_addresses), counts,
-                                        page_bytes)
-        with on_stream(stream, compute):
-            if self._last_scatter is not None:
-                stream.wait_event(self._last_scatter)  # the previous onload's kernels read the buffer
-            for layer in range(kv.shape[0]):
-                self._copier(dsts + np.uint64(layer * staged_layer_bytes), srcs + np.uint64(layer * host_layer_bytes),
-                             sizes, stream.cuda_stream)
-                copied[layer].record(stream)
-        addresses = staging.data_ptr() + np.arange(count, dtype=np.int64) * page_bytes
-        return addresses, staged_layer_bytes, lambda layer: self.scatter_stream.wait_event(copied[layer])
+        from .onload_graphs import OnloadGraphs
+
+        staging = self._staging
+        if staging.reserve(jobs[0].slot, int(counts.sum()), (self.onload_streams[0], self.scatter_stream)) and (
+                self._graphs is not None):
+            self._graphs.close()  # its replays read the old layout's addresses (rare: the buffer doubles)
+            self.onload_graphs, self._graphs = self._graphs.enabled, None
+        if self._graphs is None and self.onload_graphs:
+            self._graphs = OnloadGraphs(self._launcher, kv, staging.layer_bytes, jobs[0].slot.dtype, self.scales,
+                                        self._layer_events, self.scatter_stream, waits=staging.events,
+                                        turns=len(staging.events))
+        turn = self._graphs.begin() if self._graphs is not None and self._graphs.enabled else 0
+        addresses = staging.copy(jobs, counts, self.slot_addresses, turn, self._last_scatter, compute)
+        copied = staging.events[turn]
+        return addresses, staging.layer_bytes, lambda layer: self.scatter_stream.wait_event(copied[layer])
 
     @staticmethod
     def _dequantize(pages: torch.Tensor, scales: torch.Tensor | None, layer: int, dtype: torch.dtype) -> torch.Tensor:

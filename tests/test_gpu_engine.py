@@ -184,11 +184,14 @@ def test_onload_first_equals_recompute_with_slow_copies_to_host(monkeypatch, pre
     engine.kv.check_invariants()
 
 
+@pytest.mark.parametrize("dma", [False, True])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_each_layer_event_covers_that_layers_onload(graphs):
+def test_each_layer_event_covers_that_layers_onload(graphs, dma):
     """A stream that waits for layer ``l``'s event and reads that layer's pages at once sees the loaded pages,
     whether the onload was launched eagerly or replayed from a graph (whose external event nodes record the
-    events): onloads of ~100 MiB a layer over PCIe, read right after each wait, in rounds of several capacities."""
+    events), reading host memory or (``dma``) a staging buffer filled by DMA first (which grows from 256 to 2,048
+    pages over the rounds, so graphs are captured again): onloads of ~100 MiB a layer over PCIe, read right after
+    each wait, in rounds of several capacities."""
     from cache_engine import HostChunkStore, OnloadJob, TransferEngine
 
     layers, chunk_pages, page, heads, dim, num_chunks = 4, 32, 32, 4, 128, 48
@@ -199,7 +202,8 @@ def test_each_layer_event_covers_that_layers_onload(graphs):
     for s in range(num_chunks):
         store.slot(s).copy_(torch.randn(shape, generator=gen).to(torch.bfloat16))
     kv = torch.zeros(layers, num_chunks * chunk_pages + 10, 2, page, heads, dim, dtype=torch.bfloat16, device="cuda")
-    transfer = TransferEngine(torch.device("cuda"), kernels=True, graphs=graphs)
+    transfer = TransferEngine(torch.device("cuda"), kernels=True, graphs=graphs, dma=dma, dma_graphs=dma)
+    assert transfer.dma == dma  # a driver of CUDA 12.8 or later
     compute = torch.cuda.current_stream()
     rng = np.random.default_rng(1)
     for chunks, pages_each in ((5, 7), (num_chunks, chunk_pages), (3, chunk_pages), (num_chunks, 9)):
@@ -382,18 +386,34 @@ def test_batched_copies_score_exactly_as_copies_one_chunk_at_a_time():
 
 
 @pytest.mark.parametrize("host_dtype", ["kv", "float8_e4m3fn"])
-def test_dma_onload_engine_equals_kernel_engine(host_dtype):
+def test_dma_onload_engine_equals_kernel_engine(monkeypatch, host_dtype):
     """``onload_engine="dma"``: host pages copied into a staging buffer by batched DMA, then the onload kernel reads
-    the buffer (offloads as ``kernel``): exactly the ``kernel`` engine's scores, which read the same bytes straight
-    from host memory and dequantise them the same way."""
+    the buffer (offloads as ``kernel``), launched eagerly or replayed from CUDA graphs (``dma_graphs``): exactly the
+    ``kernel`` engine's scores, which read the same bytes straight from host memory and dequantise them the same
+    way. The graphs' variant runs with every onload's copies held back ~10 ms on the copy stream: a kernel that did
+    not wait inside its graph for its layer's copies would read what the staging buffer held before."""
+    from cache_engine.dma_staging import DmaStaging
+
+    copy = DmaStaging.copy
+
+    def slow_copy(self, *args):
+        with torch.cuda.stream(self.stream):
+            torch.cuda._sleep(20_000_000)  # before the copies' wait and the copies themselves
+        return copy(self, *args)
+
     outputs = []
-    for engine_name in ("kernel", "dma"):
+    for engine_name, graphs, slow in (("kernel", True, False), ("dma", False, False), ("dma", True, True)):
+        monkeypatch.setattr(DmaStaging, "copy", slow_copy if slow else copy)
         engine = GREngine(cuda_config("bfloat16", mode="hierarchical", num_gpu_pages=200, onload_engine=engine_name,
-                                      host_dtype=host_dtype))
+                                      dma_graphs=graphs, host_dtype=host_dtype))
         engine.kv.host.store.wait_until_allocated()
-        assert engine.kv.host.transfer.dma == (engine_name == "dma")  # a driver of CUDA 12.8 or later
+        transfer = engine.kv.host.transfer
+        assert transfer.dma == (engine_name == "dma")  # a driver of CUDA 12.8 or later
         outputs.append(closed_loop_scores(engine, stream(engine.config, num_users=30, visits=12, seed=7)))
         assert engine.kv.stats.onloaded_bytes > 0
+        replayed = transfer._graphs is not None and transfer._graphs.enabled and len(transfer._graphs._graphs) > 0
+        assert replayed == graphs
         engine.close()
         engine.kv.check_invariants()
-    assert all(np.array_equal(a, b) for a, b in zip(*outputs, strict=True))
+    assert all(np.array_equal(a, b) for a, b in zip(outputs[0], outputs[1], strict=True))
+    assert all(np.array_equal(a, b) for a, b in zip(outputs[0], outputs[2], strict=True))

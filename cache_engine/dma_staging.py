@@ -1,0 +1,93 @@
+"""The ``dma`` onload engine's first half: host pages cross PCIe by DMA into a device staging buffer.
+
+Per layer, one batched driver call (:class:`.batched_copy.BatchedCopier`) on the copy stream copies every job's
+host pages of that layer into the staging buffer, packed in job order, then records that layer's event. The onload
+kernel (:mod:`.onload_kernel`) then reads the staging buffer into the pool's pages, layer ``l``'s launch queued
+after a wait for layer ``l``'s event: eagerly, or inside a CUDA graph (:mod:`.onload_graphs`), which is why the
+events come in sets, one per graph turn, and are created external.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .batched_copy import BatchedCopier, copy_arrays
+from .jobs import OnloadJob, job_slot_addresses
+from .streams import on_stream
+
+MIN_STAGED_PAGES = 256  # the staging buffer's smallest capacity; it grows by powers of two
+#: Event sets (graph turns). A turn's events are recorded again only once the graph replay that last waited on them is
+#: done, and that replay waits for its own copies (milliseconds of PCIe): with two turns, the prefetch's onload and
+#: the step's own onload made the host wait often (``benchmarks/results/profiles/bound_probe_dma_graphs_8754ecb.log``).
+DMA_TURNS = 4
+
+
+def layer_events(num_layers: int, external: bool, stream: torch.cuda.Stream) -> list[torch.cuda.Event]:
+    """One event per layer, each recorded once on ``stream`` (a wait captured in a graph before an event's first
+    record would be left out of the graph). ``external``: waits on them captured in a graph are event-wait nodes
+    (needs torch 2.9 or later)."""
+    events = [torch.cuda.Event(external=True) if external else torch.cuda.Event() for _ in range(num_layers)]
+    for event in events:
+        event.record(stream)
+    return events
+
+
+class DmaStaging:
+    """The staging buffer, ``[L, capacity, 2, page_size, H, D]`` of the host dtype on the device, and its copies.
+
+    Args:
+        copier: issues a layer's copies in one driver call.
+        stream: the copy stream (an onload stream of the transfer engine).
+        device: where the pool lives.
+        num_layers: the pool's layers.
+        external_events: create the per-layer events external (for waits inside CUDA graphs).
+    """
+
+    def __init__(self, copier: BatchedCopier, stream: torch.cuda.Stream, device: torch.device, num_layers: int,
+                 external_events: bool) -> None:
+        self.copier, self.stream, self.device = copier, stream, device
+        #: ``events[turn][l]``: recorded after layer ``l``'s copies of an onload of that turn.
+        self.events = [layer_events(num_layers, external_events, stream) for _ in range(DMA_TURNS)]
+        self.buffer: torch.Tensor | None = None
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes from one layer of the staging buffer to the next (changes only when the buffer grows)."""
+        return self.buffer.stride(0) * self.buffer.element_size()
+
+    def reserve(self, slot: torch.Tensor, count: int, users: tuple[torch.cuda.Stream, ...]) -> bool:
+        """Make room for ``count`` pages of host slots like ``slot`` (``[L, chunk_pages, 2, page_size, H, D]``);
+        returns whether the buffer was replaced (its layer stride changed). A replaced buffer's memory is reused by
+        the allocator only after the work queued so far on the ``users`` streams."""
+        if self.buffer is not None and self.buffer.shape[1] >= count and self.buffer.dtype == slot.dtype:
+            return False
+        if self.buffer is not None:
+            for stream in users:
+                self.buffer.record_stream(stream)
+        capacity = max(MIN_STAGED_PAGES, 1 << max(count - 1, 0).bit_length())
+        self.buffer = torch.empty((slot.shape[0], capacity, *slot.shape[2:]), dtype=slot.dtype, device=self.device)
+        return True
+
+    def copy(self, jobs: list[OnloadJob], counts: np.ndarray, slot_addresses: np.ndarray | None, turn: int,
+             after: torch.cuda.Event | None, compute: torch.cuda.Stream) -> np.ndarray:
+        """Queue on the copy stream, once ``after`` (the previous onload's last kernel: it reads the buffer) is
+        done, per layer one batched copy of every job's first ``counts[j]`` host pages into the buffer, packed in
+        job order, then a record of ``events[turn][layer]``. The buffer must hold ``counts.sum()`` pages
+        (:meth:`reserve`). ``counts``: int64 ``[len(jobs)]``; ``slot_addresses``: as
+        :func:`~.jobs.job_slot_addresses`. Returns each staged page's device address in layer 0 (int64
+        ``[counts.sum()]``); layer ``l``'s is ``l * layer_bytes`` further. Raises ``RuntimeError`` if a driver
+        call fails (the copies queued before it only wrote the buffer)."""
+        slot, buffer = jobs[0].slot, self.buffer
+        page_bytes, host_layer_bytes = slot.stride(1) * slot.element_size(), slot.stride(0) * slot.element_size()
+        staged_layer_bytes = self.layer_bytes
+        dsts, srcs, sizes = copy_arrays(buffer.data_ptr(), job_slot_addresses(jobs, slot_addresses), counts,
+                                        page_bytes)
+        with on_stream(self.stream, compute):
+            if after is not None:
+                self.stream.wait_event(after)
+            for layer, event in enumerate(self.events[turn]):
+                self.copier(dsts + np.uint64(layer * staged_layer_bytes), srcs + np.uint64(layer * host_layer_bytes),
+                            sizes, self.stream.cuda_stream)
+                event.record(self.stream)
+        return buffer.data_ptr() + np.arange(int(counts.sum()), dtype=np.int64) * page_bytes

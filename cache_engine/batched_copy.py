@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -82,12 +83,15 @@ class BatchedCopier:
     """Issues host-to-device copies to one device as one ``cuMemcpyBatchAsync`` call per batch."""
 
     def __init__(self, function: ctypes._CFuncPtr, with_fail_index: bool, device_index: int) -> None:
-        self._function, self._with_fail_index = function, with_fail_index
+        self._function = function
         self._attributes = _MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM, _MemLocation(_LOCATION_HOST, 0),
                                              _MemLocation(_LOCATION_DEVICE, device_index),
                                              _FLAG_PREFER_OVERLAP_WITH_COMPUTE)
         self._first_index = (ctypes.c_size_t * 1)(0)  # every copy has the one set of attributes
         self._fail_index = ctypes.c_size_t(0)
+        # The driver's arguments after (dsts, srcs, sizes, count), up to the stream: the same for every call.
+        self._fixed = (ctypes.addressof(self._attributes), ctypes.addressof(self._first_index), 1,
+                       *((ctypes.addressof(self._fail_index),) if with_fail_index else ()))
 
     @classmethod
     def load(cls, device_index: int) -> BatchedCopier | None:
@@ -109,13 +113,32 @@ class BatchedCopier:
         """Queue copying ``sizes[i]`` bytes from address ``srcs[i]`` to ``dsts[i]`` for every ``i`` (uint64 ``[n]``
         arrays, C-contiguous) on the CUDA stream with handle ``stream`` (not the legacy default stream; not while
         capturing a graph). The arrays are read during the call only."""
+        if len(sizes):
+            self._call(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, len(sizes), stream)
+
+    def layers(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, dst_layer_bytes: int,
+               src_layer_bytes: int, num_layers: int, stream: int, after_layer: Callable[[int], None]) -> None:
+        """Queue, for each layer ``l`` of ``num_layers`` in turn, one batch copying ``sizes[i]`` bytes from
+        ``srcs[i] + l * src_layer_bytes`` to ``dsts[i] + l * dst_layer_bytes`` (uint64 ``[n]``), then call
+        ``after_layer(l)`` (to record an event after the layer's copies, say); as :meth:`__call__` otherwise. The
+        addresses of every layer are computed at once."""
         count = len(sizes)
         if not count:
+            for layer in range(num_layers):
+                after_layer(layer)
             return
-        arguments = [dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, count, ctypes.addressof(self._attributes),
-                     ctypes.addressof(self._first_index), 1]
-        if self._with_fail_index:
-            arguments.append(ctypes.addressof(self._fail_index))
-        status = self._function(*arguments, stream)
+        steps = np.arange(num_layers, dtype=np.uint64)[:, None]
+        dst_rows = dsts + steps * np.uint64(dst_layer_bytes)  # [L, n], each row contiguous
+        src_rows = srcs + steps * np.uint64(src_layer_bytes)
+        dst_base, src_base, sizes = dst_rows.ctypes.data, src_rows.ctypes.data, np.ascontiguousarray(sizes)
+        sizes_address, row_bytes = sizes.ctypes.data, count * 8
+        for layer in range(num_layers):
+            offset = layer * row_bytes
+            self._call(dst_base + offset, src_base + offset, sizes_address, count, stream)
+            after_layer(layer)
+
+    def _call(self, dsts: int, srcs: int, sizes: int, count: int, stream: int) -> None:
+        """One driver call over ``count`` copies whose arrays start at these addresses."""
+        status = self._function(dsts, srcs, sizes, count, *self._fixed, stream)
         if status:
             raise RuntimeError(f"cuMemcpyBatchAsync failed with CUDA error {status} ({count} copies)")

@@ -83,11 +83,10 @@ class DmaStaging:
         staged_layer_bytes = self.layer_bytes
         dsts, srcs, sizes = copy_arrays(buffer.data_ptr(), job_slot_addresses(jobs, slot_addresses), counts,
                                         page_bytes)
-        with on_stream(self.stream, compute):
+        stream, events = self.stream, self.events[turn]
+        with on_stream(stream, compute):
             if after is not None:
-                self.stream.wait_event(after)
-            for layer, event in enumerate(self.events[turn]):
-                self.copier(dsts + np.uint64(layer * staged_layer_bytes), srcs + np.uint64(layer * host_layer_bytes),
-                            sizes, self.stream.cuda_stream)
-                event.record(self.stream)
+                stream.wait_event(after)
+            self.copier.layers(dsts, srcs, sizes, staged_layer_bytes, host_layer_bytes, len(events),
+                               stream.cuda_stream, lambda layer: events[layer].record(stream))
         return buffer.data_ptr() + np.arange(int(counts.sum()), dtype=np.int64) * page_bytes

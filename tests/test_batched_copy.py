@@ -81,3 +81,42 @@ def test_the_driver_call_gets_the_batch_as_the_driver_declares_it(with_fail_inde
     status[0] = 1
     with pytest.raises(RuntimeError, match="cuMemcpyBatchAsync failed with CUDA error 1"):
         copier(dsts, srcs, sizes, stream=0x1234)
+
+
+@pytest.mark.parametrize("with_fail_index", [False, True])
+def test_per_layer_batches_copy_each_layer_then_call_back(with_fail_index):
+    """:meth:`BatchedCopier.layers` (the ``dma`` engine's staging copies), with a stand-in driver that carries each
+    batch out with ``memmove``: layer ``l``'s batch fills layer ``l`` of a ``[L, pages, ...]`` staging buffer with
+    every job's first pages of that layer, packed in job order, and ``after_layer(l)`` comes right after that
+    layer's one driver call; an empty batch makes no driver call but still calls back for every layer."""
+    log = []
+
+    def driver(dsts, srcs, sizes, count, *rest):
+        addresses = [list(ctypes.cast(a, ctypes.POINTER(ctypes.c_uint64 * count)).contents) for a in (dsts, srcs,
+                                                                                                       sizes)]
+        for dst, src, size in zip(*addresses, strict=True):
+            ctypes.memmove(dst, src, size)
+        log.append(("call", count, rest[-1]))
+        return 0
+
+    function = ctypes.CFUNCTYPE(ctypes.c_int, *parameter_types(with_fail_index))(driver)
+    copier = BatchedCopier(function, with_fail_index, device_index=0)
+    layers, chunk_pages, page_shape = 3, 4, (2, 2, 3, 5)
+    slots = torch.randn(5, layers, chunk_pages, *page_shape)
+    counts = np.array([4, 1, 3])
+    chosen = [4, 0, 2]
+    staging = torch.zeros(layers, 10, *page_shape)
+    page_bytes = slots.stride(2) * slots.element_size()
+    dsts, srcs, sizes = copy_arrays(staging.data_ptr(), np.array([slots[i].data_ptr() for i in chosen]), counts,
+                                    page_bytes)
+    copier.layers(dsts, srcs, sizes, staging.stride(0) * staging.element_size(),
+                  slots.stride(1) * slots.element_size(), layers, 0x99, lambda layer: log.append(("after", layer)))
+    assert log == [entry for layer in range(layers) for entry in (("call", 3, 0x99), ("after", layer))]
+    for layer in range(layers):
+        expected = torch.cat([slots[i, layer, :n] for i, n in zip(chosen, counts, strict=True)])
+        assert torch.equal(staging[layer, :8], expected), layer
+    assert not staging[:, 8:].any()
+    log.clear()
+    empty = np.empty(0, dtype=np.uint64)
+    copier.layers(empty, empty, empty, 64, 64, 2, 0x99, lambda layer: log.append(("after", layer)))
+    assert log == [("after", 0), ("after", 1)]

@@ -57,9 +57,14 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             CUDA graph (:mod:`cache_engine.onload_graphs`): one launch for the host instead of one per layer.
         dma_graphs: with the ``dma`` engine and ``onload_graphs``, replay the onload kernels from CUDA graphs too,
             each layer's kernel waiting inside the graph for that layer's copies (:mod:`cache_engine.dma_staging`).
-            Off by default: with two graph turns it was no faster than eager launches on the H200 and its host
-            waited for earlier replays (``benchmarks/results/profiles/bound_probe_dma_graphs_8754ecb.log``); it now
-            uses four turns and has not yet run on a GPU.
+            Off by default: measured on the H200 it was no faster than eager launches over the benchmark's batches
+            (``benchmarks/results/profiles/bound_probe_dma_graphs_8754ecb.log``), faster in its later batches but
+            slower in its first ones, and its host time went up: it captured its graphs inside the measured batches
+            (the benchmark's first onloads come after its warm-up). Graphs are now captured before serving
+            (:meth:`~cache_engine.KVCacheManager.warm_transfers`); not yet run on a GPU in this form.
+        staging_pages: ``dma`` engine: pages (of every layer) of the device staging buffer, allocated once at the
+            pool's host dtype (4,096 pages of the benchmark's FP8 chunks: 1 GiB); an onload of more pages reads host
+            memory directly, as ``kernel`` does. Also the largest onload whose graph is captured before serving.
         prefetch: as requests arrive, before they are validated and hashed, start loading the host-resident
             history of their users who hold no GPU pages (``hierarchical``): the onload then starts about an intake
             and a scheduling earlier. The request's own verified prefix still decides what is reused. Measured on
@@ -97,13 +102,14 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     onload_engine: OnloadEngine = "dma"
     onload_graphs: bool = True
     dma_graphs: bool = False
+    staging_pages: int = 4096
     prefetch: bool = True
     onload_first: bool = False
     onload_sms: int = 0
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_gpu_pages", "chunk_tokens", "host_segment_bytes", "max_pending_offloads",
-                     "onload_streams"):
+                     "onload_streams", "staging_pages"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"cache.{name} must be positive, got {getattr(self, name)}")
         if self.onload_sms < 0:

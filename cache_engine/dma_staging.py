@@ -16,11 +16,9 @@ from .batched_copy import BatchedCopier, copy_arrays
 from .jobs import OnloadJob, job_slot_addresses
 from .streams import on_stream
 
-MIN_STAGED_PAGES = 256  # the staging buffer's smallest capacity; it grows by powers of two
 #: Event sets (graph turns). A turn's events are recorded again only once the graph replay that last waited on them is
-#: done, and that replay waits for its own copies (milliseconds of PCIe): with two turns, the prefetch's onload and
-#: the step's own onload made the host wait often (``benchmarks/results/profiles/bound_probe_dma_graphs_8754ecb.log``).
-DMA_TURNS = 4
+#: done; a batch's onload comes one batch after the last one of its turn, whose forward the host has scored by then.
+DMA_TURNS = 2
 
 
 def layer_events(num_layers: int, external: bool, stream: torch.cuda.Stream) -> list[torch.cuda.Event]:
@@ -53,31 +51,29 @@ class DmaStaging:
 
     @property
     def layer_bytes(self) -> int:
-        """Bytes from one layer of the staging buffer to the next (changes only when the buffer grows)."""
+        """Bytes from one layer of the staging buffer to the next."""
         return self.buffer.stride(0) * self.buffer.element_size()
 
-    def reserve(self, slot: torch.Tensor, count: int, users: tuple[torch.cuda.Stream, ...]) -> bool:
-        """Make room for ``count`` pages of host slots like ``slot`` (``[L, chunk_pages, 2, page_size, H, D]``);
-        returns whether the buffer was replaced (its layer stride changed). A replaced buffer's memory is reused by
-        the allocator only after the work queued so far on the ``users`` streams."""
-        if self.buffer is not None and self.buffer.shape[1] >= count and self.buffer.dtype == slot.dtype:
-            return False
-        if self.buffer is not None:
-            for stream in users:
-                self.buffer.record_stream(stream)
-        capacity = max(MIN_STAGED_PAGES, 1 << max(count - 1, 0).bit_length())
-        self.buffer = torch.empty((slot.shape[0], capacity, *slot.shape[2:]), dtype=slot.dtype, device=self.device)
-        return True
+    @property
+    def capacity(self) -> int:
+        """Pages of every layer the buffer holds (0 before :meth:`allocate`)."""
+        return 0 if self.buffer is None else self.buffer.shape[1]
+
+    def allocate(self, slot_shape: tuple[int, ...], dtype: torch.dtype, pages: int) -> None:
+        """Allocate the buffer once, for ``pages`` pages of host slots of shape ``slot_shape`` (``[L, chunk_pages,
+        2, page_size, H, D]``) and ``dtype``: its layout then never changes (onload graphs bake its layer stride)."""
+        if self.buffer is None:
+            self.buffer = torch.empty((slot_shape[0], pages, *slot_shape[2:]), dtype=dtype, device=self.device)
 
     def copy(self, jobs: list[OnloadJob], counts: np.ndarray, slot_addresses: np.ndarray | None, turn: int,
              after: torch.cuda.Event | None, compute: torch.cuda.Stream) -> np.ndarray:
         """Queue on the copy stream, once ``after`` (the previous onload's last kernel: it reads the buffer) is
         done, per layer one batched copy of every job's first ``counts[j]`` host pages into the buffer, packed in
-        job order, then a record of ``events[turn][layer]``. The buffer must hold ``counts.sum()`` pages
-        (:meth:`reserve`). ``counts``: int64 ``[len(jobs)]``; ``slot_addresses``: as
-        :func:`~.jobs.job_slot_addresses`. Returns each staged page's device address in layer 0 (int64
-        ``[counts.sum()]``); layer ``l``'s is ``l * layer_bytes`` further. Raises ``RuntimeError`` if a driver
-        call fails (the copies queued before it only wrote the buffer)."""
+        job order, then a record of ``events[turn][layer]``. The buffer must hold ``counts.sum()`` pages.
+        ``counts``: int64 ``[len(jobs)]``; ``slot_addresses``: as :func:`~.jobs.job_slot_addresses`. Returns each
+        staged page's device address in layer 0 (int64 ``[counts.sum()]``); layer ``l``'s is ``l * layer_bytes``
+        further. Raises ``RuntimeError`` if a driver call fails (the copies queued before it only wrote the
+        buffer)."""
         slot, buffer = jobs[0].slot, self.buffer
         page_bytes, host_layer_bytes = slot.stride(1) * slot.element_size(), slot.stride(0) * slot.element_size()
         staged_layer_bytes = self.layer_bytes

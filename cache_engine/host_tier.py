@@ -105,7 +105,8 @@ class HostTier:
         transfer = TransferEngine(kv.device, scales, config.onload_streams,
                                   kernels=config.onload_engine in ("kernel", "dma"), dma=config.onload_engine == "dma",
                                   graphs=config.onload_graphs, slot_addresses=store.addresses,
-                                  onload_sms=config.onload_sms, dma_graphs=config.dma_graphs)
+                                  onload_sms=config.onload_sms, dma_graphs=config.dma_graphs,
+                                  staging_pages=config.staging_pages)
         return cls(config, store, transfer, kv, users, stats)
 
     @property

@@ -155,6 +155,15 @@ class KVCacheManager:
             self.hand_back_prefetched()
             self.host.launch_offloads()
 
+    def warm_transfers(self) -> int:
+        """Before serving (``hierarchical`` on CUDA): prepare the onloads' kernels and buffers and capture their
+        CUDA graphs (:meth:`.transfer.TransferEngine.warm_onloads`), so that no step pays for it. Returns the graphs
+        captured (0 if none)."""
+        if self.host is None:
+            return 0
+        store = self.host.store
+        return self.host.transfer.warm_onloads(self.pool.kv, store.slot_shape, store.dtype)
+
     def close(self) -> None:
         """Finish all transfers and stop background work."""
         if self.host is not None:

@@ -15,8 +15,11 @@ With the ``dma`` engine the kernels read a device staging buffer instead of host
 must first wait for that layer's copies into it: the graph of turn ``t`` holds, before layer ``l``'s kernel, a wait
 on the external event ``waits[t][l]``, which the copies of an onload of that turn record just before its replay
 (:meth:`OnloadGraphs.begin` tells the turn). An event of turn ``t`` is recorded again only once the previous replay of
-that turn, which waits on it, is done; as that replay waits for its own copies, the ``dma`` engine uses more turns
-(:data:`.dma_staging.DMA_TURNS`), so that the host rarely waits.
+that turn, which waits on it, is done.
+
+Graphs are captured when a capacity is first used, or all at once up to a capacity before serving
+(:meth:`OnloadGraphs.capture_all`): a capture costs milliseconds of host time, and the benchmark's first onloads
+come only after its warm-up (first visits onload nothing), inside the measured batches.
 
 This module imports Triton (through :mod:`.onload_kernel`).
 """
@@ -101,10 +104,20 @@ class OnloadGraphs:
         self._replayed[turn].record(self.stream)
         return True
 
-    def close(self) -> None:
-        """Wait until every replay is done (the host waits): the graphs and their index buffers may then go."""
-        for replayed in self._replayed:
-            replayed.synchronize()
+    def capture_all(self, max_capacity: int) -> int:
+        """Capture the graph of every capacity up to ``max_capacity`` pages for every turn, on the scatter stream
+        (current); returns how many graphs there are (0 if a capture failed: graphs are then off)."""
+        capacity = self.min_capacity
+        while self.enabled and capacity < 2 * max_capacity:
+            for turn in range(len(self._replayed)):
+                if (capacity, turn) not in self._graphs:
+                    try:
+                        self._graphs[capacity, turn] = self._capture(capacity, turn)
+                    except Exception:
+                        logger.warning("CUDA graph capture of the onload failed; onloads launch eagerly", exc_info=True)
+                        self.enabled = False
+            capacity *= 2
+        return len(self._graphs) if self.enabled else 0
 
     def _capture(self, capacity: int, turn: int) -> tuple[torch.cuda.CUDAGraph, np.ndarray]:
         indices = torch.zeros(3 * capacity + 1, dtype=torch.long, pin_memory=True)  # count 0: loads nothing

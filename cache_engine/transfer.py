@@ -86,18 +86,20 @@ class TransferEngine:
             onload kernel reads that buffer instead of host memory (replayed from graphs with ``graphs`` and
             ``dma_graphs``).
         dma_graphs: with ``dma``, replay the onload kernels from CUDA graphs too (``graphs`` must be on).
+        staging_pages: with ``dma``, the staging buffer's pages (of every layer; at most the pool's): an onload of
+            more pages reads host memory directly. Also the largest onload :meth:`warm_onloads` captures graphs for.
     """
 
     def __init__(self, device: torch.device, scales: torch.Tensor | None = None, onload_streams: int = 1,
                  kernels: bool = False, graphs: bool = False, slot_addresses: np.ndarray | None = None,
-                 onload_sms: int = 0, dma: bool = False, dma_graphs: bool = False) -> None:
+                 onload_sms: int = 0, dma: bool = False, dma_graphs: bool = False, staging_pages: int = 4096) -> None:
         self.device = indexed(device)
         self.scales = scales
         self.slot_addresses = slot_addresses
         self.is_cuda = device.type == "cuda"
         self.dma = False  # onloads by DMA into a staging buffer, then the onload kernel (CUDA: see below)
         self.kernels = kernels and self.is_cuda and importlib.util.find_spec("triton") is not None
-        self.onload_graphs, self.dma_graphs = graphs, dma_graphs
+        self.onload_graphs, self.dma_graphs, self.staging_pages = graphs, dma_graphs, staging_pages
         if self.is_cuda:
             self.current_stream = CurrentStream(self.device)  # the compute stream, where the caller works
             self.offload_stream = torch.cuda.Stream(device)
@@ -312,34 +314,19 @@ class TransferEngine:
         per-layer events."""
         src_dtype = jobs[0].slot.dtype
         if self._launcher is None:
-            from .onload_graphs import OnloadGraphs  # imports Triton
-            from .onload_kernel import OnloadLauncher
-
-            self._launcher = OnloadLauncher()
-            self.onload_graphs = self.onload_graphs and (self.dma_graphs or not self.dma)
-            try:  # external: graph replays record them as event nodes, waited for outside the graphs
-                self._layer_events = [torch.cuda.Event(external=self.onload_graphs) for _ in range(kv.shape[0])]
-            except TypeError:  # a torch without external events (before 2.9): onloads launch eagerly
-                self._layer_events, self.onload_graphs = [torch.cuda.Event() for _ in range(kv.shape[0])], False
-            if self.dma:
-                self._staging = DmaStaging(self._copier, self.onload_streams[0], self.device, kv.shape[0],
-                                           external_events=self.onload_graphs)
-            elif self.onload_graphs:
-                self._graphs = OnloadGraphs(self._launcher, kv, jobs[0].slot.stride(0) * jobs[0].slot.element_size(),
-                                            src_dtype, self.scales, self._layer_events, self.scatter_stream)
+            self._prepare_kernels(kv, jobs[0].slot.shape, src_dtype)
         compute = self.current_stream()
         # The same events every step: a stream that waits on one waits for its latest record at that time, and each
         # step's waits are queued before the next step records again. The host tier frees the host slots an onload
         # reads once its events report done, which a later record can only delay (one stream, in order).
-        events, before_layer = self._layer_events, None
-        if self.dma:  # the host pages cross PCIe by DMA into the staging buffer; the kernels read that instead
-            try:
-                addresses, layer_bytes, before_layer = self._stage_by_dma(kv, jobs, counts, compute)
+        events, staged = self._layer_events, None
+        if self.dma and len(pages) <= self._staging.capacity:  # the host pages cross PCIe by DMA into the staging
+            try:  # buffer, and the kernels read that instead (an onload too large for it reads host memory)
+                staged = self._stage_by_dma(jobs, counts, compute)
             except RuntimeError:  # copies queued before the failure only wrote the staging buffer
                 logger.warning("batched copies failed; onload kernels read host memory from now on", exc_info=True)
                 self.dma, self._graphs = False, None
-        if not self.dma:
-            addresses, layer_bytes = host_page_addresses(jobs, self.slot_addresses)
+        addresses, layer_bytes, before_layer = staged or (*host_page_addresses(jobs, self.slot_addresses), None)
         with on_stream(self.scatter_stream, compute):
             self._fence(self.scatter_stream, compute)  # the pages were just handed out on the host side
             graphs = self._graphs
@@ -356,29 +343,54 @@ class TransferEngine:
         self._last_scatter = events[-1]
         return list(events)
 
-    def _stage_by_dma(self, kv: torch.Tensor, jobs: list[OnloadJob], counts: np.ndarray, compute: torch.cuda.Stream
+    def _stage_by_dma(self, jobs: list[OnloadJob], counts: np.ndarray, compute: torch.cuda.Stream
                       ) -> tuple[np.ndarray, int, Callable[[int], None]]:
         """Queue the copies of every job's host pages into the staging buffer (:meth:`.dma_staging.DmaStaging.copy`,
-        once the previous onload's kernels have read it), with the events of the turn the onload graphs replay next
-        (graphs are made for each staging layout: it changes when the buffer grows). Returns the staged pages'
-        device addresses (layer 0, int64 ``[count]``), the bytes from one staged layer to the next, and what an
-        eager kernel of layer ``l`` must queue before its launch (a wait for that layer's copies). ``counts``: int64
-        ``[len(jobs)]``, each job's pages."""
-        from .onload_graphs import OnloadGraphs
-
-        staging = self._staging
-        if staging.reserve(jobs[0].slot, int(counts.sum()), (self.onload_streams[0], self.scatter_stream)) and (
-                self._graphs is not None):
-            self._graphs.close()  # its replays read the old layout's addresses (rare: the buffer doubles)
-            self.onload_graphs, self._graphs = self._graphs.enabled, None
-        if self._graphs is None and self.onload_graphs:
-            self._graphs = OnloadGraphs(self._launcher, kv, staging.layer_bytes, jobs[0].slot.dtype, self.scales,
-                                        self._layer_events, self.scatter_stream, waits=staging.events,
-                                        turns=len(staging.events))
-        turn = self._graphs.begin() if self._graphs is not None and self._graphs.enabled else 0
+        once the previous onload's kernels have read it), recording the events of the turn the onload graphs
+        replay next. Returns the staged pages' device addresses (layer 0, int64 ``[count]``), the bytes from one
+        staged layer to the next, and what an eager kernel of layer ``l`` must queue before its launch (a wait for
+        that layer's copies). ``counts``: int64 ``[len(jobs)]``, each job's pages."""
+        staging, graphs = self._staging, self._graphs
+        turn = graphs.begin() if graphs is not None and graphs.enabled else 0
         addresses = staging.copy(jobs, counts, self.slot_addresses, turn, self._last_scatter, compute)
         copied = staging.events[turn]
         return addresses, staging.layer_bytes, lambda layer: self.scatter_stream.wait_event(copied[layer])
+
+    def _prepare_kernels(self, kv: torch.Tensor, slot_shape: tuple[int, ...], src_dtype: torch.dtype) -> None:
+        """Create the onload kernel's launcher, its per-layer events, with ``dma`` the staging buffer (of
+        ``staging_pages`` pages, or the pool's pages if fewer) and, with graphs, the onload graphs (their layout:
+        the staging buffer's, else host slots of shape ``slot_shape`` and dtype ``src_dtype``)."""
+        from .onload_graphs import OnloadGraphs  # imports Triton
+        from .onload_kernel import OnloadLauncher
+
+        self._launcher = OnloadLauncher()
+        self.onload_graphs = self.onload_graphs and (self.dma_graphs or not self.dma)
+        try:  # external: graph replays record them as event nodes, waited for outside the graphs
+            self._layer_events = [torch.cuda.Event(external=self.onload_graphs) for _ in range(kv.shape[0])]
+        except TypeError:  # a torch without external events (before 2.9): onloads launch eagerly
+            self._layer_events, self.onload_graphs = [torch.cuda.Event() for _ in range(kv.shape[0])], False
+        layer_bytes, waits = int(np.prod(slot_shape[1:])) * src_dtype.itemsize, None
+        if self.dma:
+            self._staging = DmaStaging(self._copier, self.onload_streams[0], self.device, kv.shape[0],
+                                       external_events=self.onload_graphs)
+            self._staging.allocate(slot_shape, src_dtype, min(self.staging_pages, kv.shape[1]))
+            layer_bytes, waits = self._staging.layer_bytes, self._staging.events
+        if self.onload_graphs:
+            self._graphs = OnloadGraphs(self._launcher, kv, layer_bytes, src_dtype, self.scales, self._layer_events,
+                                        self.scatter_stream, waits=waits, turns=2 if waits is None else len(waits))
+
+    def warm_onloads(self, kv: torch.Tensor, slot_shape: tuple[int, ...], src_dtype: torch.dtype) -> int:
+        """Before serving: with the kernels on CUDA, create what onloads need (:meth:`_prepare_kernels`) and, with
+        graphs, capture the onload graph of every capacity up to ``staging_pages`` (a capture in a step costs it
+        milliseconds). Returns the graphs captured."""
+        if not (self.is_cuda and self.kernels):
+            return 0
+        if self._launcher is None:
+            self._prepare_kernels(kv, slot_shape, src_dtype)
+        if self._graphs is None:
+            return 0
+        with on_stream(self.scatter_stream, self.current_stream()):
+            return self._graphs.capture_all(min(self.staging_pages, kv.shape[1]))
 
     @staticmethod
     def _dequantize(pages: torch.Tensor, scales: torch.Tensor | None, layer: int, dtype: torch.dtype) -> torch.Tensor:

@@ -167,14 +167,16 @@ class GREngine:
     def warmup(self, use_tqdm: bool = True) -> int:
         """Capture every CUDA graph a step can replay now, before serving, instead of when its first step arrives
         (a capture, and the kernels a new launch shape compiles, cost that step seconds): call it once at start-up.
-        Only free pages of the pool are written; cached users are untouched. Without step graphs (CPU, a backend
-        without graph support, ``cuda_graph_max_rows = 0``) it does nothing.
+        Only free pages of the pool are written; cached users are untouched. The host tier's onloads are prepared
+        too (:meth:`~cache_engine.KVCacheManager.warm_transfers`). Without step graphs (CPU, a backend without graph
+        support, ``cuda_graph_max_rows = 0``) no step graph is captured.
 
         Returns:
             How many (bucket, launch shape) forwards were replayed (0 without step graphs).
         """
         if self.scheduler.num_unfinished:
             raise RuntimeError("warmup() runs between calls, not while requests are in flight")
+        self.kv.warm_transfers()
         if self.runner.graphs is None:
             return 0
         if self.device.type == "cuda":

@@ -443,3 +443,15 @@ def test_dma_onload_engine_is_accepted_and_off_cuda_copies_synchronously():
     assert not kv.host.transfer.dma
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"onload_engine": "dmaa"}, CacheConfig)
+
+
+def test_staging_pages_are_validated_and_warming_transfers_is_a_no_op_off_cuda():
+    """``cache.staging_pages`` must be positive; on CPU there are no onload kernels or graphs to prepare:
+    :meth:`KVCacheManager.warm_transfers` captures nothing (also without a host tier)."""
+    with pytest.raises(ValueError, match="staging_pages"):
+        CacheConfig(staging_pages=0)
+    for mode in ("hierarchical", "gpu_only"):
+        kv = KVCacheManager(CacheConfig(mode=mode, page_size=4, num_gpu_pages=12, chunk_tokens=8,
+                                        host_budget_bytes=1 << 20, dma_graphs=True, staging_pages=4), 1, 1, 4,
+                            torch.float32, torch.device("cpu"))
+        assert kv.warm_transfers() == 0

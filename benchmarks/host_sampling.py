@@ -4,7 +4,8 @@
 
 Attaches ``py-spy record --native --format raw`` (a sampling profiler: it adds no cost to each call, unlike
 cProfile or ``host_breakdown.py``'s wrappers) to itself while it serves each mode's measured batches of 8 (set-up,
-warm-up and priming are not sampled), in a function named ``sampled_window`` whose samples alone are counted.
+warm-up, priming and the capture of every step graph, ``GREngine.warmup``, are not sampled), in a function named
+``sampled_window`` whose samples alone are counted.
 Writes the raw stacks next to ``--out`` (``<stem>_<mode>.raw.txt``) and a summary per mode:
 
 - ``regions``: samples under each engine function (inclusive), e.g. ``GREngine._add`` (intake and prefetch),
@@ -134,6 +135,9 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     result: dict = {"command": " ".join(["python benchmarks/host_sampling.py", *sys.argv[1:]])}
     for mode, run in steady_state_runs(steady_state_settings(args), args.prime):
+        # Every step graph captured first, as a server does at start-up: a capture (and the Triton compilation a new
+        # bucket brings) inside the sampled batches would fill the profile (profiles/host_sampling_9acc370/).
+        run.engine.warmup(use_tqdm=False)
         raw = out.with_name(f"{out.stem}_{mode}.raw.txt")
         report = sample(args.py_spy, raw, args.rate, lambda run=run: sampled_window(run, args.batches))
         result[mode] = {"median_ms": report["median_ms"], "host_ms_per_batch": report["host_ms_per_batch"],

@@ -32,22 +32,24 @@ def layer_events(num_layers: int, external: bool, stream: torch.cuda.Stream) -> 
 
 
 class DmaStaging:
-    """The staging buffer, ``[L, capacity, 2, page_size, H, D]`` of the host dtype on the device, and its copies.
+    """The staging buffer, ``[L, pages, 2, page_size, H, D]`` of the host dtype on the device, and its copies. Its
+    layout never changes (onload graphs bake its layer stride).
 
     Args:
         copier: issues a layer's copies in one driver call.
-        stream: the copy stream (an onload stream of the transfer engine).
-        device: where the pool lives.
-        num_layers: the pool's layers.
+        stream: the copy stream (an onload stream of the transfer engine), on the pool's device.
+        slot_shape: host slots' shape, ``[L, chunk_pages, 2, page_size, H, D]``.
+        dtype: host slots' dtype.
+        pages: pages of every layer the buffer holds.
         external_events: create the per-layer events external (for waits inside CUDA graphs).
     """
 
-    def __init__(self, copier: BatchedCopier, stream: torch.cuda.Stream, device: torch.device, num_layers: int,
-                 external_events: bool) -> None:
-        self.copier, self.stream, self.device = copier, stream, device
+    def __init__(self, copier: BatchedCopier, stream: torch.cuda.Stream, slot_shape: tuple[int, ...],
+                 dtype: torch.dtype, pages: int, external_events: bool) -> None:
+        self.copier, self.stream = copier, stream
+        self.buffer = torch.empty((slot_shape[0], pages, *slot_shape[2:]), dtype=dtype, device=stream.device)
         #: ``events[turn][l]``: recorded after layer ``l``'s copies of an onload of that turn.
-        self.events = [layer_events(num_layers, external_events, stream) for _ in range(DMA_TURNS)]
-        self.buffer: torch.Tensor | None = None
+        self.events = [layer_events(slot_shape[0], external_events, stream) for _ in range(DMA_TURNS)]
 
     @property
     def layer_bytes(self) -> int:
@@ -56,14 +58,8 @@ class DmaStaging:
 
     @property
     def capacity(self) -> int:
-        """Pages of every layer the buffer holds (0 before :meth:`allocate`)."""
-        return 0 if self.buffer is None else self.buffer.shape[1]
-
-    def allocate(self, slot_shape: tuple[int, ...], dtype: torch.dtype, pages: int) -> None:
-        """Allocate the buffer once, for ``pages`` pages of host slots of shape ``slot_shape`` (``[L, chunk_pages,
-        2, page_size, H, D]``) and ``dtype``: its layout then never changes (onload graphs bake its layer stride)."""
-        if self.buffer is None:
-            self.buffer = torch.empty((slot_shape[0], pages, *slot_shape[2:]), dtype=dtype, device=self.device)
+        """Pages of every layer the buffer holds."""
+        return self.buffer.shape[1]
 
     def copy(self, jobs: list[OnloadJob], counts: np.ndarray, slot_addresses: np.ndarray | None, turn: int,
              after: torch.cuda.Event | None, compute: torch.cuda.Stream) -> np.ndarray:

@@ -50,20 +50,21 @@ class OnloadGraphs:
         stream: where graphs are captured and replayed (a side stream, never the legacy default stream).
         min_capacity: the smallest capacity captured, in pages.
         waits: per turn, per layer, an external event layer ``l``'s kernel waits for inside the graph (the
-            ``dma`` engine's copies into its staging buffer), or ``None``.
-        turns: index buffers (and graphs) per capacity, used in turn (``len(waits)`` with ``waits``).
+            ``dma`` engine's copies into its staging buffer), or ``None``. There are ``len(waits)`` turns (index
+            buffers and graphs per capacity, used in turn), else two.
     """
 
     def __init__(self, launcher: OnloadLauncher, kv: torch.Tensor, layer_bytes: int, src_dtype: torch.dtype,
                  scales: torch.Tensor | None, events: list[torch.cuda.Event], stream: torch.cuda.Stream,
-                 min_capacity: int = 256, waits: list[list[torch.cuda.Event]] | None = None, turns: int = 2) -> None:
+                 min_capacity: int = 256, waits: list[list[torch.cuda.Event]] | None = None) -> None:
         self.launcher, self.kv, self.layer_bytes, self.src_dtype = launcher, kv, layer_bytes, src_dtype
         self.scales, self.events, self.stream, self.min_capacity = scales, events, stream, min_capacity
         self.waits = waits
         # (capacity, turn) -> (graph, its pinned indices as numpy)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, np.ndarray]] = {}
         self._turn = 0
-        self._replayed = [torch.cuda.Event() for _ in range(turns)]  # per turn: recorded after its latest replay
+        # per turn: recorded after its latest replay
+        self._replayed = [torch.cuda.Event() for _ in range(2 if waits is None else len(waits))]
         self._pinned: list[torch.Tensor] = []  # every graph's index buffer
         self.enabled = True
 
@@ -86,16 +87,11 @@ class OnloadGraphs:
         count = len(pages)
         capacity = max(self.min_capacity, 1 << max(count - 1, 0).bit_length())
         turn = self.begin()
-        key = (capacity, turn)
-        if key not in self._graphs:
-            try:
-                self._graphs[key] = self._capture(capacity, turn)
-            except Exception:  # never fail a step over a capture: launch eagerly from now on
-                logger.warning("CUDA graph capture of the onload failed; onloads launch eagerly", exc_info=True)
-                self.enabled = False
-                return False
+        entry = self._graph(capacity, turn)
+        if entry is None:
+            return False
         self._turn = (turn + 1) % len(self._replayed)
-        graph, flat = self._graphs[key]
+        graph, flat = entry
         flat[:count] = pages  # rows of ``capacity``: pool pages, slot ids, host addresses; then the count
         flat[capacity:capacity + count] = slot_ids
         flat[2 * capacity:2 * capacity + count] = addresses
@@ -108,16 +104,24 @@ class OnloadGraphs:
         """Capture the graph of every capacity up to ``max_capacity`` pages for every turn, on the scatter stream
         (current); returns how many graphs there are (0 if a capture failed: graphs are then off)."""
         capacity = self.min_capacity
-        while self.enabled and capacity < 2 * max_capacity:
-            for turn in range(len(self._replayed)):
-                if (capacity, turn) not in self._graphs:
-                    try:
-                        self._graphs[capacity, turn] = self._capture(capacity, turn)
-                    except Exception:
-                        logger.warning("CUDA graph capture of the onload failed; onloads launch eagerly", exc_info=True)
-                        self.enabled = False
+        while capacity < 2 * max_capacity:
+            if any(self._graph(capacity, turn) is None for turn in range(len(self._replayed))):
+                return 0
             capacity *= 2
-        return len(self._graphs) if self.enabled else 0
+        return len(self._graphs)
+
+    def _graph(self, capacity: int, turn: int) -> tuple[torch.cuda.CUDAGraph, np.ndarray] | None:
+        """The graph of this capacity and turn and its indices as numpy, captured now if new; ``None`` if a capture
+        failed (graphs are then off: never fail a step over a capture, launch eagerly from now on)."""
+        key = (capacity, turn)
+        if key not in self._graphs:
+            try:
+                self._graphs[key] = self._capture(capacity, turn)
+            except Exception:
+                logger.warning("CUDA graph capture of the onload failed; onloads launch eagerly", exc_info=True)
+                self.enabled = False
+                return None
+        return self._graphs[key]
 
     def _capture(self, capacity: int, turn: int) -> tuple[torch.cuda.CUDAGraph, np.ndarray]:
         indices = torch.zeros(3 * capacity + 1, dtype=torch.long, pin_memory=True)  # count 0: loads nothing

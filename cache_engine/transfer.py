@@ -371,13 +371,12 @@ class TransferEngine:
             self._layer_events, self.onload_graphs = [torch.cuda.Event() for _ in range(kv.shape[0])], False
         layer_bytes, waits = int(np.prod(slot_shape[1:])) * src_dtype.itemsize, None
         if self.dma:
-            self._staging = DmaStaging(self._copier, self.onload_streams[0], self.device, kv.shape[0],
-                                       external_events=self.onload_graphs)
-            self._staging.allocate(slot_shape, src_dtype, min(self.staging_pages, kv.shape[1]))
+            self._staging = DmaStaging(self._copier, self.onload_streams[0], slot_shape, src_dtype,
+                                       min(self.staging_pages, kv.shape[1]), external_events=self.onload_graphs)
             layer_bytes, waits = self._staging.layer_bytes, self._staging.events
         if self.onload_graphs:
             self._graphs = OnloadGraphs(self._launcher, kv, layer_bytes, src_dtype, self.scales, self._layer_events,
-                                        self.scatter_stream, waits=waits, turns=2 if waits is None else len(waits))
+                                        self.scatter_stream, waits=waits)
 
     def warm_onloads(self, kv: torch.Tensor, slot_shape: tuple[int, ...], src_dtype: torch.dtype) -> int:
         """Before serving: with the kernels on CUDA, create what onloads need (:meth:`_prepare_kernels`) and, with

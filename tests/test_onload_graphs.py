@@ -51,7 +51,7 @@ def graphs(monkeypatch):
 
     monkeypatch.setattr(OnloadGraphs, "_capture", capture)
     made = OnloadGraphs(launcher=None, kv=None, layer_bytes=64, src_dtype=None, scales=None, events=[],
-                        stream=None, min_capacity=256, turns=2)
+                        stream=None, min_capacity=256)
     return made, captured
 
 
@@ -78,3 +78,18 @@ def test_replays_alternate_turns_write_their_indices_and_wait_only_for_a_busy_tu
     assert made._graphs[256, 1][0].replays == 1 and made._graphs[256, 1][1][-1] == 10
     assert made.begin() == 0 and made._replayed[0].waited == 1  # turn 0 again: the host waits for its replay
     assert len(captured) == 4  # every replay used a graph captured before serving
+
+
+def test_a_failed_capture_turns_graphs_off_for_warming_and_for_steps(graphs, monkeypatch):
+    made, captured = graphs
+
+    def failing(self, capacity, turn):
+        if capacity == 512:
+            raise RuntimeError("capture failed")
+        captured.append((capacity, turn))
+        return FakeGraph(), np.zeros(3 * capacity + 1, dtype=np.int64)
+
+    monkeypatch.setattr(OnloadGraphs, "_capture", failing)
+    assert made.capture_all(1000) == 0 and not made.enabled
+    assert captured == [(256, 0), (256, 1)]  # nothing tried after the failure
+    assert not made.replay(np.arange(300), np.arange(300), np.arange(300))  # launched eagerly instead

@@ -42,6 +42,13 @@ def test_quick_bench_writes_reports(tmp_path, capsys):
     assert gc.get_freeze_count() == 0  # every run unfroze what its windows froze
     assert result["simulated"]["hierarchical"]["total_hit_ratio"] > result["simulated"]["gpu_only"]["total_hit_ratio"]
     assert set(result["chunk_sweep"]["hierarchical"]) and set(result["budget_sweep"]) == {"gpu_only", "hierarchical"}
+    for sweep in ("chunk_sweep", "budget_sweep"):  # simulated after the measurements, each at its own setting
+        for values in result[sweep].values():
+            assert all(0 < e["simulated"]["total_hit_ratio"] <= 1 for e in values.values())
+    budgets = result["budget_sweep"]["gpu_only"]
+    smallest, largest = (budgets[f(budgets, key=int)]["simulated"] for f in (min, max))
+    assert smallest["gpu_hit_ratio"] < largest["gpu_hit_ratio"]
+    assert all(0 < m["host_python_loop_us"] < 1e4 for m in result["modes"].values())  # as each mode's windows start
     drift = result["score_drift"]  # float32 on CPU: host chunks in the KV dtype are exact, FP8 ones are not
     assert drift["kv"]["requests_from_host"] > 0 and drift["kv"]["max_abs"] < 1e-5
     assert drift["float8_e4m3fn"]["requests_from_host"] > 0 and drift["float8_e4m3fn"]["max_abs"] > 1e-4

@@ -80,7 +80,7 @@ class BenchSettings:
     lengths: tuple[int, ...] = (1024, 2048, 4096, 8192, 16_384)
     new_events: int = 8
     drift_history: int = 4096
-    simulation_workers: int = 8
+    simulation_workers: int = 16
     prime_batches: int = 3
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
-import os
 from dataclasses import dataclass
 
 import msgspec
@@ -84,9 +83,7 @@ def _simulated(trace: Trace, cache: CacheConfig) -> dict:
 
 
 def _background_worker() -> None:
-    """Simulation workers yield the CPU to the measured engine (whose latency is largely host time) and
-    keep torch to one thread."""
-    os.nice(10)
+    """Simulation workers keep torch to one thread each."""
     torch.set_num_threads(1)
 
 
@@ -95,8 +92,9 @@ def _simulate_in_worker(trace_config: TraceConfig, cache: CacheConfig) -> dict:
 
 
 class Simulations:
-    """Whole-trace policy simulations (:func:`simulate_policy`) of several cache configurations, run in
-    ``workers`` spawned processes while the GPU runs go on (inline when ``workers`` is 0)."""
+    """Whole-trace policy simulations (:func:`simulate_policy`) of several cache configurations, run in up to
+    ``workers`` spawned processes (inline when ``workers`` is 0). The benchmark runs them after its measurements:
+    beside the measured engines they slowed the engines' host work."""
 
     def __init__(self, trace: Trace, caches: list[CacheConfig], workers: int) -> None:
         self._results: dict[bytes, dict] = {}

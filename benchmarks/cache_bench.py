@@ -80,7 +80,7 @@ def transfer_bandwidth(device, chunk_tokens: int, tokens: int, layers=8, heads=4
         assert torch.equal(got, store.slot(c)), "onload produced wrong pages"
     nbytes = tokens * layers * 2 * heads * dim * 2
     onload_s = cuda_time(onload, 9)
-    offload_jobs = [OffloadJob(pages[c * chunk_pages:(c + 1) * chunk_pages], c, store.slot(c))
+    offload_jobs = [OffloadJob(pages[c * chunk_pages:(c + 1) * chunk_pages], c, store.slot(c), chunk_pages * page)
                     for c in range(num_chunks)]
 
     def offload():

@@ -57,11 +57,10 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             CUDA graph (:mod:`cache_engine.onload_graphs`): one launch for the host instead of one per layer.
         dma_graphs: with the ``dma`` engine and ``onload_graphs``, replay the onload kernels from CUDA graphs too,
             each layer's kernel waiting inside the graph for that layer's copies (:mod:`cache_engine.dma_staging`).
-            Off by default: measured on the H200 it was no faster than eager launches over the benchmark's batches
-            (``benchmarks/results/profiles/bound_probe_dma_graphs_8754ecb.log``), faster in its later batches but
-            slower in its first ones, and its host time went up: it captured its graphs inside the measured batches
-            (the benchmark's first onloads come after its warm-up). Graphs are now captured before serving
-            (:meth:`~cache_engine.KVCacheManager.warm_transfers`); not yet run on a GPU in this form.
+            Its graphs are captured before serving (:meth:`~cache_engine.KVCacheManager.warm_transfers`). Off by
+            default: on the H200 it was no faster than eager launches over the benchmark's batches (+0.11 ms a
+            batch, within the noise) and saved 0.15 ms of host time a batch
+            (``benchmarks/results/profiles/bound_probe_dma_graphs_d8be018.log``).
         staging_pages: ``dma`` engine: pages (of every layer) of the device staging buffer, allocated once at the
             pool's host dtype (4,096 pages of the benchmark's FP8 chunks: 1 GiB); an onload of more pages reads host
             memory directly, as ``kernel`` does. Also the largest onload whose graph is captured before serving.

@@ -237,7 +237,8 @@ class HostTier:
         page_size, start = self.page_size, chunk * self.chunk
         first, count = start // page_size, -(-(end - start) // page_size)  # within the record's pages
         pages = record.page_buffer[first: first + count]
-        self._batch.append(_Persist(pages, slot, self.store.slot(slot), user, record, record.generation, chunk, end))
+        self._batch.append(_Persist(pages, slot, self.store.slot(slot), end - start, user, record, record.generation,
+                                    chunk, end))
         if self.config.onload_first:
             self._last_reader[pages] = self._num_offloads + 1  # launched by the next flush
         stats = self.stats

@@ -13,11 +13,15 @@ import torch
 class OffloadJob:
     """Copy GPU pages ``pages`` (int64 ``[n]``, at most a chunk's worth, in order; or a list) into host slot
     ``slot_id`` (memory ``slot``: ``[L, chunk_pages, 2, page_size, H, D]``); the rest of the slot may be
-    overwritten with copies of the last page (the copy path) or left as it is (the kernel)."""
+    overwritten with copies of the last page (the copy path) or left as it is (the kernel). The pages hold
+    ``tokens`` tokens (``(n - 1) * page_size < tokens <= n * page_size``): the rows of the last page past them
+    are not the user's (a page keeps what its previous owner wrote there). FP8 scales are taken over the tokens
+    only, and the rows past them are stored as zeros."""
 
     pages: np.ndarray
     slot_id: int
     slot: torch.Tensor
+    tokens: int
 
 
 @dataclass(slots=True)

@@ -142,25 +142,26 @@ class TransferEngine:
         if not self.is_cuda:
             for job in jobs:
                 data = kv[:, job.pages].unsqueeze(0)  # [1, L, n, 2, page_size, H, D]
-                job.slot[:, : len(job.pages)] = self._quantize(data, [job.slot_id])[0]
+                job.slot[:, : len(job.pages)] = self._quantize(data, [job.slot_id], [job.tokens])[0]
             return OffloadHandle(None, None)
         # Pad every job to a whole slot: each chunk is then one contiguous block (one copy, or the kernel's stores).
         # The kernel skips pages of id -1: a tail's slot gets the tail's pages, not a whole chunk's worth of PCIe.
-        # Index layout: the chunks' pool pages, their slot ids, then (kernel) their slot addresses.
+        # Index layout: the chunks' pool pages, their slot ids, their token counts, then (kernel) their slot addresses.
         num_jobs, slot_pages = len(jobs), jobs[0].slot.shape[1]
         num_pages = num_jobs * slot_pages
-        size = num_pages + num_jobs * (2 if self.kernels else 1)
+        size = num_pages + num_jobs * (3 if self.kernels else 2)
         index = self._offload_indices.take(size) if self.kernels else torch.empty(size, dtype=torch.long)
         host = index.numpy()
         for row, job in zip(host[:num_pages].reshape(num_jobs, slot_pages), jobs, strict=True):  # per chunk
             row[:len(job.pages)] = job.pages
             row[len(job.pages):] = -1 if self.kernels else job.pages[-1]
         host[num_pages:num_pages + num_jobs] = [job.slot_id for job in jobs]
+        host[num_pages + num_jobs:num_pages + 2 * num_jobs] = [job.tokens for job in jobs]
         compute = self.current_stream()
         with on_stream(self.offload_stream, compute):
             self._fence(self.offload_stream, compute)
             if self.kernels:  # the kernel reads the indices from pinned memory and writes the slots: no copies
-                host[num_pages + num_jobs:] = job_slot_addresses(jobs, self.slot_addresses)
+                host[num_pages + 2 * num_jobs:] = job_slot_addresses(jobs, self.slot_addresses)
                 self._pack(kv, index, num_pages, jobs[0].slot)
             else:  # [L, jobs * slot_pages, 2, ps, H, D], laid out and quantised by issue_deferred
                 index = self._upload(host)
@@ -185,11 +186,12 @@ class TransferEngine:
                 gathered, index = handle.buffer  # lay the gathered pages out like the slots, quantise
                 num_layers, slot_pages = gathered.shape[0], jobs[0].slot.shape[1]
                 by_chunk = gathered.view(num_layers, len(jobs), slot_pages, *gathered.shape[2:]).transpose(0, 1)
-                slot_ids, kept = index[-len(jobs):], []
+                slot_ids, tokens, kept = index[-2 * len(jobs):-len(jobs)], index[-len(jobs):], []
                 # a few chunks at a time: quantising widens them to float32 (a warm-up step may offload hundreds)
                 group = max(1, _QUANTISE_BYTES // (by_chunk[0].numel() * 4))
                 for start in range(0, len(jobs), group):
-                    blocks = self._quantize(by_chunk[start:start + group].contiguous(), slot_ids[start:start + group])
+                    blocks = self._quantize(by_chunk[start:start + group].contiguous(), slot_ids[start:start + group],
+                                            tokens[start:start + group])
                     kept.append(blocks)  # held until the copies out of it are done (the handle keeps it)
                     for job, block in zip(jobs[start:start + group], blocks, strict=True):
                         job.slot.copy_(block, non_blocking=True)
@@ -203,20 +205,28 @@ class TransferEngine:
         """Write chunks into their host slots (``slot``'s shape and dtype), quantised with scales for their slot ids
         when host chunks are FP8: one kernel on the offload stream, which must be current. ``index``: int64 (pinned
         host memory), the chunks' pool pages (``num_pages``, ``slot_pages`` per chunk), then their ``J`` slot ids,
-        then their ``J`` slot addresses."""
+        their ``J`` token counts and their ``J`` slot addresses."""
         if self._packer is None:
             from .offload_kernel import ChunkPacker  # imports Triton
 
             self._packer = ChunkPacker()
-        num_chunks = (len(index) - num_pages) // 2
-        pages, slot_ids, addresses = index[:num_pages], index[num_pages:-num_chunks], index[-num_chunks:]
-        self._packer(kv, pages, addresses, slot.dtype, slot.shape[1], slot_ids, self.scales, self.offload_stream)
+        num_chunks = (len(index) - num_pages) // 3
+        pages, addresses = index[:num_pages], index[-num_chunks:]
+        slot_ids, tokens = index[num_pages:num_pages + num_chunks], index[num_pages + num_chunks:-num_chunks]
+        self._packer(kv, pages, addresses, slot.dtype, slot.shape[1], slot_ids, self.scales, self.offload_stream,
+                     tokens=tokens)
 
-    def _quantize(self, chunks: torch.Tensor, slot_ids: torch.Tensor | list[int]) -> torch.Tensor:
+    def _quantize(self, chunks: torch.Tensor, slot_ids: torch.Tensor | list[int],
+                  tokens: torch.Tensor | list[int]) -> torch.Tensor:
         """``chunks [J, L, pages, 2, page_size, H, D]`` -> FP8 with per (slot, layer, K/V, head) scales
-        recorded for ``slot_ids``; unchanged when host chunks are not FP8."""
+        recorded for ``slot_ids``, over each chunk's first ``tokens[j]`` tokens (the rows after them become zeros);
+        unchanged when host chunks are not FP8."""
         if self.scales is None:
             return chunks
+        num_chunks, _, pages, _, page_size = chunks.shape[:5]
+        rows = torch.arange(pages * page_size, device=chunks.device).view(1, 1, pages, 1, page_size, 1, 1)
+        counts = torch.as_tensor(tokens, device=chunks.device).view(num_chunks, 1, 1, 1, 1, 1, 1)
+        chunks = torch.where(rows < counts, chunks, torch.zeros((), dtype=chunks.dtype, device=chunks.device))
         amax = chunks.abs().amax(dim=(2, 4, 6)).float()  # [J, L, 2, H]
         # By a tensor: CUDA torch divides by a Python number as a product with its reciprocal, not exactly.
         scale = (amax / torch.full((), FP8_MAX, device=amax.device)).clamp_min(torch.finfo(torch.float32).tiny)

@@ -249,7 +249,8 @@ def test_transfer_kernels_index_buffers_are_not_rewritten_while_queued(graphs):
     torch.cuda._sleep(200_000_000)  # the offloads below queue behind this
     kv.index_copy_(1, fresh_pages, fresh)
     handles = [transfer.offload(kv, [OffloadJob(offloaded[r, c], 2 * rounds + 2 * r + c,
-                                                store.slot(2 * rounds + 2 * r + c)) for c in range(2)])
+                                                store.slot(2 * rounds + 2 * r + c), chunk_pages * page)
+                                     for c in range(2)])
                for r in range(rounds)]
     torch.cuda._sleep(200_000_000)  # and the onloads behind this
     for r in range(rounds):

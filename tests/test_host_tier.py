@@ -367,6 +367,34 @@ def test_fp8_host_chunks_round_trip_within_e4m3_precision():
     kv.check_invariants()
 
 
+def test_fp8_tail_copies_do_not_depend_on_what_its_last_page_held_before():
+    """A tail's last page holds rows past the user's tokens (what the page's previous owner wrote): they do not
+    enter the tail's FP8 scales, so the user's history comes back from host the same either way."""
+    slot_bytes = 2 * CHUNK * 2 * 1 * 2 * 1
+    config = CacheConfig(mode="hierarchical", page_size=PS, num_gpu_pages=6, chunk_tokens=CHUNK,
+                         host_budget_bytes=8 * slot_bytes, host_segment_bytes=3 * slot_bytes,
+                         host_dtype="float8_e4m3fn")
+    values = torch.randn(2, 5, 2, PS, 1, 2, generator=torch.Generator().manual_seed(5))
+    restored = []
+    for stale in (0.0, 1e4):
+        kv = KVCacheManager(config, num_layers=2, num_heads=1, head_dim=2, dtype=torch.float32, device="cpu")
+        h = hashes(19)  # 2 whole chunks and a tail of 3 tokens: its last page holds 3 of PS = 4 rows
+        kv.begin_step()
+        kv.acquire("a", h, 19)
+        record = kv.users["a"]
+        kv.kv_cache[:, record.pages] = values
+        kv.kv_cache[:, record.pages[-1], :, 19 % PS:] = stale
+        kv.commit("a", 19, h)
+        kv.release("a")
+        kv.end_step()
+        run(kv, "b", hashes(16, 1))  # evicts "a": its tail goes to host too
+        kv.begin_step()
+        assert run(kv, "a", h) == (0, 19)
+        restored.append(kv_of(kv, "a", 19))
+        kv.check_invariants()
+    assert torch.equal(restored[0], restored[1])
+
+
 def test_engines_can_share_a_preallocated_host_arena():
     """Successive engines reuse one host memory arena (pinning is slow); results stay exact."""
     from gr_engine import GREngine

@@ -45,6 +45,7 @@ import torch
 
 from .batched_copy import BatchedCopier, onload_batches
 from .dma_staging import DmaStaging
+from .fp8 import dequantize, quantize
 from .index_ring import PinnedIndexRing
 from .jobs import OffloadHandle, OffloadJob, OnloadJob, host_page_addresses, job_slot_addresses
 from .streams import CurrentStream, StreamFence, confined_stream, indexed, on_stream
@@ -56,8 +57,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
 _QUANTISE_BYTES = 2**30  # float32 bytes the copy path quantises at once (see TransferEngine.issue_deferred)
 
 
@@ -142,7 +141,9 @@ class TransferEngine:
         if not self.is_cuda:
             for job in jobs:
                 data = kv[:, job.pages].unsqueeze(0)  # [1, L, n, 2, page_size, H, D]
-                job.slot[:, : len(job.pages)] = self._quantize(data, [job.slot_id], [job.tokens])[0]
+                if self.scales is not None:
+                    data = quantize(data, [job.tokens], self.scales, [job.slot_id])
+                job.slot[:, : len(job.pages)] = data[0]
             return OffloadHandle(None, None)
         # Pad every job to a whole slot: each chunk is then one contiguous block (one copy, or the kernel's stores).
         # The kernel skips pages of id -1: a tail's slot gets the tail's pages, not a whole chunk's worth of PCIe.
@@ -190,10 +191,12 @@ class TransferEngine:
                 # a few chunks at a time: quantising widens them to float32 (a warm-up step may offload hundreds)
                 group = max(1, _QUANTISE_BYTES // (by_chunk[0].numel() * 4))
                 for start in range(0, len(jobs), group):
-                    blocks = self._quantize(by_chunk[start:start + group].contiguous(), slot_ids[start:start + group],
-                                            tokens[start:start + group])
+                    part = slice(start, start + group)
+                    blocks = by_chunk[part].contiguous()
+                    if self.scales is not None:
+                        blocks = quantize(blocks, tokens[part], self.scales, slot_ids[part])
                     kept.append(blocks)  # held until the copies out of it are done (the handle keeps it)
-                    for job, block in zip(jobs[start:start + group], blocks, strict=True):
+                    for job, block in zip(jobs[part], blocks, strict=True):
                         job.slot.copy_(block, non_blocking=True)
                 handle.buffer = (*handle.buffer, *kept)
                 handle.copied = torch.cuda.Event()
@@ -215,23 +218,6 @@ class TransferEngine:
         slot_ids, tokens = index[num_pages:num_pages + num_chunks], index[num_pages + num_chunks:-num_chunks]
         self._packer(kv, pages, addresses, slot.dtype, slot.shape[1], slot_ids, self.scales, self.offload_stream,
                      tokens=tokens)
-
-    def _quantize(self, chunks: torch.Tensor, slot_ids: torch.Tensor | list[int],
-                  tokens: torch.Tensor | list[int]) -> torch.Tensor:
-        """``chunks [J, L, pages, 2, page_size, H, D]`` -> FP8 with per (slot, layer, K/V, head) scales
-        recorded for ``slot_ids``, over each chunk's first ``tokens[j]`` tokens (the rows after them become zeros);
-        unchanged when host chunks are not FP8."""
-        if self.scales is None:
-            return chunks
-        num_chunks, _, pages, _, page_size = chunks.shape[:5]
-        rows = torch.arange(pages * page_size, device=chunks.device).view(1, 1, pages, 1, page_size, 1, 1)
-        counts = torch.as_tensor(tokens, device=chunks.device).view(num_chunks, 1, 1, 1, 1, 1, 1)
-        chunks = torch.where(rows < counts, chunks, torch.zeros((), dtype=chunks.dtype, device=chunks.device))
-        amax = chunks.abs().amax(dim=(2, 4, 6)).float()  # [J, L, 2, H]
-        # By a tensor: CUDA torch divides by a Python number as a product with its reciprocal, not exactly.
-        scale = (amax / torch.full((), FP8_MAX, device=amax.device)).clamp_min(torch.finfo(torch.float32).tiny)
-        self.scales[torch.as_tensor(slot_ids, device=self.scales.device)] = scale
-        return (chunks.float() / scale[:, :, None, :, None, :, None]).to(FP8)
 
     def before_writes(self) -> None:
         """Make the compute (current) and scatter streams wait for gathers already issued (pages that were
@@ -265,7 +251,7 @@ class TransferEngine:
             scales = None if self.scales is None else self.scales[torch.from_numpy(page_slots)]
             for layer in range(num_layers):
                 src = torch.cat([job.slot[layer, : len(job.pages)] for job in jobs])
-                kv[layer].index_copy_(0, dst, self._dequantize(src, scales, layer, kv.dtype))
+                kv[layer].index_copy_(0, dst, src if scales is None else dequantize(src, scales, layer, kv.dtype))
             return [None] * num_layers
         if self.kernels:
             return self._onload_by_kernel(kv, jobs, pages, page_slots, counts)
@@ -307,7 +293,8 @@ class TransferEngine:
             with on_stream(self.scatter_stream, compute):
                 for event in copied:
                     self.scatter_stream.wait_event(event)
-                kv[layer].index_copy_(0, dst, self._dequantize(buffer, scales, layer, kv.dtype))
+                kv[layer].index_copy_(0, dst, buffer if scales is None else dequantize(buffer, scales, layer,
+                                                                                         kv.dtype))
                 scattered.append(torch.cuda.Event())
                 scattered[-1].record(self.scatter_stream)
         index.record_stream(self.scatter_stream)
@@ -400,13 +387,6 @@ class TransferEngine:
             return 0
         with on_stream(self.scatter_stream, self.current_stream()):
             return self._graphs.capture_all(min(self.staging_pages, kv.shape[1]))
-
-    @staticmethod
-    def _dequantize(pages: torch.Tensor, scales: torch.Tensor | None, layer: int, dtype: torch.dtype) -> torch.Tensor:
-        """``pages [P, 2, page_size, H, D]`` of one layer back to ``dtype`` (``scales [P, L, 2, H]``)."""
-        if scales is None:
-            return pages
-        return (pages.float() * scales[:, layer, :, None, :, None]).to(dtype)
 
     def _upload(self, values: np.ndarray) -> torch.Tensor:
         """int64 ``[len(values)]`` on the device, copied without blocking on the current stream from pinned memory

@@ -63,9 +63,10 @@ def test_chunks_are_gathered_into_slot_layout_exactly(heads, dim, page, pinned_i
 
 
 def test_fp8_chunks_match_the_copy_paths_quantisation():
-    """Values and scales as :meth:`TransferEngine._quantize` computes them; other slots' scales untouched."""
+    """Values and scales as the copy path's :func:`cache_engine.fp8.quantize` computes them; other slots' scales
+    untouched."""
+    from cache_engine.fp8 import quantize
     from cache_engine.offload_kernel import ChunkPacker
-    from cache_engine.transfer import TransferEngine
 
     gen = torch.Generator().manual_seed(1)
     layers, pool_pages, slot_pages, page, heads, dim = 2, 24, 3, 4, 2, 16
@@ -78,10 +79,9 @@ def test_fp8_chunks_match_the_copy_paths_quantisation():
     slot_ids, tokens = torch.tensor([4, 1]), torch.tensor([3 * page, 2 * page - 1])  # the second ends mid-page
     scales = torch.full((6, layers, 2, heads), -1.0)
     expected_scales = scales.clone()
-    reference = TransferEngine(torch.device("cpu"), expected_scales)
     last = torch.stack([row.where(row >= 0, row[row >= 0][-1]) for row in pages.view(2, slot_pages)]).view(-1)
     chunks = kv[:, last].view(layers, 2, slot_pages, 2, page, heads, dim).transpose(0, 1)  # the copy path's padding
-    expected = reference._quantize(chunks, slot_ids.tolist(), tokens.tolist())
+    expected = quantize(chunks, tokens, expected_scales, slot_ids)
     got_scales = scales.to(DEVICE)
     # The interpreter's FP8 cast is not torch's (it rounds values just below a power of two down to half of it):
     # there, the scaled values before the cast are compared, in float32.

@@ -49,6 +49,7 @@ def test_quick_bench_writes_reports(tmp_path, capsys):
     smallest, largest = (budgets[f(budgets, key=int)]["simulated"] for f in (min, max))
     assert smallest["gpu_hit_ratio"] < largest["gpu_hit_ratio"]
     assert all(0 < m["host_python_loop_us"] < 1e4 for m in result["modes"].values())  # as each mode's windows start
+    assert summary["host_python_loop_us_hierarchical"] == result["modes"]["hierarchical"]["host_python_loop_us"]
     drift = result["score_drift"]  # float32 on CPU: host chunks in the KV dtype are exact, FP8 ones are not
     assert drift["kv"]["requests_from_host"] > 0 and drift["kv"]["max_abs"] < 1e-5
     assert drift["float8_e4m3fn"]["requests_from_host"] > 0 and drift["float8_e4m3fn"]["max_abs"] > 1e-4

@@ -53,6 +53,8 @@ def summarize(result: dict, bs: int = 8) -> dict:
         summary["overhead_mean_ms_bs8"] = sum(phases.get(k, 0.0) for k in HOST_PHASES)
         summary["intake_ms_bs8"] = phases.get("intake", 0.0)
     summary["host_python_loop_us"] = result.get("host_python_loop_us")
+    if "hierarchical" in modes and "host_python_loop_us" in modes["hierarchical"]:  # as its windows started
+        summary["host_python_loop_us_hierarchical"] = modes["hierarchical"]["host_python_loop_us"]
     if "gpu_only" in modes:
         summary["gpu_only_hit_ratio_bs8"] = modes["gpu_only"]["batch_sizes"][bs]["gpu_hit_ratio"]
     if "score_drift" in result:
@@ -178,8 +180,12 @@ def markdown(result: dict) -> str:
                   f"{fit['intercept_ms']:.2f} ms + bytes / {fit['GBps']:.1f} GB/s (least squares; the rate is what "
                   "onloads cost a batch per byte)."]
     if result.get("host_python_loop_us") is not None:
+        at_start = ", ".join(f"{name} {entry['host_python_loop_us']:.1f}" for name, entry in modes.items()
+                             if entry.get("host_python_loop_us") is not None)
         lines += ["", f"This instance's host: a 1,000-step Python loop takes {result['host_python_loop_us']:.1f} us "
-                  "(hosts differ by up to ~2x between instances: compare host times within a run, or scaled by this)."]
+                  "at the end of the run" + (f" (us as each mode's windows start: {at_start})" if at_start else "")
+                  + ". Hosts differ by up to ~2x, between instances and within a run: compare host times within a "
+                  "run, or scaled by this."]
     lines += ["", "Whole-trace hit ratios (policy simulation, same cache code, no model):", ""]
     lines += [f"- {k}: GPU {v['gpu_hit_ratio']:.2%}, total {v['total_hit_ratio']:.2%}"
               for k, v in result["simulated"].items()]

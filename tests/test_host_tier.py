@@ -340,7 +340,10 @@ def test_random_run_keeps_kv_consistent(seed):
     assert kv.stats.onloaded_tokens > 0 and kv.stats.host_evicted_users > 0 and kv.stats.evicted_users > 0
 
 
-def test_fp8_host_chunks_round_trip_within_e4m3_precision():
+def fp8_round_trip(fill) -> tuple[torch.Tensor, torch.Tensor]:
+    """User "a" (19 tokens: two whole chunks and a tail of 3, whose last page holds 3 of its PS = 4 rows) with K/V
+    written by ``fill(kv_cache, pages)``, evicted by user "b" to FP8 host chunks, its tail too, then served from
+    host again: its K/V before and after, ``[L, 19, 2, H, D]``."""
     slot_bytes = 2 * CHUNK * 2 * 1 * 2 * 1  # FP8: one byte a value
     config = CacheConfig(mode="hierarchical", page_size=PS, num_gpu_pages=6, chunk_tokens=CHUNK,
                          host_budget_bytes=8 * slot_bytes, host_segment_bytes=3 * slot_bytes,
@@ -350,9 +353,7 @@ def test_fp8_host_chunks_round_trip_within_e4m3_precision():
     h = hashes(19)
     kv.begin_step()
     kv.acquire("a", h, 19)
-    record = kv.users["a"]
-    values = torch.randn(2, len(record.pages), 2, PS, 1, 2) * torch.tensor([1.0, 30.0]).view(1, 1, 2, 1, 1, 1)
-    kv.kv_cache[:, record.pages] = values  # K small, V large: scales are per K/V
+    fill(kv.kv_cache, kv.users["a"].pages)
     before = kv_of(kv, "a", 19)
     kv.commit("a", 19, h)
     kv.release("a")
@@ -361,38 +362,33 @@ def test_fp8_host_chunks_round_trip_within_e4m3_precision():
     kv.begin_step()
     assert run(kv, "a", h) == (0, 19)
     after = kv_of(kv, "a", 19)
+    kv.check_invariants()
+    return before, after
+
+
+def test_fp8_host_chunks_round_trip_within_e4m3_precision():
+    def fill(kv_cache, pages):  # K small, V large: scales are per K/V
+        kv_cache[:, pages] = torch.randn(2, len(pages), 2, PS, 1, 2) * torch.tensor([1.0, 30.0]).view(1, 1, 2, 1, 1, 1)
+
+    before, after = fp8_round_trip(fill)
     amax = before.abs().amax(dim=(1, 4), keepdim=True)  # per layer, K/V, head (as the scales)
     err = ((after - before).abs() / amax).max()
     assert 0 < err <= 2**-4  # e4m3 keeps 3 mantissa bits: relative error <= 1/16 of the block's max
-    kv.check_invariants()
 
 
 def test_fp8_tail_copies_do_not_depend_on_what_its_last_page_held_before():
     """A tail's last page holds rows past the user's tokens (what the page's previous owner wrote): they do not
     enter the tail's FP8 scales, so the user's history comes back from host the same either way."""
-    slot_bytes = 2 * CHUNK * 2 * 1 * 2 * 1
-    config = CacheConfig(mode="hierarchical", page_size=PS, num_gpu_pages=6, chunk_tokens=CHUNK,
-                         host_budget_bytes=8 * slot_bytes, host_segment_bytes=3 * slot_bytes,
-                         host_dtype="float8_e4m3fn")
     values = torch.randn(2, 5, 2, PS, 1, 2, generator=torch.Generator().manual_seed(5))
-    restored = []
-    for stale in (0.0, 1e4):
-        kv = KVCacheManager(config, num_layers=2, num_heads=1, head_dim=2, dtype=torch.float32, device="cpu")
-        h = hashes(19)  # 2 whole chunks and a tail of 3 tokens: its last page holds 3 of PS = 4 rows
-        kv.begin_step()
-        kv.acquire("a", h, 19)
-        record = kv.users["a"]
-        kv.kv_cache[:, record.pages] = values
-        kv.kv_cache[:, record.pages[-1], :, 19 % PS:] = stale
-        kv.commit("a", 19, h)
-        kv.release("a")
-        kv.end_step()
-        run(kv, "b", hashes(16, 1))  # evicts "a": its tail goes to host too
-        kv.begin_step()
-        assert run(kv, "a", h) == (0, 19)
-        restored.append(kv_of(kv, "a", 19))
-        kv.check_invariants()
-    assert torch.equal(restored[0], restored[1])
+
+    def fill(stale):
+        def write(kv_cache, pages):
+            kv_cache[:, pages] = values
+            kv_cache[:, pages[-1], :, 19 % PS:] = stale
+        return write
+
+    (_, clean), (_, stale) = fp8_round_trip(fill(0.0)), fp8_round_trip(fill(1e4))
+    assert torch.equal(clean, stale)
 
 
 def test_engines_can_share_a_preallocated_host_arena():

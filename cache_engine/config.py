@@ -84,8 +84,10 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             (``benchmarks/results/profiles/timeline_0b9577f/``). 0 (default): no confinement. Measured on the
             H200 (``benchmarks/results/green_onload_probe_1599954.json``): confinement works (a kernel onload on one
             multiprocessor still reads 50 GB/s, and a stand-in forward beside it ends at 11.0 ms instead of 23.5);
-            but with the ``kernel`` engine the benchmark's batches gained 0.18 ms, within run-to-run noise, and
-            the ``dma`` engine's onload kernels read device memory only (``bound_probe_engines_1599954.log``).
+            but with the ``kernel`` engine the benchmark's batches gained 0.18 ms at 16 multiprocessors, within
+            run-to-run noise, and lost 2.7 ms a batch against ``dma`` at 2 or 8 (their onloads slowed to 5-27 GB/s;
+            ``bound_probe_green_kernel_d874f32.log``); the ``dma`` engine's onload kernels read device memory
+            only (``bound_probe_engines_1599954.log``).
     """
 
     mode: CacheMode = "hierarchical"

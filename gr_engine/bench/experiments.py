@@ -32,9 +32,9 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print,
     result: dict = {"trace": trace.summary(), "settings": _settings_dict(settings), "modes": {}, "simulated": {}}
     main = {"gpu_only": cache_config(settings, "gpu_only"), "hierarchical": cache_config(settings, "hierarchical"),
             "hierarchical_no_tail_persistence": cache_config(settings, "hierarchical", persist_tails=False)}
-    sweeps = [cache_config(settings, "hierarchical", chunk_tokens=c) for c in settings.chunk_sweep]
-    sweeps += [cache_config(settings, m, num_gpu_pages=p) for m in ("gpu_only", "hierarchical")
-               for p in settings.budget_sweep]
+    # (result key, cache field, its values, modes): Table 3 and Table 6
+    sweeps = (("chunk_sweep", "chunk_tokens", settings.chunk_sweep, ("hierarchical",)),
+              ("budget_sweep", "num_gpu_pages", settings.budget_sweep, ("gpu_only", "hierarchical")))
     device = resolve_device(settings.device)  # one model, shared by every engine (its weights are read-only)
     model = GRModel(settings.model).to(device=device, dtype=settings.model.torch_dtype).eval()
     t0 = time.perf_counter()
@@ -58,27 +58,23 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print,
         run.close()
         result["modes"][mode] = entry
         checkpoint(result)
-    result["chunk_sweep"] = _sweep(settings, trace, "chunk_tokens", settings.chunk_sweep, ("hierarchical",),
-                                   arena, model)
-    checkpoint(result)
-    result["budget_sweep"] = _sweep(settings, trace, "num_gpu_pages", settings.budget_sweep,
-                                    ("gpu_only", "hierarchical"), arena, model)
-    checkpoint(result)
+    for key, name, values, modes in sweeps:
+        result[key] = _sweep(settings, trace, name, values, modes, arena, model)
+        checkpoint(result)
     result["lengths"] = _length_scan(settings, model)
     checkpoint(result)
     result["score_drift"] = _score_drift(settings, model)
     result["peak_pinned_h2d_GBps"] = peak_h2d_GBps(settings.device)
     result["host_python_loop_us"] = host_python_loop_us()
-    # The policy simulations run only now: worker processes running beside the measured engines slowed their host
-    # (whose work is most of a cached batch's latency) on the GPU machine, whose vCPUs share cores.
+    # The policy simulations run after the measurements, so that their worker processes never share the CPU with
+    # a measured engine (whose host work is most of a cached batch's latency).
     echo("simulating the cache policies over the whole trace")
-    simulations = Simulations(trace, [*main.values(), *sweeps], settings.simulation_workers)
+    swept = [(entry, cache_config(settings, mode, **{name: value})) for key, name, _, modes in sweeps
+             for mode in modes for value, entry in result[key][mode].items()]
+    simulations = Simulations(trace, [*main.values(), *(cache for _, cache in swept)], settings.simulation_workers)
     result["simulated"] = {name: simulations.get(cache) for name, cache in main.items()}
-    for sweep, name, modes in (("chunk_sweep", "chunk_tokens", ("hierarchical",)),
-                               ("budget_sweep", "num_gpu_pages", ("gpu_only", "hierarchical"))):
-        for mode in modes:
-            for value, entry in result[sweep][mode].items():
-                entry["simulated"] = simulations.get(cache_config(settings, mode, **{name: value}))
+    for entry, cache in swept:
+        entry["simulated"] = simulations.get(cache)
     simulations.close()
     return result
 

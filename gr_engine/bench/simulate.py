@@ -93,8 +93,8 @@ def _simulate_in_worker(trace_config: TraceConfig, cache: CacheConfig) -> dict:
 
 class Simulations:
     """Whole-trace policy simulations (:func:`simulate_policy`) of several cache configurations, run in up to
-    ``workers`` spawned processes (inline when ``workers`` is 0). The benchmark runs them after its measurements:
-    beside the measured engines they slowed the engines' host work."""
+    ``workers`` spawned processes (inline when ``workers`` is 0). The benchmark runs them after its measurements,
+    so that they never share the CPU with a measured engine."""
 
     def __init__(self, trace: Trace, caches: list[CacheConfig], workers: int) -> None:
         self._results: dict[bytes, dict] = {}

@@ -23,8 +23,12 @@ import torch
 
 from attention_backends import base as attention_base
 from attention_backends.hstu_triton import HSTUTritonBackend
+from cache_engine import dma_staging
 from cache_engine import transfer as transfer_module
+from cache_engine.batched_copy import BatchedCopier
+from cache_engine.dma_staging import DmaStaging
 from cache_engine.host_tier import HostTier
+from cache_engine.kernel_cache import CompiledKernels
 from cache_engine.kv_cache_manager import KVCacheManager
 from cache_engine.offload_kernel import ChunkPacker
 from cache_engine.onload_graphs import OnloadGraphs
@@ -63,6 +67,12 @@ WRAPPED = {
     "from_layout": (attention_base.PagedBatchMetadata, "from_layout"),
     "OnloadGraphs.replay": (OnloadGraphs, "replay"), "OnloadLauncher.__call__": (OnloadLauncher, "__call__"),
     "ChunkPacker.__call__": (ChunkPacker, "__call__"),
+    "transfer._onload_by_kernel": (TransferEngine, "_onload_by_kernel"),
+    "transfer._stage_by_dma": (TransferEngine, "_stage_by_dma"), "DmaStaging.copy": (DmaStaging, "copy"),
+    "BatchedCopier.layers": (BatchedCopier, "layers"), "BatchedCopier._call": (BatchedCopier, "_call"),
+    "OnloadLauncher.all_layers": (OnloadLauncher, "all_layers"), "CompiledKernels.launch": (CompiledKernels, "launch"),
+    "transfer.job_slot_addresses": (transfer_module, "job_slot_addresses"),
+    "dma_staging.job_slot_addresses": (dma_staging, "job_slot_addresses"),
 }
 # With --torch-calls: the torch and numpy calls the step path makes most (wrapping adds ~0.3 us to each).
 TORCH_CALLS = {

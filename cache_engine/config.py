@@ -57,11 +57,12 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             CUDA graph (:mod:`cache_engine.onload_graphs`): one launch for the host instead of one per layer.
         dma_graphs: with the ``dma`` engine and ``onload_graphs``, replay the onload kernels from CUDA graphs too,
             each layer's kernel waiting inside the graph for that layer's copies (:mod:`cache_engine.dma_staging`).
-            Its graphs are captured before serving (:meth:`~cache_engine.KVCacheManager.warm_transfers`). On by
-            default: an onload's 8 kernel launches, 8 waits and 8 event records (~180 us of host time on the H200's
-            host, ``benchmarks/results/profiles/host_breakdown_bd444c1.json``) become one replay; its latency over
-            the benchmark's batches matched eager launches (+0.11 ms a batch, within the noise:
-            ``benchmarks/results/profiles/bound_probe_dma_graphs_d8be018.log``).
+            Its graphs are captured before serving (:meth:`~cache_engine.KVCacheManager.warm_transfers`). Off by
+            default: the replay was meant to save an onload's 8 kernel launches, 8 waits and 8 event records (~180 us
+            of host time on the H200's host, ``benchmarks/results/profiles/host_breakdown_bd444c1.json``), but over
+            the benchmark's batches it saved no measurable host time and was 0.1-0.3 ms a batch slower (two A/B
+            runs: ``benchmarks/results/profiles/bound_probe_dma_graphs_d8be018.log``,
+            ``bound_probe_dma_graphs_ad1afb7.log``).
         staging_pages: ``dma`` engine: pages (of every layer) of the device staging buffer, allocated once at the
             pool's host dtype (4,096 pages of the benchmark's FP8 chunks: 1 GiB); an onload of more pages reads host
             memory directly, as ``kernel`` does. Also the largest onload whose graph is captured before serving.
@@ -103,7 +104,7 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     onload_streams: int = 1
     onload_engine: OnloadEngine = "dma"
     onload_graphs: bool = True
-    dma_graphs: bool = True
+    dma_graphs: bool = False
     staging_pages: int = 4096
     prefetch: bool = True
     onload_first: bool = False

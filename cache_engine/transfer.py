@@ -16,19 +16,16 @@ On CUDA, three side streams keep copies off the compute stream:
 - **scatter**: per layer, waits for that layer's copies and scatters the buffer into the users'
   pages; its event for layer ``l`` is what the model's layer ``l`` waits for.
 
-With ``kernels``, the scatter stream instead runs one kernel per layer that reads the host pages
-directly (:mod:`.onload_kernel`) and records that layer's event: no onload buffer, no DMA per chunk. With
-``dma`` (the default engine), the onload stream first copies each layer's host pages into a device staging buffer,
-one batched DMA call per layer (:mod:`.dma_staging`), and the kernels read that buffer instead, so the bytes crossing
-PCIe take no multiprocessors from the forward. With ``graphs`` too, those launches, the waits for the copies and the
-records are replayed from a CUDA graph (:mod:`.onload_graphs`).
-
-The kernels read their index arrays (pool pages, slot ids, host addresses) from pinned host memory
+With ``kernels``, the scatter stream instead runs one kernel per layer that reads the host pages directly
+(:mod:`.onload_kernel`); with ``dma`` (the default engine) the onload stream first copies each layer's host pages
+into a device staging buffer, one batched DMA call per layer (:mod:`.dma_staging`), and the kernels read that, so
+the bytes crossing PCIe take no multiprocessors from the forward; with ``graphs``, the kernels, their waits and
+records are replayed from a CUDA graph (:mod:`.onload_graphs`). Their index arrays are read from pinned host memory
 (:class:`.index_ring.PinnedIndexRing`, or the graphs' own buffers): no upload per transfer.
 
-Host chunks may be stored in FP8 (e4m3): chunks are quantised on the device before the copy out, with
-one scale per (slot, layer, K/V, head) kept in a small device table (``amax / 448``), and dequantised
-by the scatter. That halves host memory and PCIe bytes at a small, measured, cost in accuracy.
+Host chunks may be stored in FP8 (e4m3), quantised on the device on the way out with one scale per (slot, layer,
+K/V, head) in a device table (``amax / 448``, :mod:`.fp8`), dequantised on the way in: half the host memory and
+PCIe bytes, at a small, measured, cost in accuracy.
 
 Nothing here synchronises the device. On CPU the same calls copy synchronously and return no events.
 """
@@ -80,10 +77,8 @@ class TransferEngine:
             job's slot tensor.
         onload_sms: on CUDA, if positive, the scatter stream (where the onload kernels run) is confined to this
             many multiprocessors (:func:`.streams.confined_stream`).
-        dma: with ``kernels`` and a driver with batched copies (:mod:`.batched_copy`), onloads first copy the host
-            pages into a device staging buffer by DMA, one driver call per layer (:mod:`.dma_staging`), and the
-            onload kernel reads that buffer instead of host memory (replayed from graphs with ``graphs`` and
-            ``dma_graphs``).
+        dma: with ``kernels`` and a driver with batched copies, onloads first copy the host pages into a device
+            staging buffer (:mod:`.dma_staging`), which the onload kernel reads instead of host memory.
         dma_graphs: with ``dma``, replay the onload kernels from CUDA graphs too (``graphs`` must be on).
         staging_pages: with ``dma``, the staging buffer's pages (of every layer; at most the pool's): an onload of
             more pages reads host memory directly. Also the largest onload :meth:`warm_onloads` captures graphs for.

@@ -6,8 +6,11 @@ every call (23-34 us a launch on the GPU machine's host, ``benchmarks/results/ho
 afterwards, calls its launcher directly (8 us in the same measurement, given the stream's handle, which
 ``CompiledKernel[grid]`` would otherwise look up on every call). This calls Triton's launcher with every argument, the
 constexprs included, in the kernel's order, as Triton's own launch does; the GPU tests of the kernels that use it
-fail if a Triton version changes that. While a launch hook is registered (a profiler), launches go through
-``CompiledKernel[grid]``, which calls it.
+fail if a Triton version changes that. Tensor arguments reach the launcher as their addresses: given a tensor,
+Triton's launcher calls its ``data_ptr`` and asks the driver whether the address is device-accessible
+(``cuPointerGetAttribute``), a driver call per pointer per launch (six per onload kernel launch); the kernels here
+are only given device memory or pinned host memory, which needs no such check. While a launch hook is registered
+(a profiler), launches go through ``CompiledKernel[grid]``, which calls it.
 
 This module imports Triton.
 """
@@ -61,4 +64,5 @@ class CompiledKernels:
         if stream is None or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls:
             compiled[grid](*args, *constants.values(), stream=stream)
             return
-        run(grid[0], grid[1], grid[2], stream, function, metadata, None, None, None, *args, *constants.values())
+        run(grid[0], grid[1], grid[2], stream, function, metadata, None, None, None,
+            *[arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args], *constants.values())

@@ -3,12 +3,11 @@
 A user's record persists across requests (see :class:`~cache_engine.records.UserRecord`). The life of
 a request:
 
-1. :meth:`KVCacheManager.acquire` verifies the cached prefix against the request's history (a record
-   whose history no longer matches is cut back to the longest matching page prefix: stale KV is never
-   served), locks the record, and gives it pages for the whole history, evicting least recently used
-   unlocked users when needed (zero-copy: only metadata changes; in ``hierarchical`` mode their
-   un-persisted tail is copied to host first). A user whose history is on host only gets it planned
-   for onload. ``None`` means the pages cannot be found now (nothing was changed).
+1. :meth:`KVCacheManager.acquire` verifies the cached prefix against the request's history (a record whose
+   history no longer matches is cut back to the longest matching page prefix: stale KV is never served), locks
+   the record and gives it pages for the whole history, evicting least recently used unlocked users when needed
+   (zero-copy; in ``hierarchical`` mode their un-persisted tail is copied to host first). History only on host is
+   planned for onload. ``None``: the pages cannot be found now (nothing was changed).
 2. :meth:`KVCacheManager.commit` records that the pages now hold more tokens (after each step) and, in
    ``hierarchical`` mode, queues chunks that became full for offload.
 3. :meth:`KVCacheManager.release` unlocks the record (``recompute`` mode drops it).
@@ -94,11 +93,11 @@ class KVCacheManager:
 
     def prefetch(self, user_ids: Sequence[Hashable], count: int | None = None) -> None:
         """Start loading the host-resident history of the first ``count`` (default: all) users of ``user_ids`` who
-        hold no GPU pages, ahead of their requests' validation (``cache.prefetch``; ``hierarchical`` only); all of
-        ``user_ids`` become the most recently used, so that the evictions making room take other users. Each record
-        loaded is locked, holds pages for its host tokens and is counted as a host hit when its request is acquired
-        (the request's verified prefix still decides the reuse); records not acquired by the end of the next step
-        are handed back as GPU-resident. Users without room in the pool, unknown, locked or on the GPU are skipped."""
+        hold no GPU pages, before their requests are validated (``cache.prefetch``, ``hierarchical``); all of
+        ``user_ids`` become the most recently used, so evictions making room take other users. A record loaded is
+        locked, holds pages for its host tokens and counts as a host hit when its request is acquired (whose verified
+        prefix still decides the reuse); one not acquired by the end of the next step is handed back as GPU-resident.
+        Users without room in the pool, unknown, locked or on the GPU are skipped."""
         if self.host is None:
             return
         users = []

@@ -50,11 +50,14 @@ def test_quick_bench_writes_reports(tmp_path, capsys):
     assert smallest["gpu_hit_ratio"] < largest["gpu_hit_ratio"]
     assert all(0 < m["host_python_loop_us"] < 1e4 for m in result["modes"].values())  # as each mode's windows start
     assert summary["host_python_loop_us_hierarchical"] == result["modes"]["hierarchical"]["host_python_loop_us"]
+    assert all(0 < m["host_torch_op_us"] < 1e4 for m in result["modes"].values())  # the host's torch/CUDA calls
+    assert summary["host_torch_op_us_hierarchical"] == result["modes"]["hierarchical"]["host_torch_op_us"]
+    assert 0 < summary["host_torch_op_us"] < 1e4
     drift = result["score_drift"]  # float32 on CPU: host chunks in the KV dtype are exact, FP8 ones are not
     assert drift["kv"]["requests_from_host"] > 0 and drift["kv"]["max_abs"] < 1e-5
     assert drift["float8_e4m3fn"]["requests_from_host"] > 0 and drift["float8_e4m3fn"]["max_abs"] > 1e-4
     text = (tmp_path / "bench.md").read_text()
-    assert "Score drift" in text and "Host time per batch" in text
+    assert "Score drift" in text and "Host time per batch" in text and "a small torch operation" in text
     assert "Table 1" in text and "Table 2" in text and "Table 3" in text and "Table 6" in text
     assert "speedup_bs8" in capsys.readouterr().out
 

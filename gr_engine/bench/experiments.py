@@ -48,6 +48,7 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print,
         if mode != "recompute":
             entry["warmup"] = run.warmup()
         entry["host_python_loop_us"] = host_python_loop_us()  # this host's speed as the windows start
+        entry["host_torch_op_us"] = host_torch_op_us(device)
         largest = max(settings.batch_sizes)
         reports = run.windows([(bs, False) for bs in settings.batch_sizes] + [(largest, True)])
         entry["batch_sizes"] = dict(zip(settings.batch_sizes, reports, strict=False))
@@ -66,6 +67,7 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print,
     result["score_drift"] = _score_drift(settings, model)
     result["peak_pinned_h2d_GBps"] = peak_h2d_GBps(settings.device)
     result["host_python_loop_us"] = host_python_loop_us()
+    result["host_torch_op_us"] = host_torch_op_us(device)
     # The policy simulations run after the measurements, so that their worker processes never share the CPU with
     # a measured engine (whose host work is most of a cached batch's latency).
     echo("simulating the cache policies over the whole trace")
@@ -202,6 +204,25 @@ def host_python_loop_us(rounds: int = 200) -> float:
         t0 = time.perf_counter()
         sum(range(1000))
         times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e6
+
+
+def host_torch_op_us(device: torch.device, rounds: int = 50, calls: int = 20) -> float:
+    """The host's speed at CUDA calls: median microseconds of one small torch operation on ``device`` (``add_`` on
+    1,024 floats: on CUDA an asynchronous kernel launch, the device synchronised between rounds of ``calls``). Two
+    instances whose Python loops ran at the same speed spent ~1.5x apart in the onload phase, which is mostly driver
+    calls (``benchmarks/results/README.md``): this says how fast this instance's are."""
+    small = torch.zeros(1024, device=device)
+    times = []
+    for _ in range(rounds):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            small.add_(1)
+        times.append((time.perf_counter() - t0) / calls)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return float(np.median(times)) * 1e6
 
 

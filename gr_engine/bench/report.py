@@ -53,8 +53,10 @@ def summarize(result: dict, bs: int = 8) -> dict:
         summary["overhead_mean_ms_bs8"] = sum(phases.get(k, 0.0) for k in HOST_PHASES)
         summary["intake_ms_bs8"] = phases.get("intake", 0.0)
     summary["host_python_loop_us"] = result.get("host_python_loop_us")
-    if "hierarchical" in modes and "host_python_loop_us" in modes["hierarchical"]:  # as its windows started
-        summary["host_python_loop_us_hierarchical"] = modes["hierarchical"]["host_python_loop_us"]
+    summary["host_torch_op_us"] = result.get("host_torch_op_us")
+    for probe in ("host_python_loop_us", "host_torch_op_us"):
+        if "hierarchical" in modes and probe in modes["hierarchical"]:  # as its windows started
+            summary[f"{probe}_hierarchical"] = modes["hierarchical"][probe]
     if "gpu_only" in modes:
         summary["gpu_only_hit_ratio_bs8"] = modes["gpu_only"]["batch_sizes"][bs]["gpu_hit_ratio"]
     if "score_drift" in result:
@@ -186,6 +188,13 @@ def markdown(result: dict) -> str:
                   "at the end of the run" + (f" (us as each mode's windows start: {at_start})" if at_start else "")
                   + ". Hosts differ by up to ~2x, between instances and within a run: compare host times within a "
                   "run, or scaled by this."]
+    if result.get("host_torch_op_us") is not None:
+        at_start = ", ".join(f"{name} {entry['host_torch_op_us']:.1f}" for name, entry in modes.items()
+                             if entry.get("host_torch_op_us") is not None)
+        lines += ["", f"Its CUDA calls: a small torch operation (on CUDA a kernel launch) takes "
+                  f"{result['host_torch_op_us']:.1f} us at the end of the run"
+                  + (f" (us as each mode's windows start: {at_start})" if at_start else "")
+                  + ". The onload phase is mostly driver calls, which this tracks and the Python loop does not."]
     lines += ["", "Whole-trace hit ratios (policy simulation, same cache code, no model):", ""]
     lines += [f"- {k}: GPU {v['gpu_hit_ratio']:.2%}, total {v['total_hit_ratio']:.2%}"
               for k, v in result["simulated"].items()]

@@ -62,7 +62,8 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             of host time on the H200's host, ``benchmarks/results/profiles/host_breakdown_bd444c1.json``), but over
             the benchmark's batches it saved no measurable host time and was 0.1-0.3 ms a batch slower (two A/B
             runs: ``benchmarks/results/profiles/bound_probe_dma_graphs_d8be018.log``,
-            ``bound_probe_dma_graphs_ad1afb7.log``).
+            ``bound_probe_dma_graphs_ad1afb7.log``), as step graphs waiting on onload events were
+            (:mod:`gr_engine.step_graphs`): a graph's event-wait nodes on copies still in flight cost its launch.
         staging_pages: ``dma`` engine: pages (of every layer) of the device staging buffer, allocated once at the
             pool's host dtype (4,096 pages of the benchmark's FP8 chunks: 1 GiB); an onload of more pages reads host
             memory directly, as ``kernel`` does. Also the largest onload whose graph is captured before serving.

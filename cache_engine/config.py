@@ -127,4 +127,5 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @property
     def chunk_pages(self) -> int:
+        """Pages per host chunk."""
         return self.chunk_tokens // self.page_size

@@ -68,6 +68,7 @@ class HostChunkStore:
 
     @property
     def slot_bytes(self) -> int:
+        """Bytes of one slot (``slot_shape`` of ``dtype``)."""
         count = 1
         for s in self.slot_shape:
             count *= s
@@ -80,6 +81,7 @@ class HostChunkStore:
 
     @property
     def num_free(self) -> int:
+        """Slots allocated and not in use."""
         return len(self._free)
 
     def adopt_ready_segments(self) -> int:
@@ -111,6 +113,7 @@ class HostChunkStore:
         return self._free.pop() if self._free else None
 
     def free(self, slots: list[int]) -> None:
+        """Give slot ids back (the caller no longer reads or writes them)."""
         self._free.extend(slots)
 
     def slot(self, slot_id: int) -> torch.Tensor:
@@ -118,6 +121,7 @@ class HostChunkStore:
         return self._slots[slot_id]
 
     def free_slot_ids(self) -> list[int]:
+        """The free slot ids (a copy; for invariant checks)."""
         return list(self._free)
 
     def close(self) -> None:

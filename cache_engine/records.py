@@ -87,6 +87,7 @@ class CacheHit(NamedTuple):
 
     @property
     def total(self) -> int:
+        """Reused history tokens, from GPU pages and host chunks together."""
         return self.gpu + self.host
 
 

@@ -40,10 +40,12 @@ class StepMetrics:
 
     @property
     def gpu_hit_ratio(self) -> float:
+        """Fraction of this step's history tokens served from GPU pages."""
         return self.gpu_hit_tokens / self.history_tokens if self.history_tokens else 0.0
 
     @property
     def total_hit_ratio(self) -> float:
+        """Fraction of this step's history tokens not recomputed (GPU or host hits)."""
         return (self.gpu_hit_tokens + self.host_hit_tokens) / self.history_tokens if self.history_tokens else 0.0
 
 

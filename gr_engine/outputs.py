@@ -22,6 +22,7 @@ class StepTimings(msgspec.Struct, kw_only=True):
 
     @property
     def total(self) -> float:
+        """The sum of every phase's seconds."""
         return sum(msgspec.structs.astuple(self))
 
 
@@ -49,6 +50,7 @@ class _OutputBase(msgspec.Struct, kw_only=True):
 
     @property
     def ok(self) -> bool:
+        """Whether the request was served (no ``error``)."""
         return self.error is None
 
 

@@ -68,14 +68,17 @@ class ScheduledChunk:
 
     @property
     def num_history_rows(self) -> int:
+        """History events this chunk computes (``start`` to ``end``)."""
         return self.end - self.start
 
     @property
     def num_candidate_rows(self) -> int:
+        """Candidates scored with this chunk: the request's, on its final chunk only."""
         return self.request.num_candidates if self.final else 0
 
     @property
     def num_tokens(self) -> int:
+        """Rows this chunk adds to the step: history and candidates."""
         return self.num_history_rows + self.num_candidate_rows
 
 

@@ -329,6 +329,8 @@ def _sync(engine: GREngine) -> None:
 
 
 def cache_config(settings: BenchSettings, mode: str, **changes: object) -> CacheConfig:
+    """The cache configuration of ``mode`` in the benchmark: ``settings``' pages, chunks, host budget and dtype and
+    onload engine, then its ``cache`` fields (``--cache KEY=VALUE``), then ``changes`` (a sweep's value)."""
     fields = dict(mode=mode, page_size=settings.page_size, num_gpu_pages=settings.gpu_pages,
                   chunk_tokens=settings.chunk_tokens, host_budget_bytes=settings.host_budget_bytes,
                   host_dtype=settings.host_dtype, onload_engine=settings.onload_engine)

@@ -111,11 +111,13 @@ class Simulations:
                 self._results[msgspec.json.encode(cache)] = _simulated(trace, cache)
 
     def get(self, cache: CacheConfig) -> dict:
+        """The simulated hit ratios of ``cache`` (one of the configurations given at creation), waiting for them."""
         key = msgspec.json.encode(cache)
         if key not in self._results:
             self._results[key] = self._futures[key].result()
         return self._results[key]
 
     def close(self) -> None:
+        """Stop the worker processes (after every :meth:`get`)."""
         if self._pool is not None:
             self._pool.shutdown()

@@ -101,6 +101,7 @@ class Trace:
         )
 
     def summary(self) -> dict[str, float]:
+        """The trace's headline statistics (users, requests, history lengths), as ``bench.json`` records them."""
         lengths = np.array([len(u.item_ids) for u in self.users])
         steady = [self.requests[i] for i in self.steady]
         return {

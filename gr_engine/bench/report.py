@@ -191,7 +191,7 @@ def markdown(result: dict) -> str:
     if result.get("host_torch_op_us") is not None:
         at_start = ", ".join(f"{name} {entry['host_torch_op_us']:.1f}" for name, entry in modes.items()
                              if entry.get("host_torch_op_us") is not None)
-        lines += ["", f"Its CUDA calls: a small torch operation (on CUDA a kernel launch) takes "
+        lines += ["", f"Its device calls: a small torch operation on the run's device (on CUDA, a kernel launch) takes "
                   f"{result['host_torch_op_us']:.1f} us at the end of the run"
                   + (f" (us as each mode's windows start: {at_start})" if at_start else "")
                   + ". The onload phase is mostly driver calls, which this tracks and the Python loop does not."]

@@ -47,8 +47,7 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print,
         entry = {"startup_s": run.startup_s, "gpu_pages": pages}
         if mode != "recompute":
             entry["warmup"] = run.warmup()
-        entry["host_python_loop_us"] = host_python_loop_us()  # this host's speed as the windows start
-        entry["host_torch_op_us"] = host_torch_op_us(device)
+        entry.update(host_probes(device))  # this host's speed as the windows start
         largest = max(settings.batch_sizes)
         reports = run.windows([(bs, False) for bs in settings.batch_sizes] + [(largest, True)])
         entry["batch_sizes"] = dict(zip(settings.batch_sizes, reports, strict=False))
@@ -66,8 +65,7 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print,
     checkpoint(result)
     result["score_drift"] = _score_drift(settings, model)
     result["peak_pinned_h2d_GBps"] = peak_h2d_GBps(settings.device)
-    result["host_python_loop_us"] = host_python_loop_us()
-    result["host_torch_op_us"] = host_torch_op_us(device)
+    result.update(host_probes(device))
     # The policy simulations run after the measurements, so that their worker processes never share the CPU with
     # a measured engine (whose host work is most of a cached batch's latency).
     echo("simulating the cache policies over the whole trace")
@@ -205,6 +203,12 @@ def host_python_loop_us(rounds: int = 200) -> float:
         sum(range(1000))
         times.append(time.perf_counter() - t0)
     return float(np.median(times)) * 1e6
+
+
+def host_probes(device: torch.device) -> dict[str, float]:
+    """This host's speed now (:data:`~.report.HOST_PROBES`): ``host_python_loop_us`` (:func:`host_python_loop_us`)
+    and ``host_torch_op_us`` (:func:`host_torch_op_us` on ``device``)."""
+    return {"host_python_loop_us": host_python_loop_us(), "host_torch_op_us": host_torch_op_us(device)}
 
 
 def host_torch_op_us(device: torch.device, rounds: int = 50, calls: int = 20) -> float:

@@ -10,6 +10,15 @@ import numpy as np
 
 from ..metrics import HOST_PHASES, PHASES
 
+#: The host probes a run records (:mod:`.experiments`), at its end and as each mode's windows start: what each
+#: measures and how to read it (bench.md).
+HOST_PROBES = {
+    "host_python_loop_us": ("This instance's host: a 1,000-step Python loop", "Hosts differ by up to ~2x, between "
+                            "instances and within a run: compare host times within a run, or scaled by this."),
+    "host_torch_op_us": ("Its device calls: a small torch operation on the run's device (on CUDA, a kernel launch)",
+                         "The onload phase is mostly driver calls, which this tracks and the Python loop does not."),
+}
+
 
 def summarize(result: dict, bs: int = 8) -> dict:
     """The headline numbers (``summary.json``): speedups, hit ratios, bound ratio, CPU overhead of steps 1-7 and
@@ -52,10 +61,9 @@ def summarize(result: dict, bs: int = 8) -> dict:
         summary["overhead_ms_bs8"] = host.get("median")
         summary["overhead_mean_ms_bs8"] = sum(phases.get(k, 0.0) for k in HOST_PHASES)
         summary["intake_ms_bs8"] = phases.get("intake", 0.0)
-    summary["host_python_loop_us"] = result.get("host_python_loop_us")
-    summary["host_torch_op_us"] = result.get("host_torch_op_us")
-    for probe in ("host_python_loop_us", "host_torch_op_us"):
-        if "hierarchical" in modes and probe in modes["hierarchical"]:  # as its windows started
+    for probe in HOST_PROBES:  # at the end of the run, and as hierarchical's windows started
+        summary[probe] = result.get(probe)
+        if "hierarchical" in modes and probe in modes["hierarchical"]:
             summary[f"{probe}_hierarchical"] = modes["hierarchical"][probe]
     if "gpu_only" in modes:
         summary["gpu_only_hit_ratio_bs8"] = modes["gpu_only"]["batch_sizes"][bs]["gpu_hit_ratio"]
@@ -181,20 +189,13 @@ def markdown(result: dict) -> str:
         lines += ["", f"Hierarchical batches at BS={max(sizes)} that onloaded at least 20 MB: latency ~ "
                   f"{fit['intercept_ms']:.2f} ms + bytes / {fit['GBps']:.1f} GB/s (least squares; the rate is what "
                   "onloads cost a batch per byte)."]
-    if result.get("host_python_loop_us") is not None:
-        at_start = ", ".join(f"{name} {entry['host_python_loop_us']:.1f}" for name, entry in modes.items()
-                             if entry.get("host_python_loop_us") is not None)
-        lines += ["", f"This instance's host: a 1,000-step Python loop takes {result['host_python_loop_us']:.1f} us "
-                  "at the end of the run" + (f" (us as each mode's windows start: {at_start})" if at_start else "")
-                  + ". Hosts differ by up to ~2x, between instances and within a run: compare host times within a "
-                  "run, or scaled by this."]
-    if result.get("host_torch_op_us") is not None:
-        at_start = ", ".join(f"{name} {entry['host_torch_op_us']:.1f}" for name, entry in modes.items()
-                             if entry.get("host_torch_op_us") is not None)
-        lines += ["", f"Its device calls: a small torch operation on the run's device (on CUDA, a kernel launch) takes "
-                  f"{result['host_torch_op_us']:.1f} us at the end of the run"
-                  + (f" (us as each mode's windows start: {at_start})" if at_start else "")
-                  + ". The onload phase is mostly driver calls, which this tracks and the Python loop does not."]
+    for probe, (what, note) in HOST_PROBES.items():
+        if result.get(probe) is None:
+            continue
+        at_start = ", ".join(f"{name} {entry[probe]:.1f}" for name, entry in modes.items()
+                             if entry.get(probe) is not None)
+        lines += ["", f"{what} takes {result[probe]:.1f} us at the end of the run"
+                  + (f" (us as each mode's windows start: {at_start})" if at_start else "") + f". {note}"]
     lines += ["", "Whole-trace hit ratios (policy simulation, same cache code, no model):", ""]
     lines += [f"- {k}: GPU {v['gpu_hit_ratio']:.2%}, total {v['total_hit_ratio']:.2%}"
               for k, v in result["simulated"].items()]

@@ -154,7 +154,7 @@ def main() -> None:
             lambda: onload_pages(kv, addresses, index, 0, torch.bfloat16))
         from cache_engine import onload_kernel as ok
         from cache_engine.kernel_cache import POINTER_DTYPES
-        args_ = (kv, addresses, index, index, kv, index, 0, 0, 1, 4, 32)  # Count: a placeholder (HAS_COUNT off)
+        args_ = (kv, addresses, index, index, kv, index, 0, 0, 0, 0, 1, 4, 32)  # Count: a placeholder (HAS_COUNT off)
         consts = dict(SRC_DTYPE=POINTER_DTYPES[torch.bfloat16], ROW=512, BLOCK=512, HEAD_DIM=128, ROWS=8,
                       HAS_SCALES=False, HAS_COUNT=False)
         compiled = ok._onload_pages_kernel[(16, 8)](*args_, **consts, num_warps=8)
@@ -165,7 +165,7 @@ def main() -> None:
         # As the engine launches (kernel_cache.CompiledKernels): the compiled launcher, index arrays in pinned host
         # memory, given as tensors (the launcher asks the driver about each pointer) or as their addresses.
         pinned_index, pinned_addresses = index.cpu().pin_memory(), addresses.cpu().pin_memory()
-        as_tensors = (kv, pinned_addresses, pinned_index, pinned_index, kv, pinned_index, 0, 0, 1, 4, 32,
+        as_tensors = (kv, pinned_addresses, pinned_index, pinned_index, kv, pinned_index, 0, 0, 0, 0, 1, 4, 32,
                       *consts.values())
         as_ints = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in as_tensors)
         run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata

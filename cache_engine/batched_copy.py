@@ -117,25 +117,29 @@ class BatchedCopier:
             self._call(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, len(sizes), stream)
 
     def layers(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, dst_layer_bytes: int,
-               src_layer_bytes: int, num_layers: int, stream: int, after_layer: Callable[[int], None]) -> None:
-        """Queue, for each layer ``l`` of ``num_layers`` in turn, one batch copying ``sizes[i]`` bytes from
-        ``srcs[i] + l * src_layer_bytes`` to ``dsts[i] + l * dst_layer_bytes`` (uint64 ``[n]``), then call
-        ``after_layer(l)`` (to record an event after the layer's copies, say); as :meth:`__call__` otherwise. The
+               src_layer_bytes: int, num_layers: int, stream: int, after_group: Callable[[int], None],
+               group: int = 1) -> None:
+        """Queue the copies of ``sizes[i]`` bytes from ``srcs[i] + l * src_layer_bytes`` to ``dsts[i] + l *
+        dst_layer_bytes`` (uint64 ``[n]``) for every layer ``l`` of ``num_layers``: one batch per group of ``group``
+        consecutive layers (group ``g``: layers ``g * group ..``, the last possibly smaller), in order, each followed by
+        ``after_group(g)`` (to record an event after the group's copies, say); as :meth:`__call__` otherwise. The
         addresses of every layer are computed at once."""
         count = len(sizes)
         if not count:
-            for layer in range(num_layers):
-                after_layer(layer)
+            for index in range(-(-num_layers // group)):
+                after_group(index)
             return
         steps = np.arange(num_layers, dtype=np.uint64)[:, None]
-        dst_rows = dsts + steps * np.uint64(dst_layer_bytes)  # [L, n], each row contiguous
+        dst_rows = dsts + steps * np.uint64(dst_layer_bytes)  # [L, n], contiguous: a group's rows are one run
         src_rows = srcs + steps * np.uint64(src_layer_bytes)
-        dst_base, src_base, sizes = dst_rows.ctypes.data, src_rows.ctypes.data, np.ascontiguousarray(sizes)
-        sizes_address, row_bytes = sizes.ctypes.data, count * 8
-        for layer in range(num_layers):
-            offset = layer * row_bytes
-            self._call(dst_base + offset, src_base + offset, sizes_address, count, stream)
-            after_layer(layer)
+        sizes = np.tile(np.ascontiguousarray(sizes), min(group, num_layers))  # the sizes of a whole group's rows
+        dst_base, src_base, sizes_address, row_bytes = dst_rows.ctypes.data, src_rows.ctypes.data, sizes.ctypes.data, \
+            count * 8
+        for index, first in enumerate(range(0, num_layers, group)):
+            offset = first * row_bytes
+            self._call(dst_base + offset, src_base + offset, sizes_address, min(group, num_layers - first) * count,
+                       stream)
+            after_group(index)
 
     def _call(self, dsts: int, srcs: int, sizes: int, count: int, stream: int) -> None:
         """One driver call over ``count`` copies whose arrays start at these addresses."""

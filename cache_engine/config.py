@@ -67,6 +67,10 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         staging_pages: ``dma`` engine: pages (of every layer) of the device staging buffer, allocated once at the
             pool's host dtype (4,096 pages of the benchmark's FP8 chunks: 1 GiB); an onload of more pages reads host
             memory directly, as ``kernel`` does. Also the largest onload whose graph is captured before serving.
+        onload_layer_group: with the ``kernel`` and ``dma`` engines on CUDA, the layers an onload moves per kernel
+            launch and (``dma``) per driver call, with one event per group that every layer of the group waits for:
+            an onload of ``L`` layers then costs the host ``L / onload_layer_group`` launches, driver calls, records
+            and waits, while a layer's attention waits for its whole group's pages.
         prefetch: as requests arrive, before they are validated and hashed, start loading the host-resident
             history of their users who hold no GPU pages (``hierarchical``): the onload then starts about an intake
             and a scheduling earlier. The request's own verified prefix still decides what is reused. Measured on
@@ -107,13 +111,14 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     onload_graphs: bool = True
     dma_graphs: bool = False
     staging_pages: int = 4096
+    onload_layer_group: int = 1
     prefetch: bool = True
     onload_first: bool = False
     onload_sms: int = 0
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_gpu_pages", "chunk_tokens", "host_segment_bytes", "max_pending_offloads",
-                     "onload_streams", "staging_pages"):
+                     "onload_streams", "staging_pages", "onload_layer_group"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"cache.{name} must be positive, got {getattr(self, name)}")
         if self.onload_sms < 0:

@@ -82,11 +82,15 @@ class TransferEngine:
         dma_graphs: with ``dma``, replay the onload kernels from CUDA graphs too (``graphs`` must be on).
         staging_pages: with ``dma``, the staging buffer's pages (of every layer; at most the pool's): an onload of
             more pages reads host memory directly. Also the largest onload :meth:`warm_onloads` captures graphs for.
+        layer_group: with ``kernels``, the layers an onload moves per kernel launch (and, with ``dma``, per driver
+            call), recording one event per group: fewer host calls per onload, while a layer's compute waits for its
+            whole group.
     """
 
     def __init__(self, device: torch.device, scales: torch.Tensor | None = None, onload_streams: int = 1,
                  kernels: bool = False, graphs: bool = False, slot_addresses: np.ndarray | None = None,
-                 onload_sms: int = 0, dma: bool = False, dma_graphs: bool = False, staging_pages: int = 4096) -> None:
+                 onload_sms: int = 0, dma: bool = False, dma_graphs: bool = False, staging_pages: int = 4096,
+                 layer_group: int = 1) -> None:
         self.device = indexed(device)
         self.scales = scales
         self.slot_addresses = slot_addresses
@@ -94,6 +98,7 @@ class TransferEngine:
         self.dma = False  # onloads by DMA into a staging buffer, then the onload kernel (CUDA: see below)
         self.kernels = kernels and self.is_cuda and importlib.util.find_spec("triton") is not None
         self.onload_graphs, self.dma_graphs, self.staging_pages = graphs, dma_graphs, staging_pages
+        self.layer_group = layer_group
         if self.is_cuda:
             self.current_stream = CurrentStream(self.device)  # the compute stream, where the caller works
             self.offload_stream = torch.cuda.Stream(device)
@@ -114,7 +119,8 @@ class TransferEngine:
         self._launcher: OnloadLauncher | None = None  # the onload kernel's, created at the first kernel onload
         self._packer: ChunkPacker | None = None  # the offload kernel's, created at the first kernel offload
         self._graphs: OnloadGraphs | None = None  # the kernel onload's CUDA graphs, with the launcher
-        self._layer_events: list[torch.cuda.Event] = []  # recorded after each layer's kernel, reused every step
+        self._layer_events: list[torch.cuda.Event] = []  # recorded after each group's kernel, reused every step
+        self._ready_by_layer: list[torch.cuda.Event] = []  # each layer's group's event
         self._staging: DmaStaging | None = None  # dma: the staging buffer and its copies
         # The kernels' index arrays, read from pinned memory (CUDA with kernels only).
         self._offload_indices = PinnedIndexRing(pin=self.kernels)
@@ -232,8 +238,8 @@ class TransferEngine:
 
         Returns:
             One entry per layer: on CUDA the event after which that layer's pages hold the data (the
-            model's layer must wait for it; recorded in layer order on one stream); on CPU ``None`` (the copy
-            is done).
+            model's layer must wait for it; recorded in layer order on one stream; with ``layer_group``, the layers of
+            a group share their group's event); on CPU ``None`` (the copy is done).
         """
         num_layers = kv.shape[0]
         if not jobs or not self.moves_data:
@@ -300,10 +306,10 @@ class TransferEngine:
 
     def _onload_by_kernel(self, kv: torch.Tensor, jobs: list[OnloadJob], pages: np.ndarray, page_slots: np.ndarray,
                           counts: np.ndarray) -> list[torch.cuda.Event]:
-        """Per layer, one kernel on the scatter stream reads every job's host pages (pinned, device-addressable)
-        into their GPU pages, replayed from a CUDA graph (:class:`.onload_graphs.OnloadGraphs`) when graphs are on;
-        with ``dma``, from a staging buffer the pages were first copied into (:meth:`_stage_by_dma`). Returns the
-        per-layer events."""
+        """Per layer (or group of ``layer_group`` layers), one kernel on the scatter stream reads every job's host
+        pages (pinned, device-addressable) into their GPU pages, replayed from a CUDA graph
+        (:class:`.onload_graphs.OnloadGraphs`) when graphs are on; with ``dma``, from a staging buffer the pages were
+        first copied into (:meth:`_stage_by_dma`). Returns the per-layer events."""
         src_dtype = jobs[0].slot.dtype
         if self._launcher is None:
             self._prepare_kernels(kv, jobs[0].slot.shape, src_dtype)
@@ -318,7 +324,7 @@ class TransferEngine:
             except RuntimeError:  # copies queued before the failure only wrote the staging buffer
                 logger.warning("batched copies failed; onload kernels read host memory from now on", exc_info=True)
                 self.dma, self._graphs = False, None
-        addresses, layer_bytes, before_layer = staged or (*host_page_addresses(jobs, self.slot_addresses), None)
+        addresses, layer_bytes, before_group = staged or (*host_page_addresses(jobs, self.slot_addresses), None)
         with on_stream(self.scatter_stream, compute):
             self._fence(self.scatter_stream, compute)  # the pages were just handed out on the host side
             graphs = self._graphs
@@ -330,26 +336,26 @@ class TransferEngine:
                 host[:count], host[count:2 * count], host[2 * count:] = pages, page_slots, addresses
                 dst, slot_ids, src = index[:count], index[count:2 * count], index[2 * count:]
                 self._launcher.all_layers(kv, src, dst, layer_bytes, src_dtype, slot_ids, self.scales, events,
-                                          self.scatter_stream, before_layer=before_layer)
+                                          self.scatter_stream, before_group=before_group, group=self.layer_group)
                 self._onload_indices.guard(events[-1])  # re-recorded by later steps: that only waits longer
         self._last_scatter = events[-1]
-        return list(events)
+        return list(self._ready_by_layer)
 
     def _stage_by_dma(self, jobs: list[OnloadJob], counts: np.ndarray, compute: torch.cuda.Stream
                       ) -> tuple[np.ndarray, int, Callable[[int], None]]:
         """Queue the copies of every job's host pages into the staging buffer (:meth:`.dma_staging.DmaStaging.copy`,
         once the previous onload's kernels have read it), recording the events of the turn the onload graphs
         replay next. Returns the staged pages' device addresses (layer 0, int64 ``[count]``), the bytes from one
-        staged layer to the next, and what an eager kernel of layer ``l`` must queue before its launch (a wait for
-        that layer's copies). ``counts``: int64 ``[len(jobs)]``, each job's pages."""
+        staged layer to the next, and what an eager kernel of group ``g`` must queue before its launch (a wait for
+        that group's copies). ``counts``: int64 ``[len(jobs)]``, each job's pages."""
         staging, graphs = self._staging, self._graphs
         turn = graphs.begin() if graphs is not None and graphs.enabled else 0
         addresses = staging.copy(jobs, counts, self.slot_addresses, turn, self._last_scatter, compute)
         copied = staging.events[turn]
-        return addresses, staging.layer_bytes, lambda layer: self.scatter_stream.wait_event(copied[layer])
+        return addresses, staging.layer_bytes, lambda index: self.scatter_stream.wait_event(copied[index])
 
     def _prepare_kernels(self, kv: torch.Tensor, slot_shape: tuple[int, ...], src_dtype: torch.dtype) -> None:
-        """Create the onload kernel's launcher, its per-layer events, with ``dma`` the staging buffer (of
+        """Create the onload kernel's launcher, its per-group events, with ``dma`` the staging buffer (of
         ``staging_pages`` pages, or the pool's pages if fewer) and, with graphs, the onload graphs (their layout:
         the staging buffer's, else host slots of shape ``slot_shape`` and dtype ``src_dtype``)."""
         from .onload_graphs import OnloadGraphs  # imports Triton
@@ -357,18 +363,22 @@ class TransferEngine:
 
         self._launcher = OnloadLauncher()
         self.onload_graphs = self.onload_graphs and (self.dma_graphs or not self.dma)
+        group = self.layer_group = max(1, min(self.layer_group, kv.shape[0]))
+        groups = -(-kv.shape[0] // group)
         try:  # external: graph replays record them as event nodes, waited for outside the graphs
-            self._layer_events = [torch.cuda.Event(external=self.onload_graphs) for _ in range(kv.shape[0])]
+            self._layer_events = [torch.cuda.Event(external=self.onload_graphs) for _ in range(groups)]
         except TypeError:  # a torch without external events (before 2.9): onloads launch eagerly
-            self._layer_events, self.onload_graphs = [torch.cuda.Event() for _ in range(kv.shape[0])], False
+            self._layer_events, self.onload_graphs = [torch.cuda.Event() for _ in range(groups)], False
+        self._ready_by_layer = [self._layer_events[layer // group] for layer in range(kv.shape[0])]
         layer_bytes, waits = int(np.prod(slot_shape[1:])) * src_dtype.itemsize, None
         if self.dma:
             self._staging = DmaStaging(self._copier, self.onload_streams[0], slot_shape, src_dtype,
-                                       min(self.staging_pages, kv.shape[1]), external_events=self.onload_graphs)
+                                       min(self.staging_pages, kv.shape[1]), external_events=self.onload_graphs,
+                                       group=group)
             layer_bytes, waits = self._staging.layer_bytes, self._staging.events
         if self.onload_graphs:
             self._graphs = OnloadGraphs(self._launcher, kv, layer_bytes, src_dtype, self.scales, self._layer_events,
-                                        self.scatter_stream, waits=waits)
+                                        self.scatter_stream, waits=waits, group=group)
 
     def warm_onloads(self, kv: torch.Tensor, slot_shape: tuple[int, ...], src_dtype: torch.dtype) -> int:
         """Before serving: with the kernels on CUDA, create what onloads need (:meth:`_prepare_kernels`) and, with

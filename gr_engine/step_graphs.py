@@ -72,11 +72,13 @@ and the int32 ``[C]`` rows of the candidates."""
 
 
 def run_segments(parts: list[Segment], layer_ready: list[torch.cuda.Event | None]) -> torch.Tensor:
-    """Run a forward's per-layer segments op by op, layer ``l`` after ``layer_ready[l]`` (``None``: no wait)."""
-    x = None
+    """Run a forward's per-layer segments op by op, layer ``l`` after ``layer_ready[l]`` (``None``: no wait; an event
+    the previous layer already waited for is not waited for again)."""
+    x, waited = None, None
     for part, ready in zip(parts, layer_ready, strict=True):
-        if ready is not None:
+        if ready is not None and ready is not waited:
             torch.cuda.current_stream().wait_event(ready)
+            waited = ready
         x = part(x)
     return x
 
@@ -252,9 +254,11 @@ class StepGraphs:
         if whole:
             entry.graphs[0].replay()
         else:
+            waited = None
             for graph, ready in zip(entry.graphs, layer_ready, strict=True):
-                if ready is not None:
+                if ready is not None and ready is not waited:  # layers of an onload group share one event
                     step.stream.wait_event(ready)
+                    waited = ready
                 graph.replay()
         self._compact_read.record(step.stream)  # after the replay (its expansion read the compact step)
         return entry.states[: step.rows], entry.logits[: step.lengths["candidates"]]

@@ -83,12 +83,13 @@ def test_the_driver_call_gets_the_batch_as_the_driver_declares_it(with_fail_inde
         copier(dsts, srcs, sizes, stream=0x1234)
 
 
-@pytest.mark.parametrize("with_fail_index", [False, True])
-def test_per_layer_batches_copy_each_layer_then_call_back(with_fail_index):
+@pytest.mark.parametrize(("with_fail_index", "group"), [(False, 1), (True, 1), (False, 2), (True, 3), (False, 4)])
+def test_per_group_batches_copy_each_layer_then_call_back(with_fail_index, group):
     """:meth:`BatchedCopier.layers` (the ``dma`` engine's staging copies), with a stand-in driver that carries each
-    batch out with ``memmove``: layer ``l``'s batch fills layer ``l`` of a ``[L, pages, ...]`` staging buffer with
-    every job's first pages of that layer, packed in job order, and ``after_layer(l)`` comes right after that
-    layer's one driver call; an empty batch makes no driver call but still calls back for every layer."""
+    batch out with ``memmove``: group ``g``'s one batch (layers ``g * group ..``, the last group smaller) fills those
+    layers of a ``[L, pages, ...]`` staging buffer with every job's first pages of each layer, packed in job order,
+    and ``after_group(g)`` comes right after that group's one driver call; an empty batch makes no driver call but
+    still calls back for every group."""
     log = []
 
     def driver(dsts, srcs, sizes, count, *rest):
@@ -110,13 +111,16 @@ def test_per_layer_batches_copy_each_layer_then_call_back(with_fail_index):
     dsts, srcs, sizes = copy_arrays(staging.data_ptr(), np.array([slots[i].data_ptr() for i in chosen]), counts,
                                     page_bytes)
     copier.layers(dsts, srcs, sizes, staging.stride(0) * staging.element_size(),
-                  slots.stride(1) * slots.element_size(), layers, 0x99, lambda layer: log.append(("after", layer)))
-    assert log == [entry for layer in range(layers) for entry in (("call", 3, 0x99), ("after", layer))]
+                  slots.stride(1) * slots.element_size(), layers, 0x99, lambda index: log.append(("after", index)),
+                  group)
+    firsts = range(0, layers, group)
+    assert log == [entry for index, first in enumerate(firsts)
+                   for entry in (("call", 3 * min(group, layers - first), 0x99), ("after", index))]
     for layer in range(layers):
         expected = torch.cat([slots[i, layer, :n] for i, n in zip(chosen, counts, strict=True)])
         assert torch.equal(staging[layer, :8], expected), layer
     assert not staging[:, 8:].any()
     log.clear()
     empty = np.empty(0, dtype=np.uint64)
-    copier.layers(empty, empty, empty, 64, 64, 2, 0x99, lambda layer: log.append(("after", layer)))
-    assert log == [("after", 0), ("after", 1)]
+    copier.layers(empty, empty, empty, 64, 64, 3, 0x99, lambda index: log.append(("after", index)), group)
+    assert log == [("after", index) for index in range(len(firsts))]

@@ -14,9 +14,9 @@ from tests.test_engine_differential import stream
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
 
-def cuda_config(dtype: str, **cache):
+def cuda_config(dtype: str, num_layers: int = 2, **cache):
     config = tiny_config(max_num_seqs=8, max_num_batched_tokens=256, host_chunks=cache.pop("host_chunks", 400),
-                         d_model=64, num_heads=2, head_dim=32, dtype=dtype)
+                         d_model=64, num_heads=2, head_dim=32, dtype=dtype, num_layers=num_layers)
     return with_cache(msgspec.structs.replace(config, device="cuda"), **cache)
 
 
@@ -184,13 +184,15 @@ def test_onload_first_equals_recompute_with_slow_copies_to_host(monkeypatch, pre
     engine.kv.check_invariants()
 
 
+@pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("dma", [False, True])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_each_layer_event_covers_that_layers_onload(graphs, dma):
+def test_each_layer_event_covers_that_layers_onload(graphs, dma, group):
     """A stream that waits for layer ``l``'s event and reads that layer's pages at once sees the loaded pages,
     whether the onload was launched eagerly or replayed from a graph (whose external event nodes record the
-    events), reading host memory or (``dma``) a staging buffer filled by DMA first: onloads of ~100 MiB a layer
-    over PCIe, read right after each wait, in rounds of several capacities."""
+    events), reading host memory or (``dma``) a staging buffer filled by DMA first, one layer or (``group`` 3 of 4
+    layers: groups of 3 and 1) a group of layers per launch and driver call: onloads of ~100 MiB a layer over PCIe,
+    read right after each wait, in rounds of several capacities."""
     from cache_engine import HostChunkStore, OnloadJob, TransferEngine
 
     layers, chunk_pages, page, heads, dim, num_chunks = 4, 32, 32, 4, 128, 48
@@ -201,7 +203,8 @@ def test_each_layer_event_covers_that_layers_onload(graphs, dma):
     for s in range(num_chunks):
         store.slot(s).copy_(torch.randn(shape, generator=gen).to(torch.bfloat16))
     kv = torch.zeros(layers, num_chunks * chunk_pages + 10, 2, page, heads, dim, dtype=torch.bfloat16, device="cuda")
-    transfer = TransferEngine(torch.device("cuda"), kernels=True, graphs=graphs, dma=dma, dma_graphs=dma)
+    transfer = TransferEngine(torch.device("cuda"), kernels=True, graphs=graphs, dma=dma, dma_graphs=dma,
+                              layer_group=group)
     assert transfer.dma == dma  # a driver of CUDA 12.8 or later
     compute = torch.cuda.current_stream()
     rng = np.random.default_rng(1)
@@ -210,6 +213,7 @@ def test_each_layer_event_covers_that_layers_onload(graphs, dma):
         order = rng.permutation(kv.shape[1])[: chunks * pages_each].reshape(chunks, pages_each)
         jobs = [OnloadJob(c, store.slot(c), order[c]) for c in range(chunks)]
         events = transfer.onload(kv, jobs)
+        assert len(events) == layers and len({id(event) for event in events}) == -(-layers // group)
         dst = torch.from_numpy(order.ravel()).cuda()
         seen = []
         for layer, event in enumerate(events):
@@ -388,10 +392,11 @@ def test_batched_copies_score_exactly_as_copies_one_chunk_at_a_time():
 @pytest.mark.parametrize("host_dtype", ["kv", "float8_e4m3fn"])
 def test_dma_onload_engine_equals_kernel_engine(monkeypatch, host_dtype):
     """``onload_engine="dma"``: host pages copied into a staging buffer by batched DMA, then the onload kernel reads
-    the buffer (offloads as ``kernel``), launched eagerly or replayed from CUDA graphs (``dma_graphs``): exactly the
-    ``kernel`` engine's scores, which read the same bytes straight from host memory and dequantise them the same
-    way. The graphs' variant runs with every onload's copies held back ~10 ms on the copy stream: a kernel that did
-    not wait inside its graph for its layer's copies would read what the staging buffer held before."""
+    the buffer (offloads as ``kernel``), launched eagerly or replayed from CUDA graphs (``dma_graphs``), one layer
+    or a group of layers per launch and copy call (``onload_layer_group``): exactly the ``kernel`` engine's scores,
+    which read the same bytes straight from host memory and dequantise them the same way. Some variants run with
+    every onload's copies held back ~10 ms on the copy stream: a kernel that did not wait (inside its graph, or
+    eagerly) for its group's copies would read what the staging buffer held before."""
     from cache_engine.dma_staging import DmaStaging
 
     copy = DmaStaging.copy
@@ -402,12 +407,16 @@ def test_dma_onload_engine_equals_kernel_engine(monkeypatch, host_dtype):
         return copy(self, *args)
 
     outputs = []
-    # (engine, dma_graphs, copies held back, staging pages: 8 is fewer than most onloads, which then read host memory)
-    for engine_name, graphs, slow, staging in (("kernel", True, False, 4096), ("dma", False, False, 4096),
-                                               ("dma", True, True, 4096), ("dma", False, False, 8)):
+    # (engine, dma_graphs, copies held back, staging pages: 8 is fewer than most onloads, which then read host memory,
+    # layers per onload group)
+    for engine_name, graphs, slow, staging, group in (
+            ("kernel", True, False, 4096, 1), ("dma", False, False, 4096, 1), ("dma", True, True, 4096, 1),
+            ("dma", False, False, 8, 1), ("dma", False, True, 4096, 2), ("dma", True, True, 4096, 3),
+            ("kernel", True, False, 4096, 4)):  # 5 layers: groups of 2, 2, 1 / 3, 2 / 4, 1
         monkeypatch.setattr(DmaStaging, "copy", slow_copy if slow else copy)
-        engine = GREngine(cuda_config("bfloat16", mode="hierarchical", num_gpu_pages=200, onload_engine=engine_name,
-                                      dma_graphs=graphs, host_dtype=host_dtype, staging_pages=staging))
+        engine = GREngine(cuda_config("bfloat16", 5, mode="hierarchical", num_gpu_pages=200,
+                                      onload_engine=engine_name, dma_graphs=graphs, host_dtype=host_dtype,
+                                      staging_pages=staging, onload_layer_group=group))
         engine.kv.host.store.wait_until_allocated()
         transfer = engine.kv.host.transfer
         assert transfer.dma == (engine_name == "dma")  # a driver of CUDA 12.8 or later

@@ -184,13 +184,16 @@ def test_engine_job_addresses_load_like_the_copy_path():
     assert expected.abs().sum() > 0
 
 
-def test_before_layer_is_called_in_layer_order_before_each_launch():
-    """``all_layers(before_layer=...)``: the hook runs once per layer, in order, before that layer's launch (the
-    ``dma`` onload queues its wait for the layer's copies there): at each call, only the earlier layers are written."""
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_before_group_is_called_in_order_before_each_groups_launch(group):
+    """``all_layers(before_group=..., group=...)``: the hook runs once per group of ``group`` layers (the last group
+    smaller when they do not divide the layers), in order, before that group's one launch (the ``dma`` onload queues
+    its wait for the group's copies there): at each call, exactly the earlier groups' layers are written, and at the
+    end every layer, each group's event recorded."""
     from cache_engine.onload_kernel import OnloadLauncher
 
     gen = torch.Generator().manual_seed(4)
-    layers, chunk_pages, page, heads, dim = 3, 2, 8, 2, 16
+    layers, chunk_pages, page, heads, dim = 5, 2, 8, 2, 16
     slots, _ = host_slots(2, layers, chunk_pages, page, heads, dim, torch.bfloat16, gen)
     pool_dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     pool = torch.zeros(layers, 6, 2, page, heads, dim, dtype=pool_dtype, device=DEVICE)
@@ -198,11 +201,42 @@ def test_before_layer_is_called_in_layer_order_before_each_launch():
     dst = torch.tensor([5, 0, 3, 1], device=DEVICE)
     written = []
 
-    def before_layer(layer: int) -> None:
+    def before_group(index: int) -> None:
         if DEVICE == "cuda":
             torch.cuda.synchronize()
-        written.append((layer, [bool(pool[other].any()) for other in range(layers)]))
+        written.append((index, [bool(pool[other].any()) for other in range(layers)]))
 
     OnloadLauncher().all_layers(pool, addr, dst, slots.stride(1) * slots.element_size(), torch.bfloat16,
-                                before_layer=before_layer)
-    assert written == [(layer, [other < layer for other in range(layers)]) for layer in range(layers)]
+                                before_group=before_group, group=group)
+    groups = -(-layers // group)
+    assert written == [(index, [other < index * group for other in range(layers)]) for index in range(groups)]
+    for (s, p), d in zip([(s, p) for s in range(2) for p in range(chunk_pages)], dst.tolist(), strict=True):
+        torch.testing.assert_close(pool[:, d].cpu(), slots[s, :, p].to(pool_dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_grouped_launches_load_what_one_launch_per_layer_loads(fp8):
+    """Layers in groups of 2, 3 and 4 (more than the layers: one launch), with FP8 scales taken at each group
+    layer's own index: the pool ends exactly as with one launch per layer."""
+    from cache_engine.onload_kernel import OnloadLauncher
+
+    gen = torch.Generator().manual_seed(5)
+    layers, chunk_pages, page, heads, dim, num_slots = 3, 4, 8, 2, 16, 4
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    slots, _ = host_slots(num_slots, layers, chunk_pages, page, heads, dim, dtype, gen)
+    scales = (torch.rand(num_slots, layers, 2, heads, generator=gen) + 0.5).to(DEVICE) if fp8 else None
+    pool_dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    picks = [(int(f) // chunk_pages, int(f) % chunk_pages) for f in torch.randperm(num_slots * chunk_pages,
+                                                                                   generator=gen)[:9]]
+    dst = torch.randperm(30, generator=gen)[:9].to(DEVICE)
+    addr = torch.tensor([slots[s, 0, p].data_ptr() for s, p in picks], device=DEVICE)
+    slot_ids = torch.tensor([s for s, _ in picks], device=DEVICE)
+    layer_bytes = slots.stride(1) * slots.element_size()
+    launcher = OnloadLauncher()
+    pools = {}
+    for group in (1, 2, 3, 4):
+        pool = pools[group] = torch.zeros(layers, 30, 2, page, heads, dim, dtype=pool_dtype, device=DEVICE)
+        launcher.all_layers(pool, addr, dst, layer_bytes, dtype, slot_ids, scales, group=group)
+    assert pools[1].abs().sum() > 0
+    for group in (2, 3, 4):
+        torch.testing.assert_close(pools[group], pools[1], rtol=0, atol=0)

@@ -121,13 +121,13 @@ class BatchedCopier:
                group: int = 1) -> None:
         """Queue the copies of ``sizes[i]`` bytes from ``srcs[i] + l * src_layer_bytes`` to ``dsts[i] + l *
         dst_layer_bytes`` (uint64 ``[n]``) for every layer ``l`` of ``num_layers``: one batch per group of ``group``
-        consecutive layers (group ``g``: layers ``g * group ..``, the last possibly smaller), in order, each followed by
-        ``after_group(g)`` (to record an event after the group's copies, say); as :meth:`__call__` otherwise. The
-        addresses of every layer are computed at once."""
+        consecutive layers (``0 .. group - 1``, ``group .. 2 * group - 1``, ..; the last possibly smaller), in order,
+        each followed by ``after_group(last)``, ``last`` being the group's last layer (to record an event after the
+        group's copies, say); as :meth:`__call__` otherwise. The addresses of every layer are computed at once."""
         count = len(sizes)
         if not count:
-            for index in range(-(-num_layers // group)):
-                after_group(index)
+            for first in range(0, num_layers, group):
+                after_group(min(first + group, num_layers) - 1)
             return
         steps = np.arange(num_layers, dtype=np.uint64)[:, None]
         dst_rows = dsts + steps * np.uint64(dst_layer_bytes)  # [L, n], contiguous: a group's rows are one run
@@ -135,11 +135,11 @@ class BatchedCopier:
         sizes = np.tile(np.ascontiguousarray(sizes), min(group, num_layers))  # the sizes of a whole group's rows
         dst_base, src_base, sizes_address, row_bytes = dst_rows.ctypes.data, src_rows.ctypes.data, sizes.ctypes.data, \
             count * 8
-        for index, first in enumerate(range(0, num_layers, group)):
-            offset = first * row_bytes
-            self._call(dst_base + offset, src_base + offset, sizes_address, min(group, num_layers - first) * count,
-                       stream)
-            after_group(index)
+        for first in range(0, num_layers, group):
+            last = min(first + group, num_layers) - 1
+            self._call(dst_base + first * row_bytes, src_base + first * row_bytes, sizes_address,
+                       (last + 1 - first) * count, stream)
+            after_group(last)
 
     def _call(self, dsts: int, srcs: int, sizes: int, count: int, stream: int) -> None:
         """One driver call over ``count`` copies whose arrays start at these addresses."""

@@ -67,10 +67,11 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         staging_pages: ``dma`` engine: pages (of every layer) of the device staging buffer, allocated once at the
             pool's host dtype (4,096 pages of the benchmark's FP8 chunks: 1 GiB); an onload of more pages reads host
             memory directly, as ``kernel`` does. Also the largest onload whose graph is captured before serving.
-        onload_layer_group: with the ``kernel`` and ``dma`` engines on CUDA, the layers an onload moves per kernel
-            launch and (``dma``) per driver call, with one event per group that every layer of the group waits for:
-            an onload of ``L`` layers then costs the host ``L / onload_layer_group`` launches, driver calls, records
-            and waits, while a layer's attention waits for its whole group's pages.
+        onload_group_bytes: with the ``kernel`` and ``dma`` engines on CUDA (onloads launched eagerly, not replayed
+            from graphs), an onload moves as many consecutive layers per kernel launch and (``dma``) per driver call
+            as fit in this many bytes of host pages (at least one layer), with one event per group that each of its
+            layers waits for: a small onload, over before the forward would start its layers anyway, then costs the
+            host one launch, copy call, record and wait instead of one per layer. 0 (default): one layer at a time.
         prefetch: as requests arrive, before they are validated and hashed, start loading the host-resident
             history of their users who hold no GPU pages (``hierarchical``): the onload then starts about an intake
             and a scheduling earlier. The request's own verified prefix still decides what is reused. Measured on
@@ -111,18 +112,19 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     onload_graphs: bool = True
     dma_graphs: bool = False
     staging_pages: int = 4096
-    onload_layer_group: int = 1
+    onload_group_bytes: int = 0
     prefetch: bool = True
     onload_first: bool = False
     onload_sms: int = 0
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_gpu_pages", "chunk_tokens", "host_segment_bytes", "max_pending_offloads",
-                     "onload_streams", "staging_pages", "onload_layer_group"):
+                     "onload_streams", "staging_pages"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"cache.{name} must be positive, got {getattr(self, name)}")
-        if self.onload_sms < 0:
-            raise ValueError(f"cache.onload_sms must be >= 0, got {self.onload_sms}")
+        for name in ("onload_sms", "onload_group_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"cache.{name} must be >= 0, got {getattr(self, name)}")
         if self.host_budget_bytes < 0:
             raise ValueError(f"cache.host_budget_bytes must be >= 0, got {self.host_budget_bytes}")
         if self.chunk_tokens % self.page_size:

@@ -106,7 +106,7 @@ class HostTier:
                                   kernels=config.onload_engine in ("kernel", "dma"), dma=config.onload_engine == "dma",
                                   graphs=config.onload_graphs, slot_addresses=store.addresses,
                                   onload_sms=config.onload_sms, dma_graphs=config.dma_graphs,
-                                  staging_pages=config.staging_pages, layer_group=config.onload_layer_group)
+                                  staging_pages=config.staging_pages, group_bytes=config.onload_group_bytes)
         return cls(config, store, transfer, kv, users, stats)
 
     @property

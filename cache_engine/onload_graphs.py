@@ -1,8 +1,7 @@
 """Each step's kernel onload replayed from a CUDA graph: one launch for the host where there was one kernel launch
 and one event record per layer (~30 us each on the GPU machine's host within a benchmark step: ~0.3 ms a step).
 
-A graph is captured per capacity, a power of two of pages (at least ``min_capacity``): for each layer (or group of
-layers, ``group``), the onload
+A graph is captured per capacity, a power of two of pages (at least ``min_capacity``): for each layer, the onload
 kernel over index arrays of that capacity in a static pinned host buffer, which the kernels read over PCIe (each
 index once), loading the first ``count`` entries (the step's page count, read on the device:
 :meth:`~.onload_kernel.OnloadLauncher.all_layers`'s ``count``), then that layer's event recorded as an external event
@@ -50,19 +49,17 @@ class OnloadGraphs:
         events: one per layer, created with ``external=True``; recorded by every replay.
         stream: where graphs are captured and replayed (a side stream, never the legacy default stream).
         min_capacity: the smallest capacity captured, in pages.
-        waits: per turn, per group of layers, an external event group ``g``'s kernel waits for inside the graph
-            (the ``dma`` engine's copies into its staging buffer), or ``None``. There are ``len(waits)`` turns (index
+        waits: per turn, per layer, an external event layer ``l``'s kernel waits for inside the graph (the
+            ``dma`` engine's copies into its staging buffer), or ``None``. There are ``len(waits)`` turns (index
             buffers and graphs per capacity, used in turn), else two.
-        group: layers per kernel launch (:meth:`~.onload_kernel.OnloadLauncher.all_layers`); ``events`` and each
-            turn's ``waits`` hold one event per group.
     """
 
     def __init__(self, launcher: OnloadLauncher, kv: torch.Tensor, layer_bytes: int, src_dtype: torch.dtype,
                  scales: torch.Tensor | None, events: list[torch.cuda.Event], stream: torch.cuda.Stream,
-                 min_capacity: int = 256, waits: list[list[torch.cuda.Event]] | None = None, group: int = 1) -> None:
+                 min_capacity: int = 256, waits: list[list[torch.cuda.Event]] | None = None) -> None:
         self.launcher, self.kv, self.layer_bytes, self.src_dtype = launcher, kv, layer_bytes, src_dtype
         self.scales, self.events, self.stream, self.min_capacity = scales, events, stream, min_capacity
-        self.waits, self.group = waits, group
+        self.waits = waits
         # (capacity, turn) -> (graph, its pinned indices as numpy)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, np.ndarray]] = {}
         self._turn = 0
@@ -131,15 +128,14 @@ class OnloadGraphs:
         dst, slot_ids, src = indices[:capacity], indices[capacity:2 * capacity], indices[2 * capacity:3 * capacity]
         args = (self.kv, src, dst, self.layer_bytes, self.src_dtype, slot_ids if self.scales is not None else None,
                 self.scales)
-        # compiles outside the capture
-        self.launcher.all_layers(*args, None, self.stream, indices[-1:], group=self.group)
+        self.launcher.all_layers(*args, None, self.stream, indices[-1:])  # compiles outside the capture
         waits = None if self.waits is None else self.waits[turn]
         graph = torch.cuda.CUDAGraph()
         # thread_local: the host tier's worker threads may call CUDA (pinning) during the capture
         with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
-            self.launcher.all_layers(*args, self.events, self.stream, indices[-1:], group=self.group,
-                                     before_group=None if waits is None else lambda index: self.stream.wait_event(
-                                         waits[index]))
+            self.launcher.all_layers(*args, self.events, self.stream, indices[-1:],
+                                     before_group=None if waits is None else lambda layer: self.stream.wait_event(
+                                         waits[layer]))
         self._replayed[turn].record(self.stream)  # after the warm-up launches, which read the indices too
         self._pinned.append(indices)  # kept alive: the graph reads it; the numpy view below does not own it
         return graph, indices.numpy()

@@ -112,12 +112,13 @@ class OnloadLauncher:
                    group: int = 1) -> None:
         """Load every layer of the pool ``kv`` (``[L, num_pages, 2, page_size, H, D]``, contiguous), reading host
         addresses ``src_addr + l * layer_bytes`` for layer ``l``: one launch per group of ``group`` consecutive
-        layers (group ``g``: layers ``g * group ..``, the last group possibly smaller), then a record of ``events[g]``
-        (if given; ``ceil(L / group)`` of them) on ``stream``; the rest as :func:`onload_pages`. ``stream``, if given,
-        must be the current stream: its handle then needs no lookup per launch. ``count``: int64 ``[1]`` on the
-        device; if given, only the first ``count[0]`` entries of the index tensors are loaded (the launches can then be
-        captured once for index tensors of a fixed capacity). ``before_group(g)``, if given, is called just before
-        group ``g``'s launch (to queue a wait, say)."""
+        layers (``0 .. group - 1``, ``group .. 2 * group - 1``, ..; the last group possibly smaller), then a record of
+        ``events[last]`` (if given, one per layer), ``last`` being the group's last layer, on ``stream``; the rest as
+        :func:`onload_pages`. ``stream``, if given, must be the current stream: its handle then needs no lookup per
+        launch. ``count``: int64 ``[1]`` on the device; if given, only the first ``count[0]`` entries of the index
+        tensors are loaded (the launches can then be captured once for index tensors of a fixed capacity).
+        ``before_group(last)``, if given, is called just before the launch of the group ending at layer ``last`` (to
+        queue a wait, say)."""
         if src_addr.shape[0] == 0:
             return
         num_layers = kv.shape[0]
@@ -125,16 +126,16 @@ class OnloadLauncher:
         handle = None if stream is None else stream.cuda_stream
         bind = (src_addr, dst_pages, src_dtype, slot_ids, scales, count, layer_bytes, handle)
         launch, size = None, 0
-        for index, first in enumerate(range(0, num_layers, group)):
-            kv_layer = kv[first]
-            if launch is None or not uniform or size != min(group, num_layers - first):
-                size = min(group, num_layers - first)
+        for first in range(0, num_layers, group):
+            kv_layer, last = kv[first], min(first + group, num_layers) - 1
+            if launch is None or not uniform or size != last + 1 - first:
+                size = last + 1 - first
                 launch, fixed = self._bind(kv_layer, *bind, size)
             if before_group is not None:
-                before_group(index)
+                before_group(last)
             launch((kv_layer, *fixed[:5], first * layer_bytes, first, *fixed[5:]))
             if events is not None:
-                events[index].record(stream)
+                events[last].record(stream)
 
     def _bind(self, kv_layer: torch.Tensor, src_addr: torch.Tensor, dst_pages: torch.Tensor, src_dtype: torch.dtype,
               slot_ids: torch.Tensor | None, scales: torch.Tensor | None, count: torch.Tensor | None, layer_bytes: int,

@@ -82,15 +82,16 @@ class TransferEngine:
         dma_graphs: with ``dma``, replay the onload kernels from CUDA graphs too (``graphs`` must be on).
         staging_pages: with ``dma``, the staging buffer's pages (of every layer; at most the pool's): an onload of
             more pages reads host memory directly. Also the largest onload :meth:`warm_onloads` captures graphs for.
-        layer_group: with ``kernels``, the layers an onload moves per kernel launch (and, with ``dma``, per driver
-            call), recording one event per group: fewer host calls per onload, while a layer's compute waits for its
-            whole group.
+        group_bytes: with ``kernels``, an onload launched eagerly moves as many consecutive layers per kernel
+            launch (and, with ``dma``, per driver call) as fit in this many bytes of its host pages, at least one,
+            with one event per group: fewer host calls for a small onload, while a layer's compute waits for its whole
+            group. 0: one layer at a time (always so for onloads replayed from CUDA graphs).
     """
 
     def __init__(self, device: torch.device, scales: torch.Tensor | None = None, onload_streams: int = 1,
                  kernels: bool = False, graphs: bool = False, slot_addresses: np.ndarray | None = None,
                  onload_sms: int = 0, dma: bool = False, dma_graphs: bool = False, staging_pages: int = 4096,
-                 layer_group: int = 1) -> None:
+                 group_bytes: int = 0) -> None:
         self.device = indexed(device)
         self.scales = scales
         self.slot_addresses = slot_addresses
@@ -98,7 +99,7 @@ class TransferEngine:
         self.dma = False  # onloads by DMA into a staging buffer, then the onload kernel (CUDA: see below)
         self.kernels = kernels and self.is_cuda and importlib.util.find_spec("triton") is not None
         self.onload_graphs, self.dma_graphs, self.staging_pages = graphs, dma_graphs, staging_pages
-        self.layer_group = layer_group
+        self.group_bytes = group_bytes
         if self.is_cuda:
             self.current_stream = CurrentStream(self.device)  # the compute stream, where the caller works
             self.offload_stream = torch.cuda.Stream(device)
@@ -119,8 +120,7 @@ class TransferEngine:
         self._launcher: OnloadLauncher | None = None  # the onload kernel's, created at the first kernel onload
         self._packer: ChunkPacker | None = None  # the offload kernel's, created at the first kernel offload
         self._graphs: OnloadGraphs | None = None  # the kernel onload's CUDA graphs, with the launcher
-        self._layer_events: list[torch.cuda.Event] = []  # recorded after each group's kernel, reused every step
-        self._ready_by_layer: list[torch.cuda.Event] = []  # each layer's group's event
+        self._layer_events: list[torch.cuda.Event] = []  # recorded after each layer's kernel, reused every step
         self._staging: DmaStaging | None = None  # dma: the staging buffer and its copies
         # The kernels' index arrays, read from pinned memory (CUDA with kernels only).
         self._offload_indices = PinnedIndexRing(pin=self.kernels)
@@ -238,7 +238,7 @@ class TransferEngine:
 
         Returns:
             One entry per layer: on CUDA the event after which that layer's pages hold the data (the
-            model's layer must wait for it; recorded in layer order on one stream; with ``layer_group``, the layers of
+            model's layer must wait for it; recorded in layer order on one stream; with ``group_bytes``, the layers of
             a group share their group's event); on CPU ``None`` (the copy is done).
         """
         num_layers = kv.shape[0]
@@ -306,7 +306,7 @@ class TransferEngine:
 
     def _onload_by_kernel(self, kv: torch.Tensor, jobs: list[OnloadJob], pages: np.ndarray, page_slots: np.ndarray,
                           counts: np.ndarray) -> list[torch.cuda.Event]:
-        """Per layer (or group of ``layer_group`` layers), one kernel on the scatter stream reads every job's host
+        """Per layer (or group of layers: ``group_bytes``), one kernel on the scatter stream reads every job's host
         pages (pinned, device-addressable) into their GPU pages, replayed from a CUDA graph
         (:class:`.onload_graphs.OnloadGraphs`) when graphs are on; with ``dma``, from a staging buffer the pages were
         first copied into (:meth:`_stage_by_dma`). Returns the per-layer events."""
@@ -317,10 +317,10 @@ class TransferEngine:
         # The same events every step: a stream that waits on one waits for its latest record at that time, and each
         # step's waits are queued before the next step records again. The host tier frees the host slots an onload
         # reads once its events report done, which a later record can only delay (one stream, in order).
-        events, staged = self._layer_events, None
+        events, staged, group = self._layer_events, None, self._group(kv.shape[0], len(pages), jobs[0].slot)
         if self.dma and len(pages) <= self._staging.capacity:  # the host pages cross PCIe by DMA into the staging
             try:  # buffer, and the kernels read that instead (an onload too large for it reads host memory)
-                staged = self._stage_by_dma(jobs, counts, compute)
+                staged = self._stage_by_dma(jobs, counts, compute, group)
             except RuntimeError:  # copies queued before the failure only wrote the staging buffer
                 logger.warning("batched copies failed; onload kernels read host memory from now on", exc_info=True)
                 self.dma, self._graphs = False, None
@@ -336,26 +336,37 @@ class TransferEngine:
                 host[:count], host[count:2 * count], host[2 * count:] = pages, page_slots, addresses
                 dst, slot_ids, src = index[:count], index[count:2 * count], index[2 * count:]
                 self._launcher.all_layers(kv, src, dst, layer_bytes, src_dtype, slot_ids, self.scales, events,
-                                          self.scatter_stream, before_group=before_group, group=self.layer_group)
+                                          self.scatter_stream, before_group=before_group, group=group)
                 self._onload_indices.guard(events[-1])  # re-recorded by later steps: that only waits longer
         self._last_scatter = events[-1]
-        return list(self._ready_by_layer)
+        if group == 1:
+            return list(events)
+        return [events[min(layer - layer % group + group, len(events)) - 1] for layer in range(len(events))]
 
-    def _stage_by_dma(self, jobs: list[OnloadJob], counts: np.ndarray, compute: torch.cuda.Stream
+    def _group(self, num_layers: int, num_pages: int, slot: torch.Tensor) -> int:
+        """Layers per launch of an eager onload of ``num_pages`` pages from host slots like ``slot``: as many as fit
+        in ``group_bytes`` (at least one); one whenever graphs may replay it (they launch layer by layer)."""
+        if not self.group_bytes or self._graphs is not None:
+            return 1
+        layer_bytes = num_pages * slot.stride(1) * slot.element_size()
+        return max(1, min(num_layers, self.group_bytes // max(layer_bytes, 1)))
+
+    def _stage_by_dma(self, jobs: list[OnloadJob], counts: np.ndarray, compute: torch.cuda.Stream, group: int
                       ) -> tuple[np.ndarray, int, Callable[[int], None]]:
         """Queue the copies of every job's host pages into the staging buffer (:meth:`.dma_staging.DmaStaging.copy`,
         once the previous onload's kernels have read it), recording the events of the turn the onload graphs
         replay next. Returns the staged pages' device addresses (layer 0, int64 ``[count]``), the bytes from one
-        staged layer to the next, and what an eager kernel of group ``g`` must queue before its launch (a wait for
-        that group's copies). ``counts``: int64 ``[len(jobs)]``, each job's pages."""
+        staged layer to the next, and what an eager kernel of the group of ``group`` layers ending at layer ``last``
+        must queue before its launch (a wait for that group's copies). ``counts``: int64 ``[len(jobs)]``, each job's
+        pages."""
         staging, graphs = self._staging, self._graphs
         turn = graphs.begin() if graphs is not None and graphs.enabled else 0
-        addresses = staging.copy(jobs, counts, self.slot_addresses, turn, self._last_scatter, compute)
+        addresses = staging.copy(jobs, counts, self.slot_addresses, turn, self._last_scatter, compute, group)
         copied = staging.events[turn]
-        return addresses, staging.layer_bytes, lambda index: self.scatter_stream.wait_event(copied[index])
+        return addresses, staging.layer_bytes, lambda last: self.scatter_stream.wait_event(copied[last])
 
     def _prepare_kernels(self, kv: torch.Tensor, slot_shape: tuple[int, ...], src_dtype: torch.dtype) -> None:
-        """Create the onload kernel's launcher, its per-group events, with ``dma`` the staging buffer (of
+        """Create the onload kernel's launcher, its per-layer events, with ``dma`` the staging buffer (of
         ``staging_pages`` pages, or the pool's pages if fewer) and, with graphs, the onload graphs (their layout:
         the staging buffer's, else host slots of shape ``slot_shape`` and dtype ``src_dtype``)."""
         from .onload_graphs import OnloadGraphs  # imports Triton
@@ -363,22 +374,18 @@ class TransferEngine:
 
         self._launcher = OnloadLauncher()
         self.onload_graphs = self.onload_graphs and (self.dma_graphs or not self.dma)
-        group = self.layer_group = max(1, min(self.layer_group, kv.shape[0]))
-        groups = -(-kv.shape[0] // group)
         try:  # external: graph replays record them as event nodes, waited for outside the graphs
-            self._layer_events = [torch.cuda.Event(external=self.onload_graphs) for _ in range(groups)]
+            self._layer_events = [torch.cuda.Event(external=self.onload_graphs) for _ in range(kv.shape[0])]
         except TypeError:  # a torch without external events (before 2.9): onloads launch eagerly
-            self._layer_events, self.onload_graphs = [torch.cuda.Event() for _ in range(groups)], False
-        self._ready_by_layer = [self._layer_events[layer // group] for layer in range(kv.shape[0])]
+            self._layer_events, self.onload_graphs = [torch.cuda.Event() for _ in range(kv.shape[0])], False
         layer_bytes, waits = int(np.prod(slot_shape[1:])) * src_dtype.itemsize, None
         if self.dma:
             self._staging = DmaStaging(self._copier, self.onload_streams[0], slot_shape, src_dtype,
-                                       min(self.staging_pages, kv.shape[1]), external_events=self.onload_graphs,
-                                       group=group)
+                                       min(self.staging_pages, kv.shape[1]), external_events=self.onload_graphs)
             layer_bytes, waits = self._staging.layer_bytes, self._staging.events
         if self.onload_graphs:
             self._graphs = OnloadGraphs(self._launcher, kv, layer_bytes, src_dtype, self.scales, self._layer_events,
-                                        self.scatter_stream, waits=waits, group=group)
+                                        self.scatter_stream, waits=waits)
 
     def warm_onloads(self, kv: torch.Tensor, slot_shape: tuple[int, ...], src_dtype: torch.dtype) -> int:
         """Before serving: with the kernels on CUDA, create what onloads need (:meth:`_prepare_kernels`) and, with

@@ -86,10 +86,10 @@ def test_the_driver_call_gets_the_batch_as_the_driver_declares_it(with_fail_inde
 @pytest.mark.parametrize(("with_fail_index", "group"), [(False, 1), (True, 1), (False, 2), (True, 3), (False, 4)])
 def test_per_group_batches_copy_each_layer_then_call_back(with_fail_index, group):
     """:meth:`BatchedCopier.layers` (the ``dma`` engine's staging copies), with a stand-in driver that carries each
-    batch out with ``memmove``: group ``g``'s one batch (layers ``g * group ..``, the last group smaller) fills those
-    layers of a ``[L, pages, ...]`` staging buffer with every job's first pages of each layer, packed in job order,
-    and ``after_group(g)`` comes right after that group's one driver call; an empty batch makes no driver call but
-    still calls back for every group."""
+    batch out with ``memmove``: each group's one batch (``group`` consecutive layers, the last group smaller) fills
+    those layers of a ``[L, pages, ...]`` staging buffer with every job's first pages of each layer, packed in job
+    order, and ``after_group(last)`` (the group's last layer) comes right after that group's one driver call; an empty
+    batch makes no driver call but still calls back for every group."""
     log = []
 
     def driver(dsts, srcs, sizes, count, *rest):
@@ -111,16 +111,16 @@ def test_per_group_batches_copy_each_layer_then_call_back(with_fail_index, group
     dsts, srcs, sizes = copy_arrays(staging.data_ptr(), np.array([slots[i].data_ptr() for i in chosen]), counts,
                                     page_bytes)
     copier.layers(dsts, srcs, sizes, staging.stride(0) * staging.element_size(),
-                  slots.stride(1) * slots.element_size(), layers, 0x99, lambda index: log.append(("after", index)),
+                  slots.stride(1) * slots.element_size(), layers, 0x99, lambda last: log.append(("after", last)),
                   group)
-    firsts = range(0, layers, group)
-    assert log == [entry for index, first in enumerate(firsts)
-                   for entry in (("call", 3 * min(group, layers - first), 0x99), ("after", index))]
+    lasts = [min(first + group, layers) - 1 for first in range(0, layers, group)]
+    assert log == [entry for first, last in zip(range(0, layers, group), lasts, strict=True)
+                   for entry in (("call", 3 * (last + 1 - first), 0x99), ("after", last))]
     for layer in range(layers):
         expected = torch.cat([slots[i, layer, :n] for i, n in zip(chosen, counts, strict=True)])
         assert torch.equal(staging[layer, :8], expected), layer
     assert not staging[:, 8:].any()
     log.clear()
     empty = np.empty(0, dtype=np.uint64)
-    copier.layers(empty, empty, empty, 64, 64, 3, 0x99, lambda index: log.append(("after", index)), group)
-    assert log == [("after", index) for index in range(len(firsts))]
+    copier.layers(empty, empty, empty, 64, 64, 3, 0x99, lambda last: log.append(("after", last)), group)
+    assert log == [("after", last) for last in lasts]

@@ -184,15 +184,15 @@ def test_onload_first_equals_recompute_with_slow_copies_to_host(monkeypatch, pre
     engine.kv.check_invariants()
 
 
-@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("group_bytes", [0, 2**24])
 @pytest.mark.parametrize("dma", [False, True])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_each_layer_event_covers_that_layers_onload(graphs, dma, group):
+def test_each_layer_event_covers_that_layers_onload(graphs, dma, group_bytes):
     """A stream that waits for layer ``l``'s event and reads that layer's pages at once sees the loaded pages,
     whether the onload was launched eagerly or replayed from a graph (whose external event nodes record the
-    events), reading host memory or (``dma``) a staging buffer filled by DMA first, one layer or (``group`` 3 of 4
-    layers: groups of 3 and 1) a group of layers per launch and driver call: onloads of ~100 MiB a layer over PCIe,
-    read right after each wait, in rounds of several capacities."""
+    events), reading host memory or (``dma``) a staging buffer filled by DMA first, one layer or (eager onloads with
+    ``group_bytes``) as many layers as fit in 16 MiB per launch and driver call: onloads of 2-100 MiB a layer over
+    PCIe (groups of 4, 1, 2 and 1 layers), read right after each wait, in rounds of several capacities."""
     from cache_engine import HostChunkStore, OnloadJob, TransferEngine
 
     layers, chunk_pages, page, heads, dim, num_chunks = 4, 32, 32, 4, 128, 48
@@ -204,7 +204,7 @@ def test_each_layer_event_covers_that_layers_onload(graphs, dma, group):
         store.slot(s).copy_(torch.randn(shape, generator=gen).to(torch.bfloat16))
     kv = torch.zeros(layers, num_chunks * chunk_pages + 10, 2, page, heads, dim, dtype=torch.bfloat16, device="cuda")
     transfer = TransferEngine(torch.device("cuda"), kernels=True, graphs=graphs, dma=dma, dma_graphs=dma,
-                              layer_group=group)
+                              group_bytes=group_bytes)
     assert transfer.dma == dma  # a driver of CUDA 12.8 or later
     compute = torch.cuda.current_stream()
     rng = np.random.default_rng(1)
@@ -213,6 +213,7 @@ def test_each_layer_event_covers_that_layers_onload(graphs, dma, group):
         order = rng.permutation(kv.shape[1])[: chunks * pages_each].reshape(chunks, pages_each)
         jobs = [OnloadJob(c, store.slot(c), order[c]) for c in range(chunks)]
         events = transfer.onload(kv, jobs)
+        group = 1 if graphs or not group_bytes else max(1, min(layers, group_bytes // (chunks * pages_each * 2**16)))
         assert len(events) == layers and len({id(event) for event in events}) == -(-layers // group)
         dst = torch.from_numpy(order.ravel()).cuda()
         seen = []
@@ -398,6 +399,7 @@ def test_dma_onload_engine_equals_kernel_engine(monkeypatch, host_dtype):
     every onload's copies held back ~10 ms on the copy stream: a kernel that did not wait (inside its graph, or
     eagerly) for its group's copies would read what the staging buffer held before."""
     from cache_engine.dma_staging import DmaStaging
+    from cache_engine.onload_kernel import OnloadLauncher
 
     copy = DmaStaging.copy
 
@@ -406,17 +408,25 @@ def test_dma_onload_engine_equals_kernel_engine(monkeypatch, host_dtype):
             torch.cuda._sleep(20_000_000)  # before the copies' wait and the copies themselves
         return copy(self, *args)
 
+    launch_all_layers, groups = OnloadLauncher.all_layers, []
+
+    def all_layers(self, *args, group=1, **kwargs):
+        groups.append(group)
+        return launch_all_layers(self, *args, group=group, **kwargs)
+
+    monkeypatch.setattr(OnloadLauncher, "all_layers", all_layers)
     outputs = []
     # (engine, dma_graphs, copies held back, staging pages: 8 is fewer than most onloads, which then read host memory,
-    # layers per onload group)
+    # bytes of host pages per onload group)
     for engine_name, graphs, slow, staging, group in (
-            ("kernel", True, False, 4096, 1), ("dma", False, False, 4096, 1), ("dma", True, True, 4096, 1),
-            ("dma", False, False, 8, 1), ("dma", False, True, 4096, 2), ("dma", True, True, 4096, 3),
-            ("kernel", True, False, 4096, 4)):  # 5 layers: groups of 2, 2, 1 / 3, 2 / 4, 1
+            ("kernel", True, False, 4096, 0), ("dma", False, False, 4096, 0), ("dma", True, True, 4096, 0),
+            ("dma", False, False, 8, 0), ("dma", False, True, 4096, 2**15), ("dma", False, True, 4096, 2**30),
+            ("kernel", False, False, 4096, 2**15)):  # 5 layers; groups of 1 to 5 layers by the onload's size
         monkeypatch.setattr(DmaStaging, "copy", slow_copy if slow else copy)
         engine = GREngine(cuda_config("bfloat16", 5, mode="hierarchical", num_gpu_pages=200,
                                       onload_engine=engine_name, dma_graphs=graphs, host_dtype=host_dtype,
-                                      staging_pages=staging, onload_layer_group=group))
+                                      staging_pages=staging, onload_group_bytes=group,
+                                      onload_graphs=graphs or engine_name == "dma"))
         engine.kv.host.store.wait_until_allocated()
         transfer = engine.kv.host.transfer
         assert transfer.dma == (engine_name == "dma")  # a driver of CUDA 12.8 or later
@@ -424,8 +434,10 @@ def test_dma_onload_engine_equals_kernel_engine(monkeypatch, host_dtype):
         assert captured == (2 if graphs else 0)
         if transfer.dma:
             assert transfer._staging.capacity == min(staging, 200)
+        groups.clear()
         outputs.append(closed_loop_scores(engine, stream(engine.config, num_users=30, visits=12, seed=7)))
         assert engine.kv.stats.onloaded_bytes > 0
+        assert (max(groups) > 1) == (group > 0) and (set(groups) == {5}) == (group == 2**30), groups
         replayed = transfer._graphs is not None and transfer._graphs.enabled and len(transfer._graphs._graphs) > 0
         assert replayed == graphs
         engine.close()

@@ -448,14 +448,16 @@ def test_a_finished_prefetch_leaves_nothing_to_wait_for(monkeypatch, done):
     assert kv.launch_onloads() == ([None, None] if done else events)
 
 
-def test_onload_sms_is_validated_and_a_no_op_off_cuda():
-    """``cache.onload_sms`` must be >= 0; on CPU there is no stream to confine, and onloads run as before."""
-    with pytest.raises(ValueError, match="onload_sms"):
-        CacheConfig(onload_sms=-1)
+def test_onload_sms_and_group_bytes_are_validated_and_no_ops_off_cuda():
+    """``cache.onload_sms`` and ``cache.onload_group_bytes`` must be >= 0; on CPU there is no stream to confine and
+    no launch to group, and onloads run as before."""
+    for name in ("onload_sms", "onload_group_bytes"):
+        with pytest.raises(ValueError, match=name):
+            CacheConfig(**{name: -1})
     kv = KVCacheManager(CacheConfig(mode="hierarchical", page_size=4, num_gpu_pages=12, chunk_tokens=8,
-                                    host_budget_bytes=1 << 20, onload_sms=8), 1, 1, 4, torch.float32,
-                        torch.device("cpu"))
-    assert kv.host is not None and not kv.host.transfer.is_cuda
+                                    host_budget_bytes=1 << 20, onload_sms=8, onload_group_bytes=1 << 20), 1, 1, 4,
+                        torch.float32, torch.device("cpu"))
+    assert kv.host is not None and not kv.host.transfer.is_cuda and kv.host.transfer.group_bytes == 1 << 20
 
 
 def test_dma_onload_engine_is_accepted_and_off_cuda_copies_synchronously():

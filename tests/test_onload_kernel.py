@@ -187,9 +187,9 @@ def test_engine_job_addresses_load_like_the_copy_path():
 @pytest.mark.parametrize("group", [1, 2, 3])
 def test_before_group_is_called_in_order_before_each_groups_launch(group):
     """``all_layers(before_group=..., group=...)``: the hook runs once per group of ``group`` layers (the last group
-    smaller when they do not divide the layers), in order, before that group's one launch (the ``dma`` onload queues
-    its wait for the group's copies there): at each call, exactly the earlier groups' layers are written, and at the
-    end every layer, each group's event recorded."""
+    smaller when they do not divide the layers), in order, with the group's last layer, before that group's one launch
+    (the ``dma`` onload queues its wait for the group's copies there): at each call, exactly the earlier groups'
+    layers are written, and at the end every layer."""
     from cache_engine.onload_kernel import OnloadLauncher
 
     gen = torch.Generator().manual_seed(4)
@@ -201,15 +201,15 @@ def test_before_group_is_called_in_order_before_each_groups_launch(group):
     dst = torch.tensor([5, 0, 3, 1], device=DEVICE)
     written = []
 
-    def before_group(index: int) -> None:
+    def before_group(last: int) -> None:
         if DEVICE == "cuda":
             torch.cuda.synchronize()
-        written.append((index, [bool(pool[other].any()) for other in range(layers)]))
+        written.append((last, [bool(pool[other].any()) for other in range(layers)]))
 
     OnloadLauncher().all_layers(pool, addr, dst, slots.stride(1) * slots.element_size(), torch.bfloat16,
                                 before_group=before_group, group=group)
-    groups = -(-layers // group)
-    assert written == [(index, [other < index * group for other in range(layers)]) for index in range(groups)]
+    firsts = range(0, layers, group)
+    assert written == [(min(first + group, layers) - 1, [other < first for other in range(layers)]) for first in firsts]
     for (s, p), d in zip([(s, p) for s in range(2) for p in range(chunk_pages)], dst.tolist(), strict=True):
         torch.testing.assert_close(pool[:, d].cpu(), slots[s, :, p].to(pool_dtype), rtol=0, atol=0)
 

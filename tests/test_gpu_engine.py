@@ -437,7 +437,8 @@ def test_dma_onload_engine_equals_kernel_engine(monkeypatch, host_dtype):
         groups.clear()
         outputs.append(closed_loop_scores(engine, stream(engine.config, num_users=30, visits=12, seed=7)))
         assert engine.kv.stats.onloaded_bytes > 0
-        assert (max(groups) > 1) == (group > 0) and (set(groups) == {5}) == (group == 2**30), groups
+        # (graph replays launch nothing eagerly: the graphs' variants may record no launch here)
+        assert (max(groups, default=1) > 1) == (group > 0) and (set(groups) == {5}) == (group == 2**30), groups
         replayed = transfer._graphs is not None and transfer._graphs.enabled and len(transfer._graphs._graphs) > 0
         assert replayed == graphs
         engine.close()

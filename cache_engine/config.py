@@ -72,6 +72,11 @@ class CacheConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             as fit in this many bytes of host pages (at least one layer), with one event per group that each of its
             layers waits for: a small onload, over before the forward would start its layers anyway, then costs the
             host one launch, copy call, record and wait instead of one per layer. 0 (default): one layer at a time.
+            Measured on the H200 over the benchmark's batches of 8 (two runs per arm): 32 MiB saved 0.07 ms of host
+            time a batch and the median of the batch differences was -0.07 ms, within run-to-run noise; 8 MiB was
+            0.09 ms slower (``benchmarks/results/profiles/bound_probe_group_bytes_d42a510.log``). Fixed groups of 4
+            layers saved 0.20 ms of host time but cost 0.18 ms a batch (``bound_probe_layer_group_b149f5a.log``):
+            a layer's attention waiting for its group's copies costs more than the launches save.
         prefetch: as requests arrive, before they are validated and hashed, start loading the host-resident
             history of their users who hold no GPU pages (``hierarchical``): the onload then starts about an intake
             and a scheduling earlier. The request's own verified prefix still decides what is reused. Measured on

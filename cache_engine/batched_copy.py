@@ -133,8 +133,8 @@ class BatchedCopier:
         dst_rows = dsts + steps * np.uint64(dst_layer_bytes)  # [L, n], contiguous: a group's rows are one run
         src_rows = srcs + steps * np.uint64(src_layer_bytes)
         sizes = np.tile(np.ascontiguousarray(sizes), min(group, num_layers))  # the sizes of a whole group's rows
-        dst_base, src_base, sizes_address, row_bytes = dst_rows.ctypes.data, src_rows.ctypes.data, sizes.ctypes.data, \
-            count * 8
+        dst_base, src_base, sizes_address = dst_rows.ctypes.data, src_rows.ctypes.data, sizes.ctypes.data
+        row_bytes = count * 8  # one layer's row of uint64 addresses
         for first in range(0, num_layers, group):
             last = min(first + group, num_layers) - 1
             self._call(dst_base + first * row_bytes, src_base + first * row_bytes, sizes_address,

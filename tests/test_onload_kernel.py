@@ -25,6 +25,23 @@ def host_slots(num_slots: int, layers: int, chunk_pages: int, page: int, heads: 
     return (slots.pin_memory() if DEVICE == "cuda" else slots), values
 
 
+def random_picks(slots: torch.Tensor, count: int, gen) -> tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor]:
+    """``count`` distinct random (slot, page within the chunk) of ``slots`` (as :func:`host_slots`), the host address
+    of each one's first layer and its slot id (both int64 on the device)."""
+    num_slots, chunk_pages = slots.shape[0], slots.shape[2]
+    picks = [(int(f) // chunk_pages, int(f) % chunk_pages)
+             for f in torch.randperm(num_slots * chunk_pages, generator=gen)[:count]]
+    addr = torch.tensor([slots[s, 0, p].data_ptr() for s, p in picks], device=DEVICE)
+    return picks, addr, torch.tensor([s for s, _ in picks], device=DEVICE)
+
+
+def expected_page(slots: torch.Tensor, scales: torch.Tensor | None, slot: int, page: int) -> torch.Tensor:
+    """Page ``page`` of slot ``slot`` over every layer, ``[L, 2, page, H, D]`` float32, dequantised with ``scales``
+    (``[slots, L, 2, H]``) if given."""
+    expected = slots[slot, :, page].float()
+    return expected if scales is None else expected * scales[slot].cpu()[:, :, None, :, None]
+
+
 @pytest.mark.parametrize("rows_per_program", [1, 4, 64])  # 64: capped at the page's 2 * 8 rows
 @pytest.mark.parametrize("dtype,heads,dim", [(torch.float32, 2, 16), (torch.bfloat16, 3, 32), (torch.float16, 1, 8)])
 def test_pages_of_every_layer_land_in_their_pool_pages(dtype, heads, dim, rows_per_program):
@@ -90,11 +107,8 @@ def test_a_launcher_reused_over_layers_and_page_counts_loads_every_page(fp8, all
     launcher = OnloadLauncher()
     for count in (1, 7, 3, 12):  # a new set of (slot, page) -> pool page picks each round, of another size
         pool = torch.zeros(layers, 50, 2, page, heads, dim, dtype=pool_dtype, device=DEVICE)
-        flat = torch.randperm(num_slots * chunk_pages, generator=gen)[:count]
-        picks = [(int(f) // chunk_pages, int(f) % chunk_pages) for f in flat]
+        picks, addr, slot_ids = random_picks(slots, count, gen)
         dst = torch.randperm(50, generator=gen)[:count]
-        addr = torch.tensor([slots[s, 0, p].data_ptr() for s, p in picks], device=DEVICE)
-        slot_ids = torch.tensor([s for s, _ in picks], device=DEVICE)
         scales_here = None if scales is None else scales.to(DEVICE)
         if not all_layers:
             for layer in range(layers):
@@ -112,10 +126,8 @@ def test_a_launcher_reused_over_layers_and_page_counts_loads_every_page(fp8, all
             torch.cuda.synchronize()
             assert len(launcher._kernels) == 1  # one specialisation, kept after the first launch
         for (s, p), d in zip(picks, dst.tolist()):
-            expected = slots[s, :, p].float()
-            if scales is not None:
-                expected = expected * scales[s][:, :, None, :, None]
-            torch.testing.assert_close(pool[:, d].cpu(), expected.to(pool_dtype), rtol=0, atol=0)
+            torch.testing.assert_close(pool[:, d].cpu(), expected_page(slots, scales, s, p).to(pool_dtype), rtol=0,
+                                       atol=0)
         untouched = sorted(set(range(50)) - set(dst.tolist()))
         assert not pool[:, untouched].any()
 
@@ -133,21 +145,16 @@ def test_a_count_on_the_device_limits_the_pages_loaded(fp8):
     scales = (torch.rand(num_slots, layers, 2, heads, generator=gen) + 0.5).to(DEVICE) if fp8 else None
     pool_dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     layer_bytes = slots.stride(1) * slots.element_size()
-    picks = [(int(f) // chunk_pages, int(f) % chunk_pages) for f in torch.randperm(num_slots * chunk_pages,
-                                                                                   generator=gen)[:12]]
+    picks, addr, slot_ids = random_picks(slots, 12, gen)
     dst = torch.randperm(40, generator=gen)[:12]
-    addr = torch.tensor([slots[s, 0, p].data_ptr() for s, p in picks], device=DEVICE)
-    slot_ids = torch.tensor([s for s, _ in picks], device=DEVICE)
     launcher = OnloadLauncher()
     for count in (0, 5, 12):
         pool = torch.zeros(layers, 40, 2, page, heads, dim, dtype=pool_dtype, device=DEVICE)
         launcher.all_layers(pool, addr, dst.to(DEVICE), layer_bytes, dtype, slot_ids, scales,
                             count=torch.tensor([count], device=DEVICE))
         for (s, p), d in zip(picks[:count], dst[:count].tolist()):
-            expected = slots[s, :, p].float()
-            if scales is not None:
-                expected = expected * scales[s].cpu()[:, :, None, :, None]
-            torch.testing.assert_close(pool[:, d].cpu(), expected.to(pool_dtype), rtol=0, atol=0)
+            torch.testing.assert_close(pool[:, d].cpu(), expected_page(slots, scales, s, p).to(pool_dtype), rtol=0,
+                                       atol=0)
         assert not pool[:, dst[count:]].any() and int(pool.ne(0).any(dim=(0, 2, 3, 4, 5)).sum()) == count
 
 
@@ -216,8 +223,8 @@ def test_before_group_is_called_in_order_before_each_groups_launch(group):
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_grouped_launches_load_what_one_launch_per_layer_loads(fp8):
-    """Layers in groups of 2, 3 and 4 (more than the layers: one launch), with FP8 scales taken at each group
-    layer's own index: the pool ends exactly as with one launch per layer."""
+    """Layers in groups of 1, 2, 3 and 4 (more than the layers: one launch), with FP8 scales taken at each layer's
+    own index: every picked page lands in its pool page, dequantised, in every layer, and nothing else is written."""
     from cache_engine.onload_kernel import OnloadLauncher
 
     gen = torch.Generator().manual_seed(5)
@@ -226,17 +233,14 @@ def test_grouped_launches_load_what_one_launch_per_layer_loads(fp8):
     slots, _ = host_slots(num_slots, layers, chunk_pages, page, heads, dim, dtype, gen)
     scales = (torch.rand(num_slots, layers, 2, heads, generator=gen) + 0.5).to(DEVICE) if fp8 else None
     pool_dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    picks = [(int(f) // chunk_pages, int(f) % chunk_pages) for f in torch.randperm(num_slots * chunk_pages,
-                                                                                   generator=gen)[:9]]
-    dst = torch.randperm(30, generator=gen)[:9].to(DEVICE)
-    addr = torch.tensor([slots[s, 0, p].data_ptr() for s, p in picks], device=DEVICE)
-    slot_ids = torch.tensor([s for s, _ in picks], device=DEVICE)
+    picks, addr, slot_ids = random_picks(slots, 9, gen)
+    dst = torch.randperm(30, generator=gen)[:9]
     layer_bytes = slots.stride(1) * slots.element_size()
     launcher = OnloadLauncher()
-    pools = {}
     for group in (1, 2, 3, 4):
-        pool = pools[group] = torch.zeros(layers, 30, 2, page, heads, dim, dtype=pool_dtype, device=DEVICE)
-        launcher.all_layers(pool, addr, dst, layer_bytes, dtype, slot_ids, scales, group=group)
-    assert pools[1].abs().sum() > 0
-    for group in (2, 3, 4):
-        torch.testing.assert_close(pools[group], pools[1], rtol=0, atol=0)
+        pool = torch.zeros(layers, 30, 2, page, heads, dim, dtype=pool_dtype, device=DEVICE)
+        launcher.all_layers(pool, addr, dst.to(DEVICE), layer_bytes, dtype, slot_ids, scales, group=group)
+        for (s, p), d in zip(picks, dst.tolist(), strict=True):
+            torch.testing.assert_close(pool[:, d].cpu(), expected_page(slots, scales, s, p).to(pool_dtype), rtol=0,
+                                       atol=0)
+        assert int(pool.ne(0).any(dim=(0, 2, 3, 4, 5)).sum()) == len(picks), group

@@ -8,7 +8,7 @@ from .kv_cache_manager import KVCacheManager
 from .lru import LRUIndex
 from .page_pool import PagePool
 from .prefix_hash import IncrementalHasher, page_prefix_hashes
-from .records import CacheHit, CacheStats, UserRecord
+from .records import CacheHit, CacheStats, HostStats, PoolStats, UserRecord
 from .transfer import TransferEngine
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "CacheMode",
     "CacheStats",
     "HostChunkStore",
+    "HostStats",
     "HostTier",
     "IncrementalHasher",
     "KVCacheManager",
@@ -24,6 +25,7 @@ __all__ = [
     "OffloadJob",
     "OnloadJob",
     "PagePool",
+    "PoolStats",
     "TransferEngine",
     "UserRecord",
     "page_prefix_hashes",

@@ -1,11 +1,10 @@
 """Many host-to-device copies in one host call: the CUDA driver's ``cuMemcpyBatchAsync`` (CUDA 12.8 and later).
 
-The ``copy`` onload engine copies each host chunk's block of a layer into the onload buffer with the DMA engines,
-which leaves the multiprocessors to the forward; a copy per (layer, chunk) costs the host one torch call each
-(~10 us on the GPU machine, ~30 calls a layer for a batch of 8). :class:`BatchedCopier` issues a layer's copies in
-one driver call instead. torch does not expose the call, so it is bound here with :mod:`ctypes` from the driver
-library torch already uses (``libcuda.so.1``); where the driver lacks it, :meth:`BatchedCopier.load` returns
-``None`` and the engine copies one chunk at a time.
+An onload copies each host chunk's block of every layer into the staging buffer (:mod:`.dma_staging`) with the DMA
+engines, which leaves the multiprocessors to the forward. A copy per (layer, chunk) would cost the host one call
+each; :class:`BatchedCopier` issues a layer's copies in one driver call instead. torch does not expose the call, so
+it is bound here with :mod:`ctypes` from the driver library torch already uses (``libcuda.so.1``); where the driver
+lacks it, :meth:`BatchedCopier.load` returns ``None`` and onload kernels read host memory directly.
 
 The copies are stream-ordered (``CU_MEMCPY_SRC_ACCESS_ORDER_STREAM``) and hinted to run beside compute
 (``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``); a batch may run its copies in any order, so none may depend on
@@ -17,14 +16,8 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
-
-from .jobs import OnloadJob, job_slot_addresses
-
-if TYPE_CHECKING:
-    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -54,22 +47,6 @@ def copy_arrays(dst_base: int, src_addresses: np.ndarray, counts: np.ndarray, un
     np.add.accumulate(sizes[:-1], out=dsts[1:])
     dsts[1:] += np.uint64(dst_base)
     return dsts, np.asarray(src_addresses, dtype=np.int64).astype(np.uint64), sizes
-
-
-def onload_batches(jobs: list[OnloadJob], counts: np.ndarray, buffers: list[torch.Tensor],
-                   slot_addresses: np.ndarray | None, share: int) -> list[tuple[tuple[np.ndarray, np.ndarray],
-                                                                                  np.ndarray, np.ndarray, int]]:
-    """An onload's copies of layer 0 into each of the two onload ``buffers`` (``[>= sum(counts), 2, page_size,
-    H, D]``, the host dtype): job ``j``'s first ``counts[j]`` pages of its slot, packed in job order. Per share
-    ``s`` of ``share`` (jobs ``s, s + share, ..``: one per onload stream): ``((dsts into buffer 0, dsts into
-    buffer 1), srcs, sizes, layer_bytes)``; layer ``l``'s sources are ``srcs + l * layer_bytes``.
-    ``slot_addresses``: int64, each slot id's host address, or ``None``: ask each job's slot tensor."""
-    slot = jobs[0].slot
-    layer_bytes, page_bytes = slot.stride(0) * slot.element_size(), slot.stride(1) * slot.element_size()
-    offsets, srcs, sizes = copy_arrays(0, job_slot_addresses(jobs, slot_addresses), counts, page_bytes)
-    bases = [np.uint64(buffer.data_ptr()) for buffer in buffers]
-    return [(tuple(offsets[s::share] + base for base in bases), srcs[s::share].copy(), sizes[s::share].copy(),
-             layer_bytes) for s in range(share)]
 
 
 def parameter_types(with_fail_index: bool) -> list[type]:
@@ -109,37 +86,27 @@ class BatchedCopier:
         logger.warning("this CUDA driver has no cuMemcpyBatchAsync; copying one chunk at a time")
         return None
 
-    def __call__(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
-        """Queue copying ``sizes[i]`` bytes from address ``srcs[i]`` to ``dsts[i]`` for every ``i`` (uint64 ``[n]``
-        arrays, C-contiguous) on the CUDA stream with handle ``stream`` (not the legacy default stream; not while
-        capturing a graph). The arrays are read during the call only."""
-        if len(sizes):
-            self._call(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, len(sizes), stream)
-
     def layers(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, dst_layer_bytes: int,
-               src_layer_bytes: int, num_layers: int, stream: int, after_group: Callable[[int], None],
-               group: int = 1) -> None:
+               src_layer_bytes: int, num_layers: int, stream: int, after_layer: Callable[[int], None]) -> None:
         """Queue the copies of ``sizes[i]`` bytes from ``srcs[i] + l * src_layer_bytes`` to ``dsts[i] + l *
-        dst_layer_bytes`` (uint64 ``[n]``) for every layer ``l`` of ``num_layers``: one batch per group of ``group``
-        consecutive layers (``0 .. group - 1``, ``group .. 2 * group - 1``, ..; the last possibly smaller), in order,
-        each followed by ``after_group(last)``, ``last`` being the group's last layer (to record an event after the
-        group's copies, say); as :meth:`__call__` otherwise. The addresses of every layer are computed at once."""
+        dst_layer_bytes`` (uint64 ``[n]``, C-contiguous) for every layer ``l`` of ``num_layers``: one driver call per
+        layer, in order, each followed by ``after_layer(l)`` (to record an event after that layer's copies, say), on
+        the CUDA stream with handle ``stream`` (not the legacy default stream; not while capturing a graph). The
+        addresses of every layer are computed at once."""
         count = len(sizes)
         if not count:
-            for first in range(0, num_layers, group):
-                after_group(min(first + group, num_layers) - 1)
+            for layer in range(num_layers):
+                after_layer(layer)
             return
         steps = np.arange(num_layers, dtype=np.uint64)[:, None]
-        dst_rows = dsts + steps * np.uint64(dst_layer_bytes)  # [L, n], contiguous: a group's rows are one run
+        dst_rows = dsts + steps * np.uint64(dst_layer_bytes)  # [L, n], contiguous
         src_rows = srcs + steps * np.uint64(src_layer_bytes)
-        sizes = np.tile(np.ascontiguousarray(sizes), min(group, num_layers))  # the sizes of a whole group's rows
+        sizes = np.ascontiguousarray(sizes)
         dst_base, src_base, sizes_address = dst_rows.ctypes.data, src_rows.ctypes.data, sizes.ctypes.data
         row_bytes = count * 8  # one layer's row of uint64 addresses
-        for first in range(0, num_layers, group):
-            last = min(first + group, num_layers) - 1
-            self._call(dst_base + first * row_bytes, src_base + first * row_bytes, sizes_address,
-                       (last + 1 - first) * count, stream)
-            after_group(last)
+        for layer in range(num_layers):
+            self._call(dst_base + layer * row_bytes, src_base + layer * row_bytes, sizes_address, count, stream)
+            after_layer(layer)
 
     def _call(self, dsts: int, srcs: int, sizes: int, count: int, stream: int) -> None:
         """One driver call over ``count`` copies whose arrays start at these addresses."""

@@ -2,10 +2,9 @@
 
 A kernel that needs a few thousand indices (pool pages, host slots, host addresses) can read them over PCIe
 itself: pinned memory is device-addressable, and the kernel reads each index once. That saves the host what an
-upload costs within an engine step on the GPU machine (a pinned staging buffer from torch's caching allocator, a
-device allocation and a copy: ~90 us, ``benchmarks/results/profiles/``). The buffers are handed out in turn and a
-buffer is written again only once the event recorded after its last reader reports done, so the host never
-overwrites indices a queued kernel has yet to read.
+upload costs (a pinned staging buffer from torch's caching allocator, a device allocation and a copy). The buffers
+are handed out in turn and a buffer is written again only once the event recorded after its last reader reports done,
+so the host never overwrites indices a queued kernel has yet to read.
 """
 
 from __future__ import annotations

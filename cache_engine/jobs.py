@@ -1,9 +1,9 @@
-"""The jobs and handles of host-tier transfers, and the host addresses they read
-(:class:`~.transfer.TransferEngine` carries them out)."""
+"""The jobs of host-tier transfers and the host addresses they read (:class:`~.transfer.TransferEngine` carries
+them out)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -12,11 +12,10 @@ import torch
 @dataclass(slots=True)
 class OffloadJob:
     """Copy GPU pages ``pages`` (int64 ``[n]``, at most a chunk's worth, in order; or a list) into host slot
-    ``slot_id`` (memory ``slot``: ``[L, chunk_pages, 2, page_size, H, D]``); the rest of the slot may be
-    overwritten with copies of the last page (the copy path) or left as it is (the kernel). The pages hold
-    ``tokens`` tokens (``(n - 1) * page_size < tokens <= n * page_size``): the rows of the last page past them
-    are not the user's (a page keeps what its previous owner wrote there). FP8 scales are taken over the tokens
-    only, and the rows past them are stored as zeros."""
+    ``slot_id`` (memory ``slot``: ``[L, chunk_pages, 2, page_size, H, D]``); the rest of the slot is left as it is.
+    The pages hold ``tokens`` tokens (``(n - 1) * page_size < tokens <= n * page_size``): the rows of the last page
+    past them are not the user's (a page keeps what its previous owner wrote there). FP8 scales are taken over the
+    tokens only, and the rows past them are stored as zeros."""
 
     pages: np.ndarray
     slot_id: int
@@ -34,25 +33,13 @@ class OnloadJob:
     pages: np.ndarray
 
 
-@dataclass(slots=True)
-class OffloadHandle:
-    """An offload in flight. ``gathered``/``copied`` are CUDA events (``None`` on CPU: already done);
-    ``deferred``: the copy out is not issued yet (``copied`` is set when it is)."""
-
-    gathered: torch.cuda.Event | None
-    copied: torch.cuda.Event | None
-    buffer: tuple[torch.Tensor, ...] = field(default=(), repr=False)  # kept alive until ``copied``
-    deferred: bool = False
-
-    def gather_done(self) -> bool:
-        return self.gathered is None or self.gathered.query()
-
-    def copy_done(self) -> bool:
-        return not self.deferred and (self.copied is None or self.copied.query())
+def is_done(event: torch.cuda.Event | None) -> bool:
+    """Whether the transfer that recorded ``event`` is done (``None``: a CPU transfer, done when issued)."""
+    return event is None or event.query()
 
 
 def host_page_addresses(jobs: list[OnloadJob], slot_addresses: np.ndarray | None = None) -> tuple[np.ndarray, int]:
-    """For :func:`~.onload_kernel.onload_pages`: the host address of each job page's first layer, in job
+    """For :meth:`~.onload_kernel.OnloadLauncher.all_layers`: the host address of each job page's first layer, in job
     order, and the bytes from one layer of a page to the next (slots ``[L, chunk_pages, 2, page_size, H, D]``,
     contiguous, 16-byte aligned: the kernel loads 16 bytes at a time). ``slot_addresses``: int64, each slot id's
     address (:attr:`.host_store.HostChunkStore.addresses`), read instead of asking each job's tensor (a torch call

@@ -15,6 +15,10 @@ a request:
 Each engine step calls :meth:`begin_step` (apply finished transfers), then :meth:`launch_onloads`
 before the forward pass, and :meth:`end_step` after it (start offloads). With ``cache.prefetch`` the engine calls
 :meth:`prefetch` as requests arrive: users only on host start loading before step 1.
+
+The manager owns the per-user records (:attr:`KVCacheManager.users`) and its own counters; the host tier
+(:class:`~.host_tier.HostTier`) owns its counters and the host fields of the records, and hands back records it
+leaves empty (see its module).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from .config import CacheConfig
 from .host_tier import HostTier
 from .lru import LRUIndex
 from .page_pool import PagePool
-from .records import CacheHit, CacheStats, UserRecord, grown
+from .records import CacheHit, CacheStats, PoolStats, UserRecord, grown
 
 
 class KVCacheManager:
@@ -52,20 +56,30 @@ class KVCacheManager:
         # user's deleted record can never be mistaken for one of the user's next record (whose history may
         # differ), and a completing copy needs no lookup to know whether its record is still current.
         self._generations = itertools.count(1)
-        self.stats = CacheStats()
+        self._stats = PoolStats()
         self._prefetched: set[Hashable] = set()  # users locked by a prefetch, not yet acquired or handed back
         self._prefetch_events: list[torch.cuda.Event | None] | None = None  # the last prefetch's, until a step waits
         self.host: HostTier | None = None
-        # onload_first: the pool keeps the pages taken since the last onload launch (see HostTier.launch_onloads)
-        self._onload_first = self.pool.track_handed_out = config.onload_first and config.mode == "hierarchical"
         if config.mode == "hierarchical":
-            self.host = HostTier.create(config, self.pool.kv, self.users, self.stats, host_memory)
-        self._persist_tails = self.host is not None and config.persist_tails  # an evicted user's tail goes to host
+            self.host = HostTier(config, self.pool.kv, self._release_record, host_memory)
 
     @property
     def kv_cache(self) -> torch.Tensor:
         """``[num_layers, num_pages, 2, page_size, H, D]``."""
         return self.pool.kv
+
+    @property
+    def stats(self) -> CacheStats:
+        """A snapshot of the counters since start: the manager's and the host tier's."""
+        host = vars(self.host.stats) if self.host is not None else {}
+        return CacheStats(**vars(self._stats), **host)
+
+    @property
+    def transferred_bytes(self) -> tuple[int, int]:
+        """Bytes onloaded (host to GPU) and offloaded (GPU to host) since start."""
+        if self.host is None:
+            return 0, 0
+        return self.host.stats.onloaded_bytes, self.host.stats.offloaded_bytes
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages that hold ``num_tokens`` tokens."""
@@ -73,17 +87,15 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ step hooks
     def begin_step(self) -> None:
-        """Issue the copies out still deferred (:meth:`issue_deferred_offloads`) and apply transfers that
-        finished since the last step."""
+        """Apply transfers that finished since the last step."""
         if self.host is not None:
-            self.host.transfer.issue_deferred()
             self.host.poll()
 
     def launch_onloads(self) -> list[torch.cuda.Event | None]:
         """Start this step's onloads; entry ``l`` is what layer ``l`` must wait for (``None``: nothing)."""
         if self.host is None:
             return [None] * self.pool.kv.shape[0]
-        events = self.host.launch_onloads(self.pool.handed_out() if self._onload_first else None)
+        events = self.host.launch()
         if self._prefetch_events is not None:  # recorded in order on one stream: a later onload's events cover it
             events = self._prefetch_events if events[-1] is None else events
             self._prefetch_events = None
@@ -118,17 +130,16 @@ class KVCacheManager:
             if need > self.pool.num_free + self._evictable_pages:
                 continue
             record.locked = True  # before evicting others: the host LRU must not drop this copy meanwhile
-            if need > self._clean_free():
-                self._evict_until_free(need)
+            self._evict_until_free(need)
             self._take_pages(record, need)
             self.host.plan_onload(record, tokens)
             record.num_tokens = record.prefetched = tokens
-            self.stats.prefetched_tokens += tokens
-            self.host.lru.touch(user_id, record)
+            self._stats.prefetched_tokens += tokens
+            self.host.touch(user_id, record)
             self._prefetched.add(user_id)
             started = True
         if started:
-            self._prefetch_events = self.host.launch_onloads(self.pool.handed_out() if self._onload_first else None)
+            self._prefetch_events = self.host.launch()
 
     def hand_back_prefetched(self) -> None:
         """Unlock the prefetched records no request acquired (their requests failed validation or wait): they stay
@@ -141,33 +152,23 @@ class KVCacheManager:
             self._evictable_pages += record.num_pages
         self._prefetched.clear()
 
-    def issue_deferred_offloads(self) -> None:
-        """Issue the copies to host of the offloads gathered so far (the engine calls this once the step's
-        forward is queued: the host work then overlaps the device's)."""
-        if self.host is not None:
-            self.host.transfer.issue_deferred()
-
     def end_step(self) -> None:
         """Hand back the step's prefetched records and start offloads of chunks that became full (within the
         admission cap)."""
         if self.host is not None:
             self.hand_back_prefetched()
-            self.host.launch_offloads()
+            self.host.finish_step()
 
-    def warm_transfers(self) -> int:
-        """Before serving (``hierarchical`` on CUDA): prepare the onloads' kernels and buffers and capture their
-        CUDA graphs (:meth:`.transfer.TransferEngine.warm_onloads`), so that no step pays for it. Returns the graphs
-        captured (0 if none)."""
-        if self.host is None:
-            return 0
-        store = self.host.store
-        return self.host.transfer.warm_onloads(self.pool.kv, store.slot_shape, store.dtype)
+    def warm_transfers(self) -> None:
+        """Before serving (``hierarchical`` on CUDA): create the onloads' kernel launcher and staging buffer, so that
+        no step pays for it."""
+        if self.host is not None:
+            self.host.prepare()
 
     def close(self) -> None:
         """Finish all transfers and stop background work."""
         if self.host is not None:
-            self.host.poll(wait=True)
-            self.host.store.close()
+            self.host.close()
 
     # ------------------------------------------------------------------ request lifecycle
     def acquire(self, user_id: Hashable, token_hashes: np.ndarray, reuse_limit: int) -> CacheHit | None:
@@ -226,7 +227,7 @@ class KVCacheManager:
             self.host.plan_onload(record, host)
             record.num_tokens = host
         if self.host is not None and (host or record.host_slots):
-            self.host.lru.touch(user_id, record)
+            self.host.touch(user_id, record)
         return CacheHit(gpu, host)
 
     def commit(self, user_id: Hashable, num_tokens: int, token_hashes: np.ndarray) -> None:
@@ -248,7 +249,7 @@ class KVCacheManager:
             record.hash_buffer[full] = token_hashes[num_tokens - 1]
         record.num_tokens = record.hashed_tokens = num_tokens
         if self.host is not None:
-            self.host.queue_full_chunks(user_id, record)
+            self.host.plan_offload(user_id, record)
 
     def release(self, user_id: Hashable) -> None:
         """Unlock the record after its request finished (or failed); keep it for the next visit."""
@@ -261,8 +262,7 @@ class KVCacheManager:
             self._lru.touch(user_id, record)
             self._evictable_pages += record.num_pages
         elif not record.host_slots:
-            del self.users[user_id]
-            record.retire()
+            self._release_record(user_id, record)
 
     def why_no_room(self, num_tokens: int) -> str | None:
         """Why a history of ``num_tokens`` can never get pages while nothing else runs, or ``None``
@@ -321,7 +321,7 @@ class KVCacheManager:
             assert len(r.host_slots) == -(-r.host_tokens // self.config.chunk_tokens)
             assert r.generation > 0, f"user {uid!r}: a deleted record is still listed"
         if self.host is not None:
-            self.host.check_slots()
+            self.host.check(self.users)
 
     # ------------------------------------------------------------------ internals
     def _verified_prefix(self, record: UserRecord, token_hashes: np.ndarray) -> int:
@@ -342,7 +342,7 @@ class KVCacheManager:
         """Cut ``record`` back to its first ``num_tokens < hashed_tokens`` tokens (verified against
         ``token_hashes``)."""
         if num_tokens < max(record.num_tokens, record.host_tokens):
-            self.stats.truncated_tokens += max(record.num_tokens, record.host_tokens) - num_tokens
+            self._stats.truncated_tokens += max(record.num_tokens, record.host_tokens) - num_tokens
         record.generation = next(self._generations)  # transfers in flight beyond the cut are now stale
         if num_tokens % self.page_size:
             record.hash_buffer[num_tokens // self.page_size] = token_hashes[num_tokens - 1]
@@ -367,41 +367,30 @@ class KVCacheManager:
         else:
             record.forget_pages()
 
-    def _clean_free(self) -> int:
-        """Free pages handed out before any given back while being copied (with ``onload_first``; else all)."""
-        if self._onload_first and self.pool.num_free_last and not self.host.copies_in_flight():
-            self.pool.settle_free_last()  # those copies finished: the pages are as good as any
-        return self.pool.num_free - self.pool.num_free_last  # (num_free_last is 0 without onload_first)
-
     def _evict_until_free(self, count: int) -> None:
-        """Evict least recently used users whose pages are not being read until ``count`` pages are free (with
-        ``onload_first``: free and not being copied, while there are users to evict)."""
-        while self._clean_free() < count:
+        """Evict least recently used users whose pages are not being read until ``count`` pages are free."""
+        while self.pool.num_free < count:
             for victim, record in self._lru.items():  # least recently used first
                 if not record.readers:
                     self._evict(victim, record)
                     break  # the LRU changed: walk it again from the start
             else:
-                if self.pool.num_free >= count:
-                    return  # enough pages, some still being copied: writes to them wait for the copy
-                self.host.poll(wait=True)  # only users whose pages are being gathered: let that finish
+                self.host.poll(wait=True)  # only users whose pages are being copied to host: let that finish
 
     def _evict(self, user_id: Hashable, record: UserRecord) -> None:
         del self._lru[user_id]
         self._evictable_pages -= record.num_pages
-        persisting = False
-        if self._persist_tails:
-            persisting = self.host.persist_all(user_id, record)
-        elif self.host is not None:
-            self.stats.lost_tokens += record.num_tokens - record.host_tokens
-        if self._onload_first and persisting:  # the pages after its chunks on host, being copied, go out last
-            on_host = min(record.host_tokens // self.config.chunk_tokens * self.config.chunk_pages, record.num_pages)
-            self.pool.free_last(record.page_buffer[on_host: record.num_pages])
-            record.num_pages = on_host
+        persisting = self.host is not None and self.host.plan_persist(user_id, record)
         self._drop_pages(record, 0)
-        self.stats.evicted_users += 1
-        self.stats.evicted_tokens += record.num_tokens
+        self._stats.evicted_users += 1
+        self._stats.evicted_tokens += record.num_tokens
         record.num_tokens = 0
         if not record.host_slots and not persisting:
+            self._release_record(user_id, record)
+
+    def _release_record(self, user_id: Hashable, record: UserRecord) -> None:
+        """Delete ``record``, which holds nothing any more, from the users (copies still in flight for it are
+        discarded when they complete)."""
+        if self.users.get(user_id) is record:
             del self.users[user_id]
-            record.retire()
+        record.retire()

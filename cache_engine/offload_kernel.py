@@ -83,8 +83,7 @@ class ChunkPacker:
 
     def __init__(self, num_warps: int = NUM_WARPS) -> None:
         self._kernels = CompiledKernels(_pack_chunks_kernel, num_warps)
-        # (pool shape and dtype, out dtype, slot pages, quantise) -> (constexprs, their part of the key); building
-        # them costs ~20 us of host time a launch on the GPU machine
+        # (pool shape and dtype, out dtype, slot pages, quantise) -> (constexprs, their part of the key), built once
         self._constants: dict[tuple, tuple[dict[str, object], tuple]] = {}
 
     def __call__(self, kv: torch.Tensor, pages: torch.Tensor, out_addr: torch.Tensor, out_dtype: torch.dtype,

@@ -92,18 +92,46 @@ class CacheHit(NamedTuple):
 
 
 @dataclass
-class CacheStats:
-    """Counters since the engine started (tokens are history tokens of one user each)."""
+class PoolStats:
+    """The manager's counters since start (tokens are history tokens of one user each).
+
+    Attributes:
+        evicted_users: users whose GPU pages were reclaimed (LRU eviction).
+        evicted_tokens: their cached tokens at the time.
+        truncated_tokens: cached tokens dropped because a request's history no longer matched them.
+        prefetched_tokens: tokens loaded from host as the user's request arrived (``cache.prefetch``).
+    """
 
     evicted_users: int = 0
     evicted_tokens: int = 0
     truncated_tokens: int = 0
+    prefetched_tokens: int = 0
+
+
+@dataclass
+class HostStats:
+    """The host tier's counters since start.
+
+    Attributes:
+        host_evicted_users: users whose host copy was dropped to free slots (host LRU).
+        onloaded_tokens, onloaded_bytes: history loaded from host into GPU pages.
+        offloaded_tokens, offloaded_bytes: history copied from GPU pages to host.
+        tail_persisted_tokens: tails (less than a chunk) persisted as their user was evicted.
+        lost_tokens: tokens of evicted users that could not be persisted (no free slot, or ``persist_tails`` off).
+        deferred_offloads: chunk-steps that full chunks waited for admission (``max_pending_offloads``).
+    """
+
     host_evicted_users: int = 0
     onloaded_tokens: int = 0
     onloaded_bytes: int = 0
     offloaded_tokens: int = 0
     offloaded_bytes: int = 0
-    tail_persisted_tokens: int = 0  # tails persisted as their user was evicted
-    prefetched_tokens: int = 0  # loaded from host as the user's request arrived (``cache.prefetch``)
+    tail_persisted_tokens: int = 0
     lost_tokens: int = 0
     deferred_offloads: int = 0
+
+
+@dataclass
+class CacheStats(PoolStats, HostStats):
+    """A snapshot of every cache counter (:class:`PoolStats` and :class:`HostStats`), taken by
+    :attr:`~cache_engine.KVCacheManager.stats`."""

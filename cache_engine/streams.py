@@ -1,27 +1,23 @@
 """Cheap CUDA stream lookups, switching and ordering for the per-step transfer and staging code.
 
-On the GPU machine's host, within an engine step, ``torch.cuda.current_stream(device)`` costs ~17 us (it builds a new
-``Stream`` object inside a device context), ``torch.cuda.stream(s)`` twice that, and ``Stream.wait_stream`` ~23 us (it
-creates, and later destroys, a CUDA event); a step makes several of each. :class:`CurrentStream`, :func:`on_stream`
-and :class:`StreamFence` do the same for a fraction of the cost (``benchmarks/host_breakdown.py --torch-calls``
-measures them in the benchmark's steps: a kept event's record and wait cost ~3 us each).
+``torch.cuda.current_stream(device)`` builds a new ``Stream`` object inside a device context, ``torch.cuda.stream(s)``
+looks up and restores the current device and stream, and ``Stream.wait_stream`` creates (and later destroys) a CUDA
+event: each costs tens of microseconds of host time, and a step makes several of each. :class:`CurrentStream`,
+:func:`on_stream` and :class:`StreamFence` do the same for a fraction of the cost.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
-logger = logging.getLogger(__name__)
-
 
 def indexed(device: torch.device) -> torch.device:
     """``device`` with its index (CUDA: the current device's when none is given). Torch looks the current stream
     of an indexed device up directly; for a bare ``"cuda"`` each lookup first asks whether CUDA is available
-    (environment reads; ~10 us a call on the GPU machine's host)."""
+    (environment reads) first."""
     if device.type != "cuda" or device.index is not None:
         return device
     return torch.device("cuda", torch.cuda.current_device())
@@ -67,27 +63,3 @@ class StreamFence:
         """Make work queued on ``waiter`` from now on wait for the work queued on ``signaller`` so far."""
         self._event.record(signaller)
         waiter.wait_event(self._event)
-
-
-def confined_stream(device: torch.device, num_sms: int) -> tuple[object, torch.cuda.Stream] | None:
-    """A CUDA green context of at most ``num_sms`` multiprocessors of ``device`` and its stream (the caller keeps
-    the context while it uses the stream), or ``None`` where green contexts are not available (logged). Kernels
-    queued on the stream leave the other multiprocessors to work queued elsewhere, however many programs they still
-    have to start."""
-    try:
-        from torch.cuda.green_contexts import SUPPORTED, GreenContext
-
-        if not SUPPORTED:
-            raise RuntimeError("this torch was built without green context support")
-        context = GreenContext.create(num_sms=num_sms, device_id=indexed(device).index)
-        if hasattr(context, "Stream"):
-            return context, context.Stream()
-        context.set_context()  # an older torch: a stream made while the green context is current is its own
-        try:
-            return context, torch.cuda.Stream(device)
-        finally:
-            context.pop_context()
-    except Exception:  # an older driver or torch: the caller uses an ordinary stream
-        logger.warning("no green context of %d multiprocessors here; using an ordinary stream", num_sms,
-                       exc_info=True)
-        return None

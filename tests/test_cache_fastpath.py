@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from cache_engine import HostChunkStore, LRUIndex, PagePool, page_prefix_hashes
-from cache_engine.jobs import OffloadHandle
 from tests.test_host_tier import PS, hashes, kv_of, manager, run
 from tests.test_kv_cache import manager as gpu_manager
 
@@ -149,9 +148,9 @@ class _Pending:
         self.done = True
 
 
-def test_eviction_skips_chunk_copies_still_in_flight():
-    """With copies to host still running (as on a GPU), evicting their user persists only what is not being
-    copied, and every copy completes into the right slot."""
+def test_eviction_waits_for_chunk_copies_still_in_flight():
+    """With copies to host still running (as on a GPU), their user's pages are being read: evicting it waits for
+    those copies, then persists only what is not on host yet, and every copy completes into the right slot."""
     kv = manager(pages=6)
     events: list[_Pending] = []
     offload = kv.host.transfer.offload
@@ -159,15 +158,15 @@ def test_eviction_skips_chunk_copies_still_in_flight():
     def slow_offload(pool, jobs):
         offload(pool, jobs)
         events.append(_Pending())
-        return OffloadHandle(None, events[-1])  # gathered at once, copied later
+        return events[-1]  # done only when waited for or set
 
     kv.host.transfer.offload = slow_offload
     run(kv, "a", hashes(19))  # 2 full chunks queued and launched at end_step; they stay in flight
     kv.begin_step()
-    assert kv.host.pending_chunks == 2 and kv.users["a"].host_tokens == 0
-    run(kv, "b", hashes(16, 1))  # evicts "a": only its 3-token tail needs a copy, then b's 2 chunks go
-    assert kv.stats.tail_persisted_tokens == 3 and kv.stats.offloaded_tokens == 16 + 3 + 16
-    assert not kv.users["a"].num_pages and kv.host.pending_chunks == 5
+    assert kv.host.pending_chunks == 2 and kv.users["a"].host_tokens == 0 and kv.users["a"].readers == 1
+    run(kv, "b", hashes(16, 1))  # evicts "a" once its copies are done: only its 3-token tail needs a copy
+    assert events[0].done and kv.stats.tail_persisted_tokens == 3 and kv.stats.offloaded_tokens == 16 + 3 + 16
+    assert not kv.users["a"].num_pages and kv.users["a"].host_tokens == 16 and kv.host.pending_chunks == 3
     kv.check_invariants()
     for event in events:
         event.done = True

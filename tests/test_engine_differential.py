@@ -89,10 +89,10 @@ def test_cached_modes_equal_recompute_over_thousands_of_requests(long_stream, mo
        mode=st.sampled_from(["gpu_only", "hierarchical"]), chunk_pages=st.integers(1, 5),
        host_chunks=st.integers(0, 40), max_pending=st.integers(1, 4), persist_tails=st.booleans(),
        prefetch=st.booleans(), call=st.integers(1, 9),
-       retrieval=st.booleans(), onload_first=st.booleans())
+       retrieval=st.booleans())
 def test_random_configurations_equal_recompute(seed, page_size, max_num_seqs, budget, slack, mode, chunk_pages,
                                                host_chunks, max_pending, persist_tails, prefetch,
-                                               call, retrieval, onload_first):
+                                               call, retrieval):
     """Random cache configurations, served ``call`` requests at a time (each call prefetches, with ``prefetch``),
     ranking or retrieval (``generate``, whose last history token is always recomputed)."""
     config = tiny_config(page_size=page_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
@@ -108,21 +108,19 @@ def test_random_configurations_equal_recompute(seed, page_size, max_num_seqs, bu
     min_pages = -(-160 // page_size)
     expected = serve(GREngine(with_cache(config, mode="recompute", num_gpu_pages=min_pages)), requests)
     engine = GREngine(with_cache(config, mode=mode, num_gpu_pages=min_pages + slack,
-                                 max_pending_offloads=max_pending, persist_tails=persist_tails, prefetch=prefetch,
-                                 onload_first=onload_first))
+                                 max_pending_offloads=max_pending, persist_tails=persist_tails, prefetch=prefetch))
     got = [o for i in range(0, len(requests), call) for o in serve(engine, requests[i:i + call])]
     assert max_diff(got, expected) <= 1e-5
     engine.kv.check_invariants()
 
 
-@pytest.mark.parametrize("prefetch,onload_first", [(True, False), (False, False), (True, True), (False, True)])
-def test_prefetch_equals_recompute_over_thousands_of_requests(long_stream, prefetch, onload_first):
-    """Users loaded from host as their requests arrive (``prefetch``, or not; onloads launched before the evicted
-    users' copies when their pages allow, or not), under a small GPU pool: the same scores as recompute, and the
-    prefetch's onloads are counted as host hits."""
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_prefetch_equals_recompute_over_thousands_of_requests(long_stream, prefetch):
+    """Users loaded from host as their requests arrive (``prefetch``, or not), under a small GPU pool: the same
+    scores as recompute, and the prefetch's onloads are counted as host hits."""
     _, requests, expected = long_stream
     engine = GREngine(with_cache(tiny_config(max_num_seqs=4, max_num_batched_tokens=96, host_chunks=800),
-                                 mode="hierarchical", num_gpu_pages=160, prefetch=prefetch, onload_first=onload_first))
+                                 mode="hierarchical", num_gpu_pages=160, prefetch=prefetch))
     outputs = []
     for part in np.array_split(np.arange(len(requests)), 40):  # many rank() calls: each one prefetches
         outputs += engine.rank([requests[i] for i in part], use_tqdm=False)

@@ -1,4 +1,5 @@
-"""The engine on CUDA: streams, pinned host chunks and per-layer onload events (skipped without CUDA)."""
+"""The engine on CUDA: streams, pinned host chunks, per-layer onload events and the onload fallbacks (skipped without
+CUDA)."""
 
 from __future__ import annotations
 
@@ -75,124 +76,96 @@ def test_onload_waits_per_layer_event():
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("host_dtype,quantise_bytes", [("kv", 2**30), ("float8_e4m3fn", 2**30),
-                                                        ("float8_e4m3fn", 1)])
-def test_kernel_onload_engine_equals_copy_engine(monkeypatch, host_dtype, quantise_bytes):
-    """The transfer kernels (offloads packed and quantised by one kernel, onloads read from host pages), launched
-    eagerly or replayed from CUDA graphs, with or without users loaded as their requests arrive (``prefetch``), give
-    exactly the copy engine's scores: the same quantisation and dequantisation (also when the copy engine quantises
-    one chunk at a time: ``quantise_bytes`` 1)."""
-    monkeypatch.setattr("cache_engine.transfer._QUANTISE_BYTES", quantise_bytes)
-    config = cuda_config("bfloat16", mode="hierarchical", num_gpu_pages=200, host_dtype=host_dtype)
-    requests = stream(config, num_users=30, visits=20, seed=6)
-    outputs = {}
-    # name: (onload engine, graphs, prefetch). FP8 host chunks are lossy: a policy that changes which users' KV
-    # comes from host changes scores, so each variant is compared with the copy engine under the same policy.
-    variants = {"copy": ("copy", False, False), "kernel": ("kernel", False, False),
-                "kernel_graphs": ("kernel", True, False), "copy_prefetch": ("copy", False, True),
-                "kernel_prefetch": ("kernel", False, True), "kernel_graphs_prefetch": ("kernel", True, True)}
-    for name, (engine_name, graphs, prefetch) in variants.items():
-        engine = GREngine(with_cache(config, onload_engine=engine_name, onload_graphs=graphs, prefetch=prefetch))
+@pytest.mark.parametrize("host_dtype", ["kv", "float8_e4m3fn"])
+def test_onload_fallbacks_score_exactly_as_the_staged_path(monkeypatch, host_dtype):
+    """Onloads staged by batched DMA, then the onload kernel reading the staging buffer; and the fallbacks, which
+    read the same bytes straight from pinned host memory and dequantise them the same way: a staging buffer smaller
+    than most onloads, a driver without batched copies, a batched copy that fails (logged; host memory from then on).
+    Every variant gives exactly the same scores. One variant holds every onload's copies back ~10 ms on the copy
+    stream: a kernel that did not wait for its layer's copies would read what the staging buffer held before."""
+    from cache_engine.batched_copy import BatchedCopier
+    from cache_engine.dma_staging import DmaStaging
+
+    copy, load, call = DmaStaging.copy, BatchedCopier.load, BatchedCopier._call
+
+    def slow_copy(self, *args):
+        with torch.cuda.stream(self.stream):
+            torch.cuda._sleep(20_000_000)  # before the copies' wait and the copies themselves
+        return copy(self, *args)
+
+    def failing_call(self, *args):
+        raise RuntimeError("cuMemcpyBatchAsync failed with CUDA error 1 (a stand-in)")
+
+    outputs = []
+    # (copies held back, staging pages, driver without batched copies, failing driver calls)
+    for slow, staging, no_batches, failing in ((False, 4096, False, False), (True, 4096, False, False),
+                                               (False, 8, False, False), (False, 4096, True, False),
+                                               (False, 4096, False, True)):
+        monkeypatch.setattr(DmaStaging, "copy", slow_copy if slow else copy)
+        monkeypatch.setattr(BatchedCopier, "load", classmethod(lambda cls, index: None) if no_batches else load)
+        monkeypatch.setattr(BatchedCopier, "_call", failing_call if failing else call)
+        engine = GREngine(cuda_config("bfloat16", 5, mode="hierarchical", num_gpu_pages=200, host_dtype=host_dtype,
+                                      staging_pages=staging))
         engine.kv.host.store.wait_until_allocated()
-        outputs[name] = closed_loop_scores(engine, requests)
-        assert engine.stats.host_hit_tokens > 0
-        assert (engine.kv.stats.prefetched_tokens > 0) == prefetch
-        captured = engine.kv.host.transfer._graphs
-        assert (captured is not None and captured.enabled and len(captured._graphs) > 0) == graphs
+        engine.kv.warm_transfers()
+        transfer = engine.kv.host.transfer
+        assert (transfer._staging is None) == no_batches  # else a driver of CUDA 12.8 or later
+        if not no_batches:
+            assert transfer._staging.capacity == min(staging, 200)
+        outputs.append(closed_loop_scores(engine, stream(engine.config, num_users=30, visits=12, seed=7)))
+        assert engine.kv.stats.onloaded_bytes > 0
+        assert (transfer._staging is None) == (no_batches or failing)
         engine.close()
         engine.kv.check_invariants()
-    for name, baseline in (("kernel", "copy"), ("kernel_graphs", "copy"), ("kernel_prefetch", "copy_prefetch"),
-                           ("kernel_graphs_prefetch", "copy_prefetch")):
-        assert all(np.array_equal(a, b) for a, b in zip(outputs[name], outputs[baseline])), name
+    for other in outputs[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(outputs[0], other, strict=True))
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_forward_graph_waits_for_slow_onloads(monkeypatch, prefetch):
-    """With onloads replayed from graphs and the forward from per-layer graphs, every onload held back ~10 ms on the
-    device (the forward would read pages not loaded yet if a wait were missing): scores still equal the copy engine's
+    """With the forward replayed from per-layer graphs and every onload's copies held back ~10 ms on the device (the
+    forward would read pages not loaded yet if a wait were missing): scores still equal those without the delay
     exactly. With ``prefetch``, served in closed-loop batches of 8, the onloads launched as requests arrive are the
     ones held back: the step's forward must wait for their events."""
-    from cache_engine.onload_graphs import OnloadGraphs
+    from cache_engine.dma_staging import DmaStaging
 
     config = tiny_config(mode="hierarchical", num_gpu_pages=50, page_size=16, max_num_seqs=8,
                          max_num_batched_tokens=256, host_chunks=400, d_model=64, num_heads=2, head_dim=32,
                          dtype="bfloat16")
     # hstu_triton (pages of 16 tokens): replayable, small steps run from graphs
     config = msgspec.structs.replace(config, device="cuda", attention_backend="hstu_triton")
+    config = with_cache(config, prefetch=prefetch)
     requests = stream(config, num_users=20, visits=8, seed=7)
 
     def serve(engine):  # with prefetch, closed-loop batches of 8 (each rank() call prefetches); both engines alike
-        # (the copy engine prefetches too: a prefetch may change what a step admits)
-        if not prefetch:
-            return scores(engine.rank(requests, use_tqdm=False))
-        return closed_loop_scores(engine, requests)
+        engine.kv.host.store.wait_until_allocated()
+        got = scores(engine.rank(requests, use_tqdm=False)) if not prefetch else closed_loop_scores(engine, requests)
+        assert (engine.kv.stats.prefetched_tokens > 0) == prefetch and engine.stats.host_hit_tokens > 0
+        engine.close()
+        return got
 
-    expected_engine = GREngine(with_cache(config, onload_engine="copy", prefetch=prefetch))
-    expected_engine.kv.host.store.wait_until_allocated()
-    expected = serve(expected_engine)
-    expected_engine.close()
-    replay = OnloadGraphs.replay
+    expected = serve(GREngine(config))
+    copy = DmaStaging.copy
 
-    def slow_replay(self, *args):
-        torch.cuda._sleep(20_000_000)  # on the scatter stream, before the onload kernels
-        return replay(self, *args)
+    def slow_copy(self, *args):
+        with torch.cuda.stream(self.stream):
+            torch.cuda._sleep(20_000_000)  # on the copy stream, before the onload's copies
+        return copy(self, *args)
 
-    monkeypatch.setattr(OnloadGraphs, "replay", slow_replay)
-    engine = GREngine(with_cache(config, onload_engine="kernel", onload_graphs=True, prefetch=prefetch))
-    engine.kv.host.store.wait_until_allocated()
+    monkeypatch.setattr(DmaStaging, "copy", slow_copy)
+    engine = GREngine(config)
     got = serve(engine)
-    assert (engine.kv.stats.prefetched_tokens > 0) == prefetch
-    assert engine.stats.host_hit_tokens > 0
     step_graphs = engine.runner.graphs
     assert step_graphs.enabled and any(not whole for _, _, whole in step_graphs._graphs)  # per-layer graphs replayed
     assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
-    engine.close()
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_onload_first_equals_recompute_with_slow_copies_to_host(monkeypatch, prefetch):
-    """``onload_first`` with every copy to host held back ~10 ms on the device before its gather: an onload or a
-    forward that skipped waiting for a copy still reading its pages would overwrite what the copy reads, and the
-    user's next visit from host would score differently. Served in closed-loop batches of 8 (each call prefetches);
-    the onloads went first while copies were pending at least once."""
-    from cache_engine.host_tier import HostTier
-    from cache_engine.offload_kernel import ChunkPacker
-
-    config = cuda_config("float32", mode="hierarchical", num_gpu_pages=200, onload_first=True, prefetch=prefetch)
-    requests = stream(config, num_users=30, visits=20, seed=5)
-    expected = scores(GREngine(with_cache(config, mode="recompute")).rank(requests, use_tqdm=False))
-    pack, must_wait, went_first = ChunkPacker.__call__, HostTier.writes_must_wait, []
-
-    def slow_pack(self, *args, **kwargs):
-        torch.cuda._sleep(20_000_000)  # on the offload stream, before the gather
-        return pack(self, *args, **kwargs)
-
-    def recording(self, pages):
-        wait = must_wait(self, pages)
-        went_first.append(not wait and bool(self._gathers or self._batch))
-        return wait
-
-    monkeypatch.setattr(ChunkPacker, "__call__", slow_pack)
-    monkeypatch.setattr(HostTier, "writes_must_wait", recording)
-    engine = GREngine(config)
-    engine.kv.host.store.wait_until_allocated()
-    got = closed_loop_scores(engine, requests)
-    worst = max(float(np.abs(a - b).max()) for a, b in zip(got, expected, strict=True))
-    assert worst <= 1e-4, worst
-    assert engine.stats.host_hit_tokens > 0 and any(went_first)
-    engine.close()
-    engine.kv.check_invariants()
-
-
-@pytest.mark.parametrize("group_bytes", [0, 2**24])
-@pytest.mark.parametrize("dma", [False, True])
-@pytest.mark.parametrize("graphs", [False, True])
-def test_each_layer_event_covers_that_layers_onload(graphs, dma, group_bytes):
+@pytest.mark.parametrize("staged", [False, True])
+def test_each_layer_event_covers_that_layers_onload(staged):
     """A stream that waits for layer ``l``'s event and reads that layer's pages at once sees the loaded pages,
-    whether the onload was launched eagerly or replayed from a graph (whose external event nodes record the
-    events), reading host memory or (``dma``) a staging buffer filled by DMA first, one layer or (eager onloads with
-    ``group_bytes``) as many layers as fit in 16 MiB per launch and driver call: onloads of 2-100 MiB a layer over
-    PCIe (groups of 4, 1, 2 and 1 layers), read right after each wait, in rounds of several capacities."""
+    whether the onload kernel read a staging buffer filled by DMA first (``staged``) or host memory (a staging buffer
+    of one page: every onload is larger): onloads of 2-100 MiB a layer over PCIe, read right after each wait, in
+    rounds of several sizes."""
     from cache_engine import HostChunkStore, OnloadJob, TransferEngine
 
     layers, chunk_pages, page, heads, dim, num_chunks = 4, 32, 32, 4, 128, 48
@@ -203,9 +176,7 @@ def test_each_layer_event_covers_that_layers_onload(graphs, dma, group_bytes):
     for s in range(num_chunks):
         store.slot(s).copy_(torch.randn(shape, generator=gen).to(torch.bfloat16))
     kv = torch.zeros(layers, num_chunks * chunk_pages + 10, 2, page, heads, dim, dtype=torch.bfloat16, device="cuda")
-    transfer = TransferEngine(torch.device("cuda"), kernels=True, graphs=graphs, dma=dma, dma_graphs=dma,
-                              group_bytes=group_bytes)
-    assert transfer.dma == dma  # a driver of CUDA 12.8 or later
+    transfer = TransferEngine(torch.device("cuda"), staging_pages=4096 if staged else 1)
     compute = torch.cuda.current_stream()
     rng = np.random.default_rng(1)
     for chunks, pages_each in ((5, 7), (num_chunks, chunk_pages), (3, chunk_pages), (num_chunks, 9)):
@@ -213,8 +184,7 @@ def test_each_layer_event_covers_that_layers_onload(graphs, dma, group_bytes):
         order = rng.permutation(kv.shape[1])[: chunks * pages_each].reshape(chunks, pages_each)
         jobs = [OnloadJob(c, store.slot(c), order[c]) for c in range(chunks)]
         events = transfer.onload(kv, jobs)
-        group = 1 if graphs or not group_bytes else max(1, min(layers, group_bytes // (chunks * pages_each * 2**16)))
-        assert len(events) == layers and len({id(event) for event in events}) == -(-layers // group)
+        assert len(events) == layers and len({id(event) for event in events}) == layers
         dst = torch.from_numpy(order.ravel()).cuda()
         seen = []
         for layer, event in enumerate(events):
@@ -224,14 +194,13 @@ def test_each_layer_event_covers_that_layers_onload(graphs, dma, group_bytes):
         for layer in range(layers):
             expected = torch.stack([store.slot(c)[layer, :pages_each] for c in range(chunks)]).flatten(0, 1)
             assert torch.equal(seen[layer].cpu(), expected), (chunks, pages_each, layer)
-    assert (transfer._graphs is not None and len(transfer._graphs._graphs) >= 2) == graphs
+    assert transfer._staging is not None  # a driver of CUDA 12.8 or later; used only where the onload fits
 
 
-@pytest.mark.parametrize("graphs", [False, True])
-def test_transfer_kernels_index_buffers_are_not_rewritten_while_queued(graphs):
-    """The transfer kernels read their indices from pinned buffers reused in turn: with the device held busy, a
-    run of onloads (graphs alternate two buffers, eager launches a ring of four) and of kernel offloads (a ring of
-    four) queued back to back, each with different pages and slots, all land where their own indices say."""
+def test_transfer_kernels_index_buffers_are_not_rewritten_while_queued():
+    """The transfer kernels read their indices from pinned buffers reused in turn (rings of four): with the device
+    held busy, a run of onloads and of offloads queued back to back, each with different pages and slots, all land
+    where their own indices say."""
     from cache_engine import HostChunkStore, OffloadJob, OnloadJob, TransferEngine
 
     layers, chunk_pages, page, heads, dim, rounds = 2, 4, 8, 2, 64, 7
@@ -242,9 +211,9 @@ def test_transfer_kernels_index_buffers_are_not_rewritten_while_queued(graphs):
     for s in range(2 * rounds):
         store.slot(s).copy_(torch.randn(shape, generator=gen).to(torch.bfloat16))
     kv = torch.zeros(layers, 4 * rounds * chunk_pages, 2, page, heads, dim, dtype=torch.bfloat16, device="cuda")
-    transfer = TransferEngine(torch.device("cuda"), kernels=True, graphs=graphs)
+    transfer = TransferEngine(torch.device("cuda"))
     order = np.random.default_rng(2).permutation(2 * rounds * chunk_pages).reshape(rounds, 2, chunk_pages)
-    for _ in range(2):  # compile, and capture both graphs, before the stalls
+    for _ in range(2):  # compile before the stalls
         transfer.onload(kv, [OnloadJob(0, store.slot(0), order[0, 0])])
     offloaded = 2 * rounds * chunk_pages + np.arange(2 * rounds * chunk_pages).reshape(rounds, 2, chunk_pages)
     fresh = torch.randn(layers, offloaded.size, 2, page, heads, dim, generator=gen).to(kv)
@@ -261,28 +230,11 @@ def test_transfer_kernels_index_buffers_are_not_rewritten_while_queued(graphs):
     for r in range(rounds):
         transfer.onload(kv, [OnloadJob(2 * r + c, store.slot(2 * r + c), order[r, c]) for c in range(2)])
     torch.cuda.synchronize()
-    assert all(h.copy_done() for h in handles)
+    assert all(done.query() for done in handles)
     for r in range(rounds):
         for c in range(2):
             assert torch.equal(kv[:, order[r, c]].cpu(), store.slot(2 * r + c)), ("onload", r, c)
             assert torch.equal(store.slot(2 * rounds + 2 * r + c), kv[:, offloaded[r, c]].cpu()), ("offload", r, c)
-
-
-def test_index_uploads_never_rewrite_a_pinned_buffer_whose_copy_is_queued():
-    """Uploads stage through torch's caching host allocator and drop the staging tensor at once; while the stream
-    is busy (copies still queued) its memory must not be handed to the next upload, so every upload arrives
-    intact, and so do later ones that reuse the freed blocks."""
-    from cache_engine.transfer import TransferEngine
-
-    transfer = TransferEngine(torch.device("cuda"))
-    rng = np.random.default_rng(0)
-    expected = [rng.integers(0, 2**40, n) for n in (5, 3000, 17, 1, 9000, 64, 2, 100, 5000, 7, 11, 13, 4000, 3)]
-    torch.cuda._sleep(100_000_000)  # the copies below queue behind this
-    got = [transfer._upload(values) for values in expected]
-    torch.cuda.synchronize()
-    assert all(np.array_equal(g.cpu().numpy(), e) for g, e in zip(got, expected, strict=True))
-    again = [transfer._upload(values) for values in expected[:3]]  # freed blocks, now reusable
-    assert all(np.array_equal(g.cpu().numpy(), e) for g, e in zip(again, expected[:3], strict=True))
 
 
 def test_stream_fence_orders_a_side_stream_after_the_work_queued_so_far():
@@ -350,98 +302,3 @@ def test_quick_benchmark_runs_its_engines_one_after_another_on_cuda():
     assert all(e["onloaded_bytes_per_batch"] > 0 for e in result["chunk_sweep"]["hierarchical"].values())
     assert result["score_drift"]["kv"]["requests_from_host"] > 0
     assert result["score_drift"]["kv"]["max_abs"] < 1e-3  # float32 host chunks: only kernel rounding differs
-
-
-
-def test_onloads_confined_to_a_few_multiprocessors_score_the_same():
-    """``cache.onload_sms``: the onload kernels run on a green context's stream (where this torch and driver have
-    green contexts) and every score equals that of an engine with the onloads on an ordinary stream."""
-    from torch.cuda.green_contexts import SUPPORTED
-
-    outputs = []
-    for sms in (0, 16):
-        engine = GREngine(cuda_config("bfloat16", mode="hierarchical", num_gpu_pages=200, onload_sms=sms))
-        engine.kv.host.store.wait_until_allocated()
-        transfer = engine.kv.host.transfer
-        assert (transfer._confined is not None) == (sms > 0 and SUPPORTED)
-        outputs.append(closed_loop_scores(engine, stream(engine.config, num_users=30, visits=12, seed=4)))
-        assert engine.kv.stats.onloaded_bytes > 0
-        engine.close()
-        engine.kv.check_invariants()
-    assert all(np.array_equal(a, b) for a, b in zip(*outputs, strict=True))
-
-
-def test_batched_copies_score_exactly_as_copies_one_chunk_at_a_time():
-    """The copy engine issues each layer's copies in one ``cuMemcpyBatchAsync`` call where the driver has it (the
-    H200 machine's does): scores equal those of the same engine copying one chunk at a time (FP8 host chunks)."""
-    outputs = []
-    for batched in (True, False):
-        engine = GREngine(cuda_config("bfloat16", mode="hierarchical", num_gpu_pages=200, onload_engine="copy",
-                                      host_dtype="float8_e4m3fn"))
-        engine.kv.host.store.wait_until_allocated()
-        transfer = engine.kv.host.transfer
-        assert transfer._copier is not None  # a driver of CUDA 12.8 or later
-        if not batched:
-            transfer._copier = None
-        outputs.append(closed_loop_scores(engine, stream(engine.config, num_users=30, visits=12, seed=5)))
-        assert engine.kv.stats.onloaded_bytes > 0
-        engine.close()
-        engine.kv.check_invariants()
-    assert all(np.array_equal(a, b) for a, b in zip(*outputs, strict=True))
-
-
-@pytest.mark.parametrize("host_dtype", ["kv", "float8_e4m3fn"])
-def test_dma_onload_engine_equals_kernel_engine(monkeypatch, host_dtype):
-    """``onload_engine="dma"``: host pages copied into a staging buffer by batched DMA, then the onload kernel reads
-    the buffer (offloads as ``kernel``), launched eagerly or replayed from CUDA graphs (``dma_graphs``), one layer
-    or a group of layers per launch and copy call (``onload_layer_group``): exactly the ``kernel`` engine's scores,
-    which read the same bytes straight from host memory and dequantise them the same way. Some variants run with
-    every onload's copies held back ~10 ms on the copy stream: a kernel that did not wait (inside its graph, or
-    eagerly) for its group's copies would read what the staging buffer held before."""
-    from cache_engine.dma_staging import DmaStaging
-    from cache_engine.onload_kernel import OnloadLauncher
-
-    copy = DmaStaging.copy
-
-    def slow_copy(self, *args):
-        with torch.cuda.stream(self.stream):
-            torch.cuda._sleep(20_000_000)  # before the copies' wait and the copies themselves
-        return copy(self, *args)
-
-    launch_all_layers, groups = OnloadLauncher.all_layers, []
-
-    def all_layers(self, *args, group=1, **kwargs):
-        groups.append(group)
-        return launch_all_layers(self, *args, group=group, **kwargs)
-
-    monkeypatch.setattr(OnloadLauncher, "all_layers", all_layers)
-    outputs = []
-    # (engine, dma_graphs, copies held back, staging pages: 8 is fewer than most onloads, which then read host memory,
-    # bytes of host pages per onload group)
-    for engine_name, graphs, slow, staging, group in (
-            ("kernel", True, False, 4096, 0), ("dma", False, False, 4096, 0), ("dma", True, True, 4096, 0),
-            ("dma", False, False, 8, 0), ("dma", False, True, 4096, 2**15), ("dma", False, True, 4096, 2**30),
-            ("kernel", False, False, 4096, 2**15)):  # 5 layers; groups of 1 to 5 layers by the onload's size
-        monkeypatch.setattr(DmaStaging, "copy", slow_copy if slow else copy)
-        engine = GREngine(cuda_config("bfloat16", 5, mode="hierarchical", num_gpu_pages=200,
-                                      onload_engine=engine_name, dma_graphs=graphs, host_dtype=host_dtype,
-                                      staging_pages=staging, onload_group_bytes=group,
-                                      onload_graphs=graphs or engine_name == "dma"))
-        engine.kv.host.store.wait_until_allocated()
-        transfer = engine.kv.host.transfer
-        assert transfer.dma == (engine_name == "dma")  # a driver of CUDA 12.8 or later
-        captured = engine.kv.warm_transfers()  # every capacity up to the pool's 200 pages (256), for each turn
-        assert captured == (2 if graphs else 0)
-        if transfer.dma:
-            assert transfer._staging.capacity == min(staging, 200)
-        groups.clear()
-        outputs.append(closed_loop_scores(engine, stream(engine.config, num_users=30, visits=12, seed=7)))
-        assert engine.kv.stats.onloaded_bytes > 0
-        # (graph replays launch nothing eagerly: the graphs' variants may record no launch here)
-        assert (max(groups, default=1) > 1) == (group > 0) and (set(groups) == {5}) == (group == 2**30), groups
-        replayed = transfer._graphs is not None and transfer._graphs.enabled and len(transfer._graphs._graphs) > 0
-        assert replayed == graphs
-        engine.close()
-        engine.kv.check_invariants()
-    for other in outputs[1:]:
-        assert all(np.array_equal(a, b) for a, b in zip(outputs[0], other, strict=True))

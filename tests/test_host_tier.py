@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import msgspec
 import numpy as np
 import pytest
 import torch
@@ -12,11 +11,11 @@ from cache_engine import CacheConfig, KVCacheManager, page_prefix_hashes
 PS, CHUNK = 4, 8  # tokens per page, tokens per chunk (2 pages)
 
 
-def manager(pages=12, host_chunks=8, max_pending=64, persist_tails=True, onload_first=False) -> KVCacheManager:
+def manager(pages=12, host_chunks=8, max_pending=64, persist_tails=True) -> KVCacheManager:
     slot_bytes = 2 * CHUNK * 2 * 1 * 2 * 4  # layers * tokens * (K, V) * heads * dim * float32
     config = CacheConfig(mode="hierarchical", page_size=PS, num_gpu_pages=pages, chunk_tokens=CHUNK,
                          host_budget_bytes=host_chunks * slot_bytes, host_segment_bytes=3 * slot_bytes,
-                         max_pending_offloads=max_pending, persist_tails=persist_tails, onload_first=onload_first)
+                         max_pending_offloads=max_pending, persist_tails=persist_tails)
     return KVCacheManager(config, num_layers=2, num_heads=1, head_dim=2, dtype=torch.float32, device="cpu")
 
 
@@ -77,33 +76,10 @@ def record_transfer_order(kv: KVCacheManager) -> list[str]:
     return order
 
 
-def test_onload_first_goes_before_the_evicted_tails_copy():
-    """With ``onload_first``, a prefetch that evicts a user (its tail page to be copied to host) takes the evicted
-    user's first pages (its tail's page is handed out last) and launches its onload before the copy; both users come
-    back intact."""
-    kv = manager(pages=8, onload_first=True)
-    hb, ha = hashes(8, 1), hashes(11)
-    run(kv, "b", hb)  # a whole chunk: to host at the end of the step
-    b_kv = kv_of(kv, "b", 8)
-    run(kv, "a", ha)  # 3 pages: a whole chunk (copied at the end of the step) and a 3-token tail page
-    a_kv = kv_of(kv, "a", 11)
-    run(kv, "x", hashes(13, 2))  # 4 pages: evicts "b" (all on host), leaves 1 page free
-    assert not kv.users["b"].num_pages and kv.pool.num_free == 1
-    kv.begin_step()
-    order = record_transfer_order(kv)
-    kv.prefetch(["b"])  # 2 pages: "a" (least recent) is evicted, its tail page to be copied
-    assert not kv.users["a"].num_pages and kv.users["x"].num_pages and order == ["onload", "offload"]
-    kv.end_step()
-    assert run(kv, "b", hb) == (0, 8) and torch.equal(kv_of(kv, "b", 8), b_kv)
-    assert run(kv, "a", ha) == (0, 11) and torch.equal(kv_of(kv, "a", 11), a_kv)
-    kv.host.poll(wait=True)
-    kv.check_invariants()
-
-
-def test_onload_first_waits_for_the_copy_of_pages_it_must_reuse():
-    """With ``onload_first``, when a prefetch needs every page, the evicted user's tail page among them, the copy
-    goes first and the onload after it."""
-    kv = manager(pages=4, onload_first=True)
+def test_an_evicted_users_tail_is_copied_before_the_onload_that_reuses_its_pages():
+    """A prefetch that evicts a user whose tail is not on host launches the tail's copy first, then its onload
+    (whose pages may be the evicted user's); both users come back intact."""
+    kv = manager(pages=4)
     hb, ha = hashes(16, 1), hashes(11)
     run(kv, "b", hb)  # the whole pool, two whole chunks (copied at the end of the step)
     b_kv = kv_of(kv, "b", 16)
@@ -409,21 +385,6 @@ def test_engines_can_share_a_preallocated_host_arena():
         engine.close()
 
 
-def test_transfers_can_be_switched_off_for_fast_forwarding():
-    """With ``moves_data`` off, the host tier's bookkeeping runs as usual but no KV is copied."""
-    kv = manager(pages=6)
-    kv.host.transfer.moves_data = False
-    h = hashes(19)
-    run(kv, "a", h)
-    run(kv, "b", hashes(16, 1))  # evicts "a": its chunks are "persisted" without a copy
-    kv.begin_step()
-    assert kv.users["a"].host_tokens == 19
-    kv.host.store.slot(kv.users["a"].host_slots[0]).fill_(-7.0)  # run() writes values in [0, 1000)
-    assert run(kv, "a", h) == (0, 19)
-    assert not bool((kv_of(kv, "a", 8) == -7.0).any())  # the onload moved nothing either
-    kv.check_invariants()
-
-
 class _Event:
     """A stand-in for a CUDA event: ``query()`` says whether the work before it is done."""
 
@@ -441,43 +402,21 @@ def test_a_finished_prefetch_leaves_nothing_to_wait_for(monkeypatch, done):
     (events are recorded in layer order on one stream)."""
     kv = manager()
     events = [_Event(done), _Event(done)]
-    monkeypatch.setattr(kv.host, "launch_onloads", lambda handed_out: [None, None])
+    monkeypatch.setattr(kv.host, "launch", lambda: [None, None])
     kv._prefetch_events = events
     assert kv.launch_onloads() == ([None, None] if done else events)
-    monkeypatch.setattr(kv.host, "launch_onloads", lambda handed_out: events)  # the step's own onload, just launched
+    monkeypatch.setattr(kv.host, "launch", lambda: events)  # the step's own onload, just launched
     assert kv.launch_onloads() == ([None, None] if done else events)
-
-
-def test_onload_sms_and_group_bytes_are_validated_and_no_ops_off_cuda():
-    """``cache.onload_sms`` and ``cache.onload_group_bytes`` must be >= 0; on CPU there is no stream to confine and
-    no launch to group, and onloads run as before."""
-    for name in ("onload_sms", "onload_group_bytes"):
-        with pytest.raises(ValueError, match=name):
-            CacheConfig(**{name: -1})
-    kv = KVCacheManager(CacheConfig(mode="hierarchical", page_size=4, num_gpu_pages=12, chunk_tokens=8,
-                                    host_budget_bytes=1 << 20, onload_sms=8, onload_group_bytes=1 << 20), 1, 1, 4,
-                        torch.float32, torch.device("cpu"))
-    assert kv.host is not None and not kv.host.transfer.is_cuda and kv.host.transfer.group_bytes == 1 << 20
-
-
-def test_dma_onload_engine_is_accepted_and_off_cuda_copies_synchronously():
-    """``cache.onload_engine = "dma"`` is accepted (an unknown engine is refused); off CUDA there is no DMA
-    (``transfer.dma`` is off): onloads take the synchronous copies every engine takes on CPU."""
-    kv = KVCacheManager(CacheConfig(mode="hierarchical", page_size=4, num_gpu_pages=12, chunk_tokens=8,
-                                    host_budget_bytes=1 << 20, onload_engine="dma"), 1, 1, 4, torch.float32,
-                        torch.device("cpu"))
-    assert not kv.host.transfer.dma
-    with pytest.raises(msgspec.ValidationError):
-        msgspec.convert({"onload_engine": "dmaa"}, CacheConfig)
 
 
 def test_staging_pages_are_validated_and_warming_transfers_is_a_no_op_off_cuda():
-    """``cache.staging_pages`` must be positive; on CPU there are no onload kernels or graphs to prepare:
-    :meth:`KVCacheManager.warm_transfers` captures nothing (also without a host tier)."""
+    """``cache.staging_pages`` must be positive; on CPU there are no onload kernels or staging buffer to prepare
+    (also without a host tier)."""
     with pytest.raises(ValueError, match="staging_pages"):
         CacheConfig(staging_pages=0)
     for mode in ("hierarchical", "gpu_only"):
         kv = KVCacheManager(CacheConfig(mode=mode, page_size=4, num_gpu_pages=12, chunk_tokens=8,
-                                        host_budget_bytes=1 << 20, dma_graphs=True, staging_pages=4), 1, 1, 4,
+                                        host_budget_bytes=1 << 20, staging_pages=4), 1, 1, 4,
                             torch.float32, torch.device("cpu"))
-        assert kv.warm_transfers() == 0
+        kv.warm_transfers()
+        assert kv.host is None or kv.host.transfer._launcher is None

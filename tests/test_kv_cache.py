@@ -297,25 +297,3 @@ def test_incremental_hasher_second_request_of_a_batch_never_writes_over_the_firs
     mixed[0][56:60] = first[0][56:60]  # what the kept events would hold had the second written over the first
     got = hasher(0, *mixed)
     assert np.array_equal(got, hashes(*mixed, 8))
-
-
-def test_pages_given_back_last_are_handed_out_after_all_others():
-    """``PagePool.free_last`` puts pages below every free page: allocations take the others first, and
-    ``num_free_last`` counts those still free."""
-    from cache_engine.page_pool import PagePool
-
-    pool = PagePool(1, 8, 2, 1, 2, torch.float32, "cpu")
-    taken = np.zeros(8, dtype=np.int32)
-    pool.allocate(taken)
-    pool.free(taken[:3])
-    pool.free_last(taken[3:5])
-    pool.free(taken[5:6])
-    assert pool.num_free == 6 and pool.num_free_last == 2
-    first = np.zeros(4, dtype=np.int32)
-    pool.allocate(first)
-    assert set(first.tolist()) == set(taken[[0, 1, 2, 5]].tolist()) and pool.num_free_last == 2
-    last = np.zeros(1, dtype=np.int32)
-    pool.allocate(last)
-    assert last[0] in taken[3:5] and pool.num_free_last == 1
-    with pytest.raises(RuntimeError, match="double free"):
-        pool.free_last(np.arange(8, dtype=np.int32))

@@ -45,7 +45,7 @@ def expected_page(slots: torch.Tensor, scales: torch.Tensor | None, slot: int, p
 @pytest.mark.parametrize("rows_per_program", [1, 4, 64])  # 64: capped at the page's 2 * 8 rows
 @pytest.mark.parametrize("dtype,heads,dim", [(torch.float32, 2, 16), (torch.bfloat16, 3, 32), (torch.float16, 1, 8)])
 def test_pages_of_every_layer_land_in_their_pool_pages(dtype, heads, dim, rows_per_program):
-    from cache_engine.onload_kernel import onload_pages
+    from cache_engine.onload_kernel import OnloadLauncher
 
     gen = torch.Generator().manual_seed(0)
     layers, chunk_pages, page = 3, 4, 8
@@ -55,9 +55,7 @@ def test_pages_of_every_layer_land_in_their_pool_pages(dtype, heads, dim, rows_p
     dst = torch.tensor([7, 0, 39, 12, 21])
     addr = torch.tensor([slots[s, 0, p].data_ptr() for s, p in picks])
     layer_bytes = slots.stride(1) * slots.element_size()
-    for layer in range(layers):
-        onload_pages(pool[layer], addr.to(DEVICE), dst.to(DEVICE), layer * layer_bytes, dtype, layer,
-                     rows_per_program=rows_per_program)
+    OnloadLauncher(rows_per_program).all_layers(pool, addr.to(DEVICE), dst.to(DEVICE), layer_bytes, dtype)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     for (s, p), d in zip(picks, dst.tolist()):
@@ -68,7 +66,7 @@ def test_pages_of_every_layer_land_in_their_pool_pages(dtype, heads, dim, rows_p
 
 @pytest.mark.parametrize("rows_per_program", [1, 2, 8])  # 8: K and V rows in one program
 def test_fp8_pages_are_dequantised_with_their_slot_scales(rows_per_program):
-    from cache_engine.onload_kernel import onload_pages
+    from cache_engine.onload_kernel import OnloadLauncher
 
     gen = torch.Generator().manual_seed(1)
     layers, chunk_pages, page, heads, dim = 2, 2, 4, 2, 16
@@ -81,20 +79,18 @@ def test_fp8_pages_are_dequantised_with_their_slot_scales(rows_per_program):
     addr = torch.tensor([slots[s, 0, p].data_ptr() for s, p in picks])
     slot_ids = torch.tensor([s for s, _ in picks])
     layer_bytes = slots.stride(1) * slots.element_size()
-    for layer in range(layers):
-        onload_pages(pool[layer], addr.to(DEVICE), dst.to(DEVICE), layer * layer_bytes, torch.float8_e4m3fn, layer,
-                     slot_ids.to(DEVICE), scales.to(DEVICE), rows_per_program=rows_per_program)
+    OnloadLauncher(rows_per_program).all_layers(pool, addr.to(DEVICE), dst.to(DEVICE), layer_bytes,
+                                                torch.float8_e4m3fn, slot_ids.to(DEVICE), scales.to(DEVICE))
     for (s, p), d in zip(picks, dst.tolist()):
         expected = slots[s, :, p].float() * scales[s][:, :, None, :, None]  # [L, 2, page, H, D]
         torch.testing.assert_close(pool[:, d].cpu(), expected.to(pool_dtype), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("all_layers", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_a_launcher_reused_over_layers_and_page_counts_loads_every_page(fp8, all_layers):
+def test_a_launcher_reused_over_layers_and_page_counts_loads_every_page(fp8):
     """One :class:`OnloadLauncher` for many launches, as the transfer engine uses it: on CUDA every launch after
-    the first of a specialisation goes through the kept compiled kernel (other grids, offsets, index tensors); with
-    ``all_layers``, on the stream given (a side stream, as the transfer engine's), each layer's event recorded."""
+    the first of a specialisation goes through the kept compiled kernel (other grids, offsets, index tensors), on
+    the stream given (a side stream, as the transfer engine's), each layer's event recorded."""
     from cache_engine.onload_kernel import OnloadLauncher
 
     gen = torch.Generator().manual_seed(2)
@@ -110,10 +106,7 @@ def test_a_launcher_reused_over_layers_and_page_counts_loads_every_page(fp8, all
         picks, addr, slot_ids = random_picks(slots, count, gen)
         dst = torch.randperm(50, generator=gen)[:count]
         scales_here = None if scales is None else scales.to(DEVICE)
-        if not all_layers:
-            for layer in range(layers):
-                launcher(pool[layer], addr, dst.to(DEVICE), layer * layer_bytes, dtype, layer, slot_ids, scales_here)
-        elif DEVICE == "cuda":
+        if DEVICE == "cuda":
             side, events = torch.cuda.Stream(), [torch.cuda.Event() for _ in range(layers)]
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -132,39 +125,13 @@ def test_a_launcher_reused_over_layers_and_page_counts_loads_every_page(fp8, all
         assert not pool[:, untouched].any()
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_a_count_on_the_device_limits_the_pages_loaded(fp8):
-    """Index tensors of a larger capacity with ``count``: only the first ``count`` entries are loaded; the entries
-    after it (valid addresses of other pages, to other pool pages) are left alone, and a count of 0 loads nothing."""
-    from cache_engine.onload_kernel import OnloadLauncher
-
-    gen = torch.Generator().manual_seed(3)
-    layers, chunk_pages, page, heads, dim, num_slots = 2, 4, 8, 2, 16, 4
-    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
-    slots, _ = host_slots(num_slots, layers, chunk_pages, page, heads, dim, dtype, gen)
-    scales = (torch.rand(num_slots, layers, 2, heads, generator=gen) + 0.5).to(DEVICE) if fp8 else None
-    pool_dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    layer_bytes = slots.stride(1) * slots.element_size()
-    picks, addr, slot_ids = random_picks(slots, 12, gen)
-    dst = torch.randperm(40, generator=gen)[:12]
-    launcher = OnloadLauncher()
-    for count in (0, 5, 12):
-        pool = torch.zeros(layers, 40, 2, page, heads, dim, dtype=pool_dtype, device=DEVICE)
-        launcher.all_layers(pool, addr, dst.to(DEVICE), layer_bytes, dtype, slot_ids, scales,
-                            count=torch.tensor([count], device=DEVICE))
-        for (s, p), d in zip(picks[:count], dst[:count].tolist()):
-            torch.testing.assert_close(pool[:, d].cpu(), expected_page(slots, scales, s, p).to(pool_dtype), rtol=0,
-                                       atol=0)
-        assert not pool[:, dst[count:]].any() and int(pool.ne(0).any(dim=(0, 2, 3, 4, 5)).sum()) == count
-
-
 @pytest.mark.skipif(DEVICE == "cuda", reason="a CPU cache manager's (unpinned) host memory: the interpreter only")
 def test_engine_job_addresses_load_like_the_copy_path():
     """The transfer engine's job -> address plan (from the jobs' tensors or the store's address table), fed to the
     kernel, gives what the CPU copy path gives."""
     from cache_engine import CacheConfig, KVCacheManager
     from cache_engine.jobs import OnloadJob, host_page_addresses
-    from cache_engine.onload_kernel import onload_pages
+    from cache_engine.onload_kernel import OnloadLauncher
 
     gen = torch.Generator().manual_seed(2)
     slot_bytes = 3 * 3 * 2 * 4 * 2 * 8 * 4  # layers, chunk pages, K/V, page size, heads, head dim, float32
@@ -185,17 +152,14 @@ def test_engine_job_addresses_load_like_the_copy_path():
     assert store.addresses.tolist() == [store.slot(s).data_ptr() for s in range(store.num_slots)]
     assert np.array_equal(host_page_addresses(jobs, store.addresses)[0], addresses)
     dst = torch.tensor([p for job in jobs for p in job.pages])
-    for layer in range(got.shape[0]):
-        onload_pages(got[layer], torch.from_numpy(addresses), dst, layer * layer_bytes, torch.float32, layer)
+    OnloadLauncher().all_layers(got, torch.from_numpy(addresses), dst, layer_bytes, torch.float32)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert expected.abs().sum() > 0
 
 
-@pytest.mark.parametrize("group", [1, 2, 3])
-def test_before_group_is_called_in_order_before_each_groups_launch(group):
-    """``all_layers(before_group=..., group=...)``: the hook runs once per group of ``group`` layers (the last group
-    smaller when they do not divide the layers), in order, with the group's last layer, before that group's one launch
-    (the ``dma`` onload queues its wait for the group's copies there): at each call, exactly the earlier groups'
+def test_before_layer_is_called_in_order_before_each_layers_launch():
+    """``all_layers(before_layer=...)``: the hook runs once per layer, in order, before that layer's launch (an
+    onload from the staging buffer queues its wait for the layer's copies there): at each call, exactly the earlier
     layers are written, and at the end every layer."""
     from cache_engine.onload_kernel import OnloadLauncher
 
@@ -208,39 +172,13 @@ def test_before_group_is_called_in_order_before_each_groups_launch(group):
     dst = torch.tensor([5, 0, 3, 1], device=DEVICE)
     written = []
 
-    def before_group(last: int) -> None:
+    def before_layer(layer: int) -> None:
         if DEVICE == "cuda":
             torch.cuda.synchronize()
-        written.append((last, [bool(pool[other].any()) for other in range(layers)]))
+        written.append((layer, [bool(pool[other].any()) for other in range(layers)]))
 
     OnloadLauncher().all_layers(pool, addr, dst, slots.stride(1) * slots.element_size(), torch.bfloat16,
-                                before_group=before_group, group=group)
-    firsts = range(0, layers, group)
-    assert written == [(min(first + group, layers) - 1, [other < first for other in range(layers)]) for first in firsts]
+                                before_layer=before_layer)
+    assert written == [(layer, [other < layer for other in range(layers)]) for layer in range(layers)]
     for (s, p), d in zip([(s, p) for s in range(2) for p in range(chunk_pages)], dst.tolist(), strict=True):
         torch.testing.assert_close(pool[:, d].cpu(), slots[s, :, p].to(pool_dtype), rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("fp8", [False, True])
-def test_grouped_launches_load_what_one_launch_per_layer_loads(fp8):
-    """Layers in groups of 1, 2, 3 and 4 (more than the layers: one launch), with FP8 scales taken at each layer's
-    own index: every picked page lands in its pool page, dequantised, in every layer, and nothing else is written."""
-    from cache_engine.onload_kernel import OnloadLauncher
-
-    gen = torch.Generator().manual_seed(5)
-    layers, chunk_pages, page, heads, dim, num_slots = 3, 4, 8, 2, 16, 4
-    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
-    slots, _ = host_slots(num_slots, layers, chunk_pages, page, heads, dim, dtype, gen)
-    scales = (torch.rand(num_slots, layers, 2, heads, generator=gen) + 0.5).to(DEVICE) if fp8 else None
-    pool_dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    picks, addr, slot_ids = random_picks(slots, 9, gen)
-    dst = torch.randperm(30, generator=gen)[:9]
-    layer_bytes = slots.stride(1) * slots.element_size()
-    launcher = OnloadLauncher()
-    for group in (1, 2, 3, 4):
-        pool = torch.zeros(layers, 30, 2, page, heads, dim, dtype=pool_dtype, device=DEVICE)
-        launcher.all_layers(pool, addr, dst.to(DEVICE), layer_bytes, dtype, slot_ids, scales, group=group)
-        for (s, p), d in zip(picks, dst.tolist(), strict=True):
-            torch.testing.assert_close(pool[:, d].cpu(), expected_page(slots, scales, s, p).to(pool_dtype), rtol=0,
-                                       atol=0)
-        assert int(pool.ne(0).any(dim=(0, 2, 3, 4, 5)).sum()) == len(picks), group

@@ -1,4 +1,4 @@
-"""How ``gr-engine bench`` measures one engine over a trace (DESIGN.md section 8): its settings, and
+"""How ``gr-engine bench`` measures one engine over a trace (docs/design.md section 8): its settings, and
 :class:`BenchRun`; the experiments built from it are in :mod:`.experiments`.
 
 For each cache mode one engine is built (the paper's model: 8 layers, 4 heads x 128, d 512, bf16), then:
@@ -68,7 +68,6 @@ class BenchSettings:
     chunk_tokens: int = 1024
     host_budget_bytes: int = 64 * 2**30
     host_dtype: str = "float8_e4m3fn"  # half the PCIe bytes; the score drift it causes is measured
-    onload_engine: str = "dma"
     cache: tuple[tuple[str, object], ...] = ()  # other cache fields, set for every engine (``--cache KEY=VALUE``)
     max_batched_tokens: int = 163_840  # a batch of 8 whole histories (up to 20,000 events) in one step
     # 60 batches of 8 per mode: with 30, the median of hierarchical's heavy-tailed batch latencies moved 5% between
@@ -151,7 +150,7 @@ class BenchRun:
         self.engine = GREngine(config, host_memory=host_memory, model=model)
         if self.engine.kv.host is not None:
             self.engine.kv.host.store.wait_until_allocated()
-        self.engine.kv.warm_transfers()  # onload graphs: the first onloads come only after the warm-up's first visits
+        self.engine.kv.warm_transfers()
         self.startup_s = time.perf_counter() - t0
         self.steady = trace.steady
         self.cursor = 0
@@ -166,14 +165,12 @@ class BenchRun:
         return report
 
     def fast_forward(self, count: int) -> None:
-        """Move the cache state over the next ``count`` steady requests without running the model or
-        moving KV between host and GPU (the bookkeeping is the engine's own); the engine's intake then
-        knows each of those users' last history, as after serving them."""
+        """Move the cache state over the next ``count`` steady requests without running the model: each step
+        schedules, launches its transfers and commits through the scheduler's and the cache manager's public calls,
+        as :meth:`GREngine.step <gr_engine.GREngine.step>` does, but writes no new K/V (pool contents are not
+        meaningful for a benchmark's timing); the engine's intake then knows each of those users' last history, as
+        after serving them."""
         engine, trace = self.engine, self.trace
-        transfer = engine.kv.host.transfer if engine.kv.host is not None else None
-        if transfer is not None:
-            engine.kv.host.poll(wait=True)
-            transfer.moves_data = False
         for i in self.steady[self.cursor:self.cursor + count]:
             r = trace.requests[i]
             hashes = self._user_hashes(r.user)[: r.history_len]
@@ -191,9 +188,8 @@ class BenchRun:
             e = trace.users[user]
             engine.hasher.remember(user, e.item_ids[: r.history_len], e.action_ids[: r.history_len],
                                     e.timestamps[: r.history_len], self._user_hashes(user)[: r.history_len])
-        if transfer is not None:
+        if engine.kv.host is not None:
             engine.kv.host.poll(wait=True)
-            transfer.moves_data = True
         self.cursor += count
 
     def window(self, batch_size: int, count: int, prime_batches: int | None = None) -> dict:
@@ -329,11 +325,11 @@ def _sync(engine: GREngine) -> None:
 
 
 def cache_config(settings: BenchSettings, mode: str, **changes: object) -> CacheConfig:
-    """The cache configuration of ``mode`` in the benchmark: ``settings``' pages, chunks, host budget and dtype and
-    onload engine, then its ``cache`` fields (``--cache KEY=VALUE``), then ``changes`` (a sweep's value)."""
+    """The cache configuration of ``mode`` in the benchmark: ``settings``' pages, chunks, host budget and dtype,
+    then its ``cache`` fields (``--cache KEY=VALUE``), then ``changes`` (a sweep's value)."""
     fields = dict(mode=mode, page_size=settings.page_size, num_gpu_pages=settings.gpu_pages,
                   chunk_tokens=settings.chunk_tokens, host_budget_bytes=settings.host_budget_bytes,
-                  host_dtype=settings.host_dtype, onload_engine=settings.onload_engine)
+                  host_dtype=settings.host_dtype)
     fields.update(settings.cache)
     fields.update(changes)
     return CacheConfig(**fields)

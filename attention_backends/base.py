@@ -262,8 +262,8 @@ def upload(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
     (a pageable copy would synchronise with the device on every step). On CPU no copy is made.
 
     The pinned buffer comes from ``torch.empty(..., pin_memory=True)``, i.e. torch's caching host allocator,
-    which hands a block out again once the copies that read it are done; ``Tensor.pin_memory()`` cost
-    ~0.2-0.6 ms per call on the GPU machine's host."""
+    which hands a block out again once the copies that read it are done (``Tensor.pin_memory()`` would pin a new
+    buffer, a fraction of a millisecond, per call)."""
     tensor = torch.from_numpy(array)
     device = torch.device(device)
     if device.type == "cpu":

@@ -35,7 +35,7 @@ __all__ = [
 
 
 class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The cache-consistent ranking model (DESIGN.md section 4).
+    """The cache-consistent ranking model (docs/design.md section 4).
 
     Attributes:
         architecture: ``"hstu"`` (HSTU layers, SiLU attention) or ``"sasrec"`` (pre-norm softmax

@@ -22,8 +22,8 @@ from cache_engine import IncrementalHasher, KVCacheManager
 from scheduler import RequestState, ScheduledChunk, Scheduler
 
 from .config import EngineConfig
-from .metrics import EngineStats, StepMetrics
-from .model_runner import ChunkResult, ModelRunner, RequestPayload, StepMetadata
+from .metrics import EngineStats, PhaseTimer, StepMetrics
+from .model_runner import ChunkResult, ModelRunner, RequestPayload
 from .models import GRModel
 from .outputs import GenerateOutput, RankOutput, StepTimings
 from .request import GenerateParams, GenerateRequest, RankRequest
@@ -199,7 +199,7 @@ class GREngine:
         self.close()
 
     def _add(self, requests: Sequence[Any], params: GenerateParams | None) -> list[int | RequestError]:
-        """Intake (DESIGN.md section 3, step 2's request side): validate each request, hash the new parts of
+        """Intake (docs/design.md section 3, step 2's request side): validate each request, hash the new parts of
         all valid histories in one pass, queue them. Returns each request's sequence number or its error.
 
         Candidates and the events not equal to the user's last validated history are value-checked for the
@@ -208,12 +208,13 @@ class GREngine:
         if self.config.cache.prefetch and self.kv.host is not None and not self.scheduler.num_unfinished:
             # Before validation, the users of the step to come: their onloads then run while the host validates and
             # schedules.
-            t, moved = time.perf_counter(), (self.kv.stats.onloaded_bytes, self.kv.stats.offloaded_bytes)
+            t, before = time.perf_counter(), self.kv.transferred_bytes
             users = [getattr(request, "user_id", None) for request in requests]
             self.kv.prefetch(users, self._next_step_size(requests))
             self._prefetch_s += time.perf_counter() - t
-            self._prefetch_bytes = (self._prefetch_bytes[0] + self.kv.stats.onloaded_bytes - moved[0],
-                                    self._prefetch_bytes[1] + self.kv.stats.offloaded_bytes - moved[1])
+            after = self.kv.transferred_bytes
+            self._prefetch_bytes = (self._prefetch_bytes[0] + after[0] - before[0],
+                                    self._prefetch_bytes[1] + after[1] - before[1])
         t0 = time.perf_counter()
         added: list[int | RequestError | None] = [None] * len(requests)
         parsed, valid, ids, matches = [], [], set(), []
@@ -283,81 +284,75 @@ class GREngine:
         return count
 
     def _step(self) -> list[tuple[RequestState, Output]]:
+        """One engine step (docs/design.md section 3): the seven steps in the order they run. The onloads are
+        launched before the metadata is built, so that the PCIe copies run while the host works, and the requests
+        are committed before scoring, while the device still computes the forward."""
+        timer = PhaseTimer(self.device if self.config.sync_phases and self.device.type == "cuda" else None)
         # Bytes this step moves: from here on (acquires plan onloads and persist evicted tails), plus its prefetches'.
-        prefetched = self._prefetch_bytes
-        transferred = (self.kv.stats.onloaded_bytes - prefetched[0], self.kv.stats.offloaded_bytes - prefetched[1])
-        t0 = time.perf_counter()
-        self.kv.begin_step()
-        poll_s = time.perf_counter() - t0
-        plan = self.scheduler.schedule()
+        moved = self._moved_before_step()
+        with timer("schedule"):  # 1 (and 2's cache side: admitted requests acquire their pages)
+            self.kv.begin_step()
+            plan = self.scheduler.schedule()
         done = [(state, self._output(state, None, error=reason)) for state, reason in plan.failed]
         chunks = plan.chunks
         if not chunks:
             self.kv.hand_back_prefetched()  # their pages may be what the waiting requests need
             return done
-        self._prefetch_bytes = (0, 0)  # counted in this step's metrics
-        phases = {"schedule": time.perf_counter() - t0 - plan.prepare_s - poll_s}
+        timer.add("onload", self._prefetch_s)
+        self._prefetch_s, self._prefetch_bytes = 0.0, (0, 0)  # counted in this step's metrics
         try:
-            meta, states = self._launch(chunks, phases, plan.prepare_s + poll_s)
+            with timer("onload"):  # 3
+                layer_ready = self.kv.launch_onloads()
+            with timer("prepare"):  # 2
+                meta = self.runner.prepare(chunks)
+            with timer("strip"):  # 4
+                inputs = self.runner.strip(chunks, meta)
+            with timer("forward"):  # 5
+                out = self.runner.forward(inputs, layer_ready)
         except Exception as exc:  # never crash the caller: retry batch-mates alone, fail the culprit
             logger.exception("engine step failed")
-            for chunk in chunks:
-                if len(chunks) > 1 and not chunk.request.solo:
-                    self.scheduler.retry_alone(chunk.request)
-                    continue
-                self.scheduler.abort(chunk.request)
-                done.append((chunk.request, self._output(chunk.request, None,
-                                                         error=f"engine step failed: {exc!r}")))
-            return done
-        # Step 7's bookkeeping runs while the device computes the forward: it needs the appended K/V to be
-        # queued, not done (offloads wait for the compute stream).
-        t = time.perf_counter()
-        finished = {id(state) for state in self.scheduler.complete(chunks)}
-        self.kv.end_step()
-        phases["commit"] += time.perf_counter() - t
+            return done + self._fail_step(chunks, exc)
+        with timer("commit"):  # 7: bookkeeping while the device computes (offloads wait for the compute stream)
+            finished = {id(state) for state in self.scheduler.complete(chunks)}
+            self.kv.end_step()
         try:
-            results, error = self._timed(phases, "score", self.runner.score, chunks, meta, states), None
+            with timer("score"):  # 6
+                results, error = self.runner.score(chunks, meta, out), None
         except Exception as exc:  # the requests are committed: fail the finishing ones, keep their cached K/V
             logger.exception("engine step failed while scoring")
             results, error = [None] * len(chunks), f"engine step failed: {exc!r}"
+        onloaded, offloaded = self.kv.transferred_bytes
         self.stats.record_step(StepMetrics(
             num_requests=len(chunks), num_tokens=sum(c.num_tokens for c in chunks),
             gpu_hit_tokens=sum(r.num_gpu_hits for r in plan.admitted),
             host_hit_tokens=sum(r.num_host_hits for r in plan.admitted),
             history_tokens=sum(r.num_history for r in plan.admitted),
-            onloaded_bytes=self.kv.stats.onloaded_bytes - transferred[0],
-            offloaded_bytes=self.kv.stats.offloaded_bytes - transferred[1], phases=phases,
+            onloaded_bytes=onloaded - moved[0], offloaded_bytes=offloaded - moved[1], phases=timer.seconds,
         ))
         for chunk, result in zip(chunks, results, strict=True):
             state = chunk.request
-            for name, seconds in phases.items():
+            for name, seconds in timer.seconds.items():
                 state.timings[name] = state.timings.get(name, 0.0) + seconds
             if id(state) in finished:
                 done.append((state, self._output(state, result, error=error)))
         return done
 
-    def _launch(self, chunks: list[ScheduledChunk], phases: dict[str, float],
-                prepare_s: float) -> tuple[StepMetadata, torch.Tensor]:
-        """Steps 3-5 and the issue of step 7's copies: returns the step's metadata and its final states, whose
-        computation is queued on the device."""
-        # Onloads first: the PCIe copies then run while the host builds the step's metadata.
-        prefetch_s, self._prefetch_s = self._prefetch_s, 0.0
-        layer_ready = self._timed(phases, "onload", self.kv.launch_onloads, already=prefetch_s)
-        meta = self._timed(phases, "prepare", self.runner.prepare, chunks, already=prepare_s)
-        tokens = self._timed(phases, "strip", self.runner.strip, chunks, meta)
-        states = self._timed(phases, "forward", self.runner.forward, tokens, meta, layer_ready)
-        self._timed(phases, "commit", self.kv.issue_deferred_offloads)  # step 7's copies, while the device works
-        return meta, states
+    def _moved_before_step(self) -> tuple[int, int]:
+        """The cache's (onloaded, offloaded) byte counters less what the prefetches since the last step moved: a
+        step's transfers are counted from here, its prefetches included."""
+        onloaded, offloaded = self.kv.transferred_bytes
+        return onloaded - self._prefetch_bytes[0], offloaded - self._prefetch_bytes[1]
 
-    def _timed(self, phases: dict[str, float], name: str, fn: Any, *args: Any, already: float = 0.0) -> Any:
-        """Run ``fn(*args)`` as phase ``name``; with ``config.sync_phases`` the device work it queued
-        is included (for breakdowns; it serialises the pipeline)."""
-        t = time.perf_counter()
-        result = fn(*args)
-        if self.config.sync_phases and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        phases[name] = already + time.perf_counter() - t
-        return result
+    def _fail_step(self, chunks: list[ScheduledChunk], exc: Exception) -> list[tuple[RequestState, Output]]:
+        """A step failed before scoring: its requests are retried alone (a request alone fails with the error)."""
+        failed = []
+        for chunk in chunks:
+            if len(chunks) > 1 and not chunk.request.solo:
+                self.scheduler.retry_alone(chunk.request)
+                continue
+            self.scheduler.abort(chunk.request)
+            failed.append((chunk.request, self._output(chunk.request, None, error=f"engine step failed: {exc!r}")))
+        return failed
 
     def _output(self, state: RequestState, result: ChunkResult | None, error: str | None = None) -> Output:
         payload: RequestPayload = state.payload

@@ -2,16 +2,55 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 PHASES = ("intake", "schedule", "prepare", "onload", "strip", "forward", "score", "commit")
-"""Where time goes: ``intake`` (validating and hashing a request when it is added, per request), then the
-seven phases of every step (DESIGN.md section 3)."""
+"""Where time goes (docs/design.md section 3): ``intake`` (validating and hashing a request when it is added, per
+request), then the phases of every step: ``schedule`` (applying finished transfers, choosing the step's requests and
+admitting each with its cache lookup: prefix validation, page allocation, evictions), ``onload`` (launching the copies
+from host, and the prefetches since the last step), ``prepare`` (the page tables and row layout), ``strip`` (the model
+input), ``forward``, ``commit`` (advancing the cached lengths, starting offloads) and ``score`` (the heads, and
+waiting for the device)."""
 
 HOST_PHASES = ("schedule", "prepare", "onload", "strip", "commit")
 """The step phases that are pure host work (the benchmark's overhead): forward and score also wait for the device,
 and intake comes before the step."""
+
+
+class PhaseTimer:
+    """Seconds per phase of one step: ``with timer("forward"): ...`` adds the block's time to ``seconds["forward"]``.
+
+    Args:
+        sync_device: a CUDA device to synchronise at the end of each block, so that a phase's time includes the
+            device work it queued (for breakdowns; it serialises the pipeline), or ``None``.
+    """
+
+    __slots__ = ("_name", "_start", "_sync_device", "seconds")
+
+    def __init__(self, sync_device: torch.device | None = None) -> None:
+        self.seconds: dict[str, float] = {}
+        self._sync_device = sync_device
+        self._name, self._start = "", 0.0
+
+    def __call__(self, name: str) -> PhaseTimer:
+        self._name = name
+        return self
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._sync_device is not None:
+            torch.cuda.synchronize(self._sync_device)
+        self.add(self._name, time.perf_counter() - self._start)
+
+    def add(self, name: str, seconds: float) -> None:
+        """Count ``seconds`` more in phase ``name``."""
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
 
 
 @dataclass

@@ -1,13 +1,15 @@
 """Turns one scheduled step into tensors, runs the model over the paged cache, and scores.
 
-Per step (DESIGN.md section 3): :meth:`ModelRunner.prepare` builds the page-table metadata shared by
-all layers, :meth:`ModelRunner.strip` builds the model input from the uncached history suffix plus the
-candidates, :meth:`ModelRunner.forward` runs the layers (each appends its new history K/V into the
-user's pages, then attends), and :meth:`ModelRunner.score` applies the heads. Host-side work is numpy
-over whole arrays; each of ``prepare`` and ``strip`` makes one host-to-device copy.
+Per step (docs/design.md section 3): :meth:`ModelRunner.prepare` builds the step's page tables and row layout on the
+host (:class:`StepMetadata`), :meth:`ModelRunner.strip` builds the model input from the uncached history suffix plus
+the candidates, :meth:`ModelRunner.forward` runs the layers (each appends its new history K/V into the user's pages,
+then attends) and the ranking head, and :meth:`ModelRunner.score` copies the scores to the host. Host-side work is
+numpy over whole arrays.
 
-With :class:`~.step_graphs.StepGraphs` (CUDA, a backend with graph support), a small step is instead staged
-into static buffers by ``strip`` and its forward replayed from a captured CUDA graph.
+The model input (:data:`StepInput`) is an :class:`EagerStep` (tokens and metadata uploaded, the forward launched op
+by op) or, with :class:`~.step_graphs.StepGraphs` (CUDA, a backend with graph support) and a step that fits, a
+:class:`~.step_graphs.StagedStep` written into the graphs' buffers, whose forward is replayed from captured CUDA
+graphs.
 """
 
 from __future__ import annotations
@@ -60,21 +62,42 @@ class StepTokens:
 
 @dataclass
 class StepMetadata:
-    """``common``: the page tables and row layout; ``backend``: the backend's own view of it;
-    ``retrieval_rows``: int64 ``[R]`` rows of the last history token of each finishing retrieval
-    request, whose chunk indices are ``retrieval_chunks`` (``None`` when there is none).
-    A step replayed from a CUDA graph has ``layout`` (per-request host arrays, set by ``prepare``: see
-    :meth:`~.step_graphs.StepGraphs.stage`) and, once ``strip`` has staged it, ``staged``; its ``common`` and
-    ``backend`` stay ``None`` (the replay reads the graphs' static buffers); its replay sets ``logits`` (float32
-    ``[C, num_tasks]``)."""
+    """One step's layout on the host, built by :meth:`ModelRunner.prepare`.
 
-    common: PagedBatchMetadata | None
-    backend: Any
-    retrieval_rows: torch.Tensor | None
+    Attributes:
+        layout: int64 ``history_start``, ``num_history_rows``, ``num_candidate_rows`` (``[B]``) and int32
+            ``kv_indptr`` (``[B + 1]``) and ``kv_indices`` (``[P]``, the page tables after this step's append): the
+            arguments of :meth:`~attention_backends.PagedBatchMetadata.from_layout`.
+        retrieval_chunks: indices of the step's chunks that finish a retrieval request.
+        retrieval_rows: int64 ``[R]`` on the device, the row of the last history token of each of those (``None``
+            when there is none).
+    """
+
+    layout: dict[str, np.ndarray]
     retrieval_chunks: list[int]
-    layout: dict[str, np.ndarray] | None = None
-    staged: StagedStep | None = None
-    logits: torch.Tensor | None = None  # the candidates' logits, when the replayed graph computed them
+    retrieval_rows: torch.Tensor | None
+
+
+@dataclass
+class EagerStep:
+    """A step whose forward is launched op by op: its tokens and metadata on the model device."""
+
+    tokens: StepTokens
+    common: PagedBatchMetadata
+    backend: Any  # the attention backend's metadata, built from ``common``
+
+
+StepInput = EagerStep | StagedStep
+"""What :meth:`ModelRunner.strip` returns and :meth:`ModelRunner.forward` runs."""
+
+
+@dataclass
+class StepOutput:
+    """What :meth:`ModelRunner.forward` queued: final ``states`` ``[T, d_model]`` and the candidates' ranking
+    ``logits`` float32 ``[C, num_tasks]``, on the device (valid until the next step)."""
+
+    states: torch.Tensor
+    logits: torch.Tensor
 
 
 @dataclass
@@ -110,15 +133,9 @@ class ModelRunner:
         if retrieval:
             rows = np.cumsum(hist + cand)[retrieval] - cand[retrieval] - 1  # last history row of each
             retrieval_rows = upload(rows.astype(np.int64), self.device)
-        if (self.graphs is not None and not self.model.config.time_bias_buckets
-                and self.graphs.fits(int((hist + cand).sum()), len(chunks), int(hist.sum()), len(indices))):
-            layout = {"history_start": start, "num_history_rows": hist, "num_candidate_rows": cand,
-                      "kv_indptr": indptr, "kv_indices": indices}
-            return StepMetadata(None, None, retrieval_rows, retrieval, layout=layout)  # staged by strip
-        times = self._timestamps(chunks) if self.model.config.time_bias_buckets else (None, None)
-        common = PagedBatchMetadata.from_layout(start, hist, cand, indptr, indices, self.kv.page_size,
-                                                self.device, *times)
-        return StepMetadata(common, self.backend.build_metadata(common), retrieval_rows, retrieval)
+        layout = {"history_start": start, "num_history_rows": hist, "num_candidate_rows": cand,
+                  "kv_indptr": indptr, "kv_indices": indices}
+        return StepMetadata(layout, retrieval, retrieval_rows)
 
     @staticmethod
     def _timestamps(chunks: list[ScheduledChunk]) -> tuple[np.ndarray, np.ndarray]:
@@ -132,10 +149,10 @@ class ModelRunner:
             keys.append(times[: chunk.end])
         return np.concatenate(queries), np.concatenate(keys)
 
-    def strip(self, chunks: list[ScheduledChunk], meta: StepMetadata) -> StepTokens | None:
-        """Model input: each request's uncached history ``[start, end)``, then its candidates if final.
-        A step to be replayed from a graph (``meta.layout``) is staged here, tokens and metadata together (``None``
-        is returned: its replay reads them from the graphs' buffers)."""
+    def strip(self, chunks: list[ScheduledChunk], meta: StepMetadata) -> StepInput:
+        """Model input: each request's uncached history ``[start, end)``, then its candidates if final. A step that
+        fits the step graphs is staged into their buffers, tokens and metadata together (positions are derived on
+        the device); any other is uploaded for an eager forward."""
         items, actions = [], []
         for chunk in chunks:
             arrays: RequestArrays = chunk.request.payload.arrays
@@ -143,17 +160,24 @@ class ModelRunner:
             items += [arrays.item_ids[s:e], arrays.candidate_item_ids[:c]]
             actions += [arrays.action_ids[s:e], self._candidate_actions[:c]]
         item_ids, action_ids = np.concatenate(items), np.concatenate(actions)
-        if meta.layout is not None:  # positions are derived on the device
-            meta.staged = self.graphs.stage(meta.layout, {"item_ids": item_ids, "action_ids": action_ids})
-            return None
+        layout = meta.layout
+        hist = layout["num_history_rows"]
+        if (self.graphs is not None and not self.model.config.time_bias_buckets
+                and self.graphs.fits(len(item_ids), len(chunks), int(hist.sum()), len(layout["kv_indices"]))):
+            return self.graphs.stage(layout, {"item_ids": item_ids, "action_ids": action_ids})
+        times = self._timestamps(chunks) if self.model.config.time_bias_buckets else (None, None)
+        common = PagedBatchMetadata.from_layout(layout["history_start"], hist, layout["num_candidate_rows"],
+                                                layout["kv_indptr"], layout["kv_indices"], self.kv.page_size,
+                                                self.device, *times)
         # History rows sit at their event's position, candidates one past the user's last event (candidates come
         # with a request's final chunk only, whose history then ends at kv_seq_lens).
-        layout = meta.common.host
+        host = common.host
         positions = np.empty(len(item_ids), dtype=np.int64)
-        positions[layout["history_rows"]] = layout["append_positions"]
-        positions[layout["candidate_rows"]] = layout["kv_seq_lens"][layout["candidate_batch_indices"]]
-        return StepTokens(**upload_int32({"item_ids": item_ids, "action_ids": action_ids, "positions": positions},
-                                         self.device))
+        positions[host["history_rows"]] = host["append_positions"]
+        positions[host["candidate_rows"]] = host["kv_seq_lens"][host["candidate_batch_indices"]]
+        tokens = StepTokens(**upload_int32({"item_ids": item_ids, "action_ids": action_ids, "positions": positions},
+                                           self.device))
+        return EagerStep(tokens, common, self.backend.build_metadata(common))
 
     @torch.no_grad()
     def capture_graphs(self, pages: np.ndarray, use_tqdm: bool = True) -> int:
@@ -165,20 +189,20 @@ class ModelRunner:
                            pages, len(self.model.layers), use_tqdm)
 
     @torch.no_grad()
-    def forward(self, tokens: StepTokens | None, meta: StepMetadata,
-                layer_ready: list[torch.cuda.Event | None]) -> torch.Tensor:
-        """Run all layers; returns final states ``[T, d_model]``. Appends new history K/V to pages.
+    def forward(self, step: StepInput, layer_ready: list[torch.cuda.Event | None]) -> StepOutput:
+        """Run all layers and the ranking head (appending new history K/V to pages), queued on the device.
 
         Args:
-            tokens: what :meth:`strip` returned (``None`` for a staged step).
+            step: what :meth:`strip` returned.
             layer_ready: per layer, an event the layer's attention must wait for (its pages are being
                 loaded from host), or ``None``; a graph replay waits for it before the layer's graph.
         """
-        if meta.staged is not None:
-            states, meta.logits = self.graphs.replay(
-                meta.staged, lambda t, c, b: self._segments(StepTokens(**t), c, b), self._rank_head, layer_ready)
-            return states
-        return self._forward(tokens, meta.common, meta.backend, layer_ready)
+        if isinstance(step, StagedStep):
+            states, logits = self.graphs.replay(
+                step, lambda t, c, b: self._segments(StepTokens(**t), c, b), self._rank_head, layer_ready)
+            return StepOutput(states, logits)
+        states = run_segments(self._segments(step.tokens, step.common, step.backend), layer_ready)
+        return StepOutput(states, self._rank_head(states, step.common.candidate_rows))
 
     def _rank_head(self, states: torch.Tensor, candidate_rows: torch.Tensor) -> torch.Tensor:
         """Float32 ``[C, num_tasks]`` logits of the candidates at int32 ``candidate_rows [C]`` of ``states``."""
@@ -208,22 +232,18 @@ class ModelRunner:
 
         return [segment(i) for i in range(last + 1)]
 
-    def _forward(self, tokens: StepTokens, common: PagedBatchMetadata, backend: Any,
-                 layer_ready: list[torch.cuda.Event | None]) -> torch.Tensor:
-        return run_segments(self._segments(tokens, common, backend), layer_ready)
-
     @torch.no_grad()
-    def score(self, chunks: list[ScheduledChunk], meta: StepMetadata, states: torch.Tensor) -> list[ChunkResult]:
-        """Heads for the requests that finish this step; one :class:`ChunkResult` per chunk."""
+    def score(self, chunks: list[ScheduledChunk], meta: StepMetadata, out: StepOutput) -> list[ChunkResult]:
+        """Results of the requests that finish this step (the ranking logits copied to the host, the retrieval
+        head's top items); one :class:`ChunkResult` per chunk."""
         results = [ChunkResult() for _ in chunks]
         counts = [c.num_candidate_rows for c in chunks]
         if sum(counts):
-            logits = meta.logits if meta.logits is not None else self._rank_head(states, meta.common.candidate_rows)
-            host = logits.cpu().numpy()
+            host = out.logits.cpu().numpy()
             for result, end, count in zip(results, itertools.accumulate(counts), counts, strict=True):
                 result.logits = host[end - count:end]
         if meta.retrieval_chunks:
-            self._retrieve(chunks, meta, states, results)
+            self._retrieve(chunks, meta, out.states, results)
         return results
 
     def _retrieve(self, chunks: list[ScheduledChunk], meta: StepMetadata, states: torch.Tensor,

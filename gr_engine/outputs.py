@@ -7,7 +7,7 @@ import numpy as np
 
 
 class StepTimings(msgspec.Struct, kw_only=True):
-    """Seconds spent in each phase of the engine steps that served a request (DESIGN.md section 3),
+    """Seconds spent in each phase of the engine steps that served a request (docs/design.md section 3),
     summed over those steps. Each step's phases are shared by all requests in it; ``intake`` (validating
     and hashing the request when it was added) is the request's own."""
 
@@ -63,9 +63,8 @@ class RankOutput(_OutputBase, kw_only=True):
 
     Attributes:
         scores: float32 numpy ``[num_candidates, num_tasks]`` logits (apply a sigmoid for probabilities), in
-            candidate order; ``[0, 0]`` on error. (An array, not nested lists: building 800 Python floats per
-            request cost ~30 us of host time on the GPU machine; ``scores.tolist()`` gives lists, and
-            :func:`~gr_engine.io.write_outputs` writes them as lists.)
+            candidate order; ``[0, 0]`` on error. (An array, not nested lists, which would cost host time per
+            request; ``scores.tolist()`` gives lists, and :func:`~gr_engine.io.write_outputs` writes them as lists.)
     """
 
     scores: np.ndarray = msgspec.field(default_factory=_no_scores)

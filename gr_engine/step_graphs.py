@@ -1,35 +1,29 @@
-"""CUDA graphs for small steps: a step's whole forward (every layer) replayed from one capture.
+"""CUDA graphs for small steps: a step's forward (every layer) replayed from captured graphs.
 
-Launching a step's kernels one by one from Python costs milliseconds of host time, more than the GPU needs
-for a batch of returning users (a few new events and the candidates over cached histories). A step that
-fits a capture bucket (at most ``max_rows`` rows, ``max_requests`` requests, at least one new history row,
-no relative time bias) is instead *staged*: its per-request numbers, tokens and page ids are written in compact
-form into a pinned host buffer (the attention backend's plan,
-:meth:`~attention_backends.GraphReplayable.graph_plan`, is copied to the device unless the backend writes it on
-the device), and the forward captured for that bucket is replayed. The replay's first work expands the step into
-the static buffers the graphs read, every per-row field padded to the bucket (:mod:`.step_expand`, one kernel that
-reads the compact step over PCIe: pinned memory is device-addressable): the host builds no per-row array and
-queues no copy (a copy cost ~36 us of host time a step on the GPU machine,
-``benchmarks/results/profiles/host_breakdown_torch_calls_e5d2a43.json``). The host writes the buffer again only
-once the event recorded after the last replay reports done (normally long before: scoring a step waits for its
-replay).
-Padding is inert: spare requests have no rows, spare append rows repeat the step's last real append (the
-same values written to the same slot), spare token rows are computed and never read.
+Launching a step's kernels one by one from Python costs milliseconds of host time, more than the GPU needs for a batch
+of returning users (a few new events and the candidates over cached histories). A step that fits a capture bucket (at
+most ``max_rows`` rows, ``max_requests`` requests, at least one new history row, no relative time bias) is instead
+*staged*: its per-request numbers, tokens and page ids are written in compact form into a pinned host buffer (the
+attention backend's plan, :meth:`~attention_backends.GraphReplayable.graph_plan`, is copied to the device unless the
+backend writes it on the device), and the forward captured for that bucket is replayed. The replay's first work
+expands the step into the static buffers the graphs read, every per-row field padded to the bucket
+(:mod:`.step_expand`, one kernel that reads the compact step over PCIe: pinned memory is device-addressable): the host
+builds no per-row array and queues no copy. The host writes the buffer again only once the event recorded after the
+last replay reports done (normally long before: scoring a step waits for its replay). Padding is inert: spare requests
+have no rows, spare append rows repeat the step's last real append (the same values written to the same slot), spare
+token rows are computed and never read.
 
-Buckets are powers of two from 128 rows to ``max_rows``; graphs are captured the first time a bucket and
-the backend's launch shape occur (one eager warm-up forward of that step on a side stream, then the
-capture). A step whose pages are being loaded from host is captured as one graph per layer, so that a replay
-still waits for each layer's onload event just before that layer (layer ``l`` computes while layer ``l + 1``'s KV
-is still crossing PCIe); a step with nothing to wait for replays one graph of the whole forward (each replay costs
-the host ~8 us inside a step on the GPU machine). One graph waiting for the onload events itself (event-wait nodes
-on external events) was tried and measured: the host time of its replay grew with the step's onload (0.67 ms a
-batch of 8, against 0.14 ms for per-layer replays) and hierarchical batches took ~1 ms longer
-(``benchmarks/results/bench_d566081/``). The last graph also runs the ranking head over the candidate rows, so
-that scoring a replayed step is one device-to-host copy. All graphs share one memory pool: replays never overlap,
-a layer's output is written and read within one replay, and each bucket's final states and logits (read before the
-next replay) stay held, so memory is the largest bucket's, not the sum over buckets. On CPU (for tests, with Triton's
-interpreter) the same padded forward runs eagerly in place of a replay, so the padding's inertness is tested without
-a GPU.
+Buckets are powers of two from 128 rows to ``max_rows``; graphs are captured the first time a bucket and the backend's
+launch shape occur (one eager warm-up forward of that step on a side stream, then the capture), or all at start-up
+(:mod:`.graph_warmup`). A step whose pages are being loaded from host is captured as one graph per layer, so that a
+replay still waits for each layer's onload event just before that layer (layer ``l`` computes while layer ``l + 1``'s
+KV is still crossing PCIe); a step with nothing to wait for replays one graph of the whole forward. (A single graph
+waiting on the onload events through event-wait nodes costs more host time and latency: see
+benchmarks/results/README.md.) The last graph also runs the ranking head over the candidate rows, so that scoring a
+replayed step is one device-to-host copy. All graphs share one memory pool: replays never overlap, a layer's output is
+written and read within one replay, and each bucket's final states and logits (read before the next replay) stay held,
+so memory is the largest bucket's, not the sum over buckets. On CPU (for tests, with Triton's interpreter) the same
+padded forward runs eagerly in place of a replay, so the padding's inertness is tested without a GPU.
 """
 
 from __future__ import annotations
@@ -72,13 +66,11 @@ and the int32 ``[C]`` rows of the candidates."""
 
 
 def run_segments(parts: list[Segment], layer_ready: list[torch.cuda.Event | None]) -> torch.Tensor:
-    """Run a forward's per-layer segments op by op, layer ``l`` after ``layer_ready[l]`` (``None``: no wait; an event
-    the previous layer already waited for is not waited for again)."""
-    x, waited = None, None
+    """Run a forward's per-layer segments op by op, layer ``l`` after ``layer_ready[l]`` (``None``: no wait)."""
+    x = None
     for part, ready in zip(parts, layer_ready, strict=True):
-        if ready is not None and ready is not waited:
+        if ready is not None:
             torch.cuda.current_stream().wait_event(ready)
-            waited = ready
         x = part(x)
     return x
 
@@ -254,11 +246,9 @@ class StepGraphs:
         if whole:
             entry.graphs[0].replay()
         else:
-            waited = None
             for graph, ready in zip(entry.graphs, layer_ready, strict=True):
-                if ready is not None and ready is not waited:  # layers of an onload group share one event
+                if ready is not None:
                     step.stream.wait_event(ready)
-                    waited = ready
                 graph.replay()
         self._compact_read.record(step.stream)  # after the replay (its expansion read the compact step)
         return entry.states[: step.rows], entry.logits[: step.lengths["candidates"]]

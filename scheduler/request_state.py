@@ -90,10 +90,8 @@ class SchedulerOutput:
         chunks: the work of this step, one entry per request (at most one per user).
         admitted: requests that started this step (their cache hits were just decided).
         failed: requests that can never be served, with the reason; already removed.
-        prepare_s: seconds spent in the KV cache manager (lookup, validation, allocation, eviction).
     """
 
     chunks: list[ScheduledChunk]
     admitted: list[RequestState]
     failed: list[tuple[RequestState, str]]
-    prepare_s: float

@@ -10,7 +10,6 @@ once the cache has pages for its whole history, so a running request never waits
 from __future__ import annotations
 
 import heapq
-import time
 from collections import deque
 from collections.abc import Hashable
 from typing import Protocol
@@ -75,16 +74,13 @@ class Scheduler:
                 chunks.append(chunk)
                 budget -= chunk.num_tokens
 
-        prepare_s = 0.0
         admitted: list[RequestState] = []
         while self._ready and len(chunks) < self.config.max_num_seqs and budget > 0:
             _, user_id = self._ready[0]
             request = self._queues[user_id][0]
             if any(r.solo for r in self.running) or (request.solo and self.running):
                 break  # a request being retried alone runs alone
-            t0 = time.perf_counter()
             hit = self.kv.acquire(user_id, request.token_hashes, request.reuse_limit)
-            prepare_s += time.perf_counter() - t0
             if hit is None:
                 reason = None if self.running else self.kv.why_no_room(request.num_history)
                 if reason is None:
@@ -103,7 +99,7 @@ class Scheduler:
             if chunk is not None:
                 chunks.append(chunk)
                 budget -= chunk.num_tokens
-        return SchedulerOutput(chunks, admitted, failed, prepare_s)
+        return SchedulerOutput(chunks, admitted, failed)
 
     def complete(self, chunks: list[ScheduledChunk]) -> list[RequestState]:
         """Record that ``chunks`` ran; return the requests that finished."""

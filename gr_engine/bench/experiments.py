@@ -1,6 +1,7 @@
-"""The benchmark's experiments (``gr-engine bench``, DESIGN.md section 8), each built from :class:`~.runner.BenchRun`:
-every cache mode at each batch size, the chunk-size and GPU-budget sweeps, latency against history length, the
-score drift of host chunks; and the set-up the diagnostics in ``benchmarks/`` share (:func:`steady_state_runs`)."""
+"""The benchmark's experiments (``gr-engine bench``, docs/design.md section 8), each built from
+:class:`~.runner.BenchRun`: every cache mode at each batch size, the chunk-size and GPU-budget sweeps, latency against
+history length, the score drift of host chunks; and the set-up the diagnostics in ``benchmarks/`` share
+(:func:`steady_state_runs`)."""
 
 from __future__ import annotations
 

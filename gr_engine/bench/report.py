@@ -52,7 +52,7 @@ def summarize(result: dict, bs: int = 8) -> dict:
         fit = latency_fit(entry)
         if fit is not None:
             summary["hier_fit_bs8"] = {"intercept_ms": fit[0], "GBps": fit[1]}
-        # Host time of steps 1-7 (DESIGN.md section 3) that is pure CPU work (HOST_PHASES): forward and score also
+        # Host time of steps 1-7 (docs/design.md section 3) that is pure CPU work (HOST_PHASES): forward and score also
         # wait for the device. Its median over batches, as for latencies; the mean (heavier batches, e.g. new
         # users' prefills, weigh in) next to it. Intake (validating and hashing arriving requests) comes before
         # step 1: reported apart.

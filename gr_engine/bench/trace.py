@@ -1,6 +1,6 @@
 """A KuaiRand-1K-like request trace: long user histories, short bursty sessions, 60-second requests.
 
-Shape (DESIGN.md section 8): ``num_users`` users whose final histories have 1..20,000 events (log-normal,
+Shape (docs/design.md section 8): ``num_users`` users whose final histories have 1..20,000 events (log-normal,
 mean ~6,375). The trace starts with each user's **first visit** (the warm-up phase: the user's history so
 far is encoded once), followed by the **steady state**: each user's remaining events arrive in
 sessions; a session is a run of requests 60 seconds apart (NVIDIA's preprocessing cuts a user's events

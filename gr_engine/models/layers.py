@@ -1,6 +1,6 @@
 """Transformer layers of the engine's models; each gets its attention as an ``attend(q, k, v)`` callable.
 
-- :class:`HSTULayer` (DESIGN.md section 4): ``u,v,q,k = silu(Linear(LN(x)))``, SiLU attention with a fixed
+- :class:`HSTULayer` (docs/design.md section 4): ``u,v,q,k = silu(Linear(LN(x)))``, SiLU attention with a fixed
   normaliser, ``x + Linear(u * LN(attn))``.
 - :class:`SASRecLayer`: a pre-norm softmax transformer block (SASRec-style sequential recommenders), for
   comparison with classic softmax attention under the same engine and cache.

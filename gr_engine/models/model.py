@@ -1,6 +1,6 @@
 """The engine's ranking model: embeddings, HSTU (or SASRec-style) layers, ranking and retrieval heads.
 
-DESIGN.md section 4.
+docs/design.md section 4.
 
 Cache consistency: a history token's input is ``item_emb + action_emb + pos_emb[i]`` with ``i`` its
 forward position, and history attends causally only to history, so its K/V at every layer depend only

@@ -10,6 +10,7 @@ arrives its slots simply do not exist yet: users who cannot be persisted are rec
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 
@@ -69,10 +70,7 @@ class HostChunkStore:
     @property
     def slot_bytes(self) -> int:
         """Bytes of one slot (``slot_shape`` of ``dtype``)."""
-        count = 1
-        for s in self.slot_shape:
-            count *= s
-        return count * self.dtype.itemsize
+        return math.prod(self.slot_shape) * self.dtype.itemsize
 
     @property
     def num_allocated(self) -> int:

@@ -1,26 +1,20 @@
-"""The host tier: which chunks to persist or load, and what to do when transfers finish.
+"""The host tier: which chunks to persist or load, and what to do when transfers finish (docs/design.md section 5).
 
-- **Proactive offload**: after each step, every chunk of a user's history that is full on the GPU but
-  not yet on host is queued (:meth:`HostTier.plan_offload`); at most ``max_pending_offloads`` chunks are in flight
-  (admission control), the rest wait for a later step. A user is a *reader* while its pages are being copied, and GPU
-  eviction skips readers.
-- **Tail persistence**: before a user's GPU pages are reclaimed, everything not yet on host (the
-  un-persisted tail, and any queued full chunks) is persisted at once (:meth:`HostTier.plan_persist`).
-- **Onload**: a returning user whose history is on host gets it copied into its new pages
-  (:meth:`HostTier.plan_onload`).
-- **Host LRU**: when no slot is free, the least recently used user without a running request loses
-  its host copy (it will be recomputed). A slot still being read by an onload is freed only once that onload finishes.
+- **Proactive offload**: after each step, every chunk of a user's history that is full on the GPU but not yet on host
+  is queued (:meth:`HostTier.plan_offload`); at most ``max_pending_offloads`` chunks are in flight (admission
+  control). A user is a *reader* while its pages are being copied, and GPU eviction skips readers.
+- **Tail persistence**: before a user's GPU pages are reclaimed, everything not yet on host is persisted at once
+  (:meth:`HostTier.plan_persist`).
+- **Onload**: a returning user's host history is copied into its new pages (:meth:`HostTier.plan_onload`).
+- **Host LRU**: when no slot is free, the least recently used user without a running request loses its host copy. A
+  slot still being read by an onload is freed only once that onload finishes.
 
-The manager drives it through four calls per step: plans (above) while it acquires and commits, :meth:`HostTier.launch`
-before the forward (copies to host decided so far, which must precede any write to their pages, then the planned
-onloads), :meth:`HostTier.finish_step` after the forward is queued (offloads of the chunks it filled), and
-:meth:`HostTier.poll` at the start of the next step (completions). A transfer whose user's history was cut back
-meanwhile, or whose record was deleted (``generation`` changed), is discarded. On CPU transfers are synchronous but
-still take effect at the next poll, so both paths run the same state machine.
-
-The host tier writes the host fields of a :class:`~.records.UserRecord` (``host_slots``, ``host_tokens``,
-``readers``) and reads the others; it never adds or deletes records: when a record it holds the last data of holds
-nothing any more, it hands it to the manager's ``release_record``.
+The manager drives it per step: plans while it acquires and commits, :meth:`HostTier.launch` before the forward (the
+copies to host decided so far, which must precede any write to their pages, then the planned onloads),
+:meth:`HostTier.finish_step` after the forward is queued (offloads of the chunks it filled) and :meth:`HostTier.poll`
+at the start of the next step (completions; a transfer whose record was cut back or deleted meanwhile, ``generation``
+changed, is discarded). On CPU transfers are synchronous but take effect at the next poll: both paths run one state
+machine. The host tier never adds or deletes records: one it leaves empty goes to the manager's ``release_record``.
 """
 
 from __future__ import annotations
@@ -106,8 +100,7 @@ class HostTier:
         return self._in_flight_chunks + len(self._batch)
 
     def prepare(self) -> None:
-        """Create what transfers need before the first one (the onload kernel's launcher and the staging buffer on
-        CUDA), so that no step pays for it."""
+        """Create what transfers need (on CUDA: the onload kernel's launcher, the staging buffer) before a step."""
         self.transfer.prepare(self.kv, self.store.slot_shape, self.store.dtype)
 
     # ------------------------------------------------------------------ plans
@@ -227,8 +220,7 @@ class HostTier:
                         self.store.free([slot])
 
     def wait_for_onloads(self) -> None:
-        """Block until every onload launched so far has written its pages (before pages an onload may still be
-        writing are given back to the pool; a rare path)."""
+        """Block until every onload launched so far has written its pages (a rare path: pages given back)."""
         if self._onloads and self._onloads[-1][0][-1] is not None:
             self._onloads[-1][0][-1].synchronize()
 

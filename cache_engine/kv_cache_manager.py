@@ -1,24 +1,18 @@
-"""Per-user persistent KV: which pages (and host chunks) hold whose history, and what to evict.
+"""Per-user persistent KV: which pages (and host chunks) hold whose history, and what to evict (docs/design.md
+section 5).
 
-A user's record persists across requests (see :class:`~cache_engine.records.UserRecord`). The life of
-a request:
+A user's record (:class:`~cache_engine.records.UserRecord`) persists across requests. A request is served by
+:meth:`KVCacheManager.acquire` (verify the cached prefix against the request's history, cutting a record that no
+longer matches back to its longest matching page prefix: stale KV is never served; lock it; give it pages for the
+whole history, evicting least recently used unlocked users zero-copy; plan onloads of history only on host),
+:meth:`KVCacheManager.commit` after each step (the pages hold more tokens; full chunks are queued for offload) and
+:meth:`KVCacheManager.release` (unlock; ``recompute`` mode drops the record). Each engine step calls
+:meth:`begin_step`, :meth:`launch_onloads` before the forward and :meth:`end_step` after it; with ``cache.prefetch``
+the engine calls :meth:`prefetch` as requests arrive.
 
-1. :meth:`KVCacheManager.acquire` verifies the cached prefix against the request's history (a record whose
-   history no longer matches is cut back to the longest matching page prefix: stale KV is never served), locks
-   the record and gives it pages for the whole history, evicting least recently used unlocked users when needed
-   (zero-copy; in ``hierarchical`` mode their un-persisted tail is copied to host first). History only on host is
-   planned for onload. ``None``: the pages cannot be found now (nothing was changed).
-2. :meth:`KVCacheManager.commit` records that the pages now hold more tokens (after each step) and, in
-   ``hierarchical`` mode, queues chunks that became full for offload.
-3. :meth:`KVCacheManager.release` unlocks the record (``recompute`` mode drops it).
-
-Each engine step calls :meth:`begin_step` (apply finished transfers), then :meth:`launch_onloads`
-before the forward pass, and :meth:`end_step` after it (start offloads). With ``cache.prefetch`` the engine calls
-:meth:`prefetch` as requests arrive: users only on host start loading before step 1.
-
-The manager owns the per-user records (:attr:`KVCacheManager.users`) and its own counters; the host tier
+The manager owns the records (:attr:`KVCacheManager.users`) and its own counters; the host tier
 (:class:`~.host_tier.HostTier`) owns its counters and the host fields of the records, and hands back records it
-leaves empty (see its module).
+leaves empty.
 """
 
 from __future__ import annotations

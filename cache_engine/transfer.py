@@ -14,10 +14,9 @@ On CUDA, three side streams keep transfers off the compute stream:
   waits for. Where the driver has no batched copies, or an onload exceeds the staging buffer, the kernel reads the
   pages from pinned host memory directly instead.
 
-The kernels read their index arrays (pages, slots, host addresses) from pinned host memory
-(:class:`.index_ring.PinnedIndexRing`): no upload per transfer. Host chunks may be stored in FP8 (e4m3) with one
-scale per (slot, layer, K/V, head) in a device table (``amax / 448``, :mod:`.fp8`). Nothing here synchronises the
-device. On CPU the same calls copy synchronously and return no events.
+The kernels read their index arrays from pinned host memory (:class:`.index_ring.PinnedIndexRing`). FP8 host chunks
+have one scale per (slot, layer, K/V, head) in a device table (:mod:`.fp8`). Nothing here synchronises the device. On
+CPU the same calls copy synchronously and return no events.
 """
 
 from __future__ import annotations

@@ -26,11 +26,8 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace, base: EngineConfig | None = None) -> EngineConfig:
-    if base is not None and args.config is None:
-        data = msgspec.to_builtins(base)
-        from .config import apply_overrides
-        return msgspec.convert(apply_overrides(data, args.overrides), EngineConfig)
-    return load_config(args.config, args.overrides)
+    """The command's configuration: ``--config`` (else ``base``, else the defaults) with ``--set`` applied."""
+    return load_config(args.config, args.overrides, base=base)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -90,6 +87,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             return 2
         changes["cache"] = tuple(cache.items())
     settings = dataclasses.replace(settings, **changes)
+    from .config import check_attention_backend, check_device
+
+    try:  # before any trace is generated or engine built
+        check_device(settings.device, require_available=True)
+        check_attention_backend(settings.backend)
+    except ValueError as exc:
+        print(f"gr-engine bench: {exc}", file=sys.stderr)
+        return 2
     if args.calibrate:  # the trace's calibration check: gpu_only hit ratios over three seeds (CPU, seconds)
         from .bench.runner import cache_config
         from .bench.simulate import simulate_policy

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import re
 
 import msgspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
-from gr_engine import GREngine
+from attention_backends import BackendRegistry
+from attention_backends.torch_ref import TorchRefBackend
+from gr_engine import EngineConfig, GREngine
 from gr_engine.cli import main
 from gr_engine.config import load_config
 from gr_engine.demo import run_demo
@@ -89,6 +93,57 @@ def test_config_file_and_overrides(tmp_path):
         load_config(None, ["cache.host_budget_bytes=-1"])
     with pytest.raises(ValueError, match="must exceed"):
         load_config(None, ["scheduler.max_num_batched_tokens=100", "model.max_candidates=128"])
+
+
+BAD_SETTINGS = {
+    "device=cdua": "device 'cdua' is not one of 'cpu', 'cuda', 'cuda:N' or 'auto'",
+    "device=meta": "device 'meta' is not one of",
+    "device=cuda": "device 'cuda' requested but CUDA is not available",
+    "attention_backend=nope": "attention_backend 'nope' is unknown: use 'auto' or one of flashinfer, hstu_triton",
+}
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def one_line_error(capsys, message: str) -> None:
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("setting", sorted(BAD_SETTINGS))
+def test_bad_device_or_backend_is_a_config_error(setting, no_cuda, tmp_path, capsys):
+    with pytest.raises(ValueError, match=re.escape(BAD_SETTINGS[setting])):
+        load_config(None, [setting])
+    (tmp_path / "in.jsonl").write_text("{}\n")
+    rank = ["rank", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")]
+    for command in (["config"], ["demo"], rank):
+        assert main([*command, "--set", setting]) == 2
+        one_line_error(capsys, BAD_SETTINGS[setting])
+    assert not (tmp_path / "out.jsonl").exists()
+    key, value = setting.split("=")
+    flag = "--device" if key == "device" else "--backend"
+    assert main(["bench", "--quick", flag, value, "--out", str(tmp_path / "bench")]) == 2
+    one_line_error(capsys, BAD_SETTINGS[setting])
+    assert not (tmp_path / "bench").exists()
+
+
+def test_device_and_backend_settings_that_are_accepted(no_cuda, monkeypatch):
+    for device in ("cpu", "auto", "cuda:1"):
+        assert EngineConfig(device=device).device == device  # the struct checks the syntax only
+    with pytest.raises(ValueError, match="device 'cdua'"):
+        EngineConfig(device="cdua")
+    assert load_config(None, ["attention_backend=auto", "device=auto"]).attention_backend == "auto"
+    registry = BackendRegistry(load_entry_points=False)
+    registry.register("mine", TorchRefBackend)
+    assert load_config(None, ["attention_backend=mine"], backends=registry).attention_backend == "mine"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert load_config(None, ["device=cuda:0"]).device == "cuda:0"
+    with pytest.raises(ValueError, match=r"'cuda:1' requested but this machine has 1 CUDA device\(s\)"):
+        load_config(None, ["device=cuda:1"])
 
 
 def test_config_command_prints_resolved_json(capsys):

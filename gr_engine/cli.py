@@ -39,9 +39,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_rank(args: argparse.Namespace) -> int:
     from .engine import GREngine
-    from .io import read_requests, write_outputs
+    from .io import check_file_format, read_requests, write_outputs
     from .outputs import RankOutput
 
+    check_file_format(args.input)
+    check_file_format(args.output)  # before ranking: a result that cannot be written would be lost
     overrides = args.overrides + ([f"weights_path={args.weights}"] if args.weights else [])
     config = load_config(args.config, overrides)
     parsed = read_requests(args.input)

@@ -27,11 +27,25 @@ def file_format(path: str | Path) -> str:
     return FORMATS[suffix]
 
 
+def check_file_format(path: str | Path) -> str:
+    """The format of ``path`` (:func:`file_format`), after checking that it can be read and written here:
+    Parquet needs pyarrow. Call it on a job's input and output before any work starts.
+
+    Raises:
+        ValueError: unknown extension.
+        ImportError: a Parquet file without pyarrow installed.
+    """
+    fmt = file_format(path)
+    if fmt == "parquet":
+        _pyarrow()
+    return fmt
+
+
 def _pyarrow():
     try:
         import pyarrow
         import pyarrow.parquet
-    except ImportError as exc:  # pragma: no cover - depends on the installation
+    except ImportError as exc:
         raise ImportError("Parquet files need pyarrow: pip install 'gr-engine[io]'") from exc
     return pyarrow
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import msgspec
 import numpy as np
@@ -75,6 +76,28 @@ def test_rank_reports_bad_arguments(tmp_path, capsys):
     assert "cannot tell the format" in capsys.readouterr().err
     assert main(["rank", "--input", "a.jsonl", "--output", "b.jsonl", "--set", "cache.mode=nope"]) == 2
     assert "invalid config" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("parquet_side", ["input", "output"])
+def test_rank_without_pyarrow_fails_before_ranking(parquet_side, tmp_path, capsys, monkeypatch):
+    requests = requests_for(tiny_config(), n_users=2, visits=1)
+    paths = {"input": tmp_path / "in.jsonl", "output": tmp_path / "out.jsonl"}
+    paths[parquet_side] = paths[parquet_side].with_suffix(".parquet")
+    if parquet_side == "input":
+        pq.write_table(pa.Table.from_pylist(msgspec.to_builtins(requests)), paths["input"])
+    else:
+        paths["input"].write_text("".join(msgspec.json.encode(r).decode() + "\n" for r in requests))
+    for module in ("pyarrow", "pyarrow.parquet"):
+        monkeypatch.setitem(sys.modules, module, None)  # `import pyarrow` now raises ImportError
+
+    def no_ranking(*args, **kwargs):
+        raise AssertionError("ranking started although the output cannot be written")
+
+    monkeypatch.setattr(GREngine, "rank", no_ranking)
+    assert main(["rank", "--input", str(paths["input"]), "--output", str(paths["output"]),
+                 "--config", str(write_config(tmp_path)), "--no-progress"]) == 2
+    one_line_error(capsys, "Parquet files need pyarrow")
+    assert not paths["output"].exists()
 
 
 def test_config_file_and_overrides(tmp_path):

@@ -56,6 +56,10 @@ def _cmd_rank(args: argparse.Namespace) -> int:
     failed = sum(o.error is not None for o in outputs)
     print(f"ranked {len(outputs) - failed} requests ({failed} failed) in {time.perf_counter() - t0:.2f} s; "
           f"history token hit ratio {engine.stats.total_hit_ratio:.1%}; wrote {args.output}", file=sys.stderr)
+    if outputs and failed == len(outputs):
+        print(f"gr-engine rank: error: all {failed} requests failed (see the error field of {args.output})",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -60,6 +60,21 @@ def test_rank_jsonl_to_parquet_with_bad_rows(tmp_path, capsys):
     assert "3 failed" in capsys.readouterr().err
 
 
+def test_rank_exits_1_when_every_request_failed(tmp_path, capsys):
+    good = msgspec.json.encode(requests_for(tiny_config(), n_users=1, visits=1)[0]).decode()
+    (tmp_path / "in.jsonl").write_text('{not json\n{"request_id": "r", "user_id": 1}\n')
+    args = ["rank", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
+            "--config", str(write_config(tmp_path)), "--no-progress"]
+    assert main(args) == 1
+    assert "all 2 requests failed" in capsys.readouterr().err
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["error"] for r in rows)  # the error rows are still written
+    (tmp_path / "in.jsonl").write_text("{not json\n" + good + "\n")
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "ranked 1 requests (1 failed)" in err and "error" not in err
+
+
 def test_rank_parquet_to_jsonl(tmp_path):
     requests = requests_for(tiny_config())
     pq.write_table(pa.Table.from_pylist(msgspec.to_builtins(requests)), tmp_path / "in.parquet")

@@ -2,7 +2,9 @@
 
 A file holds one request per line (JSONL) or row (Parquet) with the fields of
 :class:`~gr_engine.request.RankRequest`. A malformed row does not stop the job: it becomes an output
-whose ``error`` says what is wrong, in its place.
+whose ``error`` says what is wrong, in its place. An error row whose ``request_id`` cannot be read is
+labelled by where it is in the file: ``line-N`` for line ``N`` of a JSONL file (1-based; blank lines are
+skipped but counted), ``row-N`` for row ``N`` of a Parquet file (1-based).
 """
 
 from __future__ import annotations
@@ -50,18 +52,22 @@ def _pyarrow():
     return pyarrow
 
 
-def _read_rows(path: Path) -> list[Any]:
+def _read_rows(path: Path) -> list[tuple[str, Any]]:
+    """``(label, row)`` of every row of ``path``: ``line-N`` for line ``N`` of a JSONL file (1-based, blank
+    lines counted but skipped), ``row-N`` for row ``N`` of a Parquet file (1-based). A line that is not
+    JSON comes back as a ``ValueError`` instead of a row."""
     if file_format(path) == "parquet":
-        return _pyarrow().parquet.read_table(path).to_pylist()
-    rows: list[Any] = []
+        table = _pyarrow().parquet.read_table(path).to_pylist()
+        return [(f"row-{number}", row) for number, row in enumerate(table, start=1)]
+    rows: list[tuple[str, Any]] = []
     with path.open("rb") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
-                rows.append(msgspec.json.decode(line))
+                rows.append((f"line-{number}", msgspec.json.decode(line)))
             except msgspec.DecodeError as exc:
-                rows.append(ValueError(f"line {number} is not valid JSON: {exc}"))
+                rows.append((f"line-{number}", ValueError(f"line {number} is not valid JSON: {exc}")))
     return rows
 
 
@@ -72,16 +78,16 @@ def read_requests(path: str | Path) -> list[RankRequest | RankOutput]:
         path: a ``.jsonl``/``.json``/``.ndjson`` or ``.parquet`` file.
     """
     parsed: list[RankRequest | RankOutput] = []
-    for number, row in enumerate(_read_rows(Path(path)), start=1):
+    for label, row in _read_rows(Path(path)):
         if isinstance(row, Exception):
-            parsed.append(RankOutput(request_id=f"row-{number}", error=str(row)))
+            parsed.append(RankOutput(request_id=label, error=str(row)))
             continue
         try:
             parsed.append(msgspec.convert(row, RankRequest))
         except msgspec.ValidationError as exc:
             request_id = row.get("request_id") if isinstance(row, dict) else None
             parsed.append(RankOutput(
-                request_id=str(request_id) if request_id is not None else f"row-{number}",
+                request_id=str(request_id) if request_id is not None else label,
                 error=f"invalid request: {exc}",
             ))
     return parsed

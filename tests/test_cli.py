@@ -19,6 +19,7 @@ from gr_engine import EngineConfig, GREngine
 from gr_engine.cli import main
 from gr_engine.config import load_config
 from gr_engine.demo import run_demo
+from gr_engine.io import read_requests
 from gr_engine.synthetic import synthetic_requests
 from tests.conftest import tiny_config
 
@@ -48,7 +49,7 @@ def test_rank_jsonl_to_parquet_with_bad_rows(tmp_path, capsys):
                  "--no-progress"]) == 0
     rows = pq.read_table(out).to_pylist()
     assert len(rows) == len(lines)
-    assert "not valid JSON" in rows[2]["error"] and rows[2]["request_id"] == "row-3"
+    assert "not valid JSON" in rows[2]["error"] and rows[2]["request_id"] == "line-3"
     assert rows[5]["request_id"] == "typed-wrong" and "invalid request" in rows[5]["error"]
     assert rows[7]["request_id"] == "oov" and "outside the item vocabulary" in rows[7]["error"]
     good = [r for r in rows if r["error"] is None]
@@ -58,6 +59,17 @@ def test_rank_jsonl_to_parquet_with_bad_rows(tmp_path, capsys):
         np.testing.assert_allclose(row["scores"], exp.scores, atol=1e-6)
         assert row["num_gpu_cached_tokens"] == exp.num_gpu_cached_tokens
     assert "3 failed" in capsys.readouterr().err
+
+
+def test_error_rows_are_labelled_by_their_place_in_the_file(tmp_path):
+    good = msgspec.json.encode(requests_for(tiny_config(), n_users=1, visits=1)[0]).decode()
+    (tmp_path / "in.jsonl").write_text(f"\n{good}\n\n  \n{{not json\n\n[1, 2]\n")
+    parsed = read_requests(tmp_path / "in.jsonl")
+    assert [p.request_id for p in parsed[1:]] == ["line-5", "line-7"]  # blank lines 1, 3, 4 and 6 count
+    assert "line 5 is not valid JSON" in parsed[1].error
+    pq.write_table(pa.Table.from_pylist([{"request_id": None, "user_id": 1}, json.loads(good)]),
+                   tmp_path / "in.parquet")
+    assert read_requests(tmp_path / "in.parquet")[0].request_id == "row-1"
 
 
 def test_rank_exits_1_when_every_request_failed(tmp_path, capsys):

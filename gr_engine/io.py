@@ -2,7 +2,8 @@
 
 A file holds one request per line (JSONL) or row (Parquet) with the fields of
 :class:`~gr_engine.request.RankRequest`. A malformed row does not stop the job: it becomes an output
-whose ``error`` says what is wrong, in its place. An error row whose ``request_id`` cannot be read is
+whose ``error`` says what is wrong, in its place, with the row's ``request_id`` and ``user_id`` where they
+can be read. An error row whose ``request_id`` cannot be read is
 labelled by where it is in the file: ``line-N`` for line ``N`` of a JSONL file (1-based; blank lines are
 skipped but counted), ``row-N`` for row ``N`` of a Parquet file (1-based).
 """
@@ -85,12 +86,19 @@ def read_requests(path: str | Path) -> list[RankRequest | RankOutput]:
         try:
             parsed.append(msgspec.convert(row, RankRequest))
         except msgspec.ValidationError as exc:
-            request_id = row.get("request_id") if isinstance(row, dict) else None
+            fields = row if isinstance(row, dict) else {}
+            request_id = fields.get("request_id")
             parsed.append(RankOutput(
                 request_id=str(request_id) if request_id is not None else label,
+                user_id=_usable_user_id(fields.get("user_id")),
                 error=f"invalid request: {exc}",
             ))
     return parsed
+
+
+def _usable_user_id(value: object) -> int | str | None:
+    """``value`` if it can be an output's ``user_id`` (a string, or an int that is not a bool), else ``None``."""
+    return value if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)) else None
 
 
 def write_outputs(path: str | Path, outputs: list[RankOutput]) -> None:

@@ -51,6 +51,7 @@ def test_rank_jsonl_to_parquet_with_bad_rows(tmp_path, capsys):
     assert len(rows) == len(lines)
     assert "not valid JSON" in rows[2]["error"] and rows[2]["request_id"] == "line-3"
     assert rows[5]["request_id"] == "typed-wrong" and "invalid request" in rows[5]["error"]
+    assert rows[5]["user_id"] == 1 and rows[2]["user_id"] is None
     assert rows[7]["request_id"] == "oov" and "outside the item vocabulary" in rows[7]["error"]
     good = [r for r in rows if r["error"] is None]
     assert [r["request_id"] for r in good] == [r.request_id for r in requests]
@@ -70,6 +71,16 @@ def test_error_rows_are_labelled_by_their_place_in_the_file(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"request_id": None, "user_id": 1}, json.loads(good)]),
                    tmp_path / "in.parquet")
     assert read_requests(tmp_path / "in.parquet")[0].request_id == "row-1"
+
+
+def test_rows_rejected_while_parsing_keep_their_user_id(tmp_path):
+    rows = [{"request_id": "a", "user_id": "u-1", "item_ids": "x"}, {"request_id": "b", "user_id": 7},
+            {"request_id": "c", "user_id": True}, {"user_id": [1]}, {"request_id": "e", "user_id": 2.5}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    parsed = read_requests(tmp_path / "in.jsonl")
+    assert [(p.request_id, p.user_id) for p in parsed] == [
+        ("a", "u-1"), ("b", 7), ("c", None), ("line-4", None), ("e", None)]
+    assert all("invalid request" in p.error for p in parsed)
 
 
 def test_rank_exits_1_when_every_request_failed(tmp_path, capsys):

@@ -154,6 +154,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 DEVICE_TYPES = ("cpu", "cuda")
+CONFIG_FORMATS = {".json": "json", ".toml": "toml"}  # config file suffix -> parser
 
 
 def check_device(name: str, require_available: bool = False) -> None:
@@ -232,7 +233,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     that this machine can run it: the device exists and the attention backend's name is known.
 
     Args:
-        path: a config file; its values replace ``base``'s entirely.
+        path: a config file, JSON (``.json``) or TOML (``.toml``); its values replace ``base``'s entirely.
         overrides: ``section.key=value`` items applied on top (:func:`apply_overrides`).
         base: the configuration used when there is no file (default: every field's default).
         backends: where ``attention_backend`` is looked up (default: the built-ins plus installed plugins).
@@ -243,9 +244,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        kind = CONFIG_FORMATS.get(path.suffix.lower())
+        if kind is None:
+            raise ValueError(f"config file {path}: unknown format {path.suffix or '(no extension)'!r}; "
+                             "use .json (JSON) or .toml (TOML)")
         raw = path.read_bytes()
         try:
-            data = tomllib.loads(raw.decode()) if path.suffix == ".toml" else json.loads(raw)
+            data = tomllib.loads(raw.decode()) if kind == "toml" else json.loads(raw)
         except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"cannot parse config file {path}: {exc}") from exc
     elif base is not None:

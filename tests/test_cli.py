@@ -207,6 +207,19 @@ def test_device_and_backend_settings_that_are_accepted(no_cuda, monkeypatch):
         load_config(None, ["device=cuda:1"])
 
 
+@pytest.mark.parametrize("name", ["engine.yaml", "engine.yml", "engine", "engine.txt"])
+def test_config_file_of_unknown_format_is_rejected(name, tmp_path, capsys):
+    path = tmp_path / name
+    path.write_text('{"device": "cpu"}')  # valid JSON: still not read as JSON under another suffix
+    with pytest.raises(ValueError, match=r"unknown format .*; use \.json \(JSON\) or \.toml \(TOML\)"):
+        load_config(path)
+    assert main(["config", "--config", str(path)]) == 2
+    one_line_error(capsys, "use .json (JSON) or .toml (TOML)")
+    upper = tmp_path / "ENGINE.JSON"
+    upper.write_text('{"device": "cpu"}')
+    assert load_config(upper).device == "cpu"
+
+
 def test_config_command_prints_resolved_json(capsys):
     assert main(["config", "--set", "cache.num_gpu_pages=77"]) == 0
     assert json.loads(capsys.readouterr().out)["cache"]["num_gpu_pages"] == 77

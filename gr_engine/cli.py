@@ -4,7 +4,7 @@
 - ``gr-engine rank --input requests.jsonl --output scores.parquet``: offline batch ranking.
 - ``gr-engine config``: print the resolved configuration (defaults, file, overrides) as JSON.
 
-Every command takes ``--config FILE`` (JSON or TOML) and repeated ``--set section.key=value``.
+``demo``, ``rank`` and ``config`` take ``--config FILE`` (JSON or TOML) and repeated ``--set section.key=value``.
 """
 
 from __future__ import annotations
@@ -136,9 +136,21 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``gr-engine --help``'s text: plain, not the reStructuredText of the module docstring.
+DESCRIPTION = "gr-engine: serve HSTU generative-recommendation models with per-user KV caches."
+EPILOG = """examples:
+  gr-engine demo
+  gr-engine rank --input requests.jsonl --output scores.parquet
+  gr-engine config --config engine.toml --set cache.mode=recompute
+
+demo, rank and config take --config FILE (.json or .toml) and repeated --set section.key=value.
+Run gr-engine COMMAND --help for a command's options."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``gr-engine`` command line: ``demo``, ``rank``, ``bench`` and ``config``."""
-    parser = argparse.ArgumentParser(prog="gr-engine", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="gr-engine", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser("demo", help="run the CPU demo with a tiny synthetic model")

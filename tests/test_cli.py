@@ -245,6 +245,17 @@ def test_bench_calibrate_prints_gpu_only_hit_ratios(capsys, tmp_path):
     assert not list(tmp_path.iterdir())  # nothing written
 
 
+@pytest.mark.parametrize("command", [[], ["demo"], ["rank"], ["bench"], ["config"]])
+def test_help_is_plain_text(command, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([*command, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: gr-engine")
+    for markup in ("``", ":class:", ":func:", ":mod:"):
+        assert markup not in out, f"reStructuredText {markup!r} in the help text"
+
+
 def test_module_entry_point_is_safe_to_reimport():
     """Spawned workers (the benchmark's simulations) re-import ``python -m gr_engine``'s main module under
     another name; that must not run the command line again."""

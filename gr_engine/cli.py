@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser("demo", help="run the CPU demo with a tiny synthetic model")
+    demo = commands.add_parser("demo", help="run the CPU demo with a tiny synthetic model (up to minutes)")
     demo.add_argument("--users", type=int, default=32, help="synthetic users (default 32)")
     demo.add_argument("--visits", type=int, default=6, help="visits per user (default 6)")
     demo.add_argument("--seed", type=int, default=0)

@@ -15,7 +15,7 @@ import torch
 
 from attention_backends import BackendRegistry
 from attention_backends.torch_ref import TorchRefBackend
-from gr_engine import EngineConfig, GREngine
+from gr_engine import EngineConfig, GenerateParams, GenerateRequest, GREngine
 from gr_engine.cli import main
 from gr_engine.config import load_config
 from gr_engine.demo import run_demo
@@ -98,6 +98,65 @@ def test_rank_exits_1_when_every_request_failed(tmp_path, capsys):
     assert "ranked 1 requests (1 failed)" in err and "error" not in err
 
 
+def generate_requests(config, n_users, visits):
+    """Retrieval requests (every history has at least one event)."""
+    return [msgspec.convert(msgspec.to_builtins(r), GenerateRequest) for r in synthetic_requests(
+        config.model, n_users, visits, first_history=(1, 40), new_events=(0, 8), num_candidates=(1, 6), seed=5)]
+
+
+@pytest.mark.parametrize("exclude_history", [True, False])
+def test_generate_jsonl_with_bad_rows(exclude_history, tmp_path, capsys):
+    config = tiny_config()
+    requests = generate_requests(config, 4, 3)
+    lines = [msgspec.json.encode(r).decode() for r in requests]
+    lines.insert(1, "{not json")
+    lines.insert(4, json.dumps({"request_id": "typed-wrong", "user_id": "u", "item_ids": ["x"], "action_ids": [],
+                                "timestamps": []}))
+    lines.insert(6, json.dumps({**json.loads(lines[0]), "request_id": "empty", "item_ids": [], "action_ids": [],
+                                "timestamps": []}))
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    flag = "--exclude-history" if exclude_history else "--no-exclude-history"
+    assert main(["generate", "--input", str(tmp_path / "in.jsonl"), "--output", str(out), "--top-k", "7", flag,
+                 "--config", str(write_config(tmp_path)), "--no-progress"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == len(lines)
+    assert rows[1]["request_id"] == "line-2" and "not valid JSON" in rows[1]["error"] and rows[1]["item_ids"] == []
+    assert (rows[4]["request_id"], rows[4]["user_id"]) == ("typed-wrong", "u") and "invalid request" in rows[4]["error"]
+    assert rows[6]["request_id"] == "empty" and "at least one history event" in rows[6]["error"]
+    good = [r for r in rows if r["error"] is None]
+    assert [r["request_id"] for r in good] == [r.request_id for r in requests]
+    expected = GREngine(config).generate(requests, GenerateParams(top_k=7, exclude_history=exclude_history),
+                                         use_tqdm=False)
+    for row, request, exp in zip(good, requests, expected):
+        assert exp.error is None and len(exp.item_ids) == 7
+        assert row["item_ids"] == exp.item_ids and row["user_id"] == request.user_id
+        np.testing.assert_allclose(row["scores"], exp.scores, atol=1e-6)
+        assert row["num_gpu_cached_tokens"] == exp.num_gpu_cached_tokens
+        if exclude_history:
+            assert not set(row["item_ids"]) & set(request.item_ids)
+    assert "retrieved items for 12 requests (3 failed)" in capsys.readouterr().err
+
+
+def test_generate_to_parquet_and_bad_arguments(tmp_path, capsys):
+    requests = generate_requests(tiny_config(), 2, 1)
+    (tmp_path / "in.jsonl").write_text("".join(msgspec.json.encode(r).decode() + "\n" for r in requests))
+    args = ["generate", "--input", str(tmp_path / "in.jsonl"), "--config", str(write_config(tmp_path)),
+            "--no-progress"]
+    assert main([*args, "--output", str(tmp_path / "out.parquet"), "--top-k", "3"]) == 0
+    rows = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    assert [r["request_id"] for r in rows] == [r.request_id for r in requests]
+    assert all(r["error"] is None and len(r["item_ids"]) == len(r["scores"]) == 3 for r in rows)
+    capsys.readouterr()
+    assert main([*args, "--output", str(tmp_path / "x.jsonl"), "--top-k", "0"]) == 2
+    one_line_error(capsys, "top_k must be positive, got 0")
+    assert not (tmp_path / "x.jsonl").exists()
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    assert main([*args[:1], "--input", str(tmp_path / "bad.jsonl"), *args[3:], "--output",
+                 str(tmp_path / "y.jsonl")]) == 1
+    assert "all 1 requests failed" in capsys.readouterr().err
+
+
 def test_rank_parquet_to_jsonl(tmp_path):
     requests = requests_for(tiny_config())
     pq.write_table(pa.Table.from_pylist(msgspec.to_builtins(requests)), tmp_path / "in.parquet")
@@ -116,8 +175,9 @@ def test_rank_reports_bad_arguments(tmp_path, capsys):
     assert "invalid config" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["rank", "generate"])
 @pytest.mark.parametrize("parquet_side", ["input", "output"])
-def test_rank_without_pyarrow_fails_before_ranking(parquet_side, tmp_path, capsys, monkeypatch):
+def test_rank_without_pyarrow_fails_before_ranking(command, parquet_side, tmp_path, capsys, monkeypatch):
     requests = requests_for(tiny_config(), n_users=2, visits=1)
     paths = {"input": tmp_path / "in.jsonl", "output": tmp_path / "out.jsonl"}
     paths[parquet_side] = paths[parquet_side].with_suffix(".parquet")
@@ -132,7 +192,8 @@ def test_rank_without_pyarrow_fails_before_ranking(parquet_side, tmp_path, capsy
         raise AssertionError("ranking started although the output cannot be written")
 
     monkeypatch.setattr(GREngine, "rank", no_ranking)
-    assert main(["rank", "--input", str(paths["input"]), "--output", str(paths["output"]),
+    monkeypatch.setattr(GREngine, "generate", no_ranking)
+    assert main([command, "--input", str(paths["input"]), "--output", str(paths["output"]),
                  "--config", str(write_config(tmp_path)), "--no-progress"]) == 2
     one_line_error(capsys, "Parquet files need pyarrow")
     assert not paths["output"].exists()
@@ -245,7 +306,7 @@ def test_bench_calibrate_prints_gpu_only_hit_ratios(capsys, tmp_path):
     assert not list(tmp_path.iterdir())  # nothing written
 
 
-@pytest.mark.parametrize("command", [[], ["demo"], ["rank"], ["bench"], ["config"]])
+@pytest.mark.parametrize("command", [[], ["demo"], ["rank"], ["generate"], ["bench"], ["config"]])
 def test_help_is_plain_text(command, capsys):
     with pytest.raises(SystemExit) as info:
         main([*command, "--help"])

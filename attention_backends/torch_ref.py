@@ -2,7 +2,9 @@
 
 Per step it pads the batch to ``[B, max_query_len]`` query rows and ``[B, max_pages * page_size]``
 history keys gathered through a padded block table, so a step is a handful of batched tensor ops with
-no Python loop over requests, tokens or pages. Memory is ``O(B * H * max_query_len * max_kv_len)``.
+no Python loop over requests, tokens or pages. Gathered slots past a request's history are zeroed before
+any product, so whatever they hold (inf, NaN) never reaches an output.
+Memory is ``O(B * H * max_query_len * max_kv_len)``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ class TorchRefMetadata:
 
     Attributes:
         common: the common metadata it was built from.
-        block_table: int64 ``[B, max_pages]`` physical pages, 0-padded.
+        block_table: int64 ``[B, max_pages]`` physical pages, 0-padded (padding slots are zeroed in ``attend``).
         row_index: int64 ``[B, P]`` flat row of each padded query slot (0 for padding).
         row_valid: bool ``[B, P]``.
         key_limit: int64 ``[B, P]`` number of leading history keys each slot may see.
@@ -94,8 +96,13 @@ class TorchRefBackend(AttentionBackend):
         heads, dim = q.shape[1], q.shape[2]
         compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         pages = kv_cache[m.block_table]  # [B, max_pages, 2, page_size, H, D]
-        hist_k = pages[:, :, 0].reshape(batch, -1, heads, dim).to(compute)
-        hist_v = pages[:, :, 1].reshape(batch, -1, heads, dim).to(compute)
+        key_pos = torch.arange(pages.shape[1] * pages.shape[3], device=q.device)
+        # Slots past a request's history (its last page's unwritten tail, the block table's padding, which
+        # points at page 0, another user's) hold anything, inf and NaN included: zero them, so that they
+        # enter no product (0 * inf is NaN) and cannot leak into this or another request's rows.
+        in_history = (key_pos[None, :] < m.common.kv_seq_lens.long()[:, None])[:, :, None, None]  # [B, K, 1, 1]
+        hist_k = torch.where(in_history, pages[:, :, 0].reshape(batch, -1, heads, dim), 0).to(compute)
+        hist_v = torch.where(in_history, pages[:, :, 1].reshape(batch, -1, heads, dim), 0).to(compute)
         rows = m.row_index
         q_pad = q[rows].to(compute)  # [B, P, H, D]
         self_k, self_v = k[rows].to(compute), v[rows].to(compute)
@@ -107,7 +114,6 @@ class TorchRefBackend(AttentionBackend):
             buckets = time_bucket(m.time_delta, time_bias.shape[0])  # [B, P, K]
             logits = logits + time_bias.to(compute)[buckets].permute(0, 3, 1, 2)
             self_logit = self_logit + time_bias.to(compute)[0][None, :, None, None]
-        key_pos = torch.arange(hist_k.shape[1], device=q.device)
         allowed = (key_pos[None, None, :] < m.key_limit[:, :, None])[:, None]  # [B, 1, P, K]
         self_allowed = m.is_candidate[:, None, :, None]  # [B, 1, P, 1]
 

@@ -2,9 +2,12 @@
 
 - ``gr-engine demo``: returning users under every cache mode, on CPU with a tiny model.
 - ``gr-engine rank --input requests.jsonl --output scores.parquet``: offline batch ranking.
+- ``gr-engine generate --input requests.jsonl --output items.jsonl [--top-k K] [--no-exclude-history]``:
+  offline retrieval, read and written like ``rank``'s files.
 - ``gr-engine config``: print the resolved configuration (defaults, file, overrides) as JSON.
 
-Every command takes ``--config FILE`` (JSON or TOML) and repeated ``--set section.key=value``.
+``demo``, ``rank``, ``generate`` and ``config`` take ``--config FILE`` (JSON or TOML) and repeated
+``--set section.key=value``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 import msgspec
 
 from .config import EngineConfig, load_config
+from .request import GenerateParams
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -25,12 +29,18 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
                         help="override a config value, e.g. --set cache.mode=recompute (repeatable)")
 
 
+def _add_file_job_args(parser: argparse.ArgumentParser) -> None:
+    """The arguments ``rank`` and ``generate`` share."""
+    parser.add_argument("--input", required=True, help="requests (.jsonl or .parquet)")
+    parser.add_argument("--output", required=True, help="outputs (.jsonl or .parquet)")
+    parser.add_argument("--weights", help="model weights (.safetensors); default: random init from model.seed")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    _add_config_args(parser)
+
+
 def _config(args: argparse.Namespace, base: EngineConfig | None = None) -> EngineConfig:
-    if base is not None and args.config is None:
-        data = msgspec.to_builtins(base)
-        from .config import apply_overrides
-        return msgspec.convert(apply_overrides(data, args.overrides), EngineConfig)
-    return load_config(args.config, args.overrides)
+    """The command's configuration: ``--config`` (else ``base``, else the defaults) with ``--set`` applied."""
+    return load_config(args.config, args.overrides, base=base)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -41,22 +51,44 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_rank(args: argparse.Namespace) -> int:
-    from .engine import GREngine
-    from .io import read_requests, write_outputs
-    from .outputs import RankOutput
+    return _serve_file(args, generate=False)
 
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    return _serve_file(args, generate=True)
+
+
+def _serve_file(args: argparse.Namespace, generate: bool) -> int:
+    """``rank`` / ``generate``: serve every request of ``--input``, write one output per row to ``--output``.
+
+    Rows that cannot be parsed become error rows in their place. Exit status: 0 when any request was served,
+    1 when every one failed."""
+    from .engine import GREngine
+    from .io import check_file_format, read_requests, write_outputs
+    from .request import GenerateParams, GenerateRequest, RankRequest
+
+    check_file_format(args.input)
+    check_file_format(args.output)  # before serving: results that cannot be written would be lost
+    params = GenerateParams(top_k=args.top_k, exclude_history=args.exclude_history) if generate else None
     overrides = args.overrides + ([f"weights_path={args.weights}"] if args.weights else [])
     config = load_config(args.config, overrides)
-    parsed = read_requests(args.input)
+    parsed = read_requests(args.input, GenerateRequest if generate else RankRequest)
     engine = GREngine(config)
     t0 = time.perf_counter()
-    valid = [p for p in parsed if not isinstance(p, RankOutput)]
-    ranked = iter(engine.rank(valid, use_tqdm=not args.no_progress))
-    outputs = [p if isinstance(p, RankOutput) else next(ranked) for p in parsed]
+    valid = [p for p in parsed if isinstance(p, GenerateRequest)]
+    progress = not args.no_progress
+    served = iter(engine.generate(valid, params, use_tqdm=progress) if generate
+                  else engine.rank(valid, use_tqdm=progress))
+    outputs = [next(served) if isinstance(p, GenerateRequest) else p for p in parsed]
     write_outputs(args.output, outputs)
     failed = sum(o.error is not None for o in outputs)
-    print(f"ranked {len(outputs) - failed} requests ({failed} failed) in {time.perf_counter() - t0:.2f} s; "
+    verb = "retrieved items for" if generate else "ranked"
+    print(f"{verb} {len(outputs) - failed} requests ({failed} failed) in {time.perf_counter() - t0:.2f} s; "
           f"history token hit ratio {engine.stats.total_hit_ratio:.1%}; wrote {args.output}", file=sys.stderr)
+    if outputs and failed == len(outputs):
+        print(f"gr-engine {args.command}: error: all {failed} requests failed (see the error field of "
+              f"{args.output})", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -90,6 +122,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             return 2
         changes["cache"] = tuple(cache.items())
     settings = dataclasses.replace(settings, **changes)
+    from .config import check_attention_backend, check_device
+
+    try:  # before any trace is generated or engine built
+        check_device(settings.device, require_available=True)
+        check_attention_backend(settings.backend)
+    except ValueError as exc:
+        print(f"gr-engine bench: {exc}", file=sys.stderr)
+        return 2
     if args.calibrate:  # the trace's calibration check: gpu_only hit ratios over three seeds (CPU, seconds)
         from .bench.runner import cache_config
         from .bench.simulate import simulate_policy
@@ -125,12 +165,25 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``gr-engine --help``'s text: plain, not the reStructuredText of the module docstring.
+DESCRIPTION = "gr-engine: serve HSTU generative-recommendation models with per-user KV caches."
+EPILOG = """examples:
+  gr-engine demo
+  gr-engine rank --input requests.jsonl --output scores.parquet
+  gr-engine generate --input requests.jsonl --output items.jsonl --top-k 20
+  gr-engine config --config engine.toml --set cache.mode=recompute
+
+demo, rank, generate and config take --config FILE (.json or .toml) and repeated --set section.key=value.
+Run gr-engine COMMAND --help for a command's options."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``gr-engine`` command line: ``demo``, ``rank``, ``bench`` and ``config``."""
-    parser = argparse.ArgumentParser(prog="gr-engine", description=__doc__.splitlines()[0])
+    """The ``gr-engine`` command line: ``demo``, ``rank``, ``generate``, ``bench`` and ``config``."""
+    parser = argparse.ArgumentParser(prog="gr-engine", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser("demo", help="run the CPU demo with a tiny synthetic model")
+    demo = commands.add_parser("demo", help="run the CPU demo with a tiny synthetic model (up to minutes)")
     demo.add_argument("--users", type=int, default=32, help="synthetic users (default 32)")
     demo.add_argument("--visits", type=int, default=6, help="visits per user (default 6)")
     demo.add_argument("--seed", type=int, default=0)
@@ -138,12 +191,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=_cmd_demo)
 
     rank = commands.add_parser("rank", help="rank a JSONL or Parquet file of requests")
-    rank.add_argument("--input", required=True, help="requests (.jsonl or .parquet)")
-    rank.add_argument("--output", required=True, help="outputs (.jsonl or .parquet)")
-    rank.add_argument("--weights", help="model weights (.safetensors); default: random init from model.seed")
-    rank.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    _add_config_args(rank)
+    _add_file_job_args(rank)
     rank.set_defaults(run=_cmd_rank)
+
+    generate = commands.add_parser("generate", help="retrieve the top items for a JSONL or Parquet file of requests")
+    _add_file_job_args(generate)
+    generate.add_argument("--top-k", type=int, default=GenerateParams().top_k,
+                          help=f"items to return per request (default {GenerateParams().top_k})")
+    generate.add_argument("--exclude-history", action=argparse.BooleanOptionalAction,
+                          default=GenerateParams().exclude_history,
+                          help="never return items already in the user's history (default: on)")
+    generate.set_defaults(run=_cmd_generate)
 
     bench = commands.add_parser("bench", help="run the benchmark (the MTServe paper's experiments)")
     bench.add_argument("--out", default="benchmarks/results/bench", help="folder for the results")

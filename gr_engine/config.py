@@ -1,7 +1,9 @@
 """Typed engine configuration: model, cache, scheduler and engine settings.
 
 Configs are ``msgspec.Struct``s with documented defaults. :func:`load_config` reads a JSON or TOML
-file and applies ``section.key=value`` overrides (the CLI's ``--set``); every value is type-checked.
+file and applies ``section.key=value`` overrides (the CLI's ``--set``); every value is type-checked, and
+the device and attention backend are checked against this machine (:func:`check_device`,
+:func:`check_attention_backend`).
 """
 
 from __future__ import annotations
@@ -9,13 +11,16 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import torch
 
 from cache_engine.config import CacheConfig
 from scheduler.config import SchedulerConfig
+
+if TYPE_CHECKING:
+    from attention_backends.registry import BackendRegistry
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -138,6 +143,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cuda_graph_max_rows: int = 4096
 
     def __post_init__(self) -> None:
+        check_device(self.device)
         if self.scheduler.max_num_batched_tokens <= self.model.max_candidates:
             raise ValueError(
                 f"scheduler.max_num_batched_tokens ({self.scheduler.max_num_batched_tokens}) must exceed "
@@ -145,6 +151,57 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             )
         if self.cuda_graph_max_rows < 0:
             raise ValueError(f"cuda_graph_max_rows ({self.cuda_graph_max_rows}) must be >= 0 (0: no CUDA graphs)")
+
+
+DEVICE_TYPES = ("cpu", "cuda")
+CONFIG_FORMATS = {".json": "json", ".toml": "toml"}  # config file suffix -> parser
+
+
+def check_device(name: str, require_available: bool = False) -> None:
+    """Check a ``device`` setting: ``"auto"`` or a torch device string of type ``cpu`` or ``cuda``.
+
+    Args:
+        name: the setting, e.g. ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"auto"``.
+        require_available: also require a CUDA device to exist on this machine.
+
+    Raises:
+        ValueError: the name does not parse, has another device type, or (``require_available``) names a
+            CUDA device this machine does not have.
+    """
+    if name == "auto":
+        return
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError, ValueError):
+        device = None
+    if device is None or device.type not in DEVICE_TYPES:
+        raise ValueError(f"device {name!r} is not one of 'cpu', 'cuda', 'cuda:N' or 'auto'")
+    if require_available and device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} requested but CUDA is not available")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device {name!r} requested but this machine has {count} CUDA device(s)")
+
+
+def check_attention_backend(name: str, backends: BackendRegistry | None = None) -> None:
+    """Check an ``attention_backend`` setting: ``"auto"`` or a name ``backends`` knows.
+
+    Args:
+        name: the setting.
+        backends: where names are looked up (default: the built-ins plus installed plugins).
+
+    Raises:
+        ValueError: unknown name; the message lists the known ones.
+    """
+    if name == "auto":
+        return
+    if backends is None:
+        from attention_backends.registry import BackendRegistry
+
+        backends = BackendRegistry()
+    if name not in backends.names():
+        raise ValueError(f"attention_backend {name!r} is unknown: use 'auto' or one of {', '.join(backends.names())}")
 
 
 def _parse_value(text: str) -> Any:
@@ -170,8 +227,16 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> EngineConfig:
-    """Build an :class:`EngineConfig` from an optional JSON/TOML file and ``key=value`` overrides.
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                base: EngineConfig | None = None, backends: BackendRegistry | None = None) -> EngineConfig:
+    """Build an :class:`EngineConfig` from an optional JSON/TOML file and ``key=value`` overrides, and check
+    that this machine can run it: the device exists and the attention backend's name is known.
+
+    Args:
+        path: a config file, JSON (``.json``) or TOML (``.toml``); its values replace ``base``'s entirely.
+        overrides: ``section.key=value`` items applied on top (:func:`apply_overrides`).
+        base: the configuration used when there is no file (default: every field's default).
+        backends: where ``attention_backend`` is looked up (default: the built-ins plus installed plugins).
 
     Raises:
         ValueError: unreadable file, unknown key, wrong type or invalid value (the message says which).
@@ -179,13 +244,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        kind = CONFIG_FORMATS.get(path.suffix.lower())
+        if kind is None:
+            raise ValueError(f"config file {path}: unknown format {path.suffix or '(no extension)'!r}; "
+                             "use .json (JSON) or .toml (TOML)")
         raw = path.read_bytes()
         try:
-            data = tomllib.loads(raw.decode()) if path.suffix == ".toml" else json.loads(raw)
+            data = tomllib.loads(raw.decode()) if kind == "toml" else json.loads(raw)
         except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"cannot parse config file {path}: {exc}") from exc
+    elif base is not None:
+        data = msgspec.to_builtins(base)
     data = apply_overrides(data, list(overrides or []))
     try:
-        return msgspec.convert(data, EngineConfig)
-    except msgspec.ValidationError as exc:
+        config = msgspec.convert(data, EngineConfig)
+        check_device(config.device, require_available=True)
+        check_attention_backend(config.attention_backend, backends)
+    except (msgspec.ValidationError, ValueError) as exc:
         raise ValueError(f"invalid config: {exc}") from exc
+    return config

@@ -1,20 +1,24 @@
-"""Reading requests from and writing outputs to JSONL and Parquet files (offline batch ranking).
+"""Reading requests from and writing outputs to JSONL and Parquet files (offline ranking and retrieval).
 
 A file holds one request per line (JSONL) or row (Parquet) with the fields of
-:class:`~gr_engine.request.RankRequest`. A malformed row does not stop the job: it becomes an output
-whose ``error`` says what is wrong, in its place.
+:class:`~gr_engine.request.RankRequest` (for retrieval, those of :class:`~gr_engine.request.GenerateRequest`).
+A malformed row does not stop the job: it becomes an output whose ``error`` says what is wrong, in its
+place, with the row's ``request_id`` and ``user_id`` where they can be read. An error row whose
+``request_id`` cannot be read is labelled by where it is in the file: ``line-N`` for line ``N`` of a JSONL
+file (1-based; blank lines are skipped but counted), ``row-N`` for row ``N`` of a Parquet file (1-based).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import numpy as np
 
-from .outputs import RankOutput
-from .request import RankRequest
+from .outputs import GenerateOutput, RankOutput
+from .request import GenerateRequest, RankRequest
 
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 
@@ -27,53 +31,83 @@ def file_format(path: str | Path) -> str:
     return FORMATS[suffix]
 
 
+def check_file_format(path: str | Path) -> str:
+    """The format of ``path`` (:func:`file_format`), after checking that it can be read and written here:
+    Parquet needs pyarrow. Call it on a job's input and output before any work starts.
+
+    Raises:
+        ValueError: unknown extension.
+        ImportError: a Parquet file without pyarrow installed.
+    """
+    fmt = file_format(path)
+    if fmt == "parquet":
+        _pyarrow()
+    return fmt
+
+
 def _pyarrow():
     try:
         import pyarrow
         import pyarrow.parquet
-    except ImportError as exc:  # pragma: no cover - depends on the installation
+    except ImportError as exc:
         raise ImportError("Parquet files need pyarrow: pip install 'gr-engine[io]'") from exc
     return pyarrow
 
 
-def _read_rows(path: Path) -> list[Any]:
+def _read_rows(path: Path) -> list[tuple[str, Any]]:
+    """``(label, row)`` of every row of ``path``: ``line-N`` for line ``N`` of a JSONL file (1-based, blank
+    lines counted but skipped), ``row-N`` for row ``N`` of a Parquet file (1-based). A line that is not
+    JSON comes back as a ``ValueError`` instead of a row."""
     if file_format(path) == "parquet":
-        return _pyarrow().parquet.read_table(path).to_pylist()
-    rows: list[Any] = []
+        table = _pyarrow().parquet.read_table(path).to_pylist()
+        return [(f"row-{number}", row) for number, row in enumerate(table, start=1)]
+    rows: list[tuple[str, Any]] = []
     with path.open("rb") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
-                rows.append(msgspec.json.decode(line))
+                rows.append((f"line-{number}", msgspec.json.decode(line)))
             except msgspec.DecodeError as exc:
-                rows.append(ValueError(f"line {number} is not valid JSON: {exc}"))
+                rows.append((f"line-{number}", ValueError(f"line {number} is not valid JSON: {exc}")))
     return rows
 
 
-def read_requests(path: str | Path) -> list[RankRequest | RankOutput]:
-    """Parse a request file; rows that are not valid requests come back as failed :class:`RankOutput`s.
+def read_requests(path: str | Path, request_type: type[GenerateRequest] = RankRequest,
+                  ) -> list[GenerateRequest | RankOutput | GenerateOutput]:
+    """Parse a request file; rows that are not valid requests come back as failed outputs, in their place.
 
     Args:
         path: a ``.jsonl``/``.json``/``.ndjson`` or ``.parquet`` file.
+        request_type: :class:`RankRequest` (rows need candidates; failed rows are :class:`RankOutput`s) or
+            :class:`GenerateRequest` (other fields, such as candidates, are ignored; failed rows are
+            :class:`GenerateOutput`s).
     """
-    parsed: list[RankRequest | RankOutput] = []
-    for number, row in enumerate(_read_rows(Path(path)), start=1):
+    failed = RankOutput if issubclass(request_type, RankRequest) else GenerateOutput
+    parsed: list[GenerateRequest | RankOutput | GenerateOutput] = []
+    for label, row in _read_rows(Path(path)):
         if isinstance(row, Exception):
-            parsed.append(RankOutput(request_id=f"row-{number}", error=str(row)))
+            parsed.append(failed(request_id=label, error=str(row)))
             continue
         try:
-            parsed.append(msgspec.convert(row, RankRequest))
+            parsed.append(msgspec.convert(row, request_type))
         except msgspec.ValidationError as exc:
-            request_id = row.get("request_id") if isinstance(row, dict) else None
-            parsed.append(RankOutput(
-                request_id=str(request_id) if request_id is not None else f"row-{number}",
+            fields = row if isinstance(row, dict) else {}
+            request_id = fields.get("request_id")
+            parsed.append(failed(
+                request_id=str(request_id) if request_id is not None else label,
+                user_id=_usable_user_id(fields.get("user_id")),
                 error=f"invalid request: {exc}",
             ))
     return parsed
 
 
-def write_outputs(path: str | Path, outputs: list[RankOutput]) -> None:
+def _usable_user_id(value: object) -> int | str | None:
+    """``value`` if it can be an output's ``user_id`` (a string, or an int that is not a bool), else ``None``."""
+    return value if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)) else None
+
+
+def write_outputs(path: str | Path, outputs: Sequence[RankOutput | GenerateOutput]) -> None:
     """Write outputs as JSONL (one object per line) or Parquet, by ``path``'s extension."""
     path = Path(path)
     rows = msgspec.to_builtins(outputs, enc_hook=_array_as_lists)

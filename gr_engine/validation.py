@@ -12,6 +12,7 @@ from .config import EngineConfig
 from .request import GenerateRequest, RankRequest
 
 _INT64 = np.dtype(np.int64)
+_INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
 _JOIN_LIMIT = 1024  # values_valid checks longer unchecked histories request by request, without copying them
 _SEPARATOR = np.array([np.iinfo(np.int64).max, np.iinfo(np.int64).min], dtype=np.int64)  # between requests' timestamps
 
@@ -53,10 +54,24 @@ def _int_array(name: str, value: Any) -> np.ndarray:
             raise RequestError(f"{name} must be a flat list of integers ({exc})") from None
     else:
         raise RequestError(f"{name} must be a list of integers, got {type(value).__name__}")
+    if array.ndim == 1 and array.dtype.kind in "Of" and isinstance(value, (list, tuple)):
+        _check_int64_range(name, value)  # numpy holds ints beyond 64 bits as objects (or floats): say so
     if array.ndim != 1 or array.dtype.kind not in "iu":
         what = f"{array.ndim}-D array" if array.ndim != 1 else f"elements of type {array.dtype}"
         raise RequestError(f"{name} must be a flat list of integers, got {what}")
+    if array.dtype.kind == "u" and len(array) and int(array.max()) > _INT64_MAX:  # would wrap around
+        raise RequestError(f"{name} contains {int(array.max())}, {_OUT_OF_INT64}")
     return array.astype(_INT64, copy=False)
+
+
+_OUT_OF_INT64 = f"outside the 64-bit integer range [{_INT64_MIN}, {_INT64_MAX}]"
+
+
+def _check_int64_range(name: str, values: Sequence[Any]) -> None:
+    """Raise if an int of ``values`` (bools aside) does not fit in int64; other elements are left alone."""
+    for v in values:
+        if isinstance(v, int) and not isinstance(v, bool) and not _INT64_MIN <= v <= _INT64_MAX:
+            raise RequestError(f"{name} contains {v}, {_OUT_OF_INT64}")
 
 
 def _check_range(name: str, array: np.ndarray, upper: int, what: str) -> None:

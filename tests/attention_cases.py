@@ -33,13 +33,16 @@ class AttentionCase:
 
 def build_case(cached: list[int], new: list[int], candidates: list[int], *, heads: int = 2, dim: int = 8,
                page_size: int = 4, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               seed: int = 0, time_buckets: int = 0) -> AttentionCase:
-    """A random batch; with ``time_buckets`` also event times (gaps from seconds to months) and a bias table."""
+               seed: int = 0, time_buckets: int = 0, other_pages: int = 0) -> AttentionCase:
+    """A random batch; with ``time_buckets`` also event times (gaps from seconds to months) and a bias table.
+
+    The cache holds the batch's pages (shuffled), 3 free pages and, first, ``other_pages`` pages
+    (ids ``0 .. other_pages - 1``) that no request of the batch owns, as another user's would be."""
     gen = torch.Generator().manual_seed(seed)
     seq = [c + n for c, n in zip(cached, new)]
     pages = [-(-s // page_size) for s in seq]
-    total = sum(pages) + 3
-    perm = torch.randperm(total, generator=gen)
+    total = sum(pages) + 3 + other_pages
+    perm = torch.randperm(total - other_pages, generator=gen) + other_pages
     indptr = np.concatenate([[0], np.cumsum(pages)])
     indices = perm[: indptr[-1]].numpy()
     kv_cache = torch.randn(total, 2, page_size, heads, dim, generator=gen)  # garbage outside histories
@@ -94,6 +97,18 @@ def reference_attention(case: AttentionCase, alpha: float, scaling_seqlen: int, 
             out.append(torch.einsum("hk,khd->hd", weights, values))
         row += n + m
     return torch.stack(out) if out else q.new_zeros(0, *q.shape[1:])
+
+
+def history_slots(case: AttentionCase) -> torch.Tensor:
+    """bool ``[num_pages, page_size]``: the cache slots that hold a batch request's history once the step's
+    new rows are appended (every other slot is garbage the backends must ignore)."""
+    m = case.metadata
+    indptr, indices = m.kv_indptr.cpu().numpy(), m.kv_indices.cpu().numpy()
+    held = torch.zeros(case.kv_cache.shape[0], m.page_size, dtype=torch.bool)
+    for b, s in enumerate(np.asarray(case.cached) + np.asarray(case.new)):
+        for j in range(s):
+            held[indices[indptr[b] + j // m.page_size], j % m.page_size] = True
+    return held
 
 
 def check_cache_holds_history(case: AttentionCase) -> None:

@@ -25,7 +25,13 @@ from attention_backends import AttentionBackend, AttentionSpec, BackendRegistry
 from attention_backends.hstu_triton import HSTUTritonBackend
 from attention_backends.registry import BUILTIN_BACKENDS
 from gr_engine import GREngine
-from tests.attention_cases import AttentionCase, build_case, check_cache_holds_history, reference_attention
+from tests.attention_cases import (
+    AttentionCase,
+    build_case,
+    check_cache_holds_history,
+    history_slots,
+    reference_attention,
+)
 from tests.conftest import requires_cuda, tiny_config
 
 #: Largest error allowed, as a fraction of the largest |output| of the batch.
@@ -110,11 +116,21 @@ def check_backend(backend: AttentionBackend, case: AttentionCase) -> None:
     assert_close(out, reference_attention(case, spec.alpha, spec.scaling_seqlen, spec.kind), spec.dtype)
 
 
-def case_for(spec: AttentionSpec, case_name: str) -> AttentionCase:
+def case_for(spec: AttentionSpec, case_name: str, other_pages: int = 0) -> AttentionCase:
     cached, new, candidates = edge_cases(spec.page_size)[case_name]
     return build_case(cached, new, candidates, heads=spec.num_heads, dim=spec.head_dim, page_size=spec.page_size,
                       dtype=spec.dtype, device=spec.device_type, seed=len(case_name),
-                      time_buckets=spec.time_bias_buckets)
+                      time_buckets=spec.time_bias_buckets, other_pages=other_pages)
+
+
+def poison_unused_slots(case: AttentionCase) -> None:
+    """Fill K and V of every cache slot that holds no history of the batch (the unwritten tail of last pages,
+    free pages, other users' pages) with +inf, -inf and NaN, in turn."""
+    unused = ~history_slots(case).to(case.kv_cache.device)
+    values = torch.tensor([float("inf"), float("-inf"), float("nan")], dtype=case.kv_cache.dtype)
+    slots = case.kv_cache.permute(0, 2, 1, 3, 4)[unused]  # [slots, 2, H, D]
+    poison = values.repeat(-(-slots.numel() // 3))[: slots.numel()].reshape(slots.shape)
+    case.kv_cache.permute(0, 2, 1, 3, 4)[unused] = poison.to(case.kv_cache.device)
 
 
 @pytest.mark.parametrize("time_buckets", [0, 12], ids=["plain", "time_bias"])
@@ -126,6 +142,36 @@ def test_backend_conforms(name, kind, device, case_name, time_buckets):
     spec = conformance_spec(registry.get(name), kind, device, time_buckets)
     backend = create_or_skip(registry, name, spec)
     check_backend(backend, case_for(spec, case_name))
+
+
+@pytest.mark.parametrize("time_buckets", [0, 12], ids=["plain", "time_bias"])
+@pytest.mark.parametrize("case_name", CASE_NAMES)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("name", "kind"), backend_kinds(BackendRegistry()))
+def test_non_finite_garbage_outside_histories_is_ignored(name, kind, device, case_name, time_buckets):
+    """inf/NaN in slots no request of the batch owns (page 0 among them: another user's) change nothing."""
+    registry = BackendRegistry()
+    spec = conformance_spec(registry.get(name), kind, device, time_buckets)
+    check_ignores_garbage(create_or_skip(registry, name, spec), case_name)
+
+
+def check_ignores_garbage(backend: AttentionBackend, case_name: str) -> None:
+    """The case run twice, with random and with non-finite garbage outside the batch's histories (pages 0 and
+    1 belong to no request of the batch): both outputs are finite, bit-identical and match the oracle."""
+    spec = backend.spec
+    outputs = []
+    for poisoned in (False, True):
+        case = case_for(spec, case_name, other_pages=2)
+        if poisoned:
+            poison_unused_slots(case)
+            assert not torch.isfinite(case.kv_cache[0]).any()  # page 0 belongs to no request of the batch
+        meta = backend.build_metadata(case.metadata)
+        rows = case.metadata.history_rows.long()
+        backend.append_kv(case.kv_cache, case.k[rows], case.v[rows], meta)
+        outputs.append(backend.attend(case.q, case.k, case.v, case.kv_cache, meta, time_bias=case.time_bias))
+    clean, dirty = outputs
+    assert_close(dirty, reference_attention(case, spec.alpha, spec.scaling_seqlen, spec.kind), spec.dtype)
+    assert torch.equal(dirty, clean)
 
 
 # ---- the registry ----------------------------------------------------------------------------------
@@ -149,8 +195,13 @@ def test_builtins_are_listed_and_import_without_optional_packages():
 
 
 def test_unknown_backend_lists_known_names():
-    with pytest.raises(KeyError, match="unknown attention backend 'nope'; known: flashinfer, hstu_triton, torch_ref"):
-        BackendRegistry().create("nope", cpu_spec())
+    """The message lists every known name: the built-ins, and any installed plugin's."""
+    registry = BackendRegistry()
+    with pytest.raises(KeyError, match="unknown attention backend 'nope'; known: ") as info:
+        registry.create("nope", cpu_spec())
+    listed = re.search(r"known: ([^'\"]*)", str(info.value)).group(1).split(", ")
+    assert set(BUILTIN_BACKENDS) <= set(listed)
+    assert listed == registry.names()
 
 
 def test_backend_whose_import_fails_reports_why():

@@ -20,6 +20,7 @@ import torch
 from attention_backends import AttentionSpec, BackendRegistry
 from attention_backends.torch_ref import TorchRefBackend
 from gr_engine import GREngine
+from tests import test_backend_conformance as conformance
 from tests.conftest import tiny_config
 from tests.test_backend_conformance import CASE_NAMES, case_for, check_backend, conformance_spec
 
@@ -77,6 +78,21 @@ def test_plugin_passes_the_conformance_checks(installed_plugin, monkeypatch, kin
     monkeypatch.setattr(backend_cls, "chunk_tokens", 16)  # one page per chunk: every multi-page case chunks
     spec = conformance_spec(backend_cls, kind, "cpu")
     check_backend(BackendRegistry().create("scaled_ref", spec), case_for(spec, case_name))
+
+
+@pytest.mark.parametrize("case_name", CASE_NAMES)
+@pytest.mark.parametrize("kind", ["hstu", "softmax"])
+def test_plugin_ignores_non_finite_garbage_outside_histories(installed_plugin, monkeypatch, kind, case_name):
+    backend_cls = BackendRegistry().get("scaled_ref")
+    monkeypatch.setattr(backend_cls, "chunk_tokens", 16)
+    spec = conformance_spec(backend_cls, kind, "cpu")
+    conformance.check_ignores_garbage(BackendRegistry().create("scaled_ref", spec), case_name)
+
+
+def test_conformance_registry_checks_hold_with_the_plugin_installed(installed_plugin):
+    """The suite must pass after ``pip install -e examples/custom_backend`` (README), not only without plugins."""
+    assert "scaled_ref" in BackendRegistry().names()
+    conformance.test_unknown_backend_lists_known_names()
 
 
 @pytest.mark.parametrize("architecture", ["hstu", "sasrec"])

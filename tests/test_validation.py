@@ -33,6 +33,16 @@ BAD = {
     "nested_ids": (dict(item_ids=[[1], [2], [3]]), "flat list of integers"),
     "ids_not_a_list": (dict(item_ids=7), "item_ids must be a list of integers, got int"),
     "bool_ids": (dict(action_ids=[True, False, True]), "flat list of integers"),
+    "item_beyond_64_bits": (dict(item_ids=[1, 2**70, 3]), r"item_ids contains 1180591620717411303424, outside the "
+                            r"64-bit integer range \[-9223372036854775808, 9223372036854775807\]"),
+    "candidate_beyond_64_bits": (dict(candidate_item_ids=[-(2**64)]),
+                                 "candidate_item_ids contains -18446744073709551616, outside the 64-bit"),
+    "timestamp_in_uint64_only": (dict(timestamps=[10, 10, 2**64 - 1]), "timestamps contains 18446744073709551615, "
+                                 "outside the 64-bit"),
+    "timestamps_all_in_uint64": (dict(timestamps=[2**63, 2**63, 2**63]), "timestamps contains 9223372036854775808, "
+                                 "outside the 64-bit"),
+    "uint64_array_beyond_int64": (dict(timestamps=np.array([1, 2, 2**63], dtype=np.uint64)),
+                                  "timestamps contains 9223372036854775808, outside the 64-bit"),
     "user_id_wrong_type": (dict(user_id=1.5), "user_id must be an int or a string"),
     "request_id_wrong_type": (dict(request_id=3), "request_id must be a string"),
 }
@@ -82,8 +92,9 @@ def test_bad_requests_inside_a_batch_fail_alone():
     requests, expected_bad = [], set()
     for i in range(24):
         if i % 4 == 1:
-            name = sorted(BAD)[i % len(BAD)]
-            requests.append(good(request_id=f"r{i}", user_id=i % 5, **BAD[name][0]))
+            names = [n for n in sorted(BAD) if not {"request_id", "user_id"} & set(BAD[n][0])]  # ids set here
+            changes = BAD[names[i % len(names)]][0]
+            requests.append(good(request_id=f"r{i}", user_id=i % 5, **changes))
             expected_bad.add(i)
         else:
             n = int(rng.integers(0, 60))

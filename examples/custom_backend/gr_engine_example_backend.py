@@ -100,9 +100,14 @@ class ScaledRefBackend(TorchRefBackend):
         """
         batch, heads, _, dim = q_pad.shape
         pages = kv_cache[m.block_table[:, first_page:first_page + num_pages]]  # [B, c, 2, page_size, H, D]
-        keys = pages[:, :, 0].reshape(batch, -1, heads, dim).to(q_pad.dtype).transpose(1, 2)  # [B, H, K, D]
-        values = pages[:, :, 1].reshape(batch, -1, heads, dim).to(q_pad.dtype).transpose(1, 2)
+        key_pos = first_page * kv_cache.shape[2] + torch.arange(pages.shape[1] * pages.shape[3], device=q_pad.device)
+        # Slots past a request's history (unwritten, or the block table's padding: page 0, another user's) may
+        # hold inf or NaN; zeroed, they enter no product.
+        in_history = (key_pos[None, :] < m.common.kv_seq_lens.long()[:, None])[:, :, None, None]  # [B, K, 1, 1]
+        keys = torch.where(in_history, pages[:, :, 0].reshape(batch, -1, heads, dim), 0)
+        values = torch.where(in_history, pages[:, :, 1].reshape(batch, -1, heads, dim), 0)
+        keys = keys.to(q_pad.dtype).transpose(1, 2)  # [B, H, K, D]
+        values = values.to(q_pad.dtype).transpose(1, 2)
         logits = q_pad @ keys.transpose(-1, -2) * self.spec.alpha
-        key_pos = first_page * kv_cache.shape[2] + torch.arange(keys.shape[2], device=q_pad.device)
         allowed = (key_pos[None, None, :] < m.key_limit[:, :, None])[:, None]
         return logits, allowed, values

@@ -2,8 +2,8 @@
 
 :class:`~.step_graphs.StepGraphs` captures a graph the first time a step of a new (bucket, launch shape) arrives,
 and for each new shape the backend may compile kernels too (``hstu_triton``'s device tile plan is compiled per
-bucket): that step then takes seconds instead of milliseconds (2.6 s once in ``benchmarks/results/profiles/
-timeline_80ac393/``). A server calls :func:`capture_all` at start-up instead, like vLLM's start-up capture.
+bucket): that step then takes seconds instead of milliseconds. A server calls :func:`capture_all` at start-up
+instead, like vLLM's start-up capture.
 
 Each bucket is probed with synthetic steps whose rows fill the bucket and whose longest request has 1, 2, 4, ...
 rows (the backend's launch shape depends on that length; each new key the backend's ``graph_plan`` returns gets

@@ -164,25 +164,6 @@ def test_windows_measure_every_stretch_of_the_trace(monkeypatch):
     assert counts.tolist() == [per] * strata
 
 
-def test_steady_state_runs_yield_primed_engines_and_close_them():
-    """The diagnostics' set-up: each mode's engine, primed in the middle of the trace, then closed."""
-    import dataclasses
-
-    from gr_engine.bench.experiments import steady_state_runs
-    from gr_engine.bench.runner import quick_settings
-
-    settings = dataclasses.replace(quick_settings(), modes=("hierarchical", "unlimited"))
-    runs = []
-    for mode, run in steady_state_runs(settings, prime_batches=1):
-        assert run.engine.config.cache.mode == mode and run.engine.stats.num_steps > 0  # warmed up and primed
-        assert run.cursor > 0
-        report = run.window(8, 8, prime_batches=0)
-        assert report["batches"] == 1 and report["host_ms_per_batch"]["median"] > 0
-        runs.append((mode, run))
-    assert [mode for mode, _ in runs] == ["hierarchical", "unlimited"]
-    assert not any(hasattr(run, "engine") for _, run in runs)  # each closed once the caller moved on
-
-
 def test_batch_bound_ratios_take_each_batchs_own_bound():
     """Batch i's latency over max(unlimited's batch i, its onloaded bytes at the peak): 10 GB/s is 1 ms per 10 MB."""
     from gr_engine.bench.report import batch_bound_ratios
@@ -205,20 +186,6 @@ def test_latency_fit_recovers_intercept_and_rate():
     assert intercept == pytest.approx(2.0) and rate == pytest.approx(40.0)
     assert latency_fit({"batch_latency_ms": [3.0, 4.0], "batch_onloaded_bytes": [40_000_000, 80_000_000]}) is None
     assert latency_fit({"median_ms": 3.0}) is None
-
-
-def test_steady_state_options_make_the_benchmarks_settings():
-    """The diagnostics' shared options: the benchmark's engines with the host pool and modes asked for."""
-    from gr_engine.bench.experiments import steady_state_parser, steady_state_settings
-    from gr_engine.bench.runner import BenchSettings
-
-    args = steady_state_parser("probe", batches=12).parse_args(["--out", "x", "--modes", "unlimited",
-                                                                  "--host-budget-gib", "2"])
-    settings = steady_state_settings(args)
-    assert (args.batches, args.prime, settings.modes, settings.host_budget_bytes) == (12, 40, ("unlimited",), 2**31)
-    default = BenchSettings()
-    assert (settings.host_dtype, settings.onload_engine, settings.model) == (default.host_dtype, default.onload_engine,
-                                                                             default.model)
 
 
 def test_pooled_windows_take_every_window_at_the_default_configuration():

@@ -71,8 +71,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     settings = quick_settings() if args.quick else BenchSettings()
     changes = {k: v for k, v in (("device", args.device), ("backend", args.backend),
-                                 ("window_requests", args.window), ("host_dtype", args.host_dtype),
-                                 ("onload_engine", args.onload_engine)) if v is not None}
+                                 ("window_requests", args.window), ("host_dtype", args.host_dtype)) if v is not None}
     if args.host_budget_gib is not None:
         changes["host_budget_bytes"] = int(args.host_budget_gib * 2**30)
     if args.users is not None:
@@ -154,8 +153,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--window", type=int, help="measured requests per mode and batch size")
     bench.add_argument("--host-budget-gib", type=float, help="host chunk pool size (default 64)")
     bench.add_argument("--host-dtype", choices=["kv", "float8_e4m3fn"], help="host chunk dtype (default float8_e4m3fn)")
-    bench.add_argument("--onload-engine", choices=["copy", "kernel", "dma"],
-                       help="how host chunks reach GPU pages (default dma; see cache.onload_engine)")
     bench.add_argument("--cache", action="append", default=[], metavar="KEY=VALUE",
                        help="set a cache field for every engine (repeatable), e.g. --cache prefetch=true")
     bench.add_argument("--commit", help="commit id to record (when the checkout has no .git)")

@@ -68,11 +68,10 @@ class BenchSettings:
     chunk_tokens: int = 1024
     host_budget_bytes: int = 64 * 2**30
     host_dtype: str = "float8_e4m3fn"  # half the PCIe bytes; the score drift it causes is measured
-    onload_engine: str = "dma"
     cache: tuple[tuple[str, object], ...] = ()  # other cache fields, set for every engine (``--cache KEY=VALUE``)
     max_batched_tokens: int = 163_840  # a batch of 8 whole histories (up to 20,000 events) in one step
     # 60 batches of 8 per mode: with 30, the median of hierarchical's heavy-tailed batch latencies moved 5% between
-    # two runs whose batch latencies summed to within 0.3% (benchmarks/results/bench_160677a/ and bench/ at fa6aa16)
+    # two runs whose batch latencies summed to within 0.3% (benchmarks/results/README.md, the bench history)
     window_requests: int = 480
     window_strata: int = 10
     chunk_sweep: tuple[int, ...] = (512, 1024, 2048, 4096)
@@ -329,11 +328,11 @@ def _sync(engine: GREngine) -> None:
 
 
 def cache_config(settings: BenchSettings, mode: str, **changes: object) -> CacheConfig:
-    """The cache configuration of ``mode`` in the benchmark: ``settings``' pages, chunks, host budget and dtype and
-    onload engine, then its ``cache`` fields (``--cache KEY=VALUE``), then ``changes`` (a sweep's value)."""
+    """The cache configuration of ``mode`` in the benchmark: ``settings``' pages, chunks, host budget and dtype, then
+    its ``cache`` fields (``--cache KEY=VALUE``), then ``changes`` (a sweep's value)."""
     fields = dict(mode=mode, page_size=settings.page_size, num_gpu_pages=settings.gpu_pages,
                   chunk_tokens=settings.chunk_tokens, host_budget_bytes=settings.host_budget_bytes,
-                  host_dtype=settings.host_dtype, onload_engine=settings.onload_engine)
+                  host_dtype=settings.host_dtype)
     fields.update(settings.cache)
     fields.update(changes)
     return CacheConfig(**fields)

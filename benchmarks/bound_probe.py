@@ -96,7 +96,8 @@ def combined(runs: list[dict]) -> dict:
     latency = np.median([r["batch_latency_ms"] for r in runs], axis=0)
     onloaded = np.median([r["batch_onloaded_bytes"] for r in runs], axis=0)
     return {**runs[0], "batch_latency_ms": latency.tolist(), "batch_onloaded_bytes": onloaded.tolist(),
-            "median_ms": float(np.median(latency)), "p90_ms": float(np.percentile(latency, 90)),
+            "median_ms": float(np.median(latency)), "mean_ms": float(latency.mean()),
+            "p90_ms": float(np.percentile(latency, 90)), "p99_ms": float(np.percentile(latency, 99)),
             "onloaded_bytes_per_batch": float(onloaded.mean()),
             **{key: float(np.mean([r[key] for r in runs])) for key in ("gpu_hit_ratio", "total_hit_ratio")}}
 

@@ -51,8 +51,9 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print,
         entry["batch_sizes"] = dict(zip(settings.batch_sizes, reports, strict=False))
         entry["breakdown_bs8"] = reports[-1]
         for bs in settings.batch_sizes:
-            echo(f"{mode:<12} bs={bs}: {entry['batch_sizes'][bs]['median_ms']:.2f} ms, "
-                 f"hit {entry['batch_sizes'][bs]['total_hit_ratio']:.1%}")
+            e = entry["batch_sizes"][bs]
+            echo(f"{mode:<12} bs={bs}: median {e['median_ms']:.2f} ms, mean {e['mean_ms']:.2f}, p99 {e['p99_ms']:.2f}, "
+                 f"hit {e['total_hit_ratio']:.1%}")
         run.close()
         result["modes"][mode] = entry
         checkpoint(result)

@@ -115,8 +115,12 @@ class Phase:
     def report(self) -> dict:
         lat = np.asarray(self.latencies) * 1e3
         n = max(self.history_tokens, 1)
+        # Batch latencies are heavy-tailed (a few batches onload far more than the rest): the mean (what throughput
+        # sees) and the 99th percentile beside the median.
         return {"batches": len(lat), "median_ms": float(np.median(lat)) if len(lat) else None,
+                "mean_ms": float(lat.mean()) if len(lat) else None,
                 "p90_ms": float(np.percentile(lat, 90)) if len(lat) else None,
+                "p99_ms": float(np.percentile(lat, 99)) if len(lat) else None,
                 "gpu_hit_ratio": self.gpu_hits / n, "total_hit_ratio": (self.gpu_hits + self.host_hits) / n,
                 "onloaded_bytes_per_batch": sum(self.onloaded_bytes) / max(len(lat), 1),
                 "steps_per_batch": self.steps / max(len(lat), 1),

@@ -26,6 +26,7 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print,
     ``checkpoint(results_so_far)`` is called after each part (so that a run cut short keeps what it measured)."""
     checkpoint = checkpoint or (lambda partial: None)
     trace = generate_trace(settings.trace)
+    settings.check_trace(trace)
     echo(f"trace: {trace.summary()}")
     result: dict = {"trace": trace.summary(), "settings": _settings_dict(settings), "modes": {}, "simulated": {}}
     main = {"gpu_only": cache_config(settings, "gpu_only"), "hierarchical": cache_config(settings, "hierarchical"),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -317,13 +319,54 @@ def plot(result: dict, path: Path) -> bool:
     return True
 
 
-def write_results(result: dict, out: Path) -> list[Path]:
-    """Write ``bench.json``, ``bench.md``, ``summary.json`` and (with matplotlib) ``bench.png`` into ``out``."""
+def unwritable(out: Path, overwrite: bool) -> str | None:
+    """Why the benchmark may not write its results into folder ``out``, or ``None`` if it may: a non-empty folder
+    inside ``benchmarks/results`` (the committed GPU results) is replaced only with ``overwrite``."""
+    parts = Path(out).resolve().parts
+    committed = any(parts[i:i + 2] == ("benchmarks", "results") for i in range(len(parts) - 1))
+    if committed and Path(out).is_dir() and any(Path(out).iterdir()) and not overwrite:
+        return (f"{out} holds committed results (benchmarks/results); pass --overwrite to replace them, or choose "
+                "another --out")
+    return None
+
+
+def write_results(result: dict, out: Path, raw: bool = True,
+                  echo: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> list[Path]:
+    """Write ``bench.json`` (unless not ``raw``: a report rebuilt from a saved one leaves it as it is), ``bench.md``,
+    ``summary.json`` and, with matplotlib, ``bench.png`` into ``out``; without matplotlib ``echo`` says that no plot
+    was written and how to install it. Returns the paths written."""
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "bench.json", out / "bench.md", out / "summary.json"]
-    paths[0].write_text(json.dumps(result, indent=2, default=str))
-    paths[1].write_text(markdown(result))
-    paths[2].write_text(json.dumps(summarize(result), indent=2))
+    paths = [out / "bench.md", out / "summary.json"]
+    if raw:
+        paths.insert(0, out / "bench.json")
+        paths[0].write_text(json.dumps(result, indent=2, default=str))
+    paths[-2].write_text(markdown(result))
+    paths[-1].write_text(json.dumps(summarize(result), indent=2))
     if plot(result, out / "bench.png"):
         paths.append(out / "bench.png")
+    else:
+        echo('warning: matplotlib is not installed, so no plot (bench.png) was written; pip install ".[bench]" '
+             "to get it")
     return paths
+
+
+def load_result(path: Path) -> dict:
+    """A saved ``bench.json`` as :func:`~.experiments.run_benchmark` returned it: JSON made its batch sizes, sweep
+    values and history lengths strings, which are ints again here. Raises ``ValueError`` for a file that is not a
+    benchmark result."""
+    try:
+        result = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not JSON: {exc}") from exc
+    if not isinstance(result, dict) or not isinstance(result.get("modes"), dict) or "simulated" not in result:
+        raise ValueError(f"{path} is not a gr-engine bench result (bench.json: no 'modes' and 'simulated')")
+    for entry in result["modes"].values():
+        entry["batch_sizes"] = _int_keys(entry["batch_sizes"])
+    for key in ("chunk_sweep", "budget_sweep", "lengths"):
+        if key in result:
+            result[key] = {mode: _int_keys(values) for mode, values in result[key].items()}
+    return result
+
+
+def _int_keys(mapping: dict) -> dict:
+    return {int(k): v for k, v in mapping.items()}

@@ -31,6 +31,7 @@ batches are still timed and reported (``gc_ms_per_batch``).
 from __future__ import annotations
 
 import gc
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -53,9 +54,23 @@ PAPER_MODEL = ModelConfig(num_items=1_000_000, num_actions=256, d_model=512, num
                           scaling_seqlen=20_000, dtype="bfloat16")
 
 
+#: Cache fields the benchmark sets itself, per engine or from its own options, so that ``cache`` (``--cache``) may not
+#: set them: why, for each.
+BENCH_CACHE_FIELDS = {
+    "mode": "the bench runs every cache mode itself and labels its results by mode",
+    "num_gpu_pages": "the bench sets each engine's GPU pages (unlimited mode and the GPU budget sweep their own)",
+    "chunk_tokens": "the bench sets each engine's chunk size (the chunk size sweep its own)",
+    "page_size": "the bench's page size is its own setting (the trace's page hashes are built with it)",
+    "host_budget_bytes": "use --host-budget-gib (the score drift sets its own)",
+    "host_dtype": "use --host-dtype (the score drift measures both host dtypes)",
+}
+
+
 @dataclass(frozen=True)
 class BenchSettings:
-    """What ``gr-engine bench`` runs (defaults: the full benchmark on one H200)."""
+    """What ``gr-engine bench`` runs (defaults: the full benchmark on one H200). Raises ``ValueError`` for sizes the
+    benchmark cannot run (no users, no pages, windows that are no whole number of batches) and for ``cache`` fields
+    it sets itself (:data:`BENCH_CACHE_FIELDS`)."""
 
     model: ModelConfig = PAPER_MODEL
     trace: TraceConfig = field(default_factory=TraceConfig)
@@ -81,6 +96,46 @@ class BenchSettings:
     drift_history: int = 4096
     simulation_workers: int = 16
     prime_batches: int = 3
+
+    def __post_init__(self) -> None:
+        if self.trace.num_users < 1:
+            raise ValueError(f"the trace needs at least one user (--users), got {self.trace.num_users}")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"batch sizes must be positive, got {self.batch_sizes}")
+        for name, option in (("gpu_pages", ""), ("page_size", ""), ("chunk_tokens", ""),
+                             ("host_budget_bytes", " (--host-budget-gib)"), ("max_batched_tokens", ""),
+                             ("window_strata", "")):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}{option} must be positive, got {getattr(self, name)}")
+        if self.prime_batches < 0 or self.simulation_workers < 0:
+            raise ValueError("prime_batches and simulation_workers must not be negative")
+        unit = self.window_strata * math.lcm(*self.batch_sizes)
+        if self.window_requests < 1 or self.window_requests % unit:
+            raise ValueError(f"window_requests (--window) must be a positive multiple of {unit} (window_strata "
+                             f"{self.window_strata} x every batch size of {self.batch_sizes}), got "
+                             f"{self.window_requests}")
+        for key, _ in self.cache:
+            if key in BENCH_CACHE_FIELDS:
+                raise ValueError(f"the cache field {key!r} cannot be set for every engine: {BENCH_CACHE_FIELDS[key]}")
+
+    def check_trace(self, trace: Trace) -> None:
+        """Raise ``ValueError`` if ``trace`` has too few steady-state requests for :meth:`BenchRun.windows` (every
+        stratum's windows, at each batch size and once more at the largest, plus the priming batches)."""
+        per = self.window_requests // self.window_strata
+        plan = [*self.batch_sizes, max(self.batch_sizes)]
+        steady, cursor = len(trace.steady), 0
+        for k in range(self.window_strata):
+            start = k * steady // self.window_strata
+            if start < cursor:
+                break
+            cursor = start + len(plan) * per + (self.prime_batches * sum(plan) if k == 0 else 0)
+        else:
+            if cursor <= steady:
+                return
+        raise ValueError(f"the trace's {steady} steady-state requests ({self.trace.num_users} users) are too few for "
+                         f"the measured windows ({self.window_requests} requests per batch size over "
+                         f"{self.window_strata} stretches of the trace, plus priming): use more --users or a smaller "
+                         f"--window")
 
 
 def quick_settings() -> BenchSettings:

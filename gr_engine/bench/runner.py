@@ -15,8 +15,8 @@ For each cache mode one engine is built (the paper's model: 8 layers, 4 heads x 
    cached scores is the test suite's job.
 4. **Windows**: at each stratum, for each batch size in turn, the next ``window_requests / window_strata``
    requests are served in closed-loop batches of that size (after ``prime_batches`` unmeasured batches at
-   the first stratum: compilation and graph capture); the median batch latency over all strata, hit ratios
-   and bytes moved are recorded. Hit ratios over the whole trace come from
+   the first stratum: compilation and graph capture); each batch's latency (and their median, mean and 99th
+   percentile over all strata), hit ratios and bytes moved are recorded. Hit ratios over the whole trace come from
    :func:`~gr_engine.bench.simulate.simulate_policy` (same code, no model).
 
 The sweeps over chunk size and GPU budget, and latency against history length at a fixed number of new

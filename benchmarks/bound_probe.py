@@ -1,17 +1,17 @@
 """Hierarchical batches against their bound, batch by batch (a diagnostic for ``gr-engine bench``'s
 ``hier_over_bound_bs8``).
 
-    python benchmarks/bound_probe.py [--batch 8] [--variant onload_graphs=false] [--out probe.json] [--quick]
+    python benchmarks/bound_probe.py [--batch 8] [--variant prefetch=false] [--out probe.json] [--quick]
 
 Runs the benchmark's hierarchical and unlimited engines over the benchmark's own measured windows at one batch
 size (the same batches in both, in the same order) and prints, for each batch: its latency in both modes, the
 bytes it onloaded and its latency over its own bound (:func:`~gr_engine.bench.report.batch_bound_ratios`, with the
 pinned copy peak measured here first). ``--variant`` measures the hierarchical engine again with some cache fields
 changed, in the same process (an A/B on one machine), and prints the median of the per-batch differences. To
-compare commits on one machine, run it from each checkout (both must report per-batch numbers: 9f63375 or later).
+compare commits on one machine, run it from each checkout (both must report per-batch latencies).
 
-One run per arm resolves little: two runs of one configuration differed by 0.1-0.3 ms a batch on the H200
-(``benchmarks/results/profiles/bound_probe_aa_0b9577f.log``). ``--repeats N`` runs every arm N times, interleaved
+One run per arm resolves little: two runs of one configuration can differ by a few tenths of a ms a batch on the
+H200 (the A/A runs in ``benchmarks/results/README.md``). ``--repeats N`` runs every arm N times, interleaved
 (A B A B ...), and prints each arm's per-batch medians over its runs, the difference to the default pooled over
 the runs, and the default's own spread between runs (A/A) to compare it with.
 """
@@ -96,7 +96,8 @@ def combined(runs: list[dict]) -> dict:
     latency = np.median([r["batch_latency_ms"] for r in runs], axis=0)
     onloaded = np.median([r["batch_onloaded_bytes"] for r in runs], axis=0)
     return {**runs[0], "batch_latency_ms": latency.tolist(), "batch_onloaded_bytes": onloaded.tolist(),
-            "median_ms": float(np.median(latency)), "p90_ms": float(np.percentile(latency, 90)),
+            "median_ms": float(np.median(latency)), "mean_ms": float(latency.mean()),
+            "p90_ms": float(np.percentile(latency, 90)), "p99_ms": float(np.percentile(latency, 99)),
             "onloaded_bytes_per_batch": float(onloaded.mean()),
             **{key: float(np.mean([r[key] for r in runs])) for key in ("gpu_hit_ratio", "total_hit_ratio")}}
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device command that validates the GPU code and re-measures the host tier (about 8-9 minutes on the H200): the
 # GPU tests, the compiled kernels' tests, then cache_bench, each under its own time limit, results under $OUT.
-# kernel_bench.py and engine_smoke.py (attention kernels, an engine latency probe) run on their own.
+# kernel_bench.py (attention kernels) and `gr-engine bench` run on their own.
 # Usage (device tool, with .whl carried):
 #   bash benchmarks/gpu_checks.sh <commit>
 set -uo pipefail

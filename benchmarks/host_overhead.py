@@ -9,19 +9,27 @@ is frozen after the first visits, as in the benchmark. Prints the median batch's
 ``--profile`` adds a cProfile of the whole loop.
 
 By default the forward runs eagerly with the ``torch_ref`` backend (cheap-ish at these widths), so prepare is
-``torch_ref``'s metadata. ``--graph-path`` runs the host work of the GPU engine's path instead: the
-``hstu_triton`` backend (imported under Triton's interpreter, never launched) and
-:class:`~gr_engine.step_graphs.StepGraphs` stage each step as for CUDA graphs, while the device work (the forward's
-replay, which also writes the tile plan of keys planned on the device, and the host tier's copies) is skipped;
-what remains is intake, schedule, prepare, strip (staging; the tile plan of keys planned on the host), score and
-commit as the GPU machine's host runs them, minus the CUDA calls. That host runs the same Python about 3x slower
-than a dev box.
+``torch_ref``'s metadata, and host chunks are copied for real (synchronously, on the CPU). ``--graph-path`` runs
+the host work of the GPU engine's path instead: the ``hstu_triton`` backend (imported under Triton's interpreter,
+never launched) and :class:`~gr_engine.step_graphs.StepGraphs` stage each step as for CUDA graphs, while the device
+work is skipped; what remains is intake, schedule, prepare, strip (staging; the tile plan of keys planned on the
+host), score and commit as the GPU machine's host runs them, minus the CUDA calls. That host runs the same Python
+about 3x slower than a dev box. The device work is left out through the engine's public seams only:
+
+- the model (``GREngine(config, model=...)``) has layers that return their input without attending, so an eager
+  step (longer than a graph holds) launches no attention kernel and writes no K/V;
+- ``engine.runner.graphs`` is a :class:`~gr_engine.step_graphs.StepGraphs` whose ``replay`` returns zero states
+  and logits (the staging before it is the real one);
+- the host tier's transfer engine (``engine.kv.host.transfer``) is a :class:`~cache_engine.TransferEngine` whose
+  ``offload`` and ``onload`` copy nothing and complete at once, as a CPU copy returns: the host tier's bookkeeping
+  (which chunks to persist or load, slots, evictions) runs as usual; the transfer engine's own host work (index
+  arrays, launches) is not counted.
 
 ``--bench-trace`` (implies ``--graph-path``) serves the benchmark's own trace and windows instead
 (:meth:`~gr_engine.bench.runner.BenchRun.windows` at batch size 8: 1,000 users, ten strata, the GPU budget of
 ``gr-engine bench`` and as many host slots as its 64 GiB of FP8 chunks) and prints the median and mean host time of
 steps 1-7 per batch, the statistics of ``overhead_ms_bs8``: a CPU proxy of that number for comparing changes
-without a GPU. Transfers move no data (their host-side index work is not counted; the host tier's bookkeeping is).
+without a GPU.
 """
 
 from __future__ import annotations
@@ -42,7 +50,10 @@ if "--graph-path" in sys.argv or "--bench-trace" in sys.argv:
 
 import torch
 
+from cache_engine import TransferEngine
+from cache_engine.jobs import OffloadHandle, OffloadJob, OnloadJob
 from gr_engine import CacheConfig, EngineConfig, GREngine, ModelConfig, RankRequest, SchedulerConfig
+from gr_engine.models import GRModel
 from gr_engine.step_graphs import StagedStep, StepGraphs
 
 
@@ -60,16 +71,43 @@ class HostOnlyGraphs(StepGraphs):
         return torch.zeros(step.rows, 1), torch.zeros(step.lengths["candidates"], self.num_tasks)
 
 
+class NoCopyTransfer(TransferEngine):
+    """Offloads and onloads that copy nothing and are complete at once (as a CPU copy is on return): the host tier's
+    bookkeeping runs as usual while KV contents go stale."""
+
+    def offload(self, kv: torch.Tensor, jobs: list[OffloadJob]) -> OffloadHandle:
+        return OffloadHandle(None, None)
+
+    def onload(self, kv: torch.Tensor, jobs: list[OnloadJob]) -> list[torch.cuda.Event | None]:
+        return [None] * kv.shape[0]
+
+
+class SkipAttention(torch.nn.Module):
+    """A model layer that returns its input: no attention launched, no K/V written."""
+
+    def forward(self, x: torch.Tensor, attend: Any) -> torch.Tensor:
+        return x
+
+
+def host_only_model(config: ModelConfig) -> GRModel:
+    """A model of ``config`` whose layers skip the device work (:class:`SkipAttention`)."""
+    model = GRModel(config)
+    model.layers = torch.nn.ModuleList(SkipAttention() for _ in model.layers)
+    return model
+
+
 def use_graph_path(engine: GREngine) -> HostOnlyGraphs:
-    """Serve ``engine``'s steps the GPU path's way on the host, device work skipped (see the module docstring)."""
+    """Serve ``engine``'s steps the GPU path's way on the host, device work skipped (see the module docstring):
+    ``engine`` must have been built with :func:`host_only_model`'s model."""
+    if not all(isinstance(layer, SkipAttention) for layer in engine.model.layers):
+        raise ValueError("the graph path needs the engine built with host_only_model()'s model")
     config = engine.config
     graphs = HostOnlyGraphs(config.model.num_tasks, engine.backend, engine.device, config.cache.page_size,
                             config.cuda_graph_max_rows, config.scheduler.max_num_seqs, config.cache.num_gpu_pages)
     engine.runner.graphs = graphs
-    width = config.model.d_model  # eager steps (longer than a graph holds) get zero states the heads can read
-    engine.runner._forward = lambda tokens, common, backend, ready: torch.zeros(len(tokens.item_ids), width)
     if engine.kv.host is not None:
-        engine.kv.host.transfer.moves_data = False  # bookkeeping as usual; no copies
+        engine.kv.host.poll(wait=True)  # nothing in flight is left to the old engine
+        engine.kv.host.transfer = NoCopyTransfer(engine.device)
     return graphs
 
 
@@ -94,7 +132,7 @@ def main() -> None:
     config = EngineConfig(model=model, device="cpu", attention_backend=backend,
                           cache=CacheConfig(mode=args.mode, page_size=32, num_gpu_pages=pages, host_budget_bytes=2**30),
                           scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=163_840))
-    engine = GREngine(config)
+    engine = GREngine(config, model=host_only_model(model) if args.graph_path else None)
     graphs = use_graph_path(engine) if args.graph_path else None
     rng = np.random.default_rng(0)
     users = 32
@@ -149,17 +187,8 @@ def bench_trace(model: ModelConfig, mode: str, profile: bool) -> None:
     pages = unlimited_pages(settings, trace) if mode == "unlimited" else settings.gpu_pages
     slot_bytes = settings.chunk_tokens * model.num_layers * 2 * model.num_heads * model.head_dim  # FP8 here too
     cache = cache_config(settings, mode, num_gpu_pages=pages, host_budget_bytes=slots * slot_bytes)
-    run = BenchRun(settings, trace, cache, 8)
+    run = BenchRun(settings, trace, cache, 8, model=host_only_model(model))
     use_graph_path(run.engine)
-    transfer = run.engine.kv.host.transfer if run.engine.kv.host is not None else None
-    fast_forward = run.fast_forward
-
-    def fast_forward_without_copies(count: int) -> None:
-        fast_forward(count)
-        if transfer is not None:
-            transfer.moves_data = False  # the windows' transfers stay bookkeeping only
-
-    run.fast_forward = fast_forward_without_copies  # type: ignore[method-assign]
     run.warmup()
     profiler = cProfile.Profile()
     if profile:

@@ -98,13 +98,23 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .bench.experiments import run_benchmark
-    from .bench.report import summarize, write_results
-    from .bench.runner import BenchSettings, quick_settings
+    from .bench.report import load_result, summarize, unwritable, write_results
+    from .bench.runner import BENCH_CACHE_FIELDS, BenchSettings, quick_settings
 
+    if args.report_only:  # the report of a saved run: its bench.json is read, not written
+        result = load_result(Path(args.report_only))
+        out = Path(args.out) if args.out else Path(args.report_only).parent
+        if (refused := unwritable(out, args.overwrite)) is not None:
+            print(f"gr-engine bench: {refused}", file=sys.stderr)
+            return 2
+        result["report_command"] = "gr-engine " + " ".join(args.argv)
+        paths = write_results(result, out, raw=False)
+        print(json.dumps(summarize(result), indent=2))
+        print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+        return 0
     settings = quick_settings() if args.quick else BenchSettings()
     changes = {k: v for k, v in (("device", args.device), ("backend", args.backend),
-                                 ("window_requests", args.window), ("host_dtype", args.host_dtype),
-                                 ("onload_engine", args.onload_engine)) if v is not None}
+                                 ("window_requests", args.window), ("host_dtype", args.host_dtype)) if v is not None}
     if args.host_budget_gib is not None:
         changes["host_budget_bytes"] = int(args.host_budget_gib * 2**30)
     if args.users is not None:
@@ -116,12 +126,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         try:
             cache = apply_overrides({}, args.cache)
+            fixed = [key for key in cache if key in BENCH_CACHE_FIELDS]
+            if fixed:  # the bench sets these per engine: a value for all of them would mislabel the results
+                raise ValueError(f"{fixed[0]} is not for --cache: {BENCH_CACHE_FIELDS[fixed[0]]}")
             msgspec.convert(cache, CacheConfig)  # unknown fields and bad values fail here, before any engine exists
         except (msgspec.ValidationError, ValueError) as exc:
             print(f"gr-engine bench: invalid --cache: {exc}", file=sys.stderr)
             return 2
         changes["cache"] = tuple(cache.items())
-    settings = dataclasses.replace(settings, **changes)
+    settings = dataclasses.replace(settings, **changes)  # nonsense sizes fail here (ValueError), before any run
     from .config import check_attention_backend, check_device
 
     try:  # before any trace is generated or engine built
@@ -140,7 +153,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             hit = simulate_policy(trace, cache_config(settings, "gpu_only")).gpu_hit_ratio
             print(f"seed {seed}: gpu_only at {settings.gpu_pages} pages hits {hit:.1%} of history tokens")
         return 0
-    out = Path(args.out)
+    out = Path(args.out or "bench-out")
+    if (refused := unwritable(out, args.overwrite)) is not None:
+        print(f"gr-engine bench: {refused}", file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
 
     def checkpoint(partial: dict) -> None:  # what a run cut short has measured
@@ -204,7 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(run=_cmd_generate)
 
     bench = commands.add_parser("bench", help="run the benchmark (the MTServe paper's experiments)")
-    bench.add_argument("--out", default="benchmarks/results/bench", help="folder for the results")
+    bench.add_argument("--out", help="folder for the results (default ./bench-out; with --report-only, the JSON's "
+                                     "folder); a non-empty folder of benchmarks/results needs --overwrite")
+    bench.add_argument("--overwrite", action="store_true",
+                       help="allow replacing the committed results in benchmarks/results")
+    bench.add_argument("--report-only", metavar="BENCH_JSON",
+                       help="run nothing: rebuild bench.md, summary.json (and bench.png) from a saved bench.json")
     bench.add_argument("--quick", action="store_true", help="a tiny CPU run of every part (seconds)")
     bench.add_argument("--device", help="override the device (default: cuda; cpu with --quick)")
     bench.add_argument("--backend", help="attention backend (default: auto)")
@@ -212,8 +233,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--window", type=int, help="measured requests per mode and batch size")
     bench.add_argument("--host-budget-gib", type=float, help="host chunk pool size (default 64)")
     bench.add_argument("--host-dtype", choices=["kv", "float8_e4m3fn"], help="host chunk dtype (default float8_e4m3fn)")
-    bench.add_argument("--onload-engine", choices=["copy", "kernel", "dma"],
-                       help="how host chunks reach GPU pages (default dma; see cache.onload_engine)")
     bench.add_argument("--cache", action="append", default=[], metavar="KEY=VALUE",
                        help="set a cache field for every engine (repeatable), e.g. --cache prefetch=true")
     bench.add_argument("--commit", help="commit id to record (when the checkout has no .git)")

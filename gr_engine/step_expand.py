@@ -4,8 +4,7 @@ A step replayed from a CUDA graph is written in *compact* form (:func:`write_com
 per-request numbers, its tokens and its page ids, ``7 + 4 B + 2 T + P`` int32 values. The first work of each replay
 (:func:`expand`, captured with the graphs, reading the compact step over PCIe) derives from them every index field of
 :class:`~attention_backends.PagedBatchMetadata` and the token positions, padded to the bucket's capacities, as
-:func:`~attention_backends.base.layout_arrays` derives them on the host: the host then builds no per-row array
-(``layout_arrays`` alone costs a tenth of a millisecond of host time a step).
+:func:`~attention_backends.base.layout_arrays` derives them on the host: the host then builds no per-row array.
 
 The static buffer of a bucket of ``W`` rows for at most ``R`` requests holds, in :data:`FIELDS` order, each field at
 its capacity (``R + 1``, ``R`` or ``W`` entries), then ``max_pages`` page ids. Padding is inert: spare requests have no

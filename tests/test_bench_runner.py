@@ -14,10 +14,12 @@ from gr_engine.cli import main
 def test_quick_bench_writes_reports(tmp_path, capsys):
     assert main(["bench", "--quick", "--out", str(tmp_path), "--commit", "test"]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
-    for key in ("gpu", "commit", "command", "speedup_bs8", "total_hit_ratio_bs8", "gpu_only_hit_ratio_bs8",
-                "unlimited_speedup_bs8", "overhead_ms_bs8", "latency_ms"):
+    for key in ("gpu", "commit", "command", "speedup_bs8", "speedup_bs8_mean", "total_hit_ratio_bs8",
+                "gpu_only_hit_ratio_bs8", "unlimited_speedup_bs8", "unlimited_speedup_bs8_mean", "hier_p99_ms_bs8",
+                "overhead_ms_bs8", "latency_ms", "latency_mean_ms", "latency_p99_ms"):
         assert key in summary, key
-    assert set(summary["latency_ms"]) == {"recompute", "gpu_only", "hierarchical", "unlimited"}
+    for key in ("latency_ms", "latency_mean_ms", "latency_p99_ms"):
+        assert set(summary[key]) == {"recompute", "gpu_only", "hierarchical", "unlimited"}
     assert summary["commit"] == "test" and summary["total_hit_ratio_bs8"] > 0.5
     # Steps 1-7's CPU time leaves out intake (before step 1) and the phases that wait for the device.
     bs = max(int(b) for b in summary["latency_ms"]["hierarchical"])
@@ -34,8 +36,21 @@ def test_quick_bench_writes_reports(tmp_path, capsys):
         for e in mode["batch_sizes"].values():
             assert len(e["batch_latency_ms"]) == len(e["batch_onloaded_bytes"]) == e["batches"]
             assert np.median(e["batch_latency_ms"]) == pytest.approx(e["median_ms"], abs=1e-3)
+            assert np.mean(e["batch_latency_ms"]) == pytest.approx(e["mean_ms"], abs=1e-3)
+            assert np.percentile(e["batch_latency_ms"], 99) == pytest.approx(e["p99_ms"], abs=1e-3)
             assert sum(e["batch_onloaded_bytes"]) / e["batches"] == pytest.approx(e["onloaded_bytes_per_batch"])
     assert sum(result["modes"]["hierarchical"]["batch_sizes"][str(bs)]["batch_onloaded_bytes"]) > 0
+    # The headline by mean batch latency (what throughput sees), the median-based one beside it, and the p99.
+    stats = {m: result["modes"][m]["batch_sizes"][str(bs)] for m in ("recompute", "hierarchical", "unlimited")}
+    rec = stats["recompute"]
+    assert summary["speedup_bs8_mean"] == pytest.approx(rec["mean_ms"] / stats["hierarchical"]["mean_ms"])
+    assert summary["speedup_bs8"] == pytest.approx(rec["median_ms"] / stats["hierarchical"]["median_ms"])
+    assert summary["unlimited_speedup_bs8_mean"] == pytest.approx(rec["mean_ms"] / stats["unlimited"]["mean_ms"])
+    assert summary["hier_p99_ms_bs8"] == stats["hierarchical"]["p99_ms"] == summary["latency_p99_ms"]["hierarchical"][
+        str(bs)]
+    assert summary["latency_mean_ms"]["recompute"][str(bs)] == stats["recompute"]["mean_ms"]
+    keys = list(summary)
+    assert keys.index("speedup_bs8_mean") < keys.index("speedup_bs8")  # the mean-based speedup first
     breakdown = result["modes"]["hierarchical"]["breakdown_bs8"]
     assert breakdown["batches"] > 0 and breakdown["phase_ms_per_step"]["forward"] > 0
     assert all(e["gc_ms_per_batch"] >= 0 for m in result["modes"].values() for e in m["batch_sizes"].values())
@@ -59,6 +74,8 @@ def test_quick_bench_writes_reports(tmp_path, capsys):
     text = (tmp_path / "bench.md").read_text()
     assert "Score drift" in text and "Host time per batch" in text and "a small torch operation" in text
     assert "Table 1" in text and "Table 2" in text and "Table 3" in text and "Table 6" in text
+    assert "x recompute by mean batch latency" in text and "| median ms | mean ms | p99 ms |" in text
+    assert "Batch latency in ms: median / mean / p99." in text  # the history length table
     assert "speedup_bs8" in capsys.readouterr().out
 
 
@@ -164,25 +181,6 @@ def test_windows_measure_every_stretch_of_the_trace(monkeypatch):
     assert counts.tolist() == [per] * strata
 
 
-def test_steady_state_runs_yield_primed_engines_and_close_them():
-    """The diagnostics' set-up: each mode's engine, primed in the middle of the trace, then closed."""
-    import dataclasses
-
-    from gr_engine.bench.experiments import steady_state_runs
-    from gr_engine.bench.runner import quick_settings
-
-    settings = dataclasses.replace(quick_settings(), modes=("hierarchical", "unlimited"))
-    runs = []
-    for mode, run in steady_state_runs(settings, prime_batches=1):
-        assert run.engine.config.cache.mode == mode and run.engine.stats.num_steps > 0  # warmed up and primed
-        assert run.cursor > 0
-        report = run.window(8, 8, prime_batches=0)
-        assert report["batches"] == 1 and report["host_ms_per_batch"]["median"] > 0
-        runs.append((mode, run))
-    assert [mode for mode, _ in runs] == ["hierarchical", "unlimited"]
-    assert not any(hasattr(run, "engine") for _, run in runs)  # each closed once the caller moved on
-
-
 def test_batch_bound_ratios_take_each_batchs_own_bound():
     """Batch i's latency over max(unlimited's batch i, its onloaded bytes at the peak): 10 GB/s is 1 ms per 10 MB."""
     from gr_engine.bench.report import batch_bound_ratios
@@ -205,20 +203,6 @@ def test_latency_fit_recovers_intercept_and_rate():
     assert intercept == pytest.approx(2.0) and rate == pytest.approx(40.0)
     assert latency_fit({"batch_latency_ms": [3.0, 4.0], "batch_onloaded_bytes": [40_000_000, 80_000_000]}) is None
     assert latency_fit({"median_ms": 3.0}) is None
-
-
-def test_steady_state_options_make_the_benchmarks_settings():
-    """The diagnostics' shared options: the benchmark's engines with the host pool and modes asked for."""
-    from gr_engine.bench.experiments import steady_state_parser, steady_state_settings
-    from gr_engine.bench.runner import BenchSettings
-
-    args = steady_state_parser("probe", batches=12).parse_args(["--out", "x", "--modes", "unlimited",
-                                                                  "--host-budget-gib", "2"])
-    settings = steady_state_settings(args)
-    assert (args.batches, args.prime, settings.modes, settings.host_budget_bytes) == (12, 40, ("unlimited",), 2**31)
-    default = BenchSettings()
-    assert (settings.host_dtype, settings.onload_engine, settings.model) == (default.host_dtype, default.onload_engine,
-                                                                             default.model)
 
 
 def test_pooled_windows_take_every_window_at_the_default_configuration():

@@ -1,4 +1,5 @@
-"""``benchmarks/host_overhead.py --graph-path``: the GPU engine's host work runs on the CPU, every step served."""
+"""``benchmarks/host_overhead.py --graph-path``: the GPU engine's host work runs on the CPU, every step served, the
+device work left out through the engine's public seams."""
 
 from __future__ import annotations
 
@@ -38,3 +39,24 @@ def test_bench_trace_probe_serves_the_benchmarks_windows():
     assert found, run.stdout
     batches = BenchSettings().window_requests // 8  # the benchmark's windows at batch size 8
     assert int(found.group(1)) == batches and float(found.group(2)) > 0.99 and float(found.group(3)) > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (interpreted)")
+def test_graph_path_uses_the_engines_public_seams_only(monkeypatch):
+    """The probe leaves the device work out through the model, ``runner.graphs`` and the host tier's transfer engine;
+    an engine with a real model is refused (its eager steps would run attention in Triton's interpreter)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # as the probe runs (nothing is launched here)
+    spec = importlib.util.spec_from_file_location("host_overhead", PROBE)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    from gr_engine import CacheConfig, EngineConfig, GREngine, ModelConfig
+
+    model = ModelConfig(num_items=100, num_actions=4, d_model=16, num_layers=2, num_heads=1, head_dim=16,
+                        max_history_len=256, max_candidates=8, num_tasks=2, ranking_hidden=16, dtype="float32")
+    cache = CacheConfig(mode="hierarchical", page_size=16, num_gpu_pages=64, chunk_tokens=64, host_budget_bytes=2**20)
+    config = EngineConfig(model=model, device="cpu", attention_backend="hstu_triton", cache=cache)
+    with pytest.raises(ValueError, match="host_only_model"):
+        probe.use_graph_path(GREngine(config))
+    engine = GREngine(config, model=probe.host_only_model(model))
+    graphs = probe.use_graph_path(engine)
+    assert engine.runner.graphs is graphs and isinstance(engine.kv.host.transfer, probe.NoCopyTransfer)

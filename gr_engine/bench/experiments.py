@@ -1,14 +1,12 @@
 """The benchmark's experiments (``gr-engine bench``, docs/design.md section 8), each built from
 :class:`~.runner.BenchRun`: every cache mode at each batch size, the chunk-size and GPU-budget sweeps, latency against
-history length, the score drift of host chunks; and the set-up the diagnostics in ``benchmarks/`` share
-(:func:`steady_state_runs`)."""
+history length, the score drift of host chunks; and the measurements ``benchmarks/`` scripts share (the copy peak, the
+host probes)."""
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import msgspec
 import numpy as np
@@ -18,7 +16,7 @@ from ..config import EngineConfig, SchedulerConfig
 from ..engine import resolve_device
 from ..models import GRModel
 from .drift import score_drift
-from .runner import BenchRun, BenchSettings, cache_config, quick_settings, unlimited_pages
+from .runner import BenchRun, BenchSettings, cache_config, unlimited_pages
 from .simulate import Simulations
 from .trace import Trace, fixed_length_trace, generate_trace
 
@@ -29,6 +27,7 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print,
     ``checkpoint(results_so_far)`` is called after each part (so that a run cut short keeps what it measured)."""
     checkpoint = checkpoint or (lambda partial: None)
     trace = generate_trace(settings.trace)
+    settings.check_trace(trace)
     echo(f"trace: {trace.summary()}")
     result: dict = {"trace": trace.summary(), "settings": _settings_dict(settings), "modes": {}, "simulated": {}}
     main = {"gpu_only": cache_config(settings, "gpu_only"), "hierarchical": cache_config(settings, "hierarchical"),
@@ -54,8 +53,9 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print,
         entry["batch_sizes"] = dict(zip(settings.batch_sizes, reports, strict=False))
         entry["breakdown_bs8"] = reports[-1]
         for bs in settings.batch_sizes:
-            echo(f"{mode:<12} bs={bs}: {entry['batch_sizes'][bs]['median_ms']:.2f} ms, "
-                 f"hit {entry['batch_sizes'][bs]['total_hit_ratio']:.1%}")
+            e = entry["batch_sizes"][bs]
+            echo(f"{mode:<12} bs={bs}: median {e['median_ms']:.2f} ms, mean {e['mean_ms']:.2f}, p99 {e['p99_ms']:.2f}, "
+                 f"hit {e['total_hit_ratio']:.1%}")
         run.close()
         result["modes"][mode] = entry
         checkpoint(result)
@@ -78,47 +78,6 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print,
         entry["simulated"] = simulations.get(cache)
     simulations.close()
     return result
-
-
-def steady_state_parser(description: str, batches: int) -> argparse.ArgumentParser:
-    """The options of the diagnostics built on :func:`steady_state_runs`: ``--out``, ``--modes``, ``--batches``
-    (measured batches of 8, default ``batches``), ``--host-budget-gib``, ``--prime`` (unmeasured batches
-    first: compilation, graph capture) and ``--quick`` (:func:`~.runner.quick_settings`: a CPU-sized smoke run);
-    see :func:`steady_state_settings`."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--modes", nargs="+", default=["hierarchical", "unlimited"])
-    parser.add_argument("--batches", type=int, default=batches)
-    parser.add_argument("--host-budget-gib", type=int, default=24)
-    parser.add_argument("--prime", type=int, default=40, help="unmeasured batches first (compilation, graph capture)")
-    parser.add_argument("--quick", action="store_true", help="the CPU-sized settings of the tests")
-    return parser
-
-
-def steady_state_settings(args: argparse.Namespace) -> BenchSettings:
-    """The benchmark's settings for :func:`steady_state_runs`, from :func:`steady_state_parser`'s options."""
-    if args.quick:
-        return dataclasses.replace(quick_settings(), modes=tuple(args.modes))
-    return BenchSettings(simulation_workers=0, host_budget_bytes=args.host_budget_gib * 2**30, modes=tuple(args.modes))
-
-
-def steady_state_runs(settings: BenchSettings, prime_batches: int) -> Iterator[tuple[str, BenchRun]]:
-    """For diagnostics (``benchmarks/host_breakdown.py``, ``benchmarks/bench_profile.py``): for each mode of
-    ``settings``, its engine at batch size 8 on the trace, warmed up, fast-forwarded to the middle of the steady
-    requests and primed with ``prime_batches`` unmeasured batches (kernel compilation, graph capture); yields
-    ``(mode, run)`` and closes the run when the caller moves on."""
-    trace = generate_trace(settings.trace)
-    arena = host_arena(settings)
-    for mode in settings.modes:
-        pages = unlimited_pages(settings, trace) if mode == "unlimited" else settings.gpu_pages
-        run = BenchRun(settings, trace, cache_config(settings, mode, num_gpu_pages=pages), 8, arena)
-        try:
-            run.warmup()
-            run.fast_forward(len(trace.steady) // 2)
-            run.window(8, 8 * prime_batches, prime_batches=0)
-            yield mode, run
-        finally:
-            run.close()
 
 
 def host_arena(settings: BenchSettings) -> torch.Tensor | None:

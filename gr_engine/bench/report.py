@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -20,22 +22,42 @@ HOST_PROBES = {
 }
 
 
+def latency_stats(entry: dict) -> dict[str, float | None]:
+    """A window report's batch latency statistics (ms): ``median``, ``mean`` and ``p99`` (99th percentile). Each is
+    the report's own field (``median_ms``, ``mean_ms``, ``p99_ms``) when it has one, else computed from its per-batch
+    latencies (``batch_latency_ms``: results written before the mean and p99 were stored); ``None`` without either."""
+    stats = {"median": entry.get("median_ms"), "mean": entry.get("mean_ms"), "p99": entry.get("p99_ms")}
+    per_batch = entry.get("batch_latency_ms")
+    if per_batch:
+        latency = np.asarray(per_batch, dtype=np.float64)
+        computed = {"median": np.median(latency), "mean": latency.mean(), "p99": np.percentile(latency, 99)}
+        stats = {k: float(computed[k]) if v is None else v for k, v in stats.items()}
+    return stats
+
+
 def summarize(result: dict, bs: int = 8) -> dict:
-    """The headline numbers (``summary.json``): speedups, hit ratios, bound ratio, CPU overhead of steps 1-7 and
-    of intake at ``bs``."""
+    """The headline numbers (``summary.json``) at batch size ``bs``: latencies (median, mean and p99 maps), speedups
+    over recompute by mean batch latency (what throughput sees) and by median, hit ratios, bound ratio, CPU overhead
+    of steps 1-7 and of intake."""
     modes = result["modes"]
+    stats = {m: {b: latency_stats(e) for b, e in v["batch_sizes"].items()} for m, v in modes.items()}
 
-    def latency(mode: str) -> float | None:
-        entry = modes.get(mode, {}).get("batch_sizes", {}).get(bs)
-        return entry["median_ms"] if entry else None
+    def latency(mode: str, statistic: str) -> float | None:
+        return stats.get(mode, {}).get(bs, {}).get(statistic)
 
-    rec, hier, unl = latency("recompute"), latency("hierarchical"), latency("unlimited")
-    summary = {"gpu": result.get("gpu"), "commit": result.get("commit"), "command": result.get("command"),
-               "latency_ms": {m: {b: e["median_ms"] for b, e in v["batch_sizes"].items()} for m, v in modes.items()}}
-    if rec and hier:
-        summary["speedup_bs8"] = rec / hier
-    if rec and unl:
-        summary["unlimited_speedup_bs8"] = rec / unl
+    summary = {"gpu": result.get("gpu"), "commit": result.get("commit"), "command": result.get("command")}
+    if result.get("report_command"):  # the report was rebuilt from a saved bench.json by this command
+        summary["report_command"] = result["report_command"]
+    for key, statistic in (("latency_ms", "median"), ("latency_mean_ms", "mean"), ("latency_p99_ms", "p99")):
+        summary[key] = {m: {b: e[statistic] for b, e in v.items()} for m, v in stats.items()}
+    for name, mode in (("speedup_bs8", "hierarchical"), ("unlimited_speedup_bs8", "unlimited")):
+        for suffix, statistic in (("_mean", "mean"), ("", "median")):  # by mean first: batch latencies are heavy-tailed
+            rec, other = latency("recompute", statistic), latency(mode, statistic)
+            if rec and other:
+                summary[name + suffix] = rec / other
+    if latency("hierarchical", "p99") is not None:
+        summary["hier_p99_ms_bs8"] = latency("hierarchical", "p99")
+    rec, hier, unl = latency("recompute", "median"), latency("hierarchical", "median"), latency("unlimited", "median")
     if "hierarchical" in modes:
         entry = modes["hierarchical"]["batch_sizes"][bs]
         summary["total_hit_ratio_bs8"] = entry["total_hit_ratio"]
@@ -150,19 +172,28 @@ def markdown(result: dict) -> str:
     """The paper's tables for ``result``."""
     modes = result["modes"]
     sizes = sorted({int(b) for m in modes.values() for b in m["batch_sizes"]})
+    summary = summarize(result, max(sizes))
     lines = [f"# gr-engine benchmark ({result.get('gpu')}, commit {result.get('commit')})", "",
-             f"Command: `{result.get('command')}`", "", "## Table 1: latency and hit ratios", "",
-             "| mode | " + " | ".join(f"BS={b} ms | speedup | GPU hit | total hit" for b in sizes) + " |",
-             "|---|" + "---|---|---|---|" * len(sizes)]
-    base = {b: modes.get("recompute", {}).get("batch_sizes", {}).get(b, {}).get("median_ms") for b in sizes}
+             f"Command: `{result.get('command')}`"]
+    if result.get("report_command"):
+        lines += ["", f"Report rebuilt from the run's bench.json by `{result['report_command']}`."]
+    lines += _headline(summary, max(sizes))
+    lines += ["", "## Table 1: latency and hit ratios", "",
+              "Batch latency in ms: median, mean and 99th percentile over the measured batches (heavy-tailed: a few "
+              "batches onload far more than the rest). Speedup over recompute by mean latency (what throughput sees), "
+              "then by median.", "",
+              "| mode | BS | median ms | mean ms | p99 ms | speedup (mean) | speedup (median) | GPU hit | total hit |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    recompute = modes.get("recompute", {}).get("batch_sizes", {})
+    base = {b: latency_stats(recompute[b]) if b in recompute else {} for b in sizes}
     for name, entry in modes.items():
-        cells = []
         for b in sizes:
             e = entry["batch_sizes"][b]
-            speed = f"{base[b] / e['median_ms']:.2f}x" if base[b] else "-"
-            cells.append(f"{e['median_ms']:.2f} | {speed} | {e['gpu_hit_ratio']:.1%} | {e['total_hit_ratio']:.1%}")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    summary = summarize(result, max(sizes))
+            stats = latency_stats(e)
+            speed = [f"{base[b][k] / stats[k]:.2f}x" if base[b].get(k) and stats[k] else "-"
+                     for k in ("mean", "median")]
+            lines.append(f"| {name} | {b} | {_ms(stats['median'])} | {_ms(stats['mean'])} | {_ms(stats['p99'])} | "
+                         f"{speed[0]} | {speed[1]} | {e['gpu_hit_ratio']:.1%} | {e['total_hit_ratio']:.1%} |")
     if "hier_over_bound_bs8" in summary:
         per_batch = summary.get("hier_over_batch_bound_bs8")
         lines += ["", f"Hierarchical at BS={max(sizes)}: {summary['hier_over_bound_bs8']:.2f}x its bound (median "
@@ -217,18 +248,23 @@ def markdown(result: dict) -> str:
         lines.append(f"| {name} | " + " | ".join(f"{phases.get(p, 0):.3f}" for p in PHASES)
                      + f" | {e.get('gc_ms_per_batch', 0):.3f} | {spread} |")
     for title, key in (("Table 3: chunk size", "chunk_sweep"), ("Table 6: GPU budget (pages)", "budget_sweep")):
-        lines += ["", f"## {title}", "", "| mode | value | ms | total hit (window) | total hit (whole trace) |",
-                  "|---|---|---|---|---|"]
+        lines += ["", f"## {title}", "",
+                  "| mode | value | median ms | mean ms | p99 ms | total hit (window) | total hit (whole trace) |",
+                  "|---|---|---|---|---|---|---|"]
         for mode, values in result.get(key, {}).items():
             for value, e in values.items():
-                lines.append(f"| {mode} | {value} | {e['median_ms']:.2f} | {e['total_hit_ratio']:.1%} | "
+                stats = latency_stats(e)
+                lines.append(f"| {mode} | {value} | {_ms(stats['median'])} | {_ms(stats['mean'])} | "
+                             f"{_ms(stats['p99'])} | {e['total_hit_ratio']:.1%} | "
                              f"{e['simulated']['total_hit_ratio']:.2%} |")
-    lines += ["", "## Latency against history length (fixed new events per visit)", "",
-              "| history | " + " | ".join(result.get("lengths", {})) + " |",
-              "|---|" + "---|" * len(result.get("lengths", {}))]
     scan = result.get("lengths", {})
+    lines += ["", "## Latency against history length (fixed new events per visit)", "",
+              "Batch latency in ms: median / mean / p99.", "",
+              "| history | " + " | ".join(scan) + " |", "|---|" + "---|" * len(scan)]
     for length in next(iter(scan.values()), {}):
-        lines.append(f"| {length} | " + " | ".join(f"{scan[m][length]['median_ms']:.2f}" for m in scan) + " |")
+        cells = [latency_stats(scan[m][length]) for m in scan]
+        lines.append(f"| {length} | " + " | ".join(" / ".join(_ms(c[k]) for k in ("median", "mean", "p99"))
+                                                   for c in cells) + " |")
     if "score_drift" in result:
         lines += ["", "## Score drift of host chunks (requests served from host, against recompute)", "",
                   "| host dtype | max abs | mean abs | max / score std | host hit | requests |",
@@ -238,6 +274,22 @@ def markdown(result: dict) -> str:
             lines.append(f"| {dtype} | {d['max_abs']:.3g} | {d['mean_abs']:.3g} | {rel} | {d['host_hit_ratio']:.1%} | "
                          f"{d['requests_from_host']} |")
     return "\n".join(lines) + "\n"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _headline(summary: dict, bs: int) -> list[str]:
+    """bench.md's opening lines: hierarchical's speedup over recompute at batch size ``bs``, by mean latency first."""
+    mean, median = summary.get("speedup_bs8_mean"), summary.get("speedup_bs8")
+    if mean is None or median is None:
+        return []
+    rec, hier = summary["latency_mean_ms"]["recompute"][bs], summary["latency_mean_ms"]["hierarchical"][bs]
+    rec_med, hier_med = summary["latency_ms"]["recompute"][bs], summary["latency_ms"]["hierarchical"][bs]
+    return ["", f"**Hierarchical at BS={bs}: {mean:.2f}x recompute by mean batch latency** ({hier:.2f} against "
+            f"{rec:.2f} ms; what throughput sees), {median:.2f}x by median ({hier_med:.2f} against {rec_med:.2f} ms); "
+            f"its p99 is {summary['hier_p99_ms_bs8']:.2f} ms."]
 
 
 def plot(result: dict, path: Path) -> bool:
@@ -267,13 +319,54 @@ def plot(result: dict, path: Path) -> bool:
     return True
 
 
-def write_results(result: dict, out: Path) -> list[Path]:
-    """Write ``bench.json``, ``bench.md``, ``summary.json`` and (with matplotlib) ``bench.png`` into ``out``."""
+def unwritable(out: Path, overwrite: bool) -> str | None:
+    """Why the benchmark may not write its results into folder ``out``, or ``None`` if it may: a non-empty folder
+    inside ``benchmarks/results`` (the committed GPU results) is replaced only with ``overwrite``."""
+    parts = Path(out).resolve().parts
+    committed = any(parts[i:i + 2] == ("benchmarks", "results") for i in range(len(parts) - 1))
+    if committed and Path(out).is_dir() and any(Path(out).iterdir()) and not overwrite:
+        return (f"{out} holds committed results (benchmarks/results); pass --overwrite to replace them, or choose "
+                "another --out")
+    return None
+
+
+def write_results(result: dict, out: Path, raw: bool = True,
+                  echo: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> list[Path]:
+    """Write ``bench.json`` (unless not ``raw``: a report rebuilt from a saved one leaves it as it is), ``bench.md``,
+    ``summary.json`` and, with matplotlib, ``bench.png`` into ``out``; without matplotlib ``echo`` says that no plot
+    was written and how to install it. Returns the paths written."""
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "bench.json", out / "bench.md", out / "summary.json"]
-    paths[0].write_text(json.dumps(result, indent=2, default=str))
-    paths[1].write_text(markdown(result))
-    paths[2].write_text(json.dumps(summarize(result), indent=2))
+    paths = [out / "bench.md", out / "summary.json"]
+    if raw:
+        paths.insert(0, out / "bench.json")
+        paths[0].write_text(json.dumps(result, indent=2, default=str))
+    paths[-2].write_text(markdown(result))
+    paths[-1].write_text(json.dumps(summarize(result), indent=2))
     if plot(result, out / "bench.png"):
         paths.append(out / "bench.png")
+    else:
+        echo('warning: matplotlib is not installed, so no plot (bench.png) was written; pip install ".[bench]" '
+             "to get it")
     return paths
+
+
+def load_result(path: Path) -> dict:
+    """A saved ``bench.json`` as :func:`~.experiments.run_benchmark` returned it: JSON made its batch sizes, sweep
+    values and history lengths strings, which are ints again here. Raises ``ValueError`` for a file that is not a
+    benchmark result."""
+    try:
+        result = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not JSON: {exc}") from exc
+    if not isinstance(result, dict) or not isinstance(result.get("modes"), dict) or "simulated" not in result:
+        raise ValueError(f"{path} is not a gr-engine bench result (bench.json: no 'modes' and 'simulated')")
+    for entry in result["modes"].values():
+        entry["batch_sizes"] = _int_keys(entry["batch_sizes"])
+    for key in ("chunk_sweep", "budget_sweep", "lengths"):
+        if key in result:
+            result[key] = {mode: _int_keys(values) for mode, values in result[key].items()}
+    return result
+
+
+def _int_keys(mapping: dict) -> dict:
+    return {int(k): v for k, v in mapping.items()}

@@ -15,8 +15,8 @@ For each cache mode one engine is built (the paper's model: 8 layers, 4 heads x 
    cached scores is the test suite's job.
 4. **Windows**: at each stratum, for each batch size in turn, the next ``window_requests / window_strata``
    requests are served in closed-loop batches of that size (after ``prime_batches`` unmeasured batches at
-   the first stratum: compilation and graph capture); the median batch latency over all strata, hit ratios
-   and bytes moved are recorded. Hit ratios over the whole trace come from
+   the first stratum: compilation and graph capture); each batch's latency (and their median, mean and 99th
+   percentile over all strata), hit ratios and bytes moved are recorded. Hit ratios over the whole trace come from
    :func:`~gr_engine.bench.simulate.simulate_policy` (same code, no model).
 
 The sweeps over chunk size and GPU budget, and latency against history length at a fixed number of new
@@ -31,6 +31,7 @@ batches are still timed and reported (``gc_ms_per_batch``).
 from __future__ import annotations
 
 import gc
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -53,9 +54,23 @@ PAPER_MODEL = ModelConfig(num_items=1_000_000, num_actions=256, d_model=512, num
                           scaling_seqlen=20_000, dtype="bfloat16")
 
 
+#: Cache fields the benchmark sets itself, per engine or from its own options, so that ``cache`` (``--cache``) may not
+#: set them: why, for each.
+BENCH_CACHE_FIELDS = {
+    "mode": "the bench runs every cache mode itself and labels its results by mode",
+    "num_gpu_pages": "the bench sets each engine's GPU pages (unlimited mode and the GPU budget sweep their own)",
+    "chunk_tokens": "the bench sets each engine's chunk size (the chunk size sweep its own)",
+    "page_size": "the bench's page size is its own setting (the trace's page hashes are built with it)",
+    "host_budget_bytes": "use --host-budget-gib (the score drift sets its own)",
+    "host_dtype": "use --host-dtype (the score drift measures both host dtypes)",
+}
+
+
 @dataclass(frozen=True)
 class BenchSettings:
-    """What ``gr-engine bench`` runs (defaults: the full benchmark on one H200)."""
+    """What ``gr-engine bench`` runs (defaults: the full benchmark on one H200). Raises ``ValueError`` for sizes the
+    benchmark cannot run (no users, no pages, windows that are no whole number of batches) and for ``cache`` fields
+    it sets itself (:data:`BENCH_CACHE_FIELDS`)."""
 
     model: ModelConfig = PAPER_MODEL
     trace: TraceConfig = field(default_factory=TraceConfig)
@@ -71,7 +86,7 @@ class BenchSettings:
     cache: tuple[tuple[str, object], ...] = ()  # other cache fields, set for every engine (``--cache KEY=VALUE``)
     max_batched_tokens: int = 163_840  # a batch of 8 whole histories (up to 20,000 events) in one step
     # 60 batches of 8 per mode: with 30, the median of hierarchical's heavy-tailed batch latencies moved 5% between
-    # two runs whose batch latencies summed to within 0.3% (benchmarks/results/bench_160677a/ and bench/ at fa6aa16)
+    # two runs whose batch latencies summed to within 0.3% (benchmarks/results/README.md, the bench history)
     window_requests: int = 480
     window_strata: int = 10
     chunk_sweep: tuple[int, ...] = (512, 1024, 2048, 4096)
@@ -81,6 +96,46 @@ class BenchSettings:
     drift_history: int = 4096
     simulation_workers: int = 16
     prime_batches: int = 3
+
+    def __post_init__(self) -> None:
+        if self.trace.num_users < 1:
+            raise ValueError(f"the trace needs at least one user (--users), got {self.trace.num_users}")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"batch sizes must be positive, got {self.batch_sizes}")
+        for name, option in (("gpu_pages", ""), ("page_size", ""), ("chunk_tokens", ""),
+                             ("host_budget_bytes", " (--host-budget-gib)"), ("max_batched_tokens", ""),
+                             ("window_strata", "")):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}{option} must be positive, got {getattr(self, name)}")
+        if self.prime_batches < 0 or self.simulation_workers < 0:
+            raise ValueError("prime_batches and simulation_workers must not be negative")
+        unit = self.window_strata * math.lcm(*self.batch_sizes)
+        if self.window_requests < 1 or self.window_requests % unit:
+            raise ValueError(f"window_requests (--window) must be a positive multiple of {unit} (window_strata "
+                             f"{self.window_strata} x every batch size of {self.batch_sizes}), got "
+                             f"{self.window_requests}")
+        for key, _ in self.cache:
+            if key in BENCH_CACHE_FIELDS:
+                raise ValueError(f"the cache field {key!r} cannot be set for every engine: {BENCH_CACHE_FIELDS[key]}")
+
+    def check_trace(self, trace: Trace) -> None:
+        """Raise ``ValueError`` if ``trace`` has too few steady-state requests for :meth:`BenchRun.windows` (every
+        stratum's windows, at each batch size and once more at the largest, plus the priming batches)."""
+        per = self.window_requests // self.window_strata
+        plan = [*self.batch_sizes, max(self.batch_sizes)]
+        steady, cursor = len(trace.steady), 0
+        for k in range(self.window_strata):
+            start = k * steady // self.window_strata
+            if start < cursor:
+                break
+            cursor = start + len(plan) * per + (self.prime_batches * sum(plan) if k == 0 else 0)
+        else:
+            if cursor <= steady:
+                return
+        raise ValueError(f"the trace's {steady} steady-state requests ({self.trace.num_users} users) are too few for "
+                         f"the measured windows ({self.window_requests} requests per batch size over "
+                         f"{self.window_strata} stretches of the trace, plus priming): use more --users or a smaller "
+                         f"--window")
 
 
 def quick_settings() -> BenchSettings:
@@ -115,8 +170,12 @@ class Phase:
     def report(self) -> dict:
         lat = np.asarray(self.latencies) * 1e3
         n = max(self.history_tokens, 1)
+        # Batch latencies are heavy-tailed (a few batches onload far more than the rest): the mean (what throughput
+        # sees) and the 99th percentile beside the median.
         return {"batches": len(lat), "median_ms": float(np.median(lat)) if len(lat) else None,
+                "mean_ms": float(lat.mean()) if len(lat) else None,
                 "p90_ms": float(np.percentile(lat, 90)) if len(lat) else None,
+                "p99_ms": float(np.percentile(lat, 99)) if len(lat) else None,
                 "gpu_hit_ratio": self.gpu_hits / n, "total_hit_ratio": (self.gpu_hits + self.host_hits) / n,
                 "onloaded_bytes_per_batch": sum(self.onloaded_bytes) / max(len(lat), 1),
                 "steps_per_batch": self.steps / max(len(lat), 1),
@@ -325,8 +384,8 @@ def _sync(engine: GREngine) -> None:
 
 
 def cache_config(settings: BenchSettings, mode: str, **changes: object) -> CacheConfig:
-    """The cache configuration of ``mode`` in the benchmark: ``settings``' pages, chunks, host budget and dtype,
-    then its ``cache`` fields (``--cache KEY=VALUE``), then ``changes`` (a sweep's value)."""
+    """The cache configuration of ``mode`` in the benchmark: ``settings``' pages, chunks, host budget and dtype, then
+    its ``cache`` fields (``--cache KEY=VALUE``), then ``changes`` (a sweep's value)."""
     fields = dict(mode=mode, page_size=settings.page_size, num_gpu_pages=settings.gpu_pages,
                   chunk_tokens=settings.chunk_tokens, host_budget_bytes=settings.host_budget_bytes,
                   host_dtype=settings.host_dtype)

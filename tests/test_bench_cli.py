@@ -1,0 +1,104 @@
+"""``gr-engine bench``'s command line: where it writes, what it refuses before running anything, the plot warning
+and ``--report-only`` (a report rebuilt from a saved ``bench.json``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gr_engine.bench.report import unwritable
+from gr_engine.bench.runner import BENCH_CACHE_FIELDS, BenchSettings
+from gr_engine.cli import build_parser, main
+
+COMMITTED = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "bench" / "bench.json"
+
+
+@pytest.fixture
+def no_run(monkeypatch):
+    """Fail the test if the benchmark itself starts."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the benchmark ran")
+
+    monkeypatch.setattr("gr_engine.bench.experiments.run_benchmark", refuse)
+
+
+def test_default_out_is_outside_the_committed_results(capsys):
+    args = build_parser().parse_args(["bench", "--quick"])
+    assert args.out is None and not args.overwrite  # the command writes into ./bench-out then
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    assert "default ./bench-out" in capsys.readouterr().out
+
+
+def test_committed_results_are_replaced_only_with_overwrite(tmp_path, capsys, no_run):
+    committed = tmp_path / "benchmarks" / "results" / "bench"
+    committed.mkdir(parents=True)
+    assert unwritable(committed, overwrite=False) is None  # empty: nothing to overwrite
+    (committed / "bench.json").write_text("{}")
+    assert "--overwrite" in unwritable(committed, overwrite=False)
+    assert unwritable(committed, overwrite=True) is None
+    assert unwritable(tmp_path / "elsewhere", overwrite=False) is None
+    assert main(["bench", "--quick", "--out", str(committed)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert (committed / "bench.json").read_text() == "{}" and len(list(committed.iterdir())) == 1
+
+
+@pytest.mark.parametrize("field", sorted(BENCH_CACHE_FIELDS))
+def test_cache_fields_the_bench_sets_itself_are_refused(field, tmp_path, capsys, no_run):
+    """``--cache mode=recompute`` would turn every engine into recompute while its results stay labelled by mode."""
+    value = {"mode": "recompute", "host_dtype": "kv"}.get(field, "64")
+    assert main(["bench", "--quick", "--out", str(tmp_path / "x"), "--cache", f"{field}={value}"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid --cache" in err and field in err
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(ValueError, match=field):
+        BenchSettings(cache=((field, value),))
+
+
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("--users", "0", "--users"), ("--users", "-3", "--users"), ("--window", "0", "--window"),
+    ("--window", "7", "--window"), ("--host-budget-gib", "0", "--host-budget-gib"),
+    ("--host-budget-gib", "-1", "--host-budget-gib"),
+    ("--users", "4", "too few for the measured windows"),  # the trace is generated, nothing is run
+])
+def test_nonsense_sizes_fail_with_a_clear_message(option, value, message, tmp_path, capsys):
+    assert main(["bench", "--quick", "--out", str(tmp_path / "x"), option, value]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "numpy" not in err and "dimension" not in err, err
+    assert not (tmp_path / "x" / "bench.json").exists()
+
+
+def test_report_only_rebuilds_the_report_and_warns_without_matplotlib(tmp_path, capsys, monkeypatch):
+    """``--report-only`` on the committed H200 run: the summary gains the mean-based headline and the p99, computed
+    from the per-batch latencies; bench.json is not rewritten; without matplotlib a warning says how to get the
+    plot."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    assert main(["bench", "--report-only", str(COMMITTED), "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "no plot" in err and 'pip install ".[bench]"' in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.md", "summary.json"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    raw = json.loads(COMMITTED.read_text())["modes"]
+    mean = {m: np.mean(raw[m]["batch_sizes"]["8"]["batch_latency_ms"]) for m in ("recompute", "hierarchical")}
+    assert summary["speedup_bs8_mean"] == pytest.approx(mean["recompute"] / mean["hierarchical"])
+    assert summary["latency_mean_ms"]["hierarchical"]["8"] == pytest.approx(mean["hierarchical"])
+    hier = raw["hierarchical"]["batch_sizes"]["8"]["batch_latency_ms"]
+    assert summary["hier_p99_ms_bs8"] == pytest.approx(np.percentile(hier, 99))
+    assert summary["latency_p99_ms"]["hierarchical"]["8"] == summary["hier_p99_ms_bs8"]
+    assert summary["speedup_bs8"] == pytest.approx(raw["recompute"]["batch_sizes"]["8"]["median_ms"]
+                                                   / raw["hierarchical"]["batch_sizes"]["8"]["median_ms"])
+    assert summary["report_command"].startswith("gr-engine bench --report-only")
+    text = (tmp_path / "bench.md").read_text()
+    assert "by mean batch latency" in text and "| mean ms | p99 ms |" in text
+
+
+def test_report_only_refuses_what_is_not_a_bench_result(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"gpu": "x"}))
+    assert main(["bench", "--report-only", str(bad), "--out", str(tmp_path / "out")]) == 2
+    assert "not a gr-engine bench result" in capsys.readouterr().err

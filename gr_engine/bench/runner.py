@@ -236,8 +236,12 @@ class BenchRun:
             engine.scheduler.add(RequestState(seq_id=i, user_id=r.user, num_history=r.history_len,
                                               num_candidates=trace.config.num_candidates,
                                               reuse_limit=r.history_len, token_hashes=hashes))
+        host = engine.kv.host
         while engine.scheduler.num_unfinished:
-            engine.kv.begin_step()
+            # Each step's transfers are waited for and applied before the next step, so that the state the windows
+            # start from does not depend on how far this loop (no forward paces it) outruns the copies.
+            if host is not None:
+                host.poll(wait=True)
             plan = engine.scheduler.schedule()
             engine.kv.launch_onloads()
             engine.scheduler.complete(plan.chunks)
@@ -247,8 +251,8 @@ class BenchRun:
             e = trace.users[user]
             engine.hasher.remember(user, e.item_ids[: r.history_len], e.action_ids[: r.history_len],
                                     e.timestamps[: r.history_len], self._user_hashes(user)[: r.history_len])
-        if engine.kv.host is not None:
-            engine.kv.host.poll(wait=True)
+        if host is not None:
+            host.poll(wait=True)
         self.cursor += count
 
     def window(self, batch_size: int, count: int, prime_batches: int | None = None) -> dict:

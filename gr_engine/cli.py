@@ -65,7 +65,7 @@ def _serve_file(args: argparse.Namespace, generate: bool) -> int:
     1 when every one failed."""
     from .engine import GREngine
     from .io import check_file_format, read_requests, write_outputs
-    from .request import GenerateParams, GenerateRequest, RankRequest
+    from .request import GenerateRequest, RankRequest
 
     check_file_format(args.input)
     check_file_format(args.output)  # before serving: results that cannot be written would be lost

@@ -9,8 +9,8 @@ For each cache mode one engine is built (the paper's model: 8 layers, 4 heads x 
    working set exceeds any GPU budget), so one window in the middle would show hit ratios far above the
    whole trace's; measuring a little of every stretch gives the whole trace's mix.
 3. **Fast-forward**: between strata, requests only move the cache state (the engine's own scheduler and
-   cache manager, transfers included, but no model), so that each stratum sees the cache state of that
-   point of the trace without the time of serving all of it. Their K/V values are not computed: the
+   cache manager, each step's transfers waited for, but no model), so that each stratum sees the cache state of
+   that point of the trace without the time of serving all of it. Their K/V values are not computed: the
    measured scores are meaningless, their timings are not (they do not depend on values). Correctness of
    cached scores is the test suite's job.
 4. **Windows**: at each stratum, for each batch size in turn, the next ``window_requests / window_strata``
@@ -224,11 +224,9 @@ class BenchRun:
         return report
 
     def fast_forward(self, count: int) -> None:
-        """Move the cache state over the next ``count`` steady requests without running the model: each step
-        schedules, launches its transfers and commits through the scheduler's and the cache manager's public calls,
-        as :meth:`GREngine.step <gr_engine.GREngine.step>` does, but writes no new K/V (pool contents are not
-        meaningful for a benchmark's timing); the engine's intake then knows each of those users' last history, as
-        after serving them."""
+        """Move the cache state over the next ``count`` steady requests without running the model (step 3 above),
+        through the scheduler's and the cache manager's public calls; the engine's intake then knows each of those
+        users' last history, as after serving them."""
         engine, trace = self.engine, self.trace
         for i in self.steady[self.cursor:self.cursor + count]:
             r = trace.requests[i]
@@ -238,9 +236,7 @@ class BenchRun:
                                               reuse_limit=r.history_len, token_hashes=hashes))
         host = engine.kv.host
         while engine.scheduler.num_unfinished:
-            # Each step's transfers are waited for and applied before the next step, so that the state the windows
-            # start from does not depend on how far this loop (no forward paces it) outruns the copies.
-            if host is not None:
+            if host is not None:  # with no forward to pace it, this loop must not outrun the copies
                 host.poll(wait=True)
             plan = engine.scheduler.schedule()
             engine.kv.launch_onloads()

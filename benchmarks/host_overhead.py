@@ -51,7 +51,7 @@ if "--graph-path" in sys.argv or "--bench-trace" in sys.argv:
 import torch
 
 from cache_engine import TransferEngine
-from cache_engine.jobs import OffloadHandle, OffloadJob, OnloadJob
+from cache_engine.jobs import OffloadJob, OnloadJob
 from gr_engine import CacheConfig, EngineConfig, GREngine, ModelConfig, RankRequest, SchedulerConfig
 from gr_engine.models import GRModel
 from gr_engine.step_graphs import StagedStep, StepGraphs
@@ -75,8 +75,8 @@ class NoCopyTransfer(TransferEngine):
     """Offloads and onloads that copy nothing and are complete at once (as a CPU copy is on return): the host tier's
     bookkeeping runs as usual while KV contents go stale."""
 
-    def offload(self, kv: torch.Tensor, jobs: list[OffloadJob]) -> OffloadHandle:
-        return OffloadHandle(None, None)
+    def offload(self, kv: torch.Tensor, jobs: list[OffloadJob]) -> None:
+        return None
 
     def onload(self, kv: torch.Tensor, jobs: list[OnloadJob]) -> list[torch.cuda.Event | None]:
         return [None] * kv.shape[0]

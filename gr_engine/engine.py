@@ -25,7 +25,7 @@ from .config import EngineConfig
 from .metrics import EngineStats, PhaseTimer, StepMetrics
 from .model_runner import ChunkResult, ModelRunner, RequestPayload
 from .models import GRModel
-from .outputs import GenerateOutput, RankOutput, StepTimings
+from .outputs import GenerateOutput, RankOutput, StepTimings, output_user_id
 from .request import GenerateParams, GenerateRequest, RankRequest
 from .step_graphs import StepGraphs
 from .validation import RequestError, check_candidates, check_events, parse_fields, values_valid
@@ -144,7 +144,8 @@ class GREngine:
             for i, (request, added) in enumerate(zip(part, self._add(part, params), strict=True), start):
                 if isinstance(added, RequestError):
                     results[i] = failed_type(request_id=str(getattr(request, "request_id", "")),
-                                             user_id=_safe_user(request), error=str(added))
+                                             user_id=output_user_id(getattr(request, "user_id", None)),
+                                             error=str(added))
                 else:
                     index[added] = i
         # No bar object at all without tqdm: even a disabled one costs ~0.1 ms per call on a slow host.
@@ -373,7 +374,3 @@ class GREngine:
         return GenerateOutput(item_ids=result.item_ids if ok else [], scores=result.scores if ok else [],
                               **fields)
 
-
-def _safe_user(request: Any) -> int | str | None:
-    user = getattr(request, "user_id", None)
-    return user if isinstance(user, (int, str)) and not isinstance(user, bool) else None

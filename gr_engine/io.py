@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from .outputs import GenerateOutput, RankOutput
+from .outputs import GenerateOutput, RankOutput, output_user_id
 from .request import GenerateRequest, RankRequest
 
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
@@ -96,15 +96,10 @@ def read_requests(path: str | Path, request_type: type[GenerateRequest] = RankRe
             request_id = fields.get("request_id")
             parsed.append(failed(
                 request_id=str(request_id) if request_id is not None else label,
-                user_id=_usable_user_id(fields.get("user_id")),
+                user_id=output_user_id(fields.get("user_id")),
                 error=f"invalid request: {exc}",
             ))
     return parsed
-
-
-def _usable_user_id(value: object) -> int | str | None:
-    """``value`` if it can be an output's ``user_id`` (a string, or an int that is not a bool), else ``None``."""
-    return value if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)) else None
 
 
 def write_outputs(path: str | Path, outputs: Sequence[RankOutput | GenerateOutput]) -> None:

@@ -54,6 +54,12 @@ class _OutputBase(msgspec.Struct, kw_only=True):
         return self.error is None
 
 
+def output_user_id(value: object) -> int | str | None:
+    """``value`` if it can be an output's ``user_id`` (a string, or an int that is not a bool), else ``None``: what
+    a failed request's output reports of a user id that may be malformed."""
+    return value if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)) else None
+
+
 def _no_scores() -> np.ndarray:
     return np.zeros((0, 0), dtype=np.float32)
 

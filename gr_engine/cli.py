@@ -240,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="only check the trace's calibration: gpu_only hit ratios by policy simulation (CPU)")
     bench.set_defaults(run=_cmd_bench)
 
+    from .serving.cli import add_commands
+
+    add_commands(commands, _add_config_args, _config)
+
     config = commands.add_parser("config", help="print the resolved configuration as JSON")
     _add_config_args(config)
     config.set_defaults(run=_cmd_config)

@@ -19,6 +19,8 @@ import torch
 from cache_engine.config import CacheConfig
 from scheduler.config import SchedulerConfig
 
+from .serving.config import ServingConfig
+
 if TYPE_CHECKING:
     from attention_backends.registry import BackendRegistry
 
@@ -131,6 +133,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             most ``scheduler.max_num_seqs`` requests) replay their forward from captured CUDA graphs when
             the attention backend supports it (``hstu_triton``) and the model has no relative time bias;
             0 turns graphs off. See :mod:`gr_engine.step_graphs`.
+        serving: the online path's settings (``gr-engine serve``, :class:`~gr_engine.serving.AsyncGREngine`).
     """
 
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
@@ -141,6 +144,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     weights_path: str | None = None
     sync_phases: bool = False
     cuda_graph_max_rows: int = 4096
+    serving: ServingConfig = msgspec.field(default_factory=ServingConfig)
 
     def __post_init__(self) -> None:
         check_device(self.device)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -116,11 +116,32 @@ class GREngine:
         """Whether requests added with :meth:`add_request` are still waiting or running."""
         return self.scheduler.num_unfinished > 0
 
-    def step(self) -> list[Output]:
-        """Run one engine step; return the outputs of requests that finished (or failed) in it."""
-        outputs = self._undelivered + [out for _, out in self._step()]
+    def step(self, between: Callable[[], None] | None = None) -> list[Output]:
+        """Run one engine step; return the outputs of requests that finished (or failed) in it.
+
+        Args:
+            between: called once the step's forward is queued on the device and its requests are committed,
+                before scoring waits for the device: host work done there (e.g. :meth:`add_requests` for the
+                next step) overlaps the forward. It must not call :meth:`step`.
+        """
+        outputs = self._undelivered + [out for _, out in self._step(between)]
         self._undelivered = []
         return outputs
+
+    def add_requests(self, requests: Sequence[RankRequest | GenerateRequest],
+                     params: GenerateParams | None = None) -> list[int | RequestError]:
+        """Queue several requests with one intake pass (:meth:`add_request` for each, faster): each one's
+        sequence number, or the :class:`~gr_engine.validation.RequestError` that refused it."""
+        return self._add(requests, params)
+
+    def abort_waiting(self, request_ids: Collection[str], error: str) -> list[Output]:
+        """Drop the requests among ``request_ids`` (added with :meth:`add_request`) that no step has started;
+        return their outputs, whose ``error`` is ``error``. Requests already running are left to finish."""
+        ids = set(request_ids)
+        dropped = self.scheduler.drop_waiting(lambda state: state.payload.request.request_id in ids)
+        if dropped and not self.scheduler.num_unfinished:
+            self.kv.hand_back_prefetched()
+        return [self._output(state, None, error=error) for state in dropped]
 
     # ------------------------------------------------------------------ batch API
     def rank(self, requests: Sequence[RankRequest], use_tqdm: bool = True) -> list[RankOutput]:
@@ -284,7 +305,7 @@ class GREngine:
             budget -= max(rows, 1)
         return count
 
-    def _step(self) -> list[tuple[RequestState, Output]]:
+    def _step(self, between: Callable[[], None] | None = None) -> list[tuple[RequestState, Output]]:
         """One engine step (docs/design.md section 3): the seven steps in the order they run. The onloads are
         launched before the metadata is built, so that the PCIe copies run while the host works, and the requests
         are committed before scoring, while the device still computes the forward."""
@@ -316,6 +337,8 @@ class GREngine:
         with timer("commit"):  # 7: bookkeeping while the device computes (offloads wait for the compute stream)
             finished = {id(state) for state in self.scheduler.complete(chunks)}
             self.kv.end_step()
+        if between is not None:
+            between()
         try:
             with timer("score"):  # 6
                 results, error = self.runner.score(chunks, meta, out), None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Protocol
 
 import numpy as np
@@ -132,6 +132,31 @@ class Scheduler:
         self._queues.setdefault(request.user_id, deque()).appendleft(request)  # the user was not ready
         self._num_waiting += 1
         heapq.heappush(self._ready, (request.seq_id, request.user_id))
+
+    def drop_waiting(self, should_drop: Callable[[RequestState], bool]) -> list[RequestState]:
+        """Remove the waiting requests (not yet admitted) for which ``should_drop`` is true; return them.
+        Costs a pass over every waiting request: call it when there is something to drop."""
+        dropped: list[RequestState] = []
+        for user_id in list(self._queues):
+            kept: deque[RequestState] = deque()
+            gone = []
+            for request in self._queues[user_id]:
+                (gone if should_drop(request) else kept).append(request)
+            if not gone:
+                continue
+            dropped += gone
+            if kept:
+                self._queues[user_id] = kept
+            else:
+                del self._queues[user_id]
+        if dropped:
+            for request in dropped:
+                request.status = RequestStatus.FAILED
+            self._num_waiting -= len(dropped)
+            running = {r.user_id for r in self.running}
+            self._ready = [(q[0].seq_id, u) for u, q in self._queues.items() if u not in running]
+            heapq.heapify(self._ready)
+        return dropped
 
     # ------------------------------------------------------------------ internals
     def _next_chunk(self, request: RequestState, budget: int) -> ScheduledChunk | None:

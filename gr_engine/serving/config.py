@@ -1,0 +1,37 @@
+"""``ServingConfig``: the online path's settings (the engine-core process, its client and the HTTP server)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class ServingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """How the engine core batches and how much work the client admits (docs/serving.md).
+
+    Attributes:
+        max_batch_wait_ms: when the core is idle and fewer than ``scheduler.max_num_seqs`` requests are queued,
+            wait at most this long (ms) for more before stepping; 0 steps at once.
+        max_pending_requests: most requests accepted and not yet answered; beyond it a request is refused as
+            overloaded (HTTP 503) instead of queued.
+        max_pending_tokens: most history events plus candidates of those requests (bounds their memory).
+        max_body_bytes: largest HTTP request body accepted (HTTP 413 beyond it).
+        heartbeat_s: the core reports its counters at least this often (s), stepping or idle.
+        health_timeout_s: ``/health`` fails when the core has not reported for this long (s) after warm-up.
+        warmup: capture the step graphs (:meth:`~gr_engine.GREngine.warmup`) before reporting ready.
+    """
+
+    max_batch_wait_ms: float = 0.0
+    max_pending_requests: int = 4096
+    max_pending_tokens: int = 64_000_000
+    max_body_bytes: int = 64 * 2**20
+    heartbeat_s: float = 0.5
+    health_timeout_s: float = 10.0
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_wait_ms", "heartbeat_s", "health_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"serving.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_pending_requests", "max_pending_tokens", "max_body_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"serving.{name} must be positive, got {getattr(self, name)}")

@@ -1,0 +1,101 @@
+"""Prometheus metrics of a served engine (``GET /metrics``), all named ``gr_engine_*``.
+
+Request counters and histograms are observed by the client as outputs arrive; the engine's own counters and gauges
+are the core's latest report (:class:`~.protocol.CoreStats`), read when scraped. Each :class:`ServingMetrics` has
+its own registry.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..outputs import GenerateOutput, RankOutput
+from .client import AsyncGREngine
+from .protocol import CoreStats
+
+_LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5,
+                    5.0, 10.0)
+_STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class ServingMetrics:
+    """The metrics of one :class:`~.client.AsyncGREngine` (it registers itself as the engine's observer).
+
+    Metrics: ``requests_total`` (finished, by ``outcome``: ``ok`` or an error kind), ``request_errors_total``
+    (by ``kind``, including ``overloaded`` and ``bad_request``, which never reach the engine),
+    ``request_latency_seconds`` and ``request_queue_seconds`` (histograms), ``step_seconds`` (histogram),
+    ``requests_running`` and ``requests_waiting`` (gauges), ``computed_tokens_total``, ``gpu_hit_tokens_total``,
+    ``host_hit_tokens_total``, ``gpu_pages_used``, ``gpu_pages_free``, ``host_bytes_used``,
+    ``onloaded_bytes_total``, ``offloaded_bytes_total``.
+    """
+
+    def __init__(self, engine: AsyncGREngine) -> None:
+        self.engine = engine
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("gr_engine_requests", "Requests answered, by outcome (ok or the error kind).",
+                                ["outcome"], registry=self.registry)
+        self.errors = Counter("gr_engine_request_errors", "Requests refused or failed, by kind.", ["kind"],
+                              registry=self.registry)
+        self.latency = Histogram("gr_engine_request_latency_seconds", "Seconds from submission to answer.",
+                                 buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.queue = Histogram("gr_engine_request_queue_seconds",
+                               "Seconds a request spent in the engine core outside the steps that served it.",
+                               buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.steps = Histogram("gr_engine_step_seconds", "Wall seconds of each engine step.",
+                               buckets=_STEP_BUCKETS, registry=self.registry)
+        self.registry.register(_CoreCollector(engine))
+        engine.observers.append(self.observe_output)
+        engine.stats_observers.append(self.observe_stats)
+
+    def observe_output(self, output: RankOutput | GenerateOutput, error_kind: str | None, queue_s: float) -> None:
+        """Count one answered request."""
+        outcome = "ok" if output.error is None else (error_kind or "engine")
+        self.requests.labels(outcome).inc()
+        if output.error is not None:
+            self.errors.labels(outcome).inc()
+        self.latency.observe(output.latency_s)
+        self.queue.observe(queue_s)
+
+    def observe_stats(self, stats: CoreStats) -> None:
+        """Record the steps of one core report."""
+        for seconds in stats.step_seconds:
+            self.steps.observe(seconds)
+
+    def count_refused(self, kind: str, requests: int = 1) -> None:
+        """Count requests refused before reaching the engine (``overloaded``, ``bad_request``, ``unavailable``)."""
+        self.errors.labels(kind).inc(requests)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+class _CoreCollector:
+    """The core's latest counters and gauges, read at scrape time."""
+
+    def __init__(self, engine: AsyncGREngine) -> None:
+        self.engine = engine
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        stats = self.engine.stats
+        if stats is None:
+            return
+        gauges = {"requests_running": (stats.running, "Requests admitted to engine steps."),
+                  "requests_waiting": (stats.waiting, "Requests queued in the engine core."),
+                  "gpu_pages_used": (stats.gpu_pages_used, "KV pages of the GPU pool in use."),
+                  "gpu_pages_free": (stats.gpu_pages_free, "KV pages of the GPU pool free."),
+                  "host_bytes_used": (stats.host_bytes_used, "Bytes of host chunk slots holding history.")}
+        for name, (value, text) in gauges.items():
+            yield GaugeMetricFamily(f"gr_engine_{name}", text, value=value)
+        counters = {"computed_tokens": (stats.computed_tokens, "Tokens computed (history and candidates)."),
+                    "gpu_hit_tokens": (stats.gpu_hit_tokens, "History tokens reused from GPU pages."),
+                    "host_hit_tokens": (stats.host_hit_tokens, "History tokens loaded from host chunks."),
+                    "onloaded_bytes": (stats.onloaded_bytes, "Bytes copied from host to GPU."),
+                    "offloaded_bytes": (stats.offloaded_bytes, "Bytes copied from GPU to host.")}
+        for name, (value, text) in counters.items():
+            yield CounterMetricFamily(f"gr_engine_{name}", text, value=value)

@@ -1,0 +1,338 @@
+"""The online path on CPU: ``gr-engine serve`` as a subprocess on 127.0.0.1, and ``AsyncGREngine`` in process.
+
+Every served score is checked against offline ``recompute`` of the same request (float32: 1e-5)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from gr_engine import GREngine, RankRequest
+
+from .conftest import tiny_config
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("zmq")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+parser = pytest.importorskip("prometheus_client.parser")
+
+TOL = 1e-5
+
+
+def make_stream(num_requests: int, num_users: int = 12, seed: int = 0) -> list[RankRequest]:
+    """Returning users whose histories grow by 1-20 events a visit, 1-12 candidates each."""
+    rng = np.random.default_rng(seed)
+    histories: dict[int, tuple[list[int], list[int], list[int]]] = {}
+    requests = []
+    for i in range(num_requests):
+        user = int(rng.integers(num_users))
+        items, actions, times = histories.setdefault(user, ([], [], []))
+        for _ in range(int(rng.integers(1, 21))):
+            if len(items) == 240:
+                items.clear(), actions.clear(), times.clear()  # a new history: the cache must notice
+            items.append(int(rng.integers(200)))
+            actions.append(int(rng.integers(8)))
+            times.append(len(times))
+        requests.append(RankRequest(request_id=f"r{i}", user_id=user, item_ids=list(items), action_ids=list(actions),
+                                    timestamps=list(times),
+                                    candidate_item_ids=rng.integers(200, size=int(rng.integers(1, 13))).tolist()))
+    return requests
+
+
+def recompute_scores(requests: list[RankRequest]) -> list[np.ndarray]:
+    return [o.scores for o in GREngine(tiny_config(mode="recompute")).rank(requests, use_tqdm=False)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``gr-engine serve`` in a subprocess."""
+
+    def __init__(self, tmp: Path, *overrides: str) -> None:
+        config = tmp / "config.json"
+        config.write_bytes(msgspec.json.encode(tiny_config(num_gpu_pages=96)))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [sys.executable, "-m", "gr_engine", "serve", "--config", str(config), "--host", "127.0.0.1",
+                "--port", str(self.port), "--set", "serving.warmup=false"]
+        for override in overrides:
+            args += ["--set", override]
+        self.log = (tmp / "server.log").open("w")
+        self.process = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, "OMP_NUM_THREADS": "1"})
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.process.poll() is None, (tmp / "server.log").read_text()
+            assert time.monotonic() < deadline, "the server did not become ready"
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+
+    def log_text(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return Path(self.log.name).read_text()
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+        return self.process.returncode
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[Server]:
+    srv = Server(tmp_path_factory.mktemp("serve"), "serving.max_pending_requests=64", "serving.max_body_bytes=200000")
+    yield srv
+    assert srv.stop() == 0
+
+
+def body(requests: list[RankRequest], **extra: object) -> bytes:
+    return msgspec.json.encode({"requests": requests, **extra})
+
+
+async def post_all(url: str, bodies: list[bytes], clients: int) -> list[httpx.Response]:
+    """POST every body to ``url`` from ``clients`` concurrent connections; responses in order."""
+    responses: list[httpx.Response | None] = [None] * len(bodies)
+    queue = list(enumerate(bodies))[::-1]
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=clients)) as client:
+        async def worker() -> None:
+            while queue:
+                i, content = queue.pop()
+                responses[i] = await client.post(url, content=content, headers={"content-type": "application/json"})
+        await asyncio.gather(*(worker() for _ in range(clients)))
+    return responses
+
+
+def metric_samples(url: str) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in parser.text_string_to_metric_families(text) for s in family.samples}
+
+
+def total(samples: dict, name: str, **labels: str) -> float:
+    return sum(v for (n, ls), v in samples.items() if n == name and all((k, labels[k]) in ls for k in labels))
+
+
+def test_concurrent_clients_get_offline_scores(server: Server) -> None:
+    requests = make_stream(300)
+    before = metric_samples(server.url)
+    responses = asyncio.run(post_all(f"{server.url}/v1/rank", [body([r]) for r in requests], clients=32))
+    offline = GREngine(tiny_config(num_gpu_pages=96)).rank(requests, use_tqdm=False)
+    for request, response, reference, cached in zip(requests, responses, recompute_scores(requests), offline):
+        assert response.status_code == 200, response.text
+        [output] = response.json()["outputs"]
+        assert output["error"] is None and output["request_id"] == request.request_id
+        np.testing.assert_allclose(np.array(output["scores"], dtype=np.float32), reference, atol=TOL, rtol=0)
+        np.testing.assert_allclose(np.array(output["scores"], dtype=np.float32), cached.scores, atol=TOL, rtol=0)
+    after = metric_samples(server.url)
+    assert total(after, "gr_engine_requests_total") - total(before, "gr_engine_requests_total") == 300
+    assert total(after, "gr_engine_requests_total", outcome="ok") - total(before, "gr_engine_requests_total",
+                                                                           outcome="ok") == 300
+    assert (total(after, "gr_engine_request_latency_seconds_count")
+            - total(before, "gr_engine_request_latency_seconds_count")) == 300
+    assert total(after, "gr_engine_gpu_hit_tokens_total") > total(before, "gr_engine_gpu_hit_tokens_total")
+
+
+def test_bad_input_gets_400_or_a_per_request_error(server: Server) -> None:
+    url = f"{server.url}/v1/rank"
+    good = make_stream(3, seed=5)
+    assert httpx.post(url, content=b"{not json", timeout=10).status_code == 400
+    assert httpx.post(url, content=b'{"reqs": []}', timeout=10).status_code == 400
+    assert httpx.post(url, content=b'{"requests": 3}', timeout=10).status_code == 400
+    assert httpx.post(url, content=b"x" * 300_000, timeout=10).status_code == 413
+    mixed = [msgspec.to_builtins(good[0]), {**msgspec.to_builtins(good[1]), "item_ids": "abc"},
+             {**msgspec.to_builtins(good[1]), "candidate_item_ids": [10**6]},
+             {**msgspec.to_builtins(good[1]), "timestamps": [5] + [0] * (len(good[1].timestamps) - 1)},
+             msgspec.to_builtins(good[2])]
+    response = httpx.post(url, content=json.dumps({"requests": mixed}), timeout=30)
+    assert response.status_code == 200
+    outputs = response.json()["outputs"]
+    assert [o["error"] is None for o in outputs] == [True, False, False, len(good[1].timestamps) == 1, True]
+    assert "item_ids" in outputs[1]["error"] and "candidate_item_ids" in outputs[2]["error"]
+    assert [o["request_id"] for o in outputs] == ["r0", "r1", "r1", "r1", "r2"]
+    reference = recompute_scores([good[0], good[2]])
+    np.testing.assert_allclose(np.array(outputs[0]["scores"], dtype=np.float32), reference[0], atol=TOL, rtol=0)
+    np.testing.assert_allclose(np.array(outputs[4]["scores"], dtype=np.float32), reference[1], atol=TOL, rtol=0)
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_overload_is_503_and_the_server_stays_up(server: Server) -> None:
+    requests = make_stream(100, seed=7)
+    response = httpx.post(f"{server.url}/v1/rank", content=body(requests), timeout=30)
+    assert response.status_code == 503 and response.headers["retry-after"] == "1"
+    ok = httpx.post(f"{server.url}/v1/rank", content=body(requests[:50]), timeout=30)
+    assert ok.status_code == 200
+    for output, reference in zip(ok.json()["outputs"], recompute_scores(requests[:50])):
+        np.testing.assert_allclose(np.array(output["scores"], dtype=np.float32), reference, atol=TOL, rtol=0)
+    assert total(metric_samples(server.url), "gr_engine_request_errors_total", kind="overloaded") >= 100
+
+
+def test_deadline_gives_an_error_not_a_late_answer(server: Server) -> None:
+    requests = make_stream(40, seed=9)
+    t0 = time.monotonic()
+    response = httpx.post(f"{server.url}/v1/rank", content=body(requests, timeout_ms=1), timeout=30)
+    assert response.status_code == 200 and time.monotonic() - t0 < 5
+    outputs = response.json()["outputs"]
+    late = [o["error"] is not None for o in outputs]
+    assert any(late)  # 40 requests cannot all finish within 1 ms
+    for output, reference in zip(outputs, recompute_scores(requests)):
+        if output["error"] is None:
+            np.testing.assert_allclose(np.array(output["scores"], dtype=np.float32), reference, atol=TOL, rtol=0)
+        else:
+            assert "deadline exceeded" in output["error"], output["error"]
+    samples = metric_samples(server.url)
+    assert total(samples, "gr_engine_requests_total", outcome="timeout") >= 1
+
+
+def test_config_and_ready(server: Server) -> None:
+    config = httpx.get(f"{server.url}/v1/config", timeout=10).json()
+    assert config["cache"]["num_gpu_pages"] == 96 and config["serving"]["max_pending_requests"] == 64
+    assert httpx.get(f"{server.url}/ready", timeout=10).status_code == 200
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_memory_stays_bounded(server: Server) -> None:
+    core = httpx.get(f"{server.url}/health", timeout=10).json()["core_pid"]
+    stream = make_stream(3000, num_users=40, seed=11)
+    bodies = [body(stream[i:i + 4]) for i in range(0, len(stream), 4)]
+    asyncio.run(post_all(f"{server.url}/v1/rank", bodies[:250], clients=16))
+    start = rss_bytes(server.process.pid) + rss_bytes(core)
+    responses = asyncio.run(post_all(f"{server.url}/v1/rank", bodies[250:], clients=16))
+    assert all(r.status_code == 200 for r in responses)
+    grown = rss_bytes(server.process.pid) + rss_bytes(core) - start
+    assert grown < 40 * 2**20, f"grew {grown / 2**20:.1f} MiB over 2000 requests"
+
+
+def test_health_turns_503_when_the_core_dies(tmp_path: Path) -> None:
+    server = Server(tmp_path)
+    try:
+        health = httpx.get(f"{server.url}/health", timeout=10)
+        assert health.status_code == 200
+        os.kill(health.json()["core_pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{server.url}/health", timeout=10).status_code == 200:
+            assert time.monotonic() < deadline, "/health still 200 after the core was killed"
+            time.sleep(0.1)
+        response = httpx.post(f"{server.url}/v1/rank", content=body(make_stream(1)), timeout=10)
+        assert response.status_code == 503
+        assert server.process.poll() is None  # the server itself stays up and says why
+    finally:
+        server.stop()
+
+
+def test_sigterm_under_load_loses_no_accepted_request(tmp_path: Path) -> None:
+    server = Server(tmp_path)
+    stream = make_stream(400, seed=13)
+    answered: dict[int, list] = {}
+    failures: list[BaseException] = []
+
+    async def client(indices: list[int]) -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            for i in indices:
+                try:
+                    response = await http.post(f"{server.url}/v1/rank", content=body([stream[i]]))
+                except httpx.TransportError as exc:  # refused or cut off: expected only after SIGTERM
+                    failures.append(exc)
+                    return
+                assert response.status_code == 200, response.text
+                answered[i] = response.json()["outputs"][0]["scores"]
+
+    async def run() -> None:
+        tasks = [asyncio.create_task(client(list(range(k, len(stream), 16)))) for k in range(16)]
+        while len(answered) < 60:
+            await asyncio.sleep(0.01)
+        server.process.send_signal(signal.SIGTERM)
+        await asyncio.gather(*tasks)
+
+    try:
+        asyncio.run(run())
+        assert server.process.wait(60) == 0
+    finally:
+        server.stop()
+    # Requests cut off by the shutdown were never read by the server: it answered every body it accepted.
+    assert f"answered {len(answered)} of {len(answered)} request bodies accepted" in server.log_text(), failures
+    assert 60 <= len(answered) < len(stream)
+    served = sorted(answered)
+    for i, reference in zip(served, recompute_scores([stream[i] for i in served])):
+        np.testing.assert_allclose(np.array(answered[i], dtype=np.float32), reference, atol=TOL, rtol=0)
+
+
+def test_cancelled_requests_that_have_not_started_are_dropped() -> None:
+    from gr_engine.serving import AsyncGREngine
+
+    async def run() -> None:
+        async with AsyncGREngine(tiny_config(num_gpu_pages=96)) as engine:
+            kinds: list[str | None] = []
+            engine.observers.append(lambda output, kind, queue_s: kinds.append(kind))
+            stream = make_stream(200, seed=17)
+            task = asyncio.create_task(engine.rank_many(stream))
+            await asyncio.sleep(0)  # the task sends all 200, then waits
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            deadline = time.monotonic() + 60
+            while engine.num_pending:  # the core answers every request: served, or dropped as cancelled
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            assert len(kinds) == 200 and kinds.count("cancelled") > 0
+            assert set(kinds) <= {None, "cancelled"}
+            later = make_stream(30, seed=19)
+            outputs = await engine.rank_many(later)
+            for output, reference in zip(outputs, recompute_scores(later)):
+                np.testing.assert_allclose(output.scores, reference, atol=TOL, rtol=0)
+
+    asyncio.run(run())
+
+
+def test_abort_waiting_and_work_between_steps() -> None:
+    """The engine-side hooks of the core: requests added while a step's forward runs, and waiting ones dropped."""
+    engine = GREngine(tiny_config(num_gpu_pages=96))
+    stream = make_stream(40, seed=23)
+    first, second = stream[:20], stream[20:]
+    engine.add_requests(first)
+    added: list = []
+    outputs = engine.step(between=lambda: added.extend(engine.add_requests(second)))
+    assert len(added) == 20 and all(isinstance(a, int) for a in added)
+    dropped = engine.abort_waiting([r.request_id for r in stream[10:30:2]], "cancelled")
+    assert dropped and all(o.error == "cancelled" for o in dropped)
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert len(outputs) + len(dropped) == 40
+    by_id = {o.request_id: o for o in outputs}
+    served = [r for r in stream if r.request_id in by_id]
+    for request, reference in zip(served, recompute_scores(served)):
+        np.testing.assert_allclose(by_id[request.request_id].scores, reference, atol=TOL, rtol=0)
+    engine.kv.check_invariants()

@@ -1,20 +1,8 @@
-"""Finding attention backends by name.
+"""Finding attention backends by name (``docs/backends.md``, "Registering it"; ``docs/design.md`` section 6).
 
-Built-in backends are listed by qualified name so their (possibly GPU-only) modules are imported only
-when used. Third-party packages add backends through the entry-point group
-``gr_engine.attention_backends``: each entry point's name is the backend name and its object is the
-backend class, e.g. in the plugin's ``pyproject.toml``::
-
-    [project.entry-points."gr_engine.attention_backends"]
-    my_backend = "my_pkg.attention:MyBackend"
-
-Entry points never replace a built-in of the same name. A program can also register a class (or a
-``"module:Class"`` string) on its own :class:`BackendRegistry` and hand that registry to the engine.
-There is no global registry.
-
-``"auto"`` selects, among the backends that can serve the model's :class:`AttentionSpec`, the one with
-the highest ``priority`` (ties: the larger name). A backend that cannot be imported (its package is
-missing, or a plugin is broken) is unusable, and says why, like one that does not support the spec.
+Built-ins are listed by qualified name, so their (possibly GPU-only) modules are imported only when used;
+installed plugins add backends through the entry-point group :data:`ENTRY_POINT_GROUP`, never replacing a
+built-in; a program can register more on its own :class:`BackendRegistry` (there is no global registry).
 """
 
 from __future__ import annotations
@@ -91,8 +79,8 @@ class BackendRegistry:
         return backend.reasons_unsupported(spec)
 
     def select(self, name: str, spec: AttentionSpec) -> str:
-        """Resolve ``name`` (``"auto"``: the highest-priority usable backend) to a backend that can serve
-        ``spec``.
+        """Resolve ``name`` to a backend that can serve ``spec``; ``"auto"``: the usable one (importable and
+        supporting ``spec``) of highest ``priority``, ties to the larger name.
 
         Raises:
             KeyError: unknown name.
@@ -111,10 +99,5 @@ class BackendRegistry:
         return max(usable, key=lambda n: (self.get(n).priority, n))
 
     def create(self, name: str, spec: AttentionSpec) -> AttentionBackend:
-        """Instantiate backend ``name`` (or the best usable one for ``"auto"``) for ``spec``.
-
-        Raises:
-            KeyError: unknown name.
-            ValueError: the backend cannot serve ``spec``; the message says why.
-        """
+        """Instantiate backend ``name`` (``"auto"``: as :meth:`select`) for ``spec``; raises as :meth:`select`."""
         return self.get(self.select(name, spec))(spec)

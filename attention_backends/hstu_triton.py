@@ -1,14 +1,9 @@
-"""``hstu_triton``: HSTU (SiLU) attention over the paged KV cache in Triton.
+"""``hstu_triton``: HSTU (SiLU) attention over the paged KV cache in Triton (``docs/design.md`` section 6).
 
-The kernels (:mod:`.hstu_triton_kernels`) compute ``BLOCK_M``-row query tiles of one request and one head over
-parts of its paged history. :func:`~.hstu_triton_plan.plan_tile_map` (numpy on the host, uploaded in one copy; for
-steps replayed from CUDA graphs, the same plan written on the device by :mod:`.hstu_triton_device_plan`) cuts the
-step into (query tile, key-range part) items, longest first; a persistent grid (one program per processor) walks
-them in snake order. Split tiles write fp32 partials that a second kernel sums in part order: HSTU has no softmax,
-so partials simply add, deterministically.
-
-``import attention_backends`` never imports Triton (this module does). On CPU the kernel runs in
-Triton's interpreter, which needs ``TRITON_INTERPRET=1`` when this module is imported (tests).
+Each step is cut into (query tile, key-range part) work items, longest first, by :func:`.plan_tile_map` on the
+host, or for steps replayed from CUDA graphs by :mod:`.hstu_triton_device_plan` on the device; the kernels
+(:mod:`.hstu_triton_kernels`) run them on a persistent grid. ``import attention_backends`` never imports Triton
+(this module does); on CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` at import, for tests).
 """
 
 from __future__ import annotations
@@ -21,7 +16,15 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from .base import AttentionBackend, AttentionSpec, BackendSupport, GraphReplayable, PagedBatchMetadata, PlanWriter
+from .base import (
+    AttentionBackend,
+    AttentionSpec,
+    BackendSupport,
+    GraphReplayable,
+    PagedBatchMetadata,
+    PlanWriter,
+    upload,
+)
 from .hstu_triton_kernels import INTERPRETED, append_rows, hstu_paged_attention_kernel, sum_partials_kernel, triton
 from .hstu_triton_plan import (
     MAX_PROGRAMS_PER_SM,
@@ -61,9 +64,7 @@ class HSTUTritonMetadata:
 class HSTUTritonBackend(AttentionBackend, GraphReplayable):
     """HSTU attention over the paged cache with a Triton kernel (CUDA; CPU through the interpreter).
 
-    Args:
-        spec: what the model asks of attention.
-        tiles: launch shape of every step; ``None``: :func:`default_tile_config` of each step's longest request.
+    ``tiles``: the launch shape of every step; ``None``: :func:`default_tile_config` of each step's longest request.
     """
 
     name: ClassVar[str] = "hstu_triton"
@@ -101,15 +102,12 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
     def build_metadata(self, common: PagedBatchMetadata) -> HSTUTritonMetadata:
         """Plan the step on the host from ``common.host`` (:func:`plan_tile_map` with this backend's split-KV
         knobs ``num_sms``, ``overhead_keys``, ``min_tiles_per_split``; without ``host``, a read from the device)
-        and upload the plan in one non-blocking copy; nothing else runs on the device."""
+        and upload the plan in one non-blocking copy (:func:`.base.upload`); nothing else runs on the device."""
         host = common.host or {k: getattr(common, k).cpu().numpy()
                                for k in ("query_start_loc", "num_history_rows", "kv_seq_lens")}
         config = self._config(common.max_query_len)
         tiles, items = self._plan(host, config)
-        # One copy from pinned memory, which torch's caching host allocator reuses once that copy is done (no wait).
-        flat = torch.empty(tiles.size + items.size, dtype=torch.int32, pin_memory=common.query_start_loc.is_cuda)
-        np.concatenate([tiles.ravel(), items.ravel()], out=flat.numpy())
-        flat = flat.to(common.query_start_loc.device, non_blocking=True)  # on CPU (the interpreter): no copy
+        flat = upload(np.concatenate([tiles.ravel(), items.ravel()]), common.query_start_loc.device)
         return HSTUTritonMetadata(common, flat[: tiles.size].view(tiles.shape), flat[tiles.size:].view(items.shape),
                                   self.num_sms, common.max_kv_len > self.min_tiles_per_split * config.block_n, config)
 
@@ -170,26 +168,14 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
         return plan_tile_map(host["query_start_loc"], host["num_history_rows"], host["kv_seq_lens"], config,
                              self.spec.num_heads, self.num_sms, self.overhead_keys, self.min_tiles_per_split)
 
-    def append_kv(
-        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: HSTUTritonMetadata
-    ) -> None:
+    def append_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  metadata: HSTUTritonMetadata) -> None:
         append_rows(kv_cache, key, value, metadata.common.append_pages, metadata.common.append_entries)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                metadata: HSTUTritonMetadata, time_bias: torch.Tensor | None = None) -> torch.Tensor:
-        """HSTU attention of every row (after :meth:`append_kv` for this layer).
-
-        Args:
-            q, k, v: ``[T, H, D]`` projections of all rows, fp16/bf16/fp32 (any row and head strides).
-            kv_cache: ``[num_pages, 2, page_size, H, D]`` (NHD, ``[:, 0]`` = K, ``[:, 1]`` = V) in ``q``'s
-                dtype; any strides but the last dim's.
-            metadata: what :meth:`build_metadata` returned for this step.
-            time_bias: ``[num_buckets, H]`` relative time bias (any float dtype, added in fp32; the times are
-                ``metadata.common.timestamps``), or ``None``.
-
-        Returns:
-            ``[T, H, D]`` in ``q``'s dtype, contiguous.
-        """
+        """:meth:`AttentionBackend.attend`: ``q``, ``k``, ``v``, ``kv_cache`` fp16/bf16/fp32 with any strides but
+        the last dim's, ``time_bias`` any float dtype (added in fp32); the output is contiguous."""
         m, c = metadata, metadata.common
         if time_bias is not None and c.timestamps is None:
             raise ValueError("time_bias needs the step's timestamps (PagedBatchMetadata.timestamps is None)")

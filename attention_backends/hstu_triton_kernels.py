@@ -1,18 +1,11 @@
-"""The Triton kernels of the ``hstu_triton`` backend (:mod:`.hstu_triton`): HSTU (SiLU) attention over the paged
-KV cache, and the sum of split tiles' partials.
+"""The Triton kernels of ``hstu_triton`` (:mod:`.hstu_triton`): HSTU attention over the paged KV cache, and the
+sum of split tiles' partials.
 
-A program computes a ``BLOCK_M``-row query tile of one request and one head over a part of its paged
-history, ``BLOCK_N`` keys (whole pages: key ``j`` of request ``b`` is entry ``j % page_size`` of page
-``kv_indices[kv_indptr[b] + j // page_size]``, read through the cache's strides) at a time. Key tiles
-seen by every row run unmasked; only those crossing the causal diagonal or the history's end are
-masked, and none past the tile's last visible key is visited. Candidates add their own k/v last. With a
-relative time bias, ``table[bucket(t_query - t_key), head]`` (:func:`_time_bias`) is added to ``alpha q.k``
-before the SiLU; without one (a constexpr flag) the kernel loads nothing more. Split tiles write fp32 partials
-that :func:`sum_partials_kernel` sums in part order: HSTU has no softmax, so partials simply add,
-deterministically.
-
-Without Triton installed the kernels are plain (never called) functions. On CPU they run in Triton's interpreter,
-which needs ``TRITON_INTERPRET=1`` when this module is imported (tests).
+A program computes a ``BLOCK_M``-row query tile of one request and one head over a part of its paged history,
+``BLOCK_N`` keys (whole pages, read through the cache's strides) at a time: key tiles every row sees unmasked,
+those crossing the causal diagonal or the history's end masked, none past the tile's last visible key; then
+candidates' own k/v. Split tiles write fp32 partials that :func:`sum_partials_kernel` adds in part order (no
+softmax: deterministic). Without Triton the kernels are plain, never-called functions.
 """
 
 from __future__ import annotations

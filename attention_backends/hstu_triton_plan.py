@@ -112,8 +112,6 @@ def plan_tile_map(query_start_loc: np.ndarray, num_history_rows: np.ndarray, kv_
     return tile_arrays, np.array([np.where(item_in_use, item_tile, -1)[order], item_split[order]], np.int32)
 
 
-
-
 def padded_plan(tiles: np.ndarray, items: np.ndarray, num_tiles: int, num_items: int) -> np.ndarray:
     """:func:`plan_tile_map`'s ``tiles [5, n]`` and ``items [2, m]`` as one flat int32 array ``[5 * num_tiles + 2 *
     num_items]`` padded to those capacities (``n <= num_tiles``, ``m <= num_items``): spare tiles have request

@@ -30,11 +30,9 @@ class AttentionSpec:
 
     Attributes:
         kind: ``"hstu"`` (``silu(alpha * q.k) / scaling_seqlen``, no softmax) or ``"softmax"``.
-        num_heads: query and KV heads (no grouped-query attention).
-        head_dim: features per head, shared by q, k and v.
-        page_size: tokens per KV page.
-        dtype: dtype of q/k/v and of the paged cache.
-        device_type: ``"cpu"`` or ``"cuda"``.
+        num_heads, head_dim, page_size: query and KV heads (no grouped-query attention), features per head
+            (shared by q, k and v), tokens per KV page.
+        dtype, device_type: of q/k/v and the paged cache; ``"cpu"`` or ``"cuda"``.
         alpha: scale applied to ``q.k`` (``1/sqrt(head_dim)`` by default in the model).
         scaling_seqlen: the fixed HSTU normaliser (a configured constant, never the batch's length).
         time_bias_buckets: buckets of the relative time bias added to ``alpha * q.k`` (0: no bias);
@@ -107,9 +105,8 @@ def package_reasons(package: str, module: str, install: str, check_import: bool)
 
 @dataclass
 class StepTimestamps:
-    """Event times of one step, for the relative time bias, on the device: int64, or int32 offsets from the
-    step's earliest time when the step spans less than ``2**31 - 1`` units (:meth:`PagedBatchMetadata.from_layout`
-    does so; the bias depends only on differences, and 32-bit arithmetic is cheaper in kernels).
+    """Event times of one step, for the relative time bias, on the device: int64, or int32 offsets from the step's
+    earliest time where it spans less than ``2**31 - 1`` units (the bias depends only on differences; cheaper).
 
     Attributes:
         query: ``[T]`` time of each row: a history row's own event; a candidate's, its request's last
@@ -231,13 +228,11 @@ def layout_arrays(history_start: np.ndarray, num_history_rows: np.ndarray, num_c
     positions = start[hist_owner] + hist_within
     slots = indptr[hist_owner] * page_size + positions
     return {
-        "query_start_loc": qsl, "num_history_rows": hist, "num_candidate_rows": cand,
-        "kv_indptr": indptr, "kv_indices": indices,
-        "kv_last_page_len": last, "kv_seq_lens": seq_lens, "append_batch_indices": hist_owner,
-        "append_positions": positions, "append_pages": indices[slots // page_size],
-        "append_entries": slots % page_size, "history_rows": qsl[hist_owner] + hist_within,
-        "candidate_rows": qsl[cand_owner] + hist[cand_owner] + cand_within,
-        "candidate_batch_indices": cand_owner,
+        "query_start_loc": qsl, "num_history_rows": hist, "num_candidate_rows": cand, "kv_indptr": indptr,
+        "kv_indices": indices, "kv_last_page_len": last, "kv_seq_lens": seq_lens, "append_batch_indices": hist_owner,
+        "append_positions": positions, "append_pages": indices[slots // page_size], "append_entries": slots % page_size,
+        "history_rows": qsl[hist_owner] + hist_within,
+        "candidate_rows": qsl[cand_owner] + hist[cand_owner] + cand_within, "candidate_batch_indices": cand_owner,
     }
 
 
@@ -330,25 +325,19 @@ device) into the int32 ``plan`` buffer, on the current stream, capturable in a C
 
 
 class GraphReplayable(abc.ABC):
-    """What an :class:`AttentionBackend` also implements to be replayed from CUDA graphs
-    (:mod:`gr_engine.step_graphs`); backends without it run every step eagerly."""
+    """What an :class:`AttentionBackend` also implements to be replayed from CUDA graphs (gr_engine.step_graphs)."""
 
     @abc.abstractmethod
     def graph_plan(self, common_host: dict[str, np.ndarray], max_rows: int,
                    max_requests: int) -> tuple[Hashable, np.ndarray | PlanWriter]:
-        """This step's own metadata for CUDA-graph replay.
+        """This step's own metadata for CUDA-graph replay, from its per-request host arrays ``common_host``
+        (:attr:`PagedBatchMetadata.host` of a replayed step) and the capacities it is padded to (``T <= max_rows``,
+        ``B <= max_requests``).
 
-        Args:
-            common_host: the step's per-request host arrays (:attr:`PagedBatchMetadata.host` of a replayed step:
-                ``query_start_loc``, ``num_history_rows``, ``num_candidate_rows``, ``kv_indptr``, ``kv_seq_lens``).
-            max_rows, max_requests: capacities the step is padded to (``T <= max_rows``, ``B <= max_requests``).
-
-        Returns:
-            ``(key, plan)``: ``plan`` is a flat int32 array of :meth:`graph_plan_size` entries whose layout depends
-            only on ``key`` (the launch shape), uploaded for the replay; or, when for this key the backend writes it
-            on the device, a :data:`PlanWriter`, called before the first layer of each replay (and captured with
-            it). A key always comes with the one or always with the other. Steps with equal keys and capacities
-            share one captured graph.
+        Returns ``(key, plan)``: ``plan`` is a flat int32 array of :meth:`graph_plan_size` entries whose layout
+        depends only on ``key`` (the launch shape), uploaded for the replay; or, where the backend writes it on the
+        device, a :data:`PlanWriter`, called (and captured) before the first layer of each replay. A key always
+        comes with the one or always with the other. Steps with equal keys and capacities share one graph.
         """
 
     @abc.abstractmethod

@@ -3,10 +3,9 @@
 New history K/V are written by ``flashinfer.page.append_paged_kv_cache`` into the layer's NHD cache; the
 request and position of each appended row it needs are the common metadata's ``append_batch_indices`` and
 ``append_positions``, exactly what ``flashinfer.get_batch_indices_positions`` returns for them (the GPU tests
-check it). FlashInfer has no HSTU (SiLU) attention, so ``hstu_triton``'s kernel attends over the same pages
-(time bias included): CUDA only, fp16/bf16 (FlashInfer's append has no fp32), the head dims both support and
-the Triton kernel's page sizes. ``flashinfer`` is imported only when the backend is checked or created; its
-first append JIT-compiles FlashInfer's page module (about 10 s, then cached).
+check it). FlashInfer has no HSTU (SiLU) attention, so ``hstu_triton``'s kernel attends over the same pages, time
+bias included (hence CUDA, fp16/bf16: FlashInfer's append has no fp32). ``flashinfer`` is imported only when the
+backend is checked or created; its first append JIT-compiles FlashInfer's page module (about 10 s, then cached).
 """
 
 from __future__ import annotations
@@ -23,15 +22,13 @@ from .hstu_triton import HSTUTritonBackend, HSTUTritonMetadata
 
 
 class FlashInferBackend(AttentionBackend):
-    """HSTU attention on CUDA: K/V appended by FlashInfer's kernel, attention by ``hstu_triton``'s; its metadata
-    is ``hstu_triton``'s."""
+    """HSTU attention on CUDA: K/V appended by FlashInfer's kernel, attention (and metadata) by ``hstu_triton``."""
 
     name: ClassVar[str] = "flashinfer"
     support: ClassVar[BackendSupport] = BackendSupport(
         devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16}), kinds=frozenset({"hstu"}),
         head_dims=frozenset({64, 128, 256}), page_sizes=frozenset({16, 32, 64}), time_bias=True)
-    #: Below ``hstu_triton``: same attention kernel, and the append is a small part of a layer's time,
-    #: so ``auto`` prefers the backend without FlashInfer's JIT build. Select it by name.
+    #: Below ``hstu_triton`` (same attention; the append is a small part of a layer): ``auto`` skips FlashInfer's JIT.
     priority: ClassVar[int] = 5
 
     def __init__(self, spec: AttentionSpec) -> None:

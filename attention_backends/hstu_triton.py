@@ -16,15 +16,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from .base import (
-    AttentionBackend,
-    AttentionSpec,
-    BackendSupport,
-    GraphReplayable,
-    PagedBatchMetadata,
-    PlanWriter,
-    upload,
-)
+from .base import AttentionBackend, AttentionSpec, BackendSupport, GraphReplayable, PagedBatchMetadata, PlanWriter
 from .hstu_triton_kernels import INTERPRETED, append_rows, hstu_paged_attention_kernel, sum_partials_kernel, triton
 from .hstu_triton_plan import (
     MAX_PROGRAMS_PER_SM,
@@ -62,10 +54,8 @@ class HSTUTritonMetadata:
 
 
 class HSTUTritonBackend(AttentionBackend, GraphReplayable):
-    """HSTU attention over the paged cache with a Triton kernel (CUDA; CPU through the interpreter).
-
-    ``tiles``: the launch shape of every step; ``None``: :func:`default_tile_config` of each step's longest request.
-    """
+    """HSTU attention over the paged cache with a Triton kernel (CUDA; CPU through the interpreter). ``tiles``:
+    the launch shape of every step; ``None``: :func:`default_tile_config` of each step's longest request."""
 
     name: ClassVar[str] = "hstu_triton"
     support: ClassVar[BackendSupport] = BackendSupport(
@@ -102,12 +92,15 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
     def build_metadata(self, common: PagedBatchMetadata) -> HSTUTritonMetadata:
         """Plan the step on the host from ``common.host`` (:func:`plan_tile_map` with this backend's split-KV
         knobs ``num_sms``, ``overhead_keys``, ``min_tiles_per_split``; without ``host``, a read from the device)
-        and upload the plan in one non-blocking copy (:func:`.base.upload`); nothing else runs on the device."""
+        and upload the plan in one non-blocking copy; nothing else runs on the device."""
         host = common.host or {k: getattr(common, k).cpu().numpy()
                                for k in ("query_start_loc", "num_history_rows", "kv_seq_lens")}
         config = self._config(common.max_query_len)
         tiles, items = self._plan(host, config)
-        flat = upload(np.concatenate([tiles.ravel(), items.ravel()]), common.query_start_loc.device)
+        # One copy from pinned memory, which torch's caching host allocator reuses once that copy is done (no wait).
+        flat = torch.empty(tiles.size + items.size, dtype=torch.int32, pin_memory=common.query_start_loc.is_cuda)
+        np.concatenate([tiles.ravel(), items.ravel()], out=flat.numpy())
+        flat = flat.to(common.query_start_loc.device, non_blocking=True)  # on CPU (the interpreter): no copy
         return HSTUTritonMetadata(common, flat[: tiles.size].view(tiles.shape), flat[tiles.size:].view(items.shape),
                                   self.num_sms, common.max_kv_len > self.min_tiles_per_split * config.block_n, config)
 

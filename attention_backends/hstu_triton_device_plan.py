@@ -146,11 +146,10 @@ def write_plan(plan: torch.Tensor, query_start_loc: torch.Tensor, num_history_ro
     """Write the padded tile plan of a step into ``plan`` on the current stream (one program; graph-capturable).
 
     Args:
-        plan: int32 ``[5 * num_tiles + 2 * num_items]``: tiles ``[5, num_tiles]`` then items ``[2, num_items]``,
-            as :func:`~.hstu_triton_plan.plan_tile_map` returns them, padded with spare tiles (request ``-1``,
-            zeros) and spare items (tile ``-1``, part 0) to these capacities (check :func:`fits` first).
-        query_start_loc: int32 ``[B + 1]``; spare requests (after the real ones) have no rows.
-        num_history_rows, kv_seq_lens: int32 ``[B]``.
+        plan: int32 ``[5 * num_tiles + 2 * num_items]``, laid out as :func:`~.hstu_triton_plan.padded_plan`
+            (check :func:`fits` the capacities first).
+        query_start_loc, num_history_rows, kv_seq_lens: int32 ``[B + 1]``, ``[B]``, ``[B]``; spare requests (after
+            the real ones) have no rows.
         tiles, num_heads, num_sms, overhead_keys, min_tiles_per_split: as for ``plan_tile_map``.
     """
     max_requests = num_history_rows.shape[0]

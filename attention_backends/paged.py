@@ -1,5 +1,4 @@
-"""Pure-torch paged KV-cache operations with FlashInfer's exact semantics: the CPU path, and the correctness
-oracle of the CUDA kernels (``flashinfer.append_paged_kv_cache``).
+"""Pure-torch paged KV-cache operations with FlashInfer's exact semantics: the CPU path, and the CUDA kernels' oracle.
 
 One layer's cache is ``[num_pages, 2, page_size, H, D]`` (FlashInfer's "NHD"; ``[:, 0]`` holds K, ``[:, 1]`` V).
 A batch's page table is CSR: request ``b`` owns the physical pages ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]``

@@ -20,18 +20,13 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "xformers": "attention_backends.xformers_backend:XFormersBackend",
 }
 
-Source = str | type[AttentionBackend] | importlib_metadata.EntryPoint
-
 
 class BackendRegistry:
-    """Name -> backend class, from the built-ins, entry points and explicit registrations.
-
-    Args:
-        load_entry_points: also list the backends of installed plugins (group ``ENTRY_POINT_GROUP``).
-    """
+    """Name -> backend class, from the built-ins, installed plugins (with ``load_entry_points``) and
+    :meth:`register`."""
 
     def __init__(self, load_entry_points: bool = True) -> None:
-        self._sources: dict[str, Source] = dict(BUILTIN_BACKENDS)
+        self._sources: dict[str, str | type[AttentionBackend] | importlib_metadata.EntryPoint] = dict(BUILTIN_BACKENDS)
         if load_entry_points:
             for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
                 self._sources.setdefault(ep.name, ep)
@@ -47,12 +42,8 @@ class BackendRegistry:
         return sorted(self._sources)
 
     def get(self, name: str) -> type[AttentionBackend]:
-        """The backend class called ``name``.
-
-        Raises:
-            KeyError: unknown name; the message lists the known names.
-            ImportError: the backend's module cannot be imported or does not hold a backend class.
-        """
+        """The backend class called ``name``; ``KeyError`` (listing the known names) if there is none,
+        ``ImportError`` if its module cannot be imported or does not hold a backend class."""
         if name not in self._sources:
             raise KeyError(f"unknown attention backend {name!r}; known: {', '.join(self.names())}")
         source = self._sources[name]
@@ -80,12 +71,8 @@ class BackendRegistry:
 
     def select(self, name: str, spec: AttentionSpec) -> str:
         """Resolve ``name`` to a backend that can serve ``spec``; ``"auto"``: the usable one (importable and
-        supporting ``spec``) of highest ``priority``, ties to the larger name.
-
-        Raises:
-            KeyError: unknown name.
-            ValueError: the backend (for ``"auto"``: every backend) cannot serve ``spec``; says why.
-        """
+        supporting ``spec``) of highest ``priority``, ties to the larger name. ``KeyError``: unknown name;
+        ``ValueError``: the backend (for ``"auto"``: every backend) cannot serve ``spec``, saying why."""
         if name != "auto":
             reasons = self.reasons_unusable(name, spec)
             if reasons:

@@ -1,8 +1,7 @@
 """``torch_ref``: pure-torch attention over the paged cache; runs anywhere, and is the oracle.
 
-A step is padded to ``[B, max_query_len]`` query rows and ``[B, max_pages * page_size]`` history keys gathered
-through a padded block table: a handful of batched tensor ops, no Python loop over requests, tokens or pages, in
-``O(B * H * max_query_len * max_kv_len)`` memory.
+A step is padded to ``[B, max_query_len]`` query rows and ``[B, max_pages * page_size]`` history keys (gathered
+through a padded block table): batched tensor ops, no Python loop, ``O(B * H * max_query_len * max_kv_len)`` memory.
 """
 
 from __future__ import annotations
@@ -47,8 +46,7 @@ class TorchRefBackend(AttentionBackend):
     name: ClassVar[str] = "torch_ref"
     support: ClassVar[BackendSupport] = BackendSupport(
         devices=frozenset({"cpu", "cuda"}), kinds=frozenset({"hstu", "softmax"}), time_bias=True,
-        dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64}))
-    priority: ClassVar[int] = 0
+        dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64}))  # priority: the base's 0
 
     def build_metadata(self, common: PagedBatchMetadata) -> TorchRefMetadata:
         device = common.query_start_loc.device

@@ -7,10 +7,8 @@ history (``s`` keys; bottom-right alignment puts row ``i`` at key ``s - n + i``:
 that one row over the history followed by its own k/v (a one-row block sees all its keys). Rows stay in the flat
 batch's order, so neither ``q`` nor the output is reordered. Every candidate block carries its own copy of the
 history (``sum_b candidates_b * seq_len_b`` keys gathered per layer): this suits short histories, not 10k-token
-ones. The mask needs host lists of lengths: :meth:`XFormersBackend.build_metadata` takes them from
-``PagedBatchMetadata.host`` (without it, one device read per step); :meth:`XFormersBackend.attend` never
-synchronises. (Where the CUDA runtime differs from the wheel's, xformers needs ``libcudart.so.12`` on
-``LD_LIBRARY_PATH``, else it finds "No operator".)
+ones. Only :meth:`XFormersBackend.build_metadata` reads host lengths (the mask needs Python lists). (Where the
+CUDA runtime differs from the wheel's, xformers needs ``libcudart.so.12`` on ``LD_LIBRARY_PATH``: "No operator".)
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ from .paged import write_appended
 
 @dataclass
 class XFormersMetadata:
-    """One step's dense-gather plan and mask (``K`` = keys of all blocks, ``G`` = history keys gathered,
-    ``C`` = candidate rows).
+    """One step's dense gather and mask (``K``: keys of all blocks, ``G``: history keys gathered, ``C``: candidates).
 
     Attributes:
         common: the common metadata it was built from.
@@ -110,14 +107,10 @@ class XFormersBackend(AttentionBackend):
                                         output_size=num_history_keys)
         position = torch.arange(num_history_keys, device=device) - first_key[block]
         slot = first_slot[block] + position
-        attn_bias = None
-        if num_blocks:
-            attn_bias = self._mask_cls.from_seqlens(q_len.tolist(), kv_len.tolist(), device=device)
-        return XFormersMetadata(
-            common, attn_bias, int(kv_len.sum()), history_dest=kv_start_t[block] + position,
-            history_page=common.kv_indices.long()[slot // common.page_size], history_entry=slot % common.page_size,
-            own_dest=own_dest, own_rows=own_rows,
-        )
+        attn_bias = self._mask_cls.from_seqlens(q_len.tolist(), kv_len.tolist(), device=device) if num_blocks else None
+        return XFormersMetadata(common, attn_bias, int(kv_len.sum()), kv_start_t[block] + position,
+                                common.kv_indices.long()[slot // common.page_size], slot % common.page_size,
+                                own_dest, own_rows)
 
     def append_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   metadata: XFormersMetadata) -> None:

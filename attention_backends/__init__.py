@@ -11,14 +11,5 @@ from .base import (
 )
 from .registry import ENTRY_POINT_GROUP, BackendRegistry
 
-__all__ = [
-    "ENTRY_POINT_GROUP",
-    "AttentionBackend",
-    "AttentionKind",
-    "AttentionSpec",
-    "BackendRegistry",
-    "BackendSupport",
-    "GraphReplayable",
-    "PagedBatchMetadata",
-    "PlanWriter",
-]
+__all__ = ["ENTRY_POINT_GROUP", "AttentionBackend", "AttentionKind", "AttentionSpec", "BackendRegistry",
+           "BackendSupport", "GraphReplayable", "PagedBatchMetadata", "PlanWriter"]

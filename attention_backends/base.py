@@ -1,22 +1,19 @@
-"""The attention-backend interface.
+"""The attention-backend interface; ``docs/backends.md`` is the guide to writing a backend.
 
-A backend turns one step's common page-table metadata into whatever its kernels need
-(:meth:`AttentionBackend.build_metadata`, once per step, shared by all layers), writes the step's new
-history K/V into the paged cache (:meth:`AttentionBackend.append_kv`) and computes attention
-(:meth:`AttentionBackend.attend`) for two kinds of query rows:
-
-- **new history rows**: causal over the request's paged history, which already includes them;
-- **candidate rows**: over the request's whole paged history plus themselves, never over other
-  candidates. Candidate K/V are never written into pages.
-
-Rows of the flat batch are grouped by request: request ``b`` owns rows
-``query_start_loc[b]:query_start_loc[b + 1]``, first its ``num_history_rows[b]`` new history rows,
-then its ``num_candidate_rows[b]`` candidate rows.
+A backend derives its own per-step metadata from the common page tables (:meth:`AttentionBackend.build_metadata`,
+once per step, shared by all layers), writes the step's new history K/V into the paged cache
+(:meth:`AttentionBackend.append_kv`) and computes attention (:meth:`AttentionBackend.attend`) of every row of the
+flat batch. Request ``b`` owns rows ``query_start_loc[b]:query_start_loc[b + 1]``: first its
+``num_history_rows[b]`` new history rows, causal over its paged history (which already holds them), then its
+``num_candidate_rows[b]`` candidate rows, each over the whole history and itself, never over other candidates
+(candidate K/V are never written into pages).
 """
 
 from __future__ import annotations
 
 import abc
+import importlib
+import importlib.util
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -33,11 +30,9 @@ class AttentionSpec:
 
     Attributes:
         kind: ``"hstu"`` (``silu(alpha * q.k) / scaling_seqlen``, no softmax) or ``"softmax"``.
-        num_heads: query and KV heads (no grouped-query attention).
-        head_dim: features per head, shared by q, k and v.
-        page_size: tokens per KV page.
-        dtype: dtype of q/k/v and of the paged cache.
-        device_type: ``"cpu"`` or ``"cuda"``.
+        num_heads, head_dim, page_size: query and KV heads (no grouped-query attention), features per head
+            (shared by q, k and v), tokens per KV page.
+        dtype, device_type: of q/k/v and the paged cache; ``"cpu"`` or ``"cuda"``.
         alpha: scale applied to ``q.k`` (``1/sqrt(head_dim)`` by default in the model).
         scaling_seqlen: the fixed HSTU normaliser (a configured constant, never the batch's length).
         time_bias_buckets: buckets of the relative time bias added to ``alpha * q.k`` (0: no bias);
@@ -56,14 +51,8 @@ class AttentionSpec:
 
 
 def time_bucket(delta: torch.Tensor, num_buckets: int) -> torch.Tensor:
-    """The relative-time bucket of a query/key pair: ``min(floor(log2(1 + |delta|)), num_buckets - 1)``.
-
-    Args:
-        delta: int64 time differences (query time minus key time, in the timestamps' unit), any shape.
-
-    Returns:
-        int64 buckets, same shape.
-    """
+    """int64 ``min(floor(log2(1 + |delta|)), num_buckets - 1)`` of the int64 time differences ``delta`` (query time
+    minus key time, any shape), same shape."""
     value = delta.abs() + 1
     guess = torch.log2(value.double()).floor().long()  # may be one off where value is near a power of two
     one = torch.ones_like(guess)
@@ -101,11 +90,23 @@ class BackendSupport:
         return reasons
 
 
+def package_reasons(package: str, module: str, install: str, check_import: bool) -> list[str]:
+    """Why an optional ``package`` cannot be used: not installed (``pip install {install}``); or, with
+    ``check_import`` (importing may take seconds), its ``module`` fails to import."""
+    if importlib.util.find_spec(package) is None:
+        return [f"{package} is not installed (pip install {install})"]
+    if check_import:
+        try:
+            importlib.import_module(module)
+        except (ImportError, OSError, RuntimeError) as exc:
+            return [f"{package} cannot be imported: {type(exc).__name__}: {exc}"]
+    return []
+
+
 @dataclass
 class StepTimestamps:
-    """Event times of one step, for the relative time bias, on the device: int64, or int32 offsets from the
-    step's earliest time when the step spans less than ``2**31 - 1`` units (:meth:`PagedBatchMetadata.from_layout`
-    does so; the bias depends only on differences, and 32-bit arithmetic is cheaper in kernels).
+    """Event times of one step, for the relative time bias, on the device: int64, or int32 offsets from the step's
+    earliest time where it spans less than ``2**31 - 1`` units (the bias depends only on differences; cheaper).
 
     Attributes:
         query: ``[T]`` time of each row: a history row's own event; a candidate's, its request's last
@@ -144,14 +145,12 @@ class PagedBatchMetadata:
         candidate_rows: ``[T - N]`` flat row index of each candidate row.
         candidate_batch_indices: ``[T - N]`` request index of each candidate row.
         page_size: tokens per page.
-        max_query_len: largest per-request row count (host int).
-        max_kv_len: largest ``kv_seq_lens`` entry (host int).
-        max_pages: largest per-request page count (host int).
-        host: host copies (int numpy, same shapes and values) of index tensors keyed by field name, or ``None``:
-            at least the per-request ones (``query_start_loc``, ``num_history_rows``, ``num_candidate_rows``,
-            ``kv_indptr``, ``kv_seq_lens``; a step replayed from a CUDA graph has only these), every field from
-            :meth:`from_layout`; so that a backend can plan a step on the host without reading the device.
-            Read-only.
+        max_query_len, max_kv_len, max_pages: the largest per-request row count, ``kv_seq_lens`` entry and page
+            count (host ints).
+        host: read-only int numpy copies of index tensors by field name, for planning on the host without
+            reading the device, or ``None``: every field from :meth:`from_layout`; a step replayed from a CUDA
+            graph has only the per-request ``query_start_loc``, ``num_history_rows``, ``num_candidate_rows``,
+            ``kv_indptr`` and ``kv_seq_lens``.
         timestamps: event times for the relative time bias, or ``None`` when the model has none.
     """
 
@@ -181,18 +180,10 @@ class PagedBatchMetadata:
         return len(self.kv_last_page_len)
 
     @classmethod
-    def from_layout(
-        cls,
-        history_start: np.ndarray,
-        num_history_rows: np.ndarray,
-        num_candidate_rows: np.ndarray,
-        kv_indptr: np.ndarray,
-        kv_indices: np.ndarray,
-        page_size: int,
-        device: torch.device | str,
-        query_timestamps: np.ndarray | None = None,
-        key_timestamps: np.ndarray | None = None,
-    ) -> PagedBatchMetadata:
+    def from_layout(cls, history_start: np.ndarray, num_history_rows: np.ndarray, num_candidate_rows: np.ndarray,
+                    kv_indptr: np.ndarray, kv_indices: np.ndarray, page_size: int, device: torch.device | str,
+                    query_timestamps: np.ndarray | None = None,
+                    key_timestamps: np.ndarray | None = None) -> PagedBatchMetadata:
         """Build the metadata from host arrays with one host-to-device copy (two with timestamps).
 
         Args:
@@ -216,54 +207,39 @@ class PagedBatchMetadata:
             times = upload(times, device)
             key_start = upload(np.concatenate([[0], np.cumsum(arrays["kv_seq_lens"])[:-1]]).astype(np.int32), device)
             timestamps = StepTimestamps(times[: len(query_timestamps)], times[len(query_timestamps):], key_start)
-        return cls.from_arrays(arrays, upload_int32(arrays, device), page_size, timestamps)
-
-    @classmethod
-    def from_arrays(cls, arrays: dict[str, np.ndarray], tensors: dict[str, torch.Tensor], page_size: int,
-                    timestamps: StepTimestamps | None = None) -> PagedBatchMetadata:
-        """Wrap device ``tensors`` holding :func:`layout_arrays`'s ``arrays`` (same keys, values and lengths)."""
         rows = arrays["num_history_rows"] + arrays["num_candidate_rows"]
-        pages = np.diff(arrays["kv_indptr"])
-        return cls(**tensors, page_size=page_size, max_query_len=int(rows.max(initial=0)),
-                   max_kv_len=int(arrays["kv_seq_lens"].max(initial=0)), max_pages=int(pages.max(initial=0)),
-                   host=arrays, timestamps=timestamps)
+        return cls(**upload_int32(arrays, device), page_size=page_size, max_query_len=int(rows.max(initial=0)),
+                   max_kv_len=int(arrays["kv_seq_lens"].max(initial=0)),
+                   max_pages=int(np.diff(arrays["kv_indptr"]).max(initial=0)), host=arrays, timestamps=timestamps)
 
 
 def layout_arrays(history_start: np.ndarray, num_history_rows: np.ndarray, num_candidate_rows: np.ndarray,
                   kv_indptr: np.ndarray, kv_indices: np.ndarray, page_size: int) -> dict[str, np.ndarray]:
     """Every index field of :class:`PagedBatchMetadata` as int64 numpy arrays keyed by field name, from the
     arguments of :meth:`PagedBatchMetadata.from_layout`."""
-    start = np.asarray(history_start, dtype=np.int64)
-    hist = np.asarray(num_history_rows, dtype=np.int64)
-    cand = np.asarray(num_candidate_rows, dtype=np.int64)
-    indptr = np.asarray(kv_indptr, dtype=np.int64)
+    start, hist, cand, indptr, indices = (np.asarray(a, dtype=np.int64) for a in (
+        history_start, num_history_rows, num_candidate_rows, kv_indptr, kv_indices))
     seq_lens = start + hist
-    pages = indptr[1:] - indptr[:-1]
+    pages = np.diff(indptr)
     last = np.where(pages > 0, seq_lens - (pages - 1) * page_size, 0)
     qsl = np.concatenate([[0], np.cumsum(hist + cand)])
     hist_owner, hist_within = _segments(hist)
     cand_owner, cand_within = _segments(cand)
     positions = start[hist_owner] + hist_within
     slots = indptr[hist_owner] * page_size + positions
-    indices = np.asarray(kv_indices, dtype=np.int64)
     return {
-        "query_start_loc": qsl, "num_history_rows": hist, "num_candidate_rows": cand,
-        "kv_indptr": indptr, "kv_indices": indices,
-        "kv_last_page_len": last, "kv_seq_lens": seq_lens, "append_batch_indices": hist_owner,
-        "append_positions": positions, "append_pages": indices[slots // page_size],
-        "append_entries": slots % page_size, "history_rows": qsl[hist_owner] + hist_within,
-        "candidate_rows": qsl[cand_owner] + hist[cand_owner] + cand_within,
-        "candidate_batch_indices": cand_owner,
+        "query_start_loc": qsl, "num_history_rows": hist, "num_candidate_rows": cand, "kv_indptr": indptr,
+        "kv_indices": indices, "kv_last_page_len": last, "kv_seq_lens": seq_lens, "append_batch_indices": hist_owner,
+        "append_positions": positions, "append_pages": indices[slots // page_size], "append_entries": slots % page_size,
+        "history_rows": qsl[hist_owner] + hist_within,
+        "candidate_rows": qsl[cand_owner] + hist[cand_owner] + cand_within, "candidate_batch_indices": cand_owner,
     }
 
 
 def upload(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
-    """``array`` as a tensor on ``device``; to CUDA through pinned memory without blocking the host
-    (a pageable copy would synchronise with the device on every step). On CPU no copy is made.
-
-    The pinned buffer comes from ``torch.empty(..., pin_memory=True)``, i.e. torch's caching host allocator,
-    which hands a block out again once the copies that read it are done (``Tensor.pin_memory()`` would pin a new
-    buffer, a fraction of a millisecond, per call)."""
+    """``array`` as a tensor on ``device`` (on CPU, no copy). To CUDA it goes without blocking the host through a
+    pinned block of torch's caching host allocator (``torch.empty(..., pin_memory=True)``), reused once its copies
+    are done; a pageable copy would synchronise, and ``Tensor.pin_memory()`` would pin a new buffer per call."""
     tensor = torch.from_numpy(array)
     device = torch.device(device)
     if device.type == "cpu":
@@ -285,15 +261,12 @@ def upload_int32(arrays: dict[str, np.ndarray], device: torch.device | str) -> d
 def _segments(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For segment lengths ``counts [B]``: each element's segment index and its offset inside it."""
     owner = np.repeat(np.arange(len(counts)), counts)
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-    return owner, np.arange(int(counts.sum())) - starts[owner]
+    return owner, np.arange(int(counts.sum())) - (np.cumsum(counts) - counts)[owner]
 
 
 class AttentionBackend(abc.ABC):
-    """Base class of every attention backend. Subclasses set ``name`` and ``support``.
-
-    Instances are created once per engine with the model's :class:`AttentionSpec`.
-    """
+    """Base class of every attention backend (subclasses set ``name`` and ``support``), created once per engine
+    with the model's :class:`AttentionSpec`."""
 
     name: ClassVar[str]
     support: ClassVar[BackendSupport]
@@ -317,23 +290,18 @@ class AttentionBackend(abc.ABC):
         return common
 
     @abc.abstractmethod
-    def append_kv(
-        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: Any
-    ) -> None:
+    def append_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: Any) -> None:
         """Write new history rows' K/V into their pages.
 
         Args:
             kv_cache: one layer's cache ``[num_pages, 2, page_size, H, D]`` (NHD), written in place.
-            key: ``[N, H, D]`` K of the new history rows, in ``history_rows`` order.
-            value: ``[N, H, D]`` V of the new history rows.
+            key, value: ``[N, H, D]`` K and V of the new history rows, in ``history_rows`` order.
             metadata: what :meth:`build_metadata` returned for this step.
         """
 
     @abc.abstractmethod
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: Any,
-        time_bias: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: Any,
+               time_bias: torch.Tensor | None = None) -> torch.Tensor:
         """Attention for every row of the flat batch (after :meth:`append_kv` for this layer).
 
         Args:
@@ -357,25 +325,19 @@ device) into the int32 ``plan`` buffer, on the current stream, capturable in a C
 
 
 class GraphReplayable(abc.ABC):
-    """What an :class:`AttentionBackend` also implements to be replayed from CUDA graphs
-    (:mod:`gr_engine.step_graphs`); backends without it run every step eagerly."""
+    """What an :class:`AttentionBackend` also implements to be replayed from CUDA graphs (gr_engine.step_graphs)."""
 
     @abc.abstractmethod
     def graph_plan(self, common_host: dict[str, np.ndarray], max_rows: int,
                    max_requests: int) -> tuple[Hashable, np.ndarray | PlanWriter]:
-        """This step's own metadata for CUDA-graph replay.
+        """This step's own metadata for CUDA-graph replay, from its per-request host arrays ``common_host``
+        (:attr:`PagedBatchMetadata.host` of a replayed step) and the capacities it is padded to (``T <= max_rows``,
+        ``B <= max_requests``).
 
-        Args:
-            common_host: the step's per-request host arrays (:attr:`PagedBatchMetadata.host` of a replayed step:
-                ``query_start_loc``, ``num_history_rows``, ``num_candidate_rows``, ``kv_indptr``, ``kv_seq_lens``).
-            max_rows, max_requests: capacities the step is padded to (``T <= max_rows``, ``B <= max_requests``).
-
-        Returns:
-            ``(key, plan)``: ``plan`` is a flat int32 array of :meth:`graph_plan_size` entries whose layout depends
-            only on ``key`` (the launch shape), uploaded for the replay; or, when for this key the backend writes it
-            on the device, a :data:`PlanWriter`, called before the first layer of each replay (and captured with
-            it). A key always comes with the one or always with the other. Steps with equal keys and capacities
-            share one captured graph.
+        Returns ``(key, plan)``: ``plan`` is a flat int32 array of :meth:`graph_plan_size` entries whose layout
+        depends only on ``key`` (the launch shape), uploaded for the replay; or, where the backend writes it on the
+        device, a :data:`PlanWriter`, called (and captured) before the first layer of each replay. A key always
+        comes with the one or always with the other. Steps with equal keys and capacities share one graph.
         """
 
     @abc.abstractmethod

@@ -1,14 +1,9 @@
-"""``hstu_triton``: HSTU (SiLU) attention over the paged KV cache in Triton.
+"""``hstu_triton``: HSTU (SiLU) attention over the paged KV cache in Triton (``docs/design.md`` section 6).
 
-The kernels (:mod:`.hstu_triton_kernels`) compute ``BLOCK_M``-row query tiles of one request and one head over
-parts of its paged history. :func:`~.hstu_triton_plan.plan_tile_map` (numpy on the host, uploaded in one copy; for
-steps replayed from CUDA graphs, the same plan written on the device by :mod:`.hstu_triton_device_plan`) cuts the
-step into (query tile, key-range part) items, longest first; a persistent grid (one program per processor) walks
-them in snake order. Split tiles write fp32 partials that a second kernel sums in part order: HSTU has no softmax,
-so partials simply add, deterministically.
-
-``import attention_backends`` never imports Triton (this module does). On CPU the kernel runs in
-Triton's interpreter, which needs ``TRITON_INTERPRET=1`` when this module is imported (tests).
+Each step is cut into (query tile, key-range part) work items, longest first, by :func:`.plan_tile_map` on the
+host, or for steps replayed from CUDA graphs by :mod:`.hstu_triton_device_plan` on the device; the kernels
+(:mod:`.hstu_triton_kernels`) run them on a persistent grid. ``import attention_backends`` never imports Triton
+(this module does); on CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` at import, for tests).
 """
 
 from __future__ import annotations
@@ -59,12 +54,8 @@ class HSTUTritonMetadata:
 
 
 class HSTUTritonBackend(AttentionBackend, GraphReplayable):
-    """HSTU attention over the paged cache with a Triton kernel (CUDA; CPU through the interpreter).
-
-    Args:
-        spec: what the model asks of attention.
-        tiles: launch shape of every step; ``None``: :func:`default_tile_config` of each step's longest request.
-    """
+    """HSTU attention over the paged cache with a Triton kernel (CUDA; CPU through the interpreter). ``tiles``:
+    the launch shape of every step; ``None``: :func:`default_tile_config` of each step's longest request."""
 
     name: ClassVar[str] = "hstu_triton"
     support: ClassVar[BackendSupport] = BackendSupport(
@@ -170,26 +161,14 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
         return plan_tile_map(host["query_start_loc"], host["num_history_rows"], host["kv_seq_lens"], config,
                              self.spec.num_heads, self.num_sms, self.overhead_keys, self.min_tiles_per_split)
 
-    def append_kv(
-        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: HSTUTritonMetadata
-    ) -> None:
+    def append_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  metadata: HSTUTritonMetadata) -> None:
         append_rows(kv_cache, key, value, metadata.common.append_pages, metadata.common.append_entries)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                metadata: HSTUTritonMetadata, time_bias: torch.Tensor | None = None) -> torch.Tensor:
-        """HSTU attention of every row (after :meth:`append_kv` for this layer).
-
-        Args:
-            q, k, v: ``[T, H, D]`` projections of all rows, fp16/bf16/fp32 (any row and head strides).
-            kv_cache: ``[num_pages, 2, page_size, H, D]`` (NHD, ``[:, 0]`` = K, ``[:, 1]`` = V) in ``q``'s
-                dtype; any strides but the last dim's.
-            metadata: what :meth:`build_metadata` returned for this step.
-            time_bias: ``[num_buckets, H]`` relative time bias (any float dtype, added in fp32; the times are
-                ``metadata.common.timestamps``), or ``None``.
-
-        Returns:
-            ``[T, H, D]`` in ``q``'s dtype, contiguous.
-        """
+        """:meth:`AttentionBackend.attend`: ``q``, ``k``, ``v``, ``kv_cache`` fp16/bf16/fp32 with any strides but
+        the last dim's, ``time_bias`` any float dtype (added in fp32); the output is contiguous."""
         m, c = metadata, metadata.common
         if time_bias is not None and c.timestamps is None:
             raise ValueError("time_bias needs the step's timestamps (PagedBatchMetadata.timestamps is None)")

@@ -1,17 +1,11 @@
-"""``hstu_triton``'s tile plan computed on the device, for steps replayed from CUDA graphs.
+"""``hstu_triton``'s tile plan written on the device, inside the first layer's graph, for steps replayed from CUDA
+graphs (their metadata is already in the graph's static buffers), so that the host neither plans nor uploads it.
 
-:func:`~.hstu_triton_plan.plan_tile_map` costs about 40 numpy calls per step on the host (~0.3 ms on the GPU
-machine's host). A replayed step's metadata is already on the device (the graph's static buffers), so one small
-program can write the same plan there, inside the first layer's graph: the host then uploads nothing for it.
-
-:func:`write_plan` writes exactly what :meth:`~.hstu_triton.HSTUTritonBackend.graph_plan` would upload for the
-step (the host plan, padded to the key's capacities): same cuts, same costs in float32 (no fused multiply-add),
-same order. The split search is evaluated per (plan, tile) in closed form instead of per part: a tile of ``b``
-key tiles cut into parts of ``p`` has ``b // p`` parts of ``p`` and one of ``b % p``; the ``k``-th longest part of
-a plan is found by bisection on its length. Every tensor lives in one program's registers, so only keys whose
-tile and item capacities are small (:func:`fits`) are planned here; the rest keep the host plan.
-
-This module imports Triton.
+:func:`write_plan` writes exactly what :meth:`~.hstu_triton.HSTUTritonBackend.graph_plan` would upload (the host
+plan, padded to the key's capacities): same cuts, same float32 costs (no fused multiply-add), same order. The
+split search runs per (plan, tile) in closed form: a tile of ``b`` key tiles in parts of ``p`` has ``b // p``
+parts of ``p`` and one of ``b % p``; the ``k``-th longest part of a plan is found by bisection. One program holds
+everything in registers, so only keys with small capacities (:func:`fits`) are planned here. Imports Triton.
 """
 
 from __future__ import annotations
@@ -152,11 +146,10 @@ def write_plan(plan: torch.Tensor, query_start_loc: torch.Tensor, num_history_ro
     """Write the padded tile plan of a step into ``plan`` on the current stream (one program; graph-capturable).
 
     Args:
-        plan: int32 ``[5 * num_tiles + 2 * num_items]``: tiles ``[5, num_tiles]`` then items ``[2, num_items]``,
-            as :func:`~.hstu_triton_plan.plan_tile_map` returns them, padded with spare tiles (request ``-1``,
-            zeros) and spare items (tile ``-1``, part 0) to these capacities (check :func:`fits` first).
-        query_start_loc: int32 ``[B + 1]``; spare requests (after the real ones) have no rows.
-        num_history_rows, kv_seq_lens: int32 ``[B]``.
+        plan: int32 ``[5 * num_tiles + 2 * num_items]``, laid out as :func:`~.hstu_triton_plan.padded_plan`
+            (check :func:`fits` the capacities first).
+        query_start_loc, num_history_rows, kv_seq_lens: int32 ``[B + 1]``, ``[B]``, ``[B]``; spare requests (after
+            the real ones) have no rows.
         tiles, num_heads, num_sms, overhead_keys, min_tiles_per_split: as for ``plan_tile_map``.
     """
     max_requests = num_history_rows.shape[0]

@@ -1,18 +1,11 @@
-"""The Triton kernels of the ``hstu_triton`` backend (:mod:`.hstu_triton`): HSTU (SiLU) attention over the paged
-KV cache, and the sum of split tiles' partials.
+"""The Triton kernels of ``hstu_triton`` (:mod:`.hstu_triton`): HSTU attention over the paged KV cache, and the
+sum of split tiles' partials; and the K/V append.
 
-A program computes a ``BLOCK_M``-row query tile of one request and one head over a part of its paged
-history, ``BLOCK_N`` keys (whole pages: key ``j`` of request ``b`` is entry ``j % page_size`` of page
-``kv_indices[kv_indptr[b] + j // page_size]``, read through the cache's strides) at a time. Key tiles
-seen by every row run unmasked; only those crossing the causal diagonal or the history's end are
-masked, and none past the tile's last visible key is visited. Candidates add their own k/v last. With a
-relative time bias, ``table[bucket(t_query - t_key), head]`` (:func:`_time_bias`) is added to ``alpha q.k``
-before the SiLU; without one (a constexpr flag) the kernel loads nothing more. Split tiles write fp32 partials
-that :func:`sum_partials_kernel` sums in part order: HSTU has no softmax, so partials simply add,
-deterministically.
-
-Without Triton installed the kernels are plain (never called) functions. On CPU they run in Triton's interpreter,
-which needs ``TRITON_INTERPRET=1`` when this module is imported (tests).
+A program computes a ``BLOCK_M``-row query tile of one request and one head over a part of its paged history,
+``BLOCK_N`` keys (whole pages, read through the cache's strides) at a time: key tiles every row sees unmasked,
+those crossing the causal diagonal or the history's end masked, none past the tile's last visible key; then
+candidates' own k/v. Split tiles write fp32 partials that :func:`sum_partials_kernel` adds in part order (no
+softmax: deterministic). Without Triton the kernels are plain, never-called functions.
 """
 
 from __future__ import annotations
@@ -20,18 +13,19 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+import torch
+
 try:
     import triton
     import triton.language as tl
-
-    from .hstu_triton_append import append_rows
 except ImportError:  # the backend then reports itself unusable (reasons_unsupported)
-    triton = tl = append_rows = None
+    triton = tl = None
 _jit: Callable[[Callable], Callable] = (lambda fn: fn) if triton is None else triton.jit  # no Triton: never called
 # Per-step values Triton must not specialise on (``== 1``, divisibility by 16, alignment): each new combination
 # would recompile the kernel (seconds) mid-serving; they are read once per program, so that gains nothing.
 _STEP_ARGS = ["Tiles", "Items", "QueryStartLoc", "NumHistory", "SeqLens", "KvIndptr", "KvIndices", "TimeBias",
-              "QueryTimes", "KeyTimes", "KeyStart", "max_bucket", "num_tiles", "num_items", "num_work", "num_rounds"]
+              "QueryTimes", "KeyTimes", "KeyStart", "max_bucket", "num_tiles", "num_items", "num_work", "num_rounds",
+              "Pages", "Entries", "num_rows"]
 
 
 def _step_kernel(fn: Callable) -> Callable:
@@ -222,3 +216,46 @@ def sum_partials_kernel(
     rows = (row0 + first + local).to(tl.int64)
     tl.store(Out + rows[:, None] * stride_ot + head * stride_oh + dims[None, :], acc.to(Out.dtype.element_ty),
              mask=valid[:, None])
+
+
+@_step_kernel
+def _append_kernel(
+    Cache, Key, Value, Pages, Entries, num_rows,
+    stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+    stride_page, stride_kv, stride_token, stride_head, stride_dim,
+    NUM_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    row = tl.program_id(0)
+    heads = tl.arange(0, HEADS_POW2)
+    dims = tl.arange(0, HEAD_DIM)
+    valid = (heads < NUM_HEADS)[:, None] & (dims < HEAD_DIM)[None, :]
+    page = tl.load(Pages + row).to(tl.int64)
+    entry = tl.load(Entries + row).to(tl.int64)
+    src = row.to(tl.int64)
+    key = tl.load(Key + src * stride_kt + heads[:, None] * stride_kh + dims[None, :] * stride_kd, mask=valid)
+    value = tl.load(Value + src * stride_vt + heads[:, None] * stride_vh + dims[None, :] * stride_vd, mask=valid)
+    dst = Cache + page * stride_page + entry * stride_token + heads[:, None] * stride_head + dims[None, :] * stride_dim
+    tl.store(dst, key, mask=valid)
+    tl.store(dst + stride_kv, value, mask=valid)
+
+
+def append_rows(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
+                entries: torch.Tensor) -> None:
+    """Write appended rows into their resolved slots in one small launch, with the result of
+    :func:`~.paged.write_appended` (two indexed writes, each a slow generic indexing kernel): program ``i`` copies
+    row ``i`` of ``key`` and ``value`` to entry ``entries[i]`` of page ``pages[i]``. Duplicate (page, entry)
+    targets must carry equal rows (a CUDA-graph step pads its appends by repeating the last one).
+
+    Args:
+        kv_cache: ``[num_pages, 2, page_size, H, D]`` (NHD, any strides), written in place.
+        key, value: ``[N, H, D]`` in the cache's dtype (any strides).
+        pages, entries: int ``[N]`` page and entry of each row.
+    """
+    num_rows, num_heads, head_dim = key.shape
+    if num_rows == 0:
+        return
+    _append_kernel[(num_rows,)](
+        kv_cache, key, value, pages, entries, num_rows,
+        *key.stride(), *value.stride(), *kv_cache.stride(),
+        NUM_HEADS=num_heads, HEADS_POW2=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim, num_warps=1,
+    )

@@ -1,9 +1,5 @@
-"""Host-side planning for ``hstu_triton``: launch shapes and the split-KV tile map (numpy only, no Triton).
-
-:func:`plan_tile_map` (numpy on the host, uploaded by the backend in one copy) cuts a step into (query tile,
-key-range part) items, choosing the cut with a small cost model so that few queries over long histories and
-one long request among short ones both fill the GPU, and orders them longest-first.
-"""
+"""Host-side planning for ``hstu_triton`` (numpy only, no Triton): launch shapes, and the split-KV tile map, whose
+cost model makes both few queries over long histories and one long request among short ones fill the GPU."""
 
 from __future__ import annotations
 
@@ -16,7 +12,7 @@ from .base import AttentionSpec
 
 # Split-KV: at most MAX_SPLITS parts per tile, MAX_PROGRAMS_PER_SM (item, head) pairs per processor (this
 # sizes the partial buffer), parts of at least MIN_TILES_PER_SPLIT key tiles; each program costs as much
-# time as SPLIT_OVERHEAD_KEYS keys (prologue, partial write and read; measured on an H200).
+# time as SPLIT_OVERHEAD_KEYS keys (prologue, partial write and read).
 MAX_SPLITS, MAX_PROGRAMS_PER_SM, MIN_TILES_PER_SPLIT, SPLIT_OVERHEAD_KEYS = 32, 4, 4, 640
 
 
@@ -110,8 +106,6 @@ def plan_tile_map(query_start_loc: np.ndarray, num_history_rows: np.ndarray, kv_
     order = np.argsort(np.where(item_in_use, -1 - item_len, 1), kind="stable")
     tile_arrays = np.array([np.where(in_use, req, -1), first, splits, first_item, part_len * block_n], np.int32)
     return tile_arrays, np.array([np.where(item_in_use, item_tile, -1)[order], item_split[order]], np.int32)
-
-
 
 
 def padded_plan(tiles: np.ndarray, items: np.ndarray, num_tiles: int, num_items: int) -> np.ndarray:

@@ -1,20 +1,8 @@
-"""Finding attention backends by name.
+"""Finding attention backends by name (``docs/backends.md``, "Registering it"; ``docs/design.md`` section 6).
 
-Built-in backends are listed by qualified name so their (possibly GPU-only) modules are imported only
-when used. Third-party packages add backends through the entry-point group
-``gr_engine.attention_backends``: each entry point's name is the backend name and its object is the
-backend class, e.g. in the plugin's ``pyproject.toml``::
-
-    [project.entry-points."gr_engine.attention_backends"]
-    my_backend = "my_pkg.attention:MyBackend"
-
-Entry points never replace a built-in of the same name. A program can also register a class (or a
-``"module:Class"`` string) on its own :class:`BackendRegistry` and hand that registry to the engine.
-There is no global registry.
-
-``"auto"`` selects, among the backends that can serve the model's :class:`AttentionSpec`, the one with
-the highest ``priority`` (ties: the larger name). A backend that cannot be imported (its package is
-missing, or a plugin is broken) is unusable, and says why, like one that does not support the spec.
+Built-ins are listed by qualified name, so their (possibly GPU-only) modules are imported only when used;
+installed plugins add backends through the entry-point group :data:`ENTRY_POINT_GROUP`, never replacing a
+built-in; a program can register more on its own :class:`BackendRegistry` (there is no global registry).
 """
 
 from __future__ import annotations
@@ -32,18 +20,13 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "xformers": "attention_backends.xformers_backend:XFormersBackend",
 }
 
-Source = str | type[AttentionBackend] | importlib_metadata.EntryPoint
-
 
 class BackendRegistry:
-    """Name -> backend class, from the built-ins, entry points and explicit registrations.
-
-    Args:
-        load_entry_points: also list the backends of installed plugins (group ``ENTRY_POINT_GROUP``).
-    """
+    """Name -> backend class, from the built-ins, installed plugins (with ``load_entry_points``) and
+    :meth:`register`."""
 
     def __init__(self, load_entry_points: bool = True) -> None:
-        self._sources: dict[str, Source] = dict(BUILTIN_BACKENDS)
+        self._sources: dict[str, str | type[AttentionBackend] | importlib_metadata.EntryPoint] = dict(BUILTIN_BACKENDS)
         if load_entry_points:
             for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
                 self._sources.setdefault(ep.name, ep)
@@ -59,12 +42,8 @@ class BackendRegistry:
         return sorted(self._sources)
 
     def get(self, name: str) -> type[AttentionBackend]:
-        """The backend class called ``name``.
-
-        Raises:
-            KeyError: unknown name; the message lists the known names.
-            ImportError: the backend's module cannot be imported or does not hold a backend class.
-        """
+        """The backend class called ``name``; ``KeyError`` (listing the known names) if there is none,
+        ``ImportError`` if its module cannot be imported or does not hold a backend class."""
         if name not in self._sources:
             raise KeyError(f"unknown attention backend {name!r}; known: {', '.join(self.names())}")
         source = self._sources[name]
@@ -91,13 +70,9 @@ class BackendRegistry:
         return backend.reasons_unsupported(spec)
 
     def select(self, name: str, spec: AttentionSpec) -> str:
-        """Resolve ``name`` (``"auto"``: the highest-priority usable backend) to a backend that can serve
-        ``spec``.
-
-        Raises:
-            KeyError: unknown name.
-            ValueError: the backend (for ``"auto"``: every backend) cannot serve ``spec``; says why.
-        """
+        """Resolve ``name`` to a backend that can serve ``spec``; ``"auto"``: the usable one (importable and
+        supporting ``spec``) of highest ``priority``, ties to the larger name. ``KeyError``: unknown name;
+        ``ValueError``: the backend (for ``"auto"``: every backend) cannot serve ``spec``, saying why."""
         if name != "auto":
             reasons = self.reasons_unusable(name, spec)
             if reasons:
@@ -111,10 +86,5 @@ class BackendRegistry:
         return max(usable, key=lambda n: (self.get(n).priority, n))
 
     def create(self, name: str, spec: AttentionSpec) -> AttentionBackend:
-        """Instantiate backend ``name`` (or the best usable one for ``"auto"``) for ``spec``.
-
-        Raises:
-            KeyError: unknown name.
-            ValueError: the backend cannot serve ``spec``; the message says why.
-        """
+        """Instantiate backend ``name`` (``"auto"``: as :meth:`select`) for ``spec``; raises as :meth:`select`."""
         return self.get(self.select(name, spec))(spec)

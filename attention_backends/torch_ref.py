@@ -1,10 +1,7 @@
 """``torch_ref``: pure-torch attention over the paged cache; runs anywhere, and is the oracle.
 
-Per step it pads the batch to ``[B, max_query_len]`` query rows and ``[B, max_pages * page_size]``
-history keys gathered through a padded block table, so a step is a handful of batched tensor ops with
-no Python loop over requests, tokens or pages. Gathered slots past a request's history are zeroed before
-any product, so whatever they hold (inf, NaN) never reaches an output.
-Memory is ``O(B * H * max_query_len * max_kv_len)``.
+A step is padded to ``[B, max_query_len]`` query rows and ``[B, max_pages * page_size]`` history keys (gathered
+through a padded block table): batched tensor ops, no Python loop, ``O(B * H * max_query_len * max_kv_len)`` memory.
 """
 
 from __future__ import annotations
@@ -48,12 +45,8 @@ class TorchRefBackend(AttentionBackend):
 
     name: ClassVar[str] = "torch_ref"
     support: ClassVar[BackendSupport] = BackendSupport(
-        devices=frozenset({"cpu", "cuda"}),
-        dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64}),
-        kinds=frozenset({"hstu", "softmax"}),
-        time_bias=True,
-    )
-    priority: ClassVar[int] = 0
+        devices=frozenset({"cpu", "cuda"}), kinds=frozenset({"hstu", "softmax"}), time_bias=True,
+        dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64}))  # priority: the base's 0
 
     def build_metadata(self, common: PagedBatchMetadata) -> TorchRefMetadata:
         device = common.query_start_loc.device
@@ -78,19 +71,14 @@ class TorchRefBackend(AttentionBackend):
             time_delta = t.query[row_index][:, :, None] - key_times[:, None, :]
         return TorchRefMetadata(common, block_table, row_index, row_valid, key_limit, is_candidate, time_delta)
 
-    def append_kv(
-        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: TorchRefMetadata
-    ) -> None:
+    def append_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  metadata: TorchRefMetadata) -> None:
         c = metadata.common
-        append_paged_kv_cache(
-            key, value, c.append_batch_indices, c.append_positions, kv_cache,
-            c.kv_indices, c.kv_indptr, c.kv_last_page_len,
-        )
+        append_paged_kv_cache(key, value, c.append_batch_indices, c.append_positions, kv_cache, c.kv_indices,
+                              c.kv_indptr, c.kv_last_page_len)
 
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-        metadata: TorchRefMetadata, time_bias: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               metadata: TorchRefMetadata, time_bias: torch.Tensor | None = None) -> torch.Tensor:
         m = metadata
         batch = m.row_index.shape[0]
         heads, dim = q.shape[1], q.shape[2]

@@ -1,35 +1,19 @@
 """``xformers``: softmax attention (SASRec-style models) with ``xformers.ops.memory_efficient_attention``.
 
-xformers has no kernel for HSTU's SiLU attention nor a paged path usable here (its paged biases are
-decode-only), so each layer gathers the histories it needs from the pages into dense K/V (tensor
-indexing through the page table) and runs one ``memory_efficient_attention`` call over all rows of the
-step with a single block-diagonal mask, ``BlockDiagonalCausalFromBottomRightMask``, whose blocks are:
-
-- per request with new history rows: queries = its ``n`` new history rows, keys = its whole history
-  (``s`` keys, the new rows' included). Bottom-right causal alignment puts query ``i`` at key position
-  ``s - n + i``, so it sees exactly the keys up to itself;
-- per candidate: queries = that one candidate row, keys = the request's history followed by the
-  candidate's own k/v. A one-row bottom-right causal block sees all of its keys: the whole history and
-  itself, never another candidate.
-
-Queries stay in the flat batch's order (each request's history rows, then its candidates), so ``q`` is
-passed as it is and the output needs no reordering. Candidates cost the same FLOPs as in a dedicated
-target-aware kernel; the price is memory traffic, since every candidate block carries its own copy of
-the history (``sum_b candidates_b * seq_len_b`` keys gathered per layer). That suits the short
-histories of SASRec-style models, which this backend is for; it would not suit 10k-token histories.
-
-The mask is built from host-side sequence lengths (xformers requires Python lists):
-:meth:`XFormersBackend.build_metadata` takes the per-request counts from the metadata's host copies
-(``PagedBatchMetadata.host``; without them it reads the device once per step); the per-layer
-:meth:`XFormersBackend.attend` never synchronises. ``xformers`` is imported lazily. (On a
-machine whose CUDA runtime differs from the wheel's, xformers needs ``libcudart.so.12`` on
-``LD_LIBRARY_PATH``, else it finds "No operator".)
+xformers has no HSTU (SiLU) kernel nor a paged path usable here (its paged biases are decode-only), so each
+layer gathers the histories from the pages into dense K/V and makes one call over all rows of the step with a
+``BlockDiagonalCausalFromBottomRightMask``. Its blocks, per request: its ``n`` new history rows over its whole
+history (``s`` keys; bottom-right alignment puts row ``i`` at key ``s - n + i``: causal); then, per candidate,
+that one row over the history followed by its own k/v (a one-row block sees all its keys). Rows stay in the flat
+batch's order, so neither ``q`` nor the output is reordered. Every candidate block carries its own copy of the
+history (``sum_b candidates_b * seq_len_b`` keys gathered per layer): this suits short histories, not 10k-token
+ones. Only :meth:`XFormersBackend.build_metadata` reads host lengths (the mask needs Python lists). (Where the
+CUDA runtime differs from the wheel's, xformers needs ``libcudart.so.12`` on ``LD_LIBRARY_PATH``: "No operator".)
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, ClassVar
@@ -37,25 +21,13 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from .base import AttentionBackend, AttentionSpec, BackendSupport, PagedBatchMetadata
-
-
-def _xformers_reasons(check_import: bool) -> list[str]:
-    """Why xformers cannot be used: not installed; or (``check_import``) installed but not importable."""
-    if importlib.util.find_spec("xformers") is None:
-        return ["xformers is not installed (pip install xformers)"]
-    if check_import:
-        try:
-            importlib.import_module("xformers.ops")
-        except (ImportError, OSError, RuntimeError) as exc:
-            return [f"xformers cannot be imported: {type(exc).__name__}: {exc}"]
-    return []
+from .base import AttentionBackend, AttentionSpec, BackendSupport, PagedBatchMetadata, package_reasons
+from .paged import write_appended
 
 
 @dataclass
 class XFormersMetadata:
-    """One step's dense-gather plan and mask (``K`` = keys of all blocks, ``G`` = history keys gathered,
-    ``C`` = candidate rows).
+    """One step's dense gather and mask (``K``: keys of all blocks, ``G``: history keys gathered, ``C``: candidates).
 
     Attributes:
         common: the common metadata it was built from.
@@ -79,19 +51,12 @@ class XFormersMetadata:
 
 
 class XFormersBackend(AttentionBackend):
-    """Softmax attention over the paged cache with xformers' memory-efficient kernels (CUDA, fp16/bf16).
-
-    Args:
-        spec: what the model asks of attention.
-    """
+    """Softmax attention over the paged cache with xformers' memory-efficient kernels (CUDA, fp16/bf16)."""
 
     name: ClassVar[str] = "xformers"
     support: ClassVar[BackendSupport] = BackendSupport(
-        devices=frozenset({"cuda"}),
-        dtypes=frozenset({torch.float16, torch.bfloat16}),
-        kinds=frozenset({"softmax"}),
-        head_dims=frozenset(range(8, 257, 8)),  # what both FlashAttention and CUTLASS kernels take
-    )
+        devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16}), kinds=frozenset({"softmax"}),
+        head_dims=frozenset(range(8, 257, 8)))  # what both FlashAttention and CUTLASS kernels take
     priority: ClassVar[int] = 10
 
     def __init__(self, spec: AttentionSpec) -> None:
@@ -105,7 +70,7 @@ class XFormersBackend(AttentionBackend):
         if spec.device_type == "cuda" and not torch.cuda.is_available():
             reasons.append("CUDA is not available (torch.cuda.is_available() is False)")
         # Import xformers only for a configuration it could otherwise serve.
-        return reasons + _xformers_reasons(check_import=not reasons)
+        return reasons + package_reasons("xformers", "xformers.ops", "xformers", check_import=not reasons)
 
     def build_metadata(self, common: PagedBatchMetadata) -> XFormersMetadata:
         """The blocks of the mask (from ``common.host``; without it, one read from the device) and where each
@@ -142,47 +107,19 @@ class XFormersBackend(AttentionBackend):
                                         output_size=num_history_keys)
         position = torch.arange(num_history_keys, device=device) - first_key[block]
         slot = first_slot[block] + position
-        attn_bias = None
-        if num_blocks:
-            attn_bias = self._mask_cls.from_seqlens(q_len.tolist(), kv_len.tolist(), device=device)
-        return XFormersMetadata(
-            common, attn_bias, int(kv_len.sum()), history_dest=kv_start_t[block] + position,
-            history_page=common.kv_indices.long()[slot // common.page_size], history_entry=slot % common.page_size,
-            own_dest=own_dest, own_rows=own_rows,
-        )
+        attn_bias = self._mask_cls.from_seqlens(q_len.tolist(), kv_len.tolist(), device=device) if num_blocks else None
+        return XFormersMetadata(common, attn_bias, int(kv_len.sum()), kv_start_t[block] + position,
+                                common.kv_indices.long()[slot // common.page_size], slot % common.page_size,
+                                own_dest, own_rows)
 
-    def append_kv(
-        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: XFormersMetadata
-    ) -> None:
-        """Write the new history rows' K/V into their pages (tensor indexing, FlashInfer's slot formula).
+    def append_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  metadata: XFormersMetadata) -> None:
+        write_appended(kv_cache, key, value, metadata.common.append_pages, metadata.common.append_entries)
 
-        Args:
-            kv_cache: one layer's cache ``[num_pages, 2, page_size, H, D]`` (NHD), written in place.
-            key: ``[N, H, D]`` K of the new history rows, in ``history_rows`` order, ``kv_cache``'s dtype.
-            value: ``[N, H, D]`` V of the new history rows.
-            metadata: what :meth:`build_metadata` returned for this step.
-        """
-        c = metadata.common
-        page_size = kv_cache.shape[2]
-        slot = c.kv_indptr.long()[c.append_batch_indices.long()] * page_size + c.append_positions.long()
-        page, entry = c.kv_indices.long()[slot // page_size], slot % page_size
-        kv_cache[page, 0, entry] = key
-        kv_cache[page, 1, entry] = value
-
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-        metadata: XFormersMetadata, time_bias: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Softmax attention of every row (after :meth:`append_kv` for this layer).
-
-        Args:
-            q, k, v: ``[T, H, D]`` fp16/bf16 projections of all rows, last dim contiguous.
-            kv_cache: ``[num_pages, 2, page_size, H, D]`` (NHD) in ``q``'s dtype.
-            metadata: what :meth:`build_metadata` returned for this step.
-
-        Returns:
-            ``[T, H, D]`` in ``q``'s dtype: ``softmax(alpha q.k) v`` over each row's allowed keys.
-        """
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               metadata: XFormersMetadata, time_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`AttentionBackend.attend` (``q``, ``k``, ``v``: last dim contiguous): ``softmax(alpha q.k) v``
+        over each row's allowed keys."""
         m = metadata
         if m.attn_bias is None:
             return torch.empty_like(q)

@@ -603,7 +603,7 @@ def test_gpu_steps_of_any_shape_share_one_compiled_kernel():
                     reason="needs CUDA or the interpreter")
 @pytest.mark.parametrize("head_major_cache", [False, True])
 def test_append_kernel_equals_indexed_writes(head_major_cache):
-    from attention_backends.hstu_triton_append import append_rows
+    from attention_backends.hstu_triton_kernels import append_rows
     from attention_backends.paged import write_appended
 
     gen = torch.Generator().manual_seed(4)

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from attention_backends.paged import (
-    append_paged_kv_cache,
-    get_batch_indices_positions,
-    get_seq_lens,
-    padded_block_table,
-)
+from attention_backends.base import layout_arrays
+from attention_backends.paged import append_paged_kv_cache, get_seq_lens, padded_block_table
+
+
+def append_indices(seq_lens: torch.Tensor, append_lens: list[int], kv_indptr: torch.Tensor, page_size: int):
+    """FlashInfer's ``get_batch_indices_positions`` of the appends (the last ``append_lens[b]`` tokens of each
+    request), as :func:`layout_arrays` resolves them: ``(batch_indices, positions)``, int32 ``[nnz]``."""
+    hist = np.asarray(append_lens)
+    arrays = layout_arrays(seq_lens.numpy() - hist, hist, np.zeros_like(hist), kv_indptr.numpy(),
+                           np.arange(int(kv_indptr[-1])), page_size)
+    return (torch.from_numpy(arrays[k]).to(torch.int32) for k in ("append_batch_indices", "append_positions"))
 
 
 def test_batch_indices_positions_docstring_example():
     # FlashInfer's documented example for get_batch_indices_positions.
-    append_indptr = torch.tensor([0, 1, 3, 6, 10], dtype=torch.int32)
     seq_lens = torch.tensor([5, 5, 5, 5], dtype=torch.int32)
-    batch, pos = get_batch_indices_positions(append_indptr, seq_lens, 10)
+    batch, pos = append_indices(seq_lens, [1, 2, 3, 4], torch.tensor([0, 1, 2, 3, 4]), 16)
     assert batch.tolist() == [0, 1, 1, 2, 2, 2, 3, 3, 3, 3]
     assert pos.tolist() == [4, 3, 4, 2, 3, 4, 1, 2, 3, 4]
 
@@ -32,11 +37,10 @@ def test_canonical_append_case():
     seq_lens = get_seq_lens(kv_indptr, kv_last_page_len, page_size)
     assert seq_lens.tolist() == lens
     nnz = sum(lens)
-    append_indptr = torch.tensor([0, 45, 53, 78, 100], dtype=torch.int32)
     key = torch.randn(nnz, heads, dim)
     value = torch.randn(nnz, heads, dim)
     cache = torch.zeros(8, 2, page_size, heads, dim)
-    batch, pos = get_batch_indices_positions(append_indptr, seq_lens, nnz)
+    batch, pos = append_indices(seq_lens, lens, kv_indptr, page_size)
     append_paged_kv_cache(key, value, batch, pos, cache, kv_indices, kv_indptr, kv_last_page_len)
     # The per-token check of FlashInfer's test: token j of request b lives at page kv_indices[...].
     row = 0
@@ -56,8 +60,7 @@ def test_append_into_shuffled_pages_and_partial_append():
     kv_indices = torch.tensor([7, 2, 0, 5, 3], dtype=torch.int32)
     kv_last = torch.tensor([3, 1], dtype=torch.int32)  # lengths 7 and 9
     seq_lens = get_seq_lens(kv_indptr, kv_last, page_size)
-    append_indptr = torch.tensor([0, 2, 5], dtype=torch.int32)  # last 2 of req 0, last 3 of req 1
-    batch, pos = get_batch_indices_positions(append_indptr, seq_lens, 5)
+    batch, pos = append_indices(seq_lens, [2, 3], kv_indptr, page_size)  # last 2 of req 0, last 3 of req 1
     assert pos.tolist() == [5, 6, 6, 7, 8]
     cache = torch.zeros(8, 2, page_size, 1, 1)
     key = torch.arange(1, 6, dtype=torch.float32).view(5, 1, 1)
@@ -88,8 +91,6 @@ def test_padded_block_table():
 def test_resolved_append_slots_equal_flashinfer_formula():
     """PagedBatchMetadata resolves each appended row's page and entry once per step on the host; writing
     through them equals FlashInfer's per-row formula."""
-    import numpy as np
-
     from attention_backends import PagedBatchMetadata
     from attention_backends.paged import write_appended
 

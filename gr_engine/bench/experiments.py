@@ -15,9 +15,9 @@ import torch
 
 from cache_engine import CacheConfig
 
-from ..engine import resolve_device
+from ..engine import GREngine, resolve_device
 from ..models import GRModel
-from .drift import score_drift
+from ..outputs import RankOutput
 from .runner import BenchRun, BenchSettings, cache_config, engine_config, unlimited_pages
 from .simulate import Simulations
 from .trace import Trace, fixed_length_trace, generate_trace
@@ -118,16 +118,49 @@ def _length_scan(settings: BenchSettings, model: GRModel) -> dict:
 
 
 def _score_drift(settings: BenchSettings, model: GRModel) -> dict:
-    """Cached-from-host scores against recomputed ones, host chunks in the KV dtype and in FP8
-    (:mod:`.drift`): 2 batches of users with ``drift_history``-event histories on a GPU budget of one batch."""
+    """How far scores cached from host chunks move from recomputed ones, per host chunk dtype (``kv``: the KV dtype,
+    and ``float8_e4m3fn``). Unlike the timed windows this serves real K/V: two batches of users with
+    ``drift_history``-event histories (:func:`~.trace.fixed_length_trace`), warm-up first and then in order, on a GPU
+    budget of one batch, so every returning user was evicted to the host tier in between and is served from host
+    chunks; the same requests through a ``recompute`` engine give the reference scores.
+
+    Returns per host dtype: ``max_abs`` and ``mean_abs`` score differences (logits) over the requests served from
+    host chunks, ``score_std`` (the reference scores' spread, for scale), ``max_rel`` (``max_abs / score_std``),
+    ``host_hit_ratio`` (history tokens loaded from host over all history tokens) and ``requests_from_host``."""
     bs = max(settings.batch_sizes)
     trace = fixed_length_trace(settings.trace, settings.drift_history, 2 * bs, settings.new_events)
     pages = bs * (-(-(settings.drift_history + 8 * settings.new_events) // settings.page_size) + 1)
     chunks = 2 * bs * -(-(settings.drift_history + 8 * settings.new_events) // settings.chunk_tokens)
     token_bytes = 2 * settings.model.num_layers * settings.model.num_heads * settings.model.head_dim * 4
-    cache = cache_config(settings, "hierarchical", num_gpu_pages=pages,
-                         host_budget_bytes=2 * chunks * settings.chunk_tokens * token_bytes)
-    return score_drift(engine_config(settings, cache, bs), trace, ("kv", "float8_e4m3fn"), model)
+    requests = [trace.rank_request(i) for i in range(len(trace.requests))]
+    history = sum(len(r.item_ids) for r in requests)
+
+    def serve(mode: str, **changes: object) -> list[RankOutput]:
+        cache = cache_config(settings, mode, num_gpu_pages=pages,
+                             host_budget_bytes=2 * chunks * settings.chunk_tokens * token_bytes, **changes)
+        with GREngine(engine_config(settings, cache, bs), model=model) as engine:
+            outputs = [o for start in range(0, len(requests), bs)
+                       for o in engine.rank(requests[start:start + bs], use_tqdm=False)]
+        failed = [o.error for o in outputs if o.error]
+        if failed:
+            raise RuntimeError(f"drift request failed: {failed[0]}")
+        return outputs
+
+    reference = [np.asarray(o.scores, dtype=np.float64) for o in serve("recompute")]
+    spread = float(np.std(np.concatenate([r.ravel() for r in reference])))
+    out: dict = {}
+    for host_dtype in ("kv", "float8_e4m3fn"):
+        outputs = serve("hierarchical", host_dtype=host_dtype)
+        from_host = [i for i, o in enumerate(outputs) if o.num_host_cached_tokens]
+        diffs = np.concatenate([np.abs(np.asarray(outputs[i].scores) - reference[i]).ravel() for i in from_host]
+                               or [np.zeros(0)])
+        out[host_dtype] = {
+            "max_abs": float(diffs.max(initial=0.0)), "mean_abs": float(diffs.mean()) if len(diffs) else 0.0,
+            "score_std": spread, "max_rel": float(diffs.max(initial=0.0)) / spread if spread else None,
+            "host_hit_ratio": sum(o.num_host_cached_tokens for o in outputs) / max(history, 1),
+            "requests_from_host": len(from_host),
+        }
+    return out
 
 
 def peak_h2d_GBps(device: str) -> float | None:

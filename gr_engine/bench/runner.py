@@ -1,19 +1,12 @@
-"""How ``gr-engine bench`` measures one engine over a trace (docs/design.md section 8): its settings, and
+"""How ``gr-engine bench`` measures one engine over a trace (docs/design.md section 8, "Method"): its settings, and
 :class:`BenchRun`; the experiments built from it are in :mod:`.experiments`.
 
-Each cache mode gets one engine (the paper's model: 8 layers, 4 heads x 128, d 512, bf16). Every user's first visit
-is served first (the warm-up, reported apart). The steady-state requests are then cut into ``window_strata`` equal
-stretches: the trace's load is not stationary (every user's first and last sessions bunch at its two ends), so one
-window in the middle would show hit ratios far above the whole trace's. Between strata, requests only move the cache
-state (the engine's scheduler and cache manager, each step's transfers waited for, no model): their K/V values are
-never computed, so the measured scores are meaningless but their timings, which do not depend on values, are not.
-At each stratum, for each batch size, the next ``window_requests / window_strata`` requests are served in
-closed-loop batches of that size and timed (after ``prime_batches`` unmeasured batches at the first stratum:
-compilation and graph capture). Whole-trace hit ratios come from :mod:`.simulate`.
-
-Before measured batches the long-lived objects (trace, cache records, engine) are moved out of the cyclic garbage
-collector's view (``gc.freeze()``, as a serving process does after start-up), so that no full collection lands inside
-a batch; the collector's pauses inside measured batches are still timed (``gc_ms_per_batch``).
+Between the measured windows, requests only move the cache state (:meth:`BenchRun.fast_forward`: the engine's
+scheduler and cache manager, no model), so their K/V values are never computed: the windows' scores are meaningless,
+their timings (which do not depend on values) are not. Before measured batches the long-lived objects (trace, cache
+records, engine) are moved out of the cyclic garbage collector's view (``gc.freeze()``, as a serving process does
+after start-up), so that no full collection, which scans every one of them, lands inside a batch; the collector's
+pauses inside measured batches are still timed (``gc_ms_per_batch``).
 """
 
 from __future__ import annotations
@@ -252,12 +245,13 @@ class BenchRun:
         self.cursor += count
 
     def windows(self, plan: list[tuple[int, bool]]) -> list[dict]:
-        """The measured windows, spread over the trace: at each of ``window_strata`` evenly spaced points of the
-        steady requests (the cache state fast-forwarded there; recompute mode has none and skips), for each
-        ``(batch_size, sync_phases)`` of ``plan`` in turn, ``window_requests / window_strata`` requests in
-        closed-loop batches of that size (``sync_phases``: device-synchronised phase times, for the per-step
-        breakdown), after ``prime_batches`` unmeasured batches at the first point. Returns each plan entry's
-        report over all strata."""
+        """The measured windows, spread over the trace (its load is not stationary: every user's first and last
+        sessions bunch at its two ends, so one window in the middle would show hit ratios far above the whole
+        trace's): at each of ``window_strata`` evenly spaced points of the steady requests (the cache state
+        fast-forwarded there; recompute mode has none and skips), for each ``(batch_size, sync_phases)`` of ``plan``
+        in turn, ``window_requests / window_strata`` requests in closed-loop batches of that size (``sync_phases``:
+        device-synchronised phase times, for the per-step breakdown), after ``prime_batches`` unmeasured batches
+        (compilation, graph capture) at the first point. Returns each plan entry's report over all strata."""
         settings, steady = self.settings, self.steady
         per = settings.window_requests // settings.window_strata
         if any(per % bs for bs, _ in plan) or per == 0:

@@ -100,23 +100,25 @@ class BenchSettings:
                 raise ValueError(f"the cache field {key!r} cannot be set for every engine: {BENCH_CACHE_FIELDS[key]}")
 
     def check_trace(self, trace: Trace) -> None:
-        """Raise ``ValueError`` if ``trace`` has too few steady-state requests for :meth:`BenchRun.windows` (every
-        stratum's windows, at each batch size and once more at the largest, plus the priming batches)."""
+        """Raise ``ValueError`` if ``trace`` has too few steady-state requests for the main run's windows (each batch
+        size, then the largest once more)."""
+        steady = len(trace.steady)
+        if not self.windows_fit(steady, [*self.batch_sizes, max(self.batch_sizes)]):
+            raise ValueError(f"the trace's {steady} steady-state requests ({self.trace.num_users} users) are too few "
+                             f"for the measured windows ({self.window_requests} requests per batch size over "
+                             f"{self.window_strata} stretches of the trace, plus priming): use more --users or a "
+                             f"smaller --window")
+
+    def windows_fit(self, steady: int, sizes: list[int], cursor: int = 0) -> bool:
+        """Whether :meth:`BenchRun.windows` at batch ``sizes``, from steady request ``cursor`` on, fits in ``steady``
+        steady-state requests: each stratum's windows (and the first's priming batches) end before the next starts."""
         per = self.window_requests // self.window_strata
-        plan = [*self.batch_sizes, max(self.batch_sizes)]
-        steady, cursor = len(trace.steady), 0
         for k in range(self.window_strata):
             start = k * steady // self.window_strata
             if start < cursor:
-                break
-            cursor = start + len(plan) * per + (self.prime_batches * sum(plan) if k == 0 else 0)
-        else:
-            if cursor <= steady:
-                return
-        raise ValueError(f"the trace's {steady} steady-state requests ({self.trace.num_users} users) are too few for "
-                         f"the measured windows ({self.window_requests} requests per batch size over "
-                         f"{self.window_strata} stretches of the trace, plus priming): use more --users or a smaller "
-                         f"--window")
+                return False
+            cursor = start + len(sizes) * per + (self.prime_batches * sum(sizes) if k == 0 else 0)
+        return cursor <= steady
 
 
 def quick_settings() -> BenchSettings:
@@ -256,11 +258,11 @@ class BenchRun:
         per = settings.window_requests // settings.window_strata
         if any(per % bs for bs, _ in plan) or per == 0:
             raise ValueError(f"window_requests / window_strata = {per} is not a multiple of every batch size")
+        if not settings.windows_fit(len(steady), [bs for bs, _ in plan], self.cursor):
+            raise ValueError("the trace has too few steady-state requests for the windows")
         phases = [Phase() for _ in plan]
         for k in range(settings.window_strata):
             start = k * len(steady) // settings.window_strata
-            if start < self.cursor:
-                raise ValueError("the trace has too few steady-state requests for the windows")
             if self.engine.config.cache.mode == "recompute":
                 self.cursor = start
             else:
@@ -268,8 +270,6 @@ class BenchRun:
             for (bs, sync), phase in zip(plan, phases, strict=True):
                 prime = settings.prime_batches * bs if k == 0 else 0
                 indices = steady[self.cursor:self.cursor + prime + per]
-                if len(indices) < prime + per:
-                    raise ValueError("the trace has too few steady-state requests for the windows")
                 self.cursor += len(indices)
                 self.engine.config = msgspec.structs.replace(self.engine.config, sync_phases=sync)
                 self._serve([self.trace.rank_request(i) for i in indices[:prime]], bs)

@@ -5,6 +5,7 @@ host probes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -12,11 +13,12 @@ import msgspec
 import numpy as np
 import torch
 
-from ..config import EngineConfig, SchedulerConfig
-from ..engine import resolve_device
+from cache_engine import CacheConfig
+
+from ..engine import GREngine, resolve_device
 from ..models import GRModel
-from .drift import score_drift
-from .runner import BenchRun, BenchSettings, cache_config, unlimited_pages
+from ..outputs import RankOutput
+from .runner import BenchRun, BenchSettings, cache_config, engine_config, unlimited_pages
 from .simulate import Simulations
 from .trace import Trace, fixed_length_trace, generate_trace
 
@@ -40,27 +42,26 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print,
     t0 = time.perf_counter()
     arena = host_arena(settings)  # pinned once, shared by every hierarchical engine of the run
     result["host_arena_pin_s"] = time.perf_counter() - t0
+    largest = max(settings.batch_sizes)
     for mode in settings.modes:
         pages = unlimited_pages(settings, trace) if mode == "unlimited" else settings.gpu_pages
-        run = BenchRun(settings, trace, cache_config(settings, mode, num_gpu_pages=pages), max(settings.batch_sizes),
-                       arena, model)
+        run = BenchRun(settings, trace, cache_config(settings, mode, num_gpu_pages=pages), largest, arena, model)
         entry = {"startup_s": run.startup_s, "gpu_pages": pages}
         if mode != "recompute":
             entry["warmup"] = run.warmup()
         entry.update(host_probes(device))  # this host's speed as the windows start
-        largest = max(settings.batch_sizes)
         reports = run.windows([(bs, False) for bs in settings.batch_sizes] + [(largest, True)])
+        run.close()
         entry["batch_sizes"] = dict(zip(settings.batch_sizes, reports, strict=False))
         entry["breakdown_bs8"] = reports[-1]
-        for bs in settings.batch_sizes:
-            e = entry["batch_sizes"][bs]
+        for bs, e in entry["batch_sizes"].items():
             echo(f"{mode:<12} bs={bs}: median {e['median_ms']:.2f} ms, mean {e['mean_ms']:.2f}, p99 {e['p99_ms']:.2f}, "
                  f"hit {e['total_hit_ratio']:.1%}")
-        run.close()
         result["modes"][mode] = entry
         checkpoint(result)
-    for key, name, values, modes in sweeps:
-        result[key] = _sweep(settings, trace, name, values, modes, arena, model)
+    for key, name, values, modes in sweeps:  # their policy simulations are added below
+        result[key] = {mode: {value: _window(settings, trace, cache_config(settings, mode, **{name: value}), arena,
+                                             model) for value in values} for mode in modes}
         checkpoint(result)
     result["lengths"] = _length_scan(settings, model)
     checkpoint(result)
@@ -87,54 +88,79 @@ def host_arena(settings: BenchSettings) -> torch.Tensor | None:
     return torch.empty(settings.host_budget_bytes, dtype=torch.uint8, pin_memory=True)
 
 
-def _sweep(settings: BenchSettings, trace: Trace, name: str, values: tuple[int, ...],
-           modes: tuple[str, ...], arena: torch.Tensor | None, model: GRModel) -> dict:
-    """Batch size 8 windows of ``modes`` with the cache setting ``name`` at each of ``values`` (their policy
-    simulations are added later)."""
-    out: dict = {}
+def _window(settings: BenchSettings, trace: Trace, cache: CacheConfig, arena: torch.Tensor | None = None,
+            model: GRModel | None = None) -> dict:
+    """The report of one engine with ``cache`` over ``trace``: warm-up, then :meth:`~.runner.BenchRun.windows` at
+    the largest batch size."""
     bs = max(settings.batch_sizes)
-    for mode in modes:
-        out[mode] = {}
-        for value in values:
-            cache = cache_config(settings, mode, **{name: value})
-            run = BenchRun(settings, trace, cache, bs, arena, model)
-            run.warmup()
-            out[mode][value] = run.windows([(bs, False)])[0]
-            run.close()
-    return out
+    run = BenchRun(settings, trace, cache, bs, arena, model)
+    run.warmup()
+    report, = run.windows([(bs, False)])
+    run.close()
+    return report
 
 
 def _length_scan(settings: BenchSettings, model: GRModel) -> dict:
-    """Latency against history length (``new_events`` new events per visit): recompute vs unlimited."""
+    """Latency against history length (``new_events`` new events per visit): recompute vs unlimited. Each length's
+    trace is one batch of users (:func:`~.trace.fixed_length_trace`); after the warm-up, one batch of their visits
+    primes and the rest are measured."""
     bs = max(settings.batch_sizes)
     out: dict = {}
     for mode in ("recompute", "unlimited"):
         out[mode] = {}
         for length in settings.lengths:
             trace = fixed_length_trace(settings.trace, length, bs, settings.new_events)
+            scan = dataclasses.replace(settings, batch_sizes=(bs,), window_requests=len(trace.steady) - bs,
+                                       window_strata=1, prime_batches=1)
             pages = bs * 2 * (-(-(length + 8 * settings.new_events) // settings.page_size))
-            run = BenchRun(settings, trace, cache_config(settings, mode, num_gpu_pages=pages), bs, model=model)
-            run.warmup()
-            out[mode][length] = run.window(bs, len(trace.steady) - bs, prime_batches=1)
-            run.close()
+            out[mode][length] = _window(scan, trace, cache_config(settings, mode, num_gpu_pages=pages), model=model)
     return out
 
 
 def _score_drift(settings: BenchSettings, model: GRModel) -> dict:
-    """Cached-from-host scores against recomputed ones, host chunks in the KV dtype and in FP8
-    (:mod:`.drift`): 2 batches of users with ``drift_history``-event histories on a GPU budget of one batch."""
+    """How far scores cached from host chunks move from recomputed ones, per host chunk dtype (``kv``: the KV dtype,
+    and ``float8_e4m3fn``). Unlike the timed windows this serves real K/V: two batches of users with
+    ``drift_history``-event histories (:func:`~.trace.fixed_length_trace`), warm-up first and then in order, on a GPU
+    budget of one batch, so every returning user was evicted to the host tier in between and is served from host
+    chunks; the same requests through a ``recompute`` engine give the reference scores.
+
+    Returns per host dtype: ``max_abs`` and ``mean_abs`` score differences (logits) over the requests served from
+    host chunks, ``score_std`` (the reference scores' spread, for scale), ``max_rel`` (``max_abs / score_std``),
+    ``host_hit_ratio`` (history tokens loaded from host over all history tokens) and ``requests_from_host``."""
     bs = max(settings.batch_sizes)
     trace = fixed_length_trace(settings.trace, settings.drift_history, 2 * bs, settings.new_events)
     pages = bs * (-(-(settings.drift_history + 8 * settings.new_events) // settings.page_size) + 1)
     chunks = 2 * bs * -(-(settings.drift_history + 8 * settings.new_events) // settings.chunk_tokens)
     token_bytes = 2 * settings.model.num_layers * settings.model.num_heads * settings.model.head_dim * 4
-    cache = cache_config(settings, "hierarchical", num_gpu_pages=pages,
-                         host_budget_bytes=2 * chunks * settings.chunk_tokens * token_bytes)
-    config = EngineConfig(model=settings.model, cache=cache, device=settings.device,
-                          attention_backend=settings.backend,
-                          scheduler=SchedulerConfig(max_num_seqs=bs,
-                                                    max_num_batched_tokens=settings.max_batched_tokens))
-    return score_drift(config, trace, ("kv", "float8_e4m3fn"), model)
+    requests = [trace.rank_request(i) for i in range(len(trace.requests))]
+    history = sum(len(r.item_ids) for r in requests)
+
+    def serve(mode: str, **changes: object) -> list[RankOutput]:
+        cache = cache_config(settings, mode, num_gpu_pages=pages,
+                             host_budget_bytes=2 * chunks * settings.chunk_tokens * token_bytes, **changes)
+        with GREngine(engine_config(settings, cache, bs), model=model) as engine:
+            outputs = [o for start in range(0, len(requests), bs)
+                       for o in engine.rank(requests[start:start + bs], use_tqdm=False)]
+        failed = [o.error for o in outputs if o.error]
+        if failed:
+            raise RuntimeError(f"drift request failed: {failed[0]}")
+        return outputs
+
+    reference = [np.asarray(o.scores, dtype=np.float64) for o in serve("recompute")]
+    spread = float(np.std(np.concatenate([r.ravel() for r in reference])))
+    out: dict = {}
+    for host_dtype in ("kv", "float8_e4m3fn"):
+        outputs = serve("hierarchical", host_dtype=host_dtype)
+        from_host = [i for i, o in enumerate(outputs) if o.num_host_cached_tokens]
+        diffs = np.concatenate([np.abs(np.asarray(outputs[i].scores) - reference[i]).ravel() for i in from_host]
+                               or [np.zeros(0)])
+        out[host_dtype] = {
+            "max_abs": float(diffs.max(initial=0.0)), "mean_abs": float(diffs.mean()) if len(diffs) else 0.0,
+            "score_std": spread, "max_rel": float(diffs.max(initial=0.0)) / spread if spread else None,
+            "host_hit_ratio": sum(o.num_host_cached_tokens for o in outputs) / max(history, 1),
+            "requests_from_host": len(from_host),
+        }
+    return out
 
 
 def peak_h2d_GBps(device: str) -> float | None:
@@ -154,9 +180,8 @@ def peak_h2d_GBps(device: str) -> float | None:
 
 
 def host_python_loop_us(rounds: int = 200) -> float:
-    """The host's speed at the engine's kind of work: median microseconds of a 1,000-step Python loop
-    (``sum(range(1000))``), over ``rounds`` rounds. The GPU machines' hosts differ by up to ~2x from one instance to
-    the next, which moves every host phase; this says which kind of instance a run had."""
+    """The host's speed at the engine's kind of work (:data:`~.report.HOST_PROBES`): median microseconds of a
+    1,000-step Python loop (``sum(range(1000))``) over ``rounds`` rounds."""
     times = []
     for _ in range(rounds):
         t0 = time.perf_counter()
@@ -165,17 +190,10 @@ def host_python_loop_us(rounds: int = 200) -> float:
     return float(np.median(times)) * 1e6
 
 
-def host_probes(device: torch.device) -> dict[str, float]:
-    """This host's speed now (:data:`~.report.HOST_PROBES`): ``host_python_loop_us`` (:func:`host_python_loop_us`)
-    and ``host_torch_op_us`` (:func:`host_torch_op_us` on ``device``)."""
-    return {"host_python_loop_us": host_python_loop_us(), "host_torch_op_us": host_torch_op_us(device)}
-
-
 def host_torch_op_us(device: torch.device, rounds: int = 50, calls: int = 20) -> float:
-    """The host's speed at CUDA calls: median microseconds of one small torch operation on ``device`` (``add_`` on
-    1,024 floats: on CUDA an asynchronous kernel launch, the device synchronised between rounds of ``calls``). Two
-    instances whose Python loops ran at the same speed spent ~1.5x apart in the onload phase, which is mostly driver
-    calls (``benchmarks/results/README.md``): this says how fast this instance's are."""
+    """The host's speed at CUDA calls (:data:`~.report.HOST_PROBES`): median microseconds of one small torch operation
+    on ``device`` (``add_`` on 1,024 floats: on CUDA an asynchronous kernel launch, the device synchronised between
+    rounds of ``calls``)."""
     small = torch.zeros(1024, device=device)
     times = []
     for _ in range(rounds):
@@ -190,8 +208,14 @@ def host_torch_op_us(device: torch.device, rounds: int = 50, calls: int = 20) ->
     return float(np.median(times)) * 1e6
 
 
+def host_probes(device: torch.device) -> dict[str, float]:
+    """This host's speed now (:data:`~.report.HOST_PROBES`): ``host_python_loop_us`` (:func:`host_python_loop_us`)
+    and ``host_torch_op_us`` (:func:`host_torch_op_us` on ``device``)."""
+    return {"host_python_loop_us": host_python_loop_us(), "host_torch_op_us": host_torch_op_us(device)}
+
+
 def _settings_dict(settings: BenchSettings) -> dict:
-    out = {k: getattr(settings, k) for k in settings.__dataclass_fields__ if k not in ("model", "trace")}
-    out["model"] = msgspec.to_builtins(settings.model)
-    out["trace"] = {k: getattr(settings.trace, k) for k in settings.trace.__dataclass_fields__}
-    return out
+    """``settings`` as JSON-able values, its model and trace last."""
+    out = msgspec.to_builtins(settings)
+    return {**{k: v for k, v in out.items() if k not in ("model", "trace")}, "model": out["model"],
+            "trace": out["trace"]}

@@ -1,52 +1,47 @@
 """A trace from the real KuaiRand-1K log files, for users who have them (no download is attempted).
 
-The logs (``log_standard_4_08_to_4_21_1k.csv``, ``log_standard_4_22_to_5_08_1k.csv``) hold one
-interaction per row with, among others, ``user_id``, ``video_id``, ``time_ms`` and eight binary signals.
-As in NVIDIA's preprocessing, the signals become an action bitmask (``is_click`` = 1 ... ``is_profile_enter``
-= 128), each user's events are sorted by time and cut into requests at 60-second intervals, and every
-request's history is everything up to its interval's end. Events before ``window_start_ms`` form each
-user's first visit (the warm-up); later intervals are the steady state.
+As in NVIDIA's preprocessing, each interaction's eight binary signals become an action bitmask (:data:`SIGNALS`),
+each user's events are sorted by time and cut into requests at 60-second intervals, and every request's history is
+everything up to its interval's end.
 """
 
 from __future__ import annotations
 
 import csv
-from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
 from .trace import Trace, TraceConfig, TraceRequest, UserEvents
 
+#: Action bits, lowest first (``is_click`` = 1 ... ``is_profile_enter`` = 128): KuaiRand's binary feedback columns.
 SIGNALS = ("is_click", "is_like", "is_follow", "is_comment", "is_forward", "is_hate", "long_view",
            "is_profile_enter")
-"""Action bits, lowest first (the bitmask of KuaiRand's eight binary feedback columns)."""
 
 
-def _read_columns(path: Path, columns: Iterable[str]) -> dict[str, np.ndarray]:
+def _read_columns(path: Path, columns: list[str]) -> dict[str, np.ndarray]:
     """The named integer columns of one CSV file (pyarrow when installed, else the csv module)."""
-    columns = list(columns)
     try:
         import pyarrow.csv as pacsv
     except ImportError:
-        pacsv = None
-    if pacsv is not None:
-        table = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(include_columns=columns))
-        return {c: table[c].to_numpy(zero_copy_only=False).astype(np.int64) for c in columns}
-    with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
-    return {c: np.array([int(float(r[c] or 0)) for r in rows], dtype=np.int64) for c in columns}
+        with path.open(newline="") as f:
+            rows = list(csv.DictReader(f))
+        return {c: np.array([int(float(r[c] or 0)) for r in rows], dtype=np.int64) for c in columns}
+    table = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(include_columns=columns))
+    return {c: table[c].to_numpy(zero_copy_only=False).astype(np.int64) for c in columns}
 
 
 def load_kuairand(paths: list[str | Path], *, window_start_ms: int | None = None, num_items: int = 1_000_000,
                   num_candidates: int = 100, interval_s: int = 60, max_history_len: int = 20_000,
                   seed: int = 0) -> Trace:
-    """Build a :class:`~gr_engine.bench.trace.Trace` from KuaiRand-1K log CSVs.
+    """Build a :class:`~gr_engine.bench.trace.Trace` from KuaiRand-1K log CSVs (``log_standard_4_08_to_4_21_1k.csv``,
+    ``log_standard_4_22_to_5_08_1k.csv``: one interaction per row, with ``user_id``, ``video_id``, ``time_ms`` and
+    the :data:`SIGNALS` among others).
 
     Args:
         paths: the log files (any subset; rows from all are merged).
-        window_start_ms: events before this time are each user's first visit; default: the time that
-            leaves the last 20% of all events to the steady state.
+        window_start_ms: events before this time are each user's first visit (the warm-up; later intervals are
+            the steady state); default: the time that leaves the last 20% of all events to the steady state.
         num_items: video ids are folded into ``[0, num_items)`` (``video_id % num_items``) to fit the
             model's vocabulary.
         num_candidates: random candidates per request.
@@ -56,7 +51,7 @@ def load_kuairand(paths: list[str | Path], *, window_start_ms: int | None = None
     """
     data: dict[str, list[np.ndarray]] = {}
     for path in paths:
-        for name, column in _read_columns(Path(path), ("user_id", "video_id", "time_ms", *SIGNALS)).items():
+        for name, column in _read_columns(Path(path), ["user_id", "video_id", "time_ms", *SIGNALS]).items():
             data.setdefault(name, []).append(column)
     cols = {name: np.concatenate(parts) for name, parts in data.items()}
     if not len(cols["user_id"]):

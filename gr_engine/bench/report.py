@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -22,10 +21,14 @@ HOST_PROBES = {
 }
 
 
+#: The summary's latency maps (mode -> batch size -> ms) and the statistic of :func:`latency_stats` each holds.
+LATENCY_KEYS = (("latency_ms", "median"), ("latency_mean_ms", "mean"), ("latency_p99_ms", "p99"))
+
+
 def latency_stats(entry: dict) -> dict[str, float | None]:
-    """A window report's batch latency statistics (ms): ``median``, ``mean`` and ``p99`` (99th percentile). Each is
-    the report's own field (``median_ms``, ``mean_ms``, ``p99_ms``) when it has one, else computed from its per-batch
-    latencies (``batch_latency_ms``: results written before the mean and p99 were stored); ``None`` without either."""
+    """A window report's batch latency statistics (ms): ``median``, ``mean`` and ``p99``, each the report's own field
+    (``median_ms``, ``mean_ms``, ``p99_ms``) or, in results written before those were stored, computed from its
+    ``batch_latency_ms``; ``None`` without either."""
     stats = {"median": entry.get("median_ms"), "mean": entry.get("mean_ms"), "p99": entry.get("p99_ms")}
     per_batch = entry.get("batch_latency_ms")
     if per_batch:
@@ -36,9 +39,9 @@ def latency_stats(entry: dict) -> dict[str, float | None]:
 
 
 def summarize(result: dict, bs: int = 8) -> dict:
-    """The headline numbers (``summary.json``) at batch size ``bs``: latencies (median, mean and p99 maps), speedups
-    over recompute by mean batch latency (what throughput sees) and by median, hit ratios, bound ratio, CPU overhead
-    of steps 1-7 and of intake."""
+    """The headline numbers (``summary.json``) at batch size ``bs``: latencies (:data:`LATENCY_KEYS`), speedups over
+    recompute by mean batch latency (what throughput sees) and by median, hit ratios, bound ratios, host probes, CPU
+    overhead of steps 1-7 and of intake."""
     modes = result["modes"]
     stats = {m: {b: latency_stats(e) for b, e in v["batch_sizes"].items()} for m, v in modes.items()}
 
@@ -48,7 +51,7 @@ def summarize(result: dict, bs: int = 8) -> dict:
     summary = {"gpu": result.get("gpu"), "commit": result.get("commit"), "command": result.get("command")}
     if result.get("report_command"):  # the report was rebuilt from a saved bench.json by this command
         summary["report_command"] = result["report_command"]
-    for key, statistic in (("latency_ms", "median"), ("latency_mean_ms", "mean"), ("latency_p99_ms", "p99")):
+    for key, statistic in LATENCY_KEYS:
         summary[key] = {m: {b: e[statistic] for b, e in v.items()} for m, v in stats.items()}
     for name, mode in (("speedup_bs8", "hierarchical"), ("unlimited_speedup_bs8", "unlimited")):
         for suffix, statistic in (("_mean", "mean"), ("", "median")):  # by mean first: batch latencies are heavy-tailed
@@ -57,7 +60,7 @@ def summarize(result: dict, bs: int = 8) -> dict:
                 summary[name + suffix] = rec / other
     if latency("hierarchical", "p99") is not None:
         summary["hier_p99_ms_bs8"] = latency("hierarchical", "p99")
-    rec, hier, unl = latency("recompute", "median"), latency("hierarchical", "median"), latency("unlimited", "median")
+    hier, unl = latency("hierarchical", "median"), latency("unlimited", "median")
     if "hierarchical" in modes:
         entry = modes["hierarchical"]["batch_sizes"][bs]
         summary["total_hit_ratio_bs8"] = entry["total_hit_ratio"]
@@ -74,10 +77,9 @@ def summarize(result: dict, bs: int = 8) -> dict:
         fit = latency_fit(entry)
         if fit is not None:
             summary["hier_fit_bs8"] = {"intercept_ms": fit[0], "GBps": fit[1]}
-        # Host time of steps 1-7 (docs/design.md section 3) that is pure CPU work (HOST_PHASES): forward and score also
-        # wait for the device. Its median over batches, as for latencies; the mean (heavier batches, e.g. new
-        # users' prefills, weigh in) next to it. Intake (validating and hashing arriving requests) comes before
-        # step 1: reported apart.
+        # Host time of steps 1-7 (docs/design.md section 3) that is pure CPU work (HOST_PHASES; forward and score
+        # also wait for the device): its median over batches, and the mean. Intake (validating and hashing arriving
+        # requests) comes before step 1: reported apart.
         host = entry.get("host_ms_per_batch", {})
         phases = entry["phase_ms_per_batch"]
         summary["overhead_ms_bs8"] = host.get("median")
@@ -169,55 +171,51 @@ def latency_fit(hier: dict, min_bytes: int = 20_000_000) -> tuple[float, float] 
 
 
 def markdown(result: dict) -> str:
-    """The paper's tables for ``result``."""
+    """The paper's tables for ``result`` (``bench.md``)."""
     modes = result["modes"]
     sizes = sorted({int(b) for m in modes.values() for b in m["batch_sizes"]})
-    summary = summarize(result, max(sizes))
+    bs = max(sizes)
+    summary = summarize(result, bs)
     lines = [f"# gr-engine benchmark ({result.get('gpu')}, commit {result.get('commit')})", "",
              f"Command: `{result.get('command')}`"]
     if result.get("report_command"):
         lines += ["", f"Report rebuilt from the run's bench.json by `{result['report_command']}`."]
-    lines += _headline(summary, max(sizes))
+    lines += _headline(summary, bs)
     lines += ["", "## Table 1: latency and hit ratios", "",
               "Batch latency in ms: median, mean and 99th percentile over the measured batches (heavy-tailed: a few "
               "batches onload far more than the rest). Speedup over recompute by mean latency (what throughput sees), "
-              "then by median.", "",
-              "| mode | BS | median ms | mean ms | p99 ms | speedup (mean) | speedup (median) | GPU hit | total hit |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    recompute = modes.get("recompute", {}).get("batch_sizes", {})
-    base = {b: latency_stats(recompute[b]) if b in recompute else {} for b in sizes}
+              "then by median.", ""]
+    rows = []
     for name, entry in modes.items():
         for b in sizes:
             e = entry["batch_sizes"][b]
-            stats = latency_stats(e)
-            speed = [f"{base[b][k] / stats[k]:.2f}x" if base[b].get(k) and stats[k] else "-"
-                     for k in ("mean", "median")]
-            lines.append(f"| {name} | {b} | {_ms(stats['median'])} | {_ms(stats['mean'])} | {_ms(stats['p99'])} | "
-                         f"{speed[0]} | {speed[1]} | {e['gpu_hit_ratio']:.1%} | {e['total_hit_ratio']:.1%} |")
+            speedups = [_speedup(summary[key], name, b) for key in ("latency_mean_ms", "latency_ms")]
+            rows.append([name, b, *(_ms(summary[key][name][b]) for key, _ in LATENCY_KEYS), *speedups,
+                         f"{e['gpu_hit_ratio']:.1%}", f"{e['total_hit_ratio']:.1%}"])
+    lines += _table(["mode", "BS", "median ms", "mean ms", "p99 ms", "speedup (mean)", "speedup (median)", "GPU hit",
+                     "total hit"], rows)
     if "hier_over_bound_bs8" in summary:
         per_batch = summary.get("hier_over_batch_bound_bs8")
-        lines += ["", f"Hierarchical at BS={max(sizes)}: {summary['hier_over_bound_bs8']:.2f}x its bound (median "
+        lines += ["", f"Hierarchical at BS={bs}: {summary['hier_over_bound_bs8']:.2f}x its bound (median "
                   "latency over the larger of unlimited's median and the mean onloaded bytes at the pinned copy peak, "
                   f"{result['peak_pinned_h2d_GBps']:.1f} GB/s)"
                   + (f"; batch by batch (each batch's latency over its own bound), median {per_batch:.2f}x."
                      if per_batch is not None else ".")]
     if "hier_all_windows_bs8" in summary:
         pooled = summary["hier_all_windows_bs8"]
-        lines += ["", f"Over every window of hierarchical at BS={max(sizes)} and the default configuration (this "
+        lines += ["", f"Over every window of hierarchical at BS={bs} and the default configuration (this "
                   f"table's, Table 3's and Table 6's: {pooled['batches']} batches of the trace): median "
                   f"{pooled['median_ms']:.2f} ms, {pooled['over_bound']:.2f}x its bound."]
-        windows = default_config_windows(result, max(sizes))
-        unlimited = modes["unlimited"]["batch_sizes"][max(sizes)]["median_ms"]
+        unlimited = modes["unlimited"]["batch_sizes"][bs]["median_ms"]
         lines += ["", f"The same batches by onloaded bytes (unlimited's median: {unlimited:.2f} ms; excess: latency "
-                  "over the bytes' time at the copy peak, batch by batch):", "",
-                  "| onloaded MB | batches | latency ms | bytes at peak ms | excess ms |", "|---|---|---|---|---|"]
-        for row in by_onloaded_bytes(windows, result["peak_pinned_h2d_GBps"]):
-            low, high = row["mb"]
-            lines.append(f"| {low:g}-{high:g} | {row['batches']} | {row['latency_ms']:.2f} | "
-                         f"{row['bytes_at_peak_ms']:.2f} | {row['excess_ms']:.2f} |")
+                  "over the bytes' time at the copy peak, batch by batch):", ""]
+        rows = by_onloaded_bytes(default_config_windows(result, bs), result["peak_pinned_h2d_GBps"])
+        lines += _table(["onloaded MB", "batches", "latency ms", "bytes at peak ms", "excess ms"],
+                        [[f"{r['mb'][0]:g}-{r['mb'][1]:g}", r["batches"], f"{r['latency_ms']:.2f}",
+                          f"{r['bytes_at_peak_ms']:.2f}", f"{r['excess_ms']:.2f}"] for r in rows])
     if "hier_fit_bs8" in summary:
         fit = summary["hier_fit_bs8"]
-        lines += ["", f"Hierarchical batches at BS={max(sizes)} that onloaded at least 20 MB: latency ~ "
+        lines += ["", f"Hierarchical batches at BS={bs} that onloaded at least 20 MB: latency ~ "
                   f"{fit['intercept_ms']:.2f} ms + bytes / {fit['GBps']:.1f} GB/s (least squares; the rate is what "
                   "onloads cost a batch per byte)."]
     for probe, (what, note) in HOST_PROBES.items():
@@ -230,50 +228,59 @@ def markdown(result: dict) -> str:
     lines += ["", "Whole-trace hit ratios (policy simulation, same cache code, no model):", ""]
     lines += [f"- {k}: GPU {v['gpu_hit_ratio']:.2%}, total {v['total_hit_ratio']:.2%}"
               for k, v in result["simulated"].items()]
-    lines += ["", "## Table 2: per-step breakdown at the largest batch (ms per step, device-synchronised)", "",
-              "| mode | " + " | ".join(PHASES) + " |", "|---|" + "---|" * len(PHASES)]
-    for name, entry in modes.items():
-        phases = entry["breakdown_bs8"]["phase_ms_per_step"]
-        lines.append(f"| {name} | " + " | ".join(f"{phases.get(p, 0):.3f}" for p in PHASES) + " |")
-    largest = max(sizes)
-    lines += ["", f"Host time per batch at BS={largest} (not synchronised: forward and score include waiting for the "
+    lines += ["", "## Table 2: per-step breakdown at the largest batch (ms per step, device-synchronised)", ""]
+    lines += _table(["mode", *PHASES], [[name, *_phase_cells(entry["breakdown_bs8"]["phase_ms_per_step"])]
+                                        for name, entry in modes.items()])
+    lines += ["", f"Host time per batch at BS={bs} (not synchronised: forward and score include waiting for the "
               "device; gc: the garbage collector's pauses inside the batches; steps 1-7: schedule to commit without "
-              "forward and score, per batch):", "",
-              "| mode | " + " | ".join(PHASES) + " | gc | steps 1-7: median / mean |",
-              "|---|" + "---|" * (len(PHASES) + 2)]
+              "forward and score, per batch):", ""]
+    rows = []
     for name, entry in modes.items():
-        e = entry["batch_sizes"][largest]
-        phases, host = e["phase_ms_per_batch"], e.get("host_ms_per_batch", {})
+        e = entry["batch_sizes"][bs]
+        host = e.get("host_ms_per_batch", {})
         spread = " / ".join("-" if host.get(k) is None else f"{host[k]:.3f}" for k in ("median", "mean"))
-        lines.append(f"| {name} | " + " | ".join(f"{phases.get(p, 0):.3f}" for p in PHASES)
-                     + f" | {e.get('gc_ms_per_batch', 0):.3f} | {spread} |")
+        rows.append([name, *_phase_cells(e["phase_ms_per_batch"]), f"{e.get('gc_ms_per_batch', 0):.3f}", spread])
+    lines += _table(["mode", *PHASES, "gc", "steps 1-7: median / mean"], rows)
     for title, key in (("Table 3: chunk size", "chunk_sweep"), ("Table 6: GPU budget (pages)", "budget_sweep")):
-        lines += ["", f"## {title}", "",
-                  "| mode | value | median ms | mean ms | p99 ms | total hit (window) | total hit (whole trace) |",
-                  "|---|---|---|---|---|---|---|"]
-        for mode, values in result.get(key, {}).items():
-            for value, e in values.items():
-                stats = latency_stats(e)
-                lines.append(f"| {mode} | {value} | {_ms(stats['median'])} | {_ms(stats['mean'])} | "
-                             f"{_ms(stats['p99'])} | {e['total_hit_ratio']:.1%} | "
-                             f"{e['simulated']['total_hit_ratio']:.2%} |")
+        lines += ["", f"## {title}", ""]
+        lines += _table(["mode", "value", "median ms", "mean ms", "p99 ms", "total hit (window)",
+                         "total hit (whole trace)"],
+                        [[mode, value, *_latency_cells(e), f"{e['total_hit_ratio']:.1%}",
+                          f"{e['simulated']['total_hit_ratio']:.2%}"]
+                         for mode, values in result.get(key, {}).items() for value, e in values.items()])
     scan = result.get("lengths", {})
     lines += ["", "## Latency against history length (fixed new events per visit)", "",
-              "Batch latency in ms: median / mean / p99.", "",
-              "| history | " + " | ".join(scan) + " |", "|---|" + "---|" * len(scan)]
-    for length in next(iter(scan.values()), {}):
-        cells = [latency_stats(scan[m][length]) for m in scan]
-        lines.append(f"| {length} | " + " | ".join(" / ".join(_ms(c[k]) for k in ("median", "mean", "p99"))
-                                                   for c in cells) + " |")
+              "Batch latency in ms: median / mean / p99.", ""]
+    lines += _table(["history", *scan], [[length, *(" / ".join(_latency_cells(scan[m][length])) for m in scan)]
+                                         for length in next(iter(scan.values()), {})])
     if "score_drift" in result:
-        lines += ["", "## Score drift of host chunks (requests served from host, against recompute)", "",
-                  "| host dtype | max abs | mean abs | max / score std | host hit | requests |",
-                  "|---|---|---|---|---|---|"]
-        for dtype, d in result["score_drift"].items():
-            rel = f"{d['max_rel']:.2%}" if d["max_rel"] is not None else "-"
-            lines.append(f"| {dtype} | {d['max_abs']:.3g} | {d['mean_abs']:.3g} | {rel} | {d['host_hit_ratio']:.1%} | "
-                         f"{d['requests_from_host']} |")
+        lines += ["", "## Score drift of host chunks (requests served from host, against recompute)", ""]
+        lines += _table(["host dtype", "max abs", "mean abs", "max / score std", "host hit", "requests"],
+                        [[dtype, f"{d['max_abs']:.3g}", f"{d['mean_abs']:.3g}",
+                          "-" if d["max_rel"] is None else f"{d['max_rel']:.2%}", f"{d['host_hit_ratio']:.1%}",
+                          d["requests_from_host"]] for dtype, d in result["score_drift"].items()])
     return "\n".join(lines) + "\n"
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    """A Markdown table's lines: ``header``, then each row's cells (formatted already, or ``str()``-ed)."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows)]
+
+
+def _phase_cells(phases: dict[str, float]) -> list[str]:
+    return [f"{phases.get(p, 0):.3f}" for p in PHASES]
+
+
+def _latency_cells(entry: dict) -> list[str]:
+    stats = latency_stats(entry)
+    return [_ms(stats[k]) for k in ("median", "mean", "p99")]
+
+
+def _speedup(latency: dict, mode: str, bs: int) -> str:
+    """Recompute's latency over ``mode``'s at batch size ``bs`` (``latency``: one of the summary's latency maps)."""
+    base, own = latency.get("recompute", {}).get(bs), latency[mode][bs]
+    return f"{base / own:.2f}x" if base and own else "-"
 
 
 def _ms(value: float | None) -> str:
@@ -330,11 +337,10 @@ def unwritable(out: Path, overwrite: bool) -> str | None:
     return None
 
 
-def write_results(result: dict, out: Path, raw: bool = True,
-                  echo: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> list[Path]:
+def write_results(result: dict, out: Path, raw: bool = True) -> list[Path]:
     """Write ``bench.json`` (unless not ``raw``: a report rebuilt from a saved one leaves it as it is), ``bench.md``,
-    ``summary.json`` and, with matplotlib, ``bench.png`` into ``out``; without matplotlib ``echo`` says that no plot
-    was written and how to install it. Returns the paths written."""
+    ``summary.json`` and, with matplotlib, ``bench.png`` into ``out`` (without, a warning on stderr says how to get
+    it). Returns the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "bench.md", out / "summary.json"]
     if raw:
@@ -345,8 +351,8 @@ def write_results(result: dict, out: Path, raw: bool = True,
     if plot(result, out / "bench.png"):
         paths.append(out / "bench.png")
     else:
-        echo('warning: matplotlib is not installed, so no plot (bench.png) was written; pip install ".[bench]" '
-             "to get it")
+        print('warning: matplotlib is not installed, so no plot (bench.png) was written; pip install ".[bench]" '
+              "to get it", file=sys.stderr)
     return paths
 
 

@@ -1,31 +1,12 @@
-"""How ``gr-engine bench`` measures one engine over a trace (docs/design.md section 8): its settings, and
+"""How ``gr-engine bench`` measures one engine over a trace (docs/design.md section 8, "Method"): its settings, and
 :class:`BenchRun`; the experiments built from it are in :mod:`.experiments`.
 
-For each cache mode one engine is built (the paper's model: 8 layers, 4 heads x 128, d 512, bf16), then:
-
-1. **Warm-up**: every user's first visit (the history so far) is encoded; timed and reported apart.
-2. **Strata**: the steady-state requests are cut into ``window_strata`` equal stretches of the trace. The
-   trace's load is not stationary (every user's first and last sessions bunch at its two ends, where the
-   working set exceeds any GPU budget), so one window in the middle would show hit ratios far above the
-   whole trace's; measuring a little of every stretch gives the whole trace's mix.
-3. **Fast-forward**: between strata, requests only move the cache state (the engine's own scheduler and
-   cache manager, each step's transfers waited for, but no model), so that each stratum sees the cache state of
-   that point of the trace without the time of serving all of it. Their K/V values are not computed: the
-   measured scores are meaningless, their timings are not (they do not depend on values). Correctness of
-   cached scores is the test suite's job.
-4. **Windows**: at each stratum, for each batch size in turn, the next ``window_requests / window_strata``
-   requests are served in closed-loop batches of that size (after ``prime_batches`` unmeasured batches at
-   the first stratum: compilation and graph capture); each batch's latency (and their median, mean and 99th
-   percentile over all strata), hit ratios and bytes moved are recorded. Hit ratios over the whole trace come from
-   :func:`~gr_engine.bench.simulate.simulate_policy` (same code, no model).
-
-The sweeps over chunk size and GPU budget, and latency against history length at a fixed number of new
-events (:mod:`.experiments`), follow the same pattern.
-
-Before measured batches the process's long-lived objects (trace, cache records, engine) are moved out of the
-cyclic garbage collector's view (``gc.freeze()``, as a serving process does after start-up): otherwise a full
-collection, which scans every one of them, lands inside some batch. The collector's pauses during measured
-batches are still timed and reported (``gc_ms_per_batch``).
+Between the measured windows, requests only move the cache state (:meth:`BenchRun.fast_forward`: the engine's
+scheduler and cache manager, no model), so their K/V values are never computed: the windows' scores are meaningless,
+their timings (which do not depend on values) are not. Before measured batches the long-lived objects (trace, cache
+records, engine) are moved out of the cyclic garbage collector's view (``gc.freeze()``, as a serving process does
+after start-up), so that no full collection, which scans every one of them, lands inside a batch; the collector's
+pauses inside measured batches are still timed (``gc_ms_per_batch``).
 """
 
 from __future__ import annotations
@@ -85,8 +66,8 @@ class BenchSettings:
     host_dtype: str = "float8_e4m3fn"  # half the PCIe bytes; the score drift it causes is measured
     cache: tuple[tuple[str, object], ...] = ()  # other cache fields, set for every engine (``--cache KEY=VALUE``)
     max_batched_tokens: int = 163_840  # a batch of 8 whole histories (up to 20,000 events) in one step
-    # 60 batches of 8 per mode: with 30, the median of hierarchical's heavy-tailed batch latencies moved 5% between
-    # two runs whose batch latencies summed to within 0.3% (benchmarks/results/README.md, the bench history)
+    # 60 batches of 8 per mode: fewer leave the median of the heavy-tailed batch latencies unsteady between runs
+    # (benchmarks/results/README.md)
     window_requests: int = 480
     window_strata: int = 10
     chunk_sweep: tuple[int, ...] = (512, 1024, 2048, 4096)
@@ -119,23 +100,25 @@ class BenchSettings:
                 raise ValueError(f"the cache field {key!r} cannot be set for every engine: {BENCH_CACHE_FIELDS[key]}")
 
     def check_trace(self, trace: Trace) -> None:
-        """Raise ``ValueError`` if ``trace`` has too few steady-state requests for :meth:`BenchRun.windows` (every
-        stratum's windows, at each batch size and once more at the largest, plus the priming batches)."""
+        """Raise ``ValueError`` if ``trace`` has too few steady-state requests for the main run's windows (each batch
+        size, then the largest once more)."""
+        steady = len(trace.steady)
+        if not self.windows_fit(steady, [*self.batch_sizes, max(self.batch_sizes)]):
+            raise ValueError(f"the trace's {steady} steady-state requests ({self.trace.num_users} users) are too few "
+                             f"for the measured windows ({self.window_requests} requests per batch size over "
+                             f"{self.window_strata} stretches of the trace, plus priming): use more --users or a "
+                             f"smaller --window")
+
+    def windows_fit(self, steady: int, sizes: list[int], cursor: int = 0) -> bool:
+        """Whether :meth:`BenchRun.windows` at batch ``sizes``, from steady request ``cursor`` on, fits in ``steady``
+        steady-state requests: each stratum's windows (and the first's priming batches) end before the next starts."""
         per = self.window_requests // self.window_strata
-        plan = [*self.batch_sizes, max(self.batch_sizes)]
-        steady, cursor = len(trace.steady), 0
         for k in range(self.window_strata):
             start = k * steady // self.window_strata
             if start < cursor:
-                break
-            cursor = start + len(plan) * per + (self.prime_batches * sum(plan) if k == 0 else 0)
-        else:
-            if cursor <= steady:
-                return
-        raise ValueError(f"the trace's {steady} steady-state requests ({self.trace.num_users} users) are too few for "
-                         f"the measured windows ({self.window_requests} requests per batch size over "
-                         f"{self.window_strata} stretches of the trace, plus priming): use more --users or a smaller "
-                         f"--window")
+                return False
+            cursor = start + len(sizes) * per + (self.prime_batches * sum(sizes) if k == 0 else 0)
+        return cursor <= steady
 
 
 def quick_settings() -> BenchSettings:
@@ -144,13 +127,42 @@ def quick_settings() -> BenchSettings:
                         max_history_len=2048, max_candidates=16, num_tasks=3, dtype="float32")
     trace = TraceConfig(num_users=16, mean_log_len=4.5, sigma_log_len=0.4, max_history_len=2048, num_candidates=8,
                         num_items=5000, num_actions=16, horizon_s=600, new_fraction=(0.3, 0.5))
+    # The sweeps' values each include the default, so that the default configuration's windows are pooled.
     return BenchSettings(model=model, trace=trace, device="cpu", backend="torch_ref", gpu_pages=40, page_size=8,
                          chunk_tokens=32, host_budget_bytes=2**26, max_batched_tokens=1024, window_requests=16,
-                         window_strata=2,
-                         chunk_sweep=(16, 32), budget_sweep=(24, 40),  # each with the default: pooled windows
-                         lengths=(32, 128), new_events=4,
-                         drift_history=100,
-                         simulation_workers=0, prime_batches=1)
+                         window_strata=2, chunk_sweep=(16, 32), budget_sweep=(24, 40), lengths=(32, 128),
+                         new_events=4, drift_history=100, simulation_workers=0, prime_batches=1)
+
+
+def engine_config(settings: BenchSettings, cache: CacheConfig, max_batch: int) -> EngineConfig:
+    """The engine configuration of a benchmark engine with ``cache``, serving batches of up to ``max_batch``."""
+    return EngineConfig(model=settings.model, cache=cache, device=settings.device, attention_backend=settings.backend,
+                        scheduler=SchedulerConfig(max_num_seqs=max_batch,
+                                                  max_num_batched_tokens=settings.max_batched_tokens))
+
+
+def cache_config(settings: BenchSettings, mode: str, **changes: object) -> CacheConfig:
+    """The cache configuration of ``mode`` in the benchmark: ``settings``' pages, chunks, host budget and dtype, then
+    its ``cache`` fields (``--cache KEY=VALUE``), then ``changes`` (a sweep's value)."""
+    fields = dict(mode=mode, page_size=settings.page_size, num_gpu_pages=settings.gpu_pages,
+                  chunk_tokens=settings.chunk_tokens, host_budget_bytes=settings.host_budget_bytes,
+                  host_dtype=settings.host_dtype)
+    fields.update(settings.cache)
+    fields.update(changes)
+    return CacheConfig(**fields)
+
+
+def unlimited_pages(settings: BenchSettings, trace: Trace) -> int:
+    """Pages for every user's whole history, plus room for one batch of scratch."""
+    per_user = [-(-len(u.item_ids) // settings.page_size) for u in trace.users]
+    return sum(per_user) + max(settings.batch_sizes) * max(per_user)
+
+
+def _spread(values: np.ndarray, suffix: str = "", percentiles: tuple[int, ...] = (90,)) -> dict[str, float | None]:
+    """Median, mean and ``percentiles`` (``p90``, ...) of ``values``, each key followed by ``suffix`` (``None`` when
+    ``values`` is empty)."""
+    stats = {"median": np.median, "mean": np.mean} | {f"p{q}": lambda v, q=q: np.percentile(v, q) for q in percentiles}
+    return {name + suffix: float(f(values)) if len(values) else None for name, f in stats.items()}
 
 
 @dataclass
@@ -169,30 +181,19 @@ class Phase:
 
     def report(self) -> dict:
         lat = np.asarray(self.latencies) * 1e3
-        n = max(self.history_tokens, 1)
+        batches, steps, tokens = max(len(lat), 1), max(self.steps, 1), max(self.history_tokens, 1)
         # Batch latencies are heavy-tailed (a few batches onload far more than the rest): the mean (what throughput
-        # sees) and the 99th percentile beside the median.
-        return {"batches": len(lat), "median_ms": float(np.median(lat)) if len(lat) else None,
-                "mean_ms": float(lat.mean()) if len(lat) else None,
-                "p90_ms": float(np.percentile(lat, 90)) if len(lat) else None,
-                "p99_ms": float(np.percentile(lat, 99)) if len(lat) else None,
-                "gpu_hit_ratio": self.gpu_hits / n, "total_hit_ratio": (self.gpu_hits + self.host_hits) / n,
-                "onloaded_bytes_per_batch": sum(self.onloaded_bytes) / max(len(lat), 1),
-                "steps_per_batch": self.steps / max(len(lat), 1),
-                "gc_ms_per_batch": self.gc_seconds / max(len(lat), 1) * 1e3,
-                "phase_ms_per_step": {k: v / max(self.steps, 1) * 1e3 for k, v in self.phase_seconds.items()},
-                "phase_ms_per_batch": {k: v / max(len(lat), 1) * 1e3 for k, v in self.phase_seconds.items()},
+        # sees) and the 99th percentile beside the median; each batch's own latency and bytes, in the order served
+        # (the windows serve the same batches in every mode).
+        return {"batches": len(lat), **_spread(lat, "_ms", (90, 99)),
+                "gpu_hit_ratio": self.gpu_hits / tokens, "total_hit_ratio": (self.gpu_hits + self.host_hits) / tokens,
+                "onloaded_bytes_per_batch": sum(self.onloaded_bytes) / batches,
+                "steps_per_batch": self.steps / batches, "gc_ms_per_batch": self.gc_seconds / batches * 1e3,
+                "phase_ms_per_step": {k: v / steps * 1e3 for k, v in self.phase_seconds.items()},
+                "phase_ms_per_batch": {k: v / batches * 1e3 for k, v in self.phase_seconds.items()},
                 "host_ms_per_batch": _spread(np.asarray(self.host_seconds) * 1e3),
-                # Each batch's own (the windows serve the same batches in every mode, in the same order).
                 "batch_latency_ms": [round(float(v), 4) for v in lat],
                 "batch_onloaded_bytes": list(self.onloaded_bytes)}
-
-
-def _spread(values: np.ndarray) -> dict[str, float | None]:
-    """Median, mean and 90th percentile of ``values`` (``None`` when empty)."""
-    if not len(values):
-        return {"median": None, "mean": None, "p90": None}
-    return {"median": float(np.median(values)), "mean": float(values.mean()), "p90": float(np.percentile(values, 90))}
 
 
 class BenchRun:
@@ -201,10 +202,7 @@ class BenchRun:
     def __init__(self, settings: BenchSettings, trace: Trace, cache: CacheConfig, max_batch: int,
                  host_memory: torch.Tensor | None = None, model: GRModel | None = None) -> None:
         self.settings, self.trace = settings, trace
-        config = EngineConfig(model=settings.model, cache=cache, device=settings.device,
-                              attention_backend=settings.backend,
-                              scheduler=SchedulerConfig(max_num_seqs=max_batch,
-                                                        max_num_batched_tokens=settings.max_batched_tokens))
+        config = engine_config(settings, cache, max_batch)
         t0 = time.perf_counter()
         self.engine = GREngine(config, host_memory=host_memory, model=model)
         if self.engine.kv.host is not None:
@@ -218,22 +216,19 @@ class BenchRun:
     def warmup(self) -> dict:
         """Serve every user's first visit, 8 at a time."""
         phase = self._serve([self.trace.rank_request(i) for i in self.trace.warmup], 8)
-        report = phase.report()
-        report["seconds"] = float(sum(phase.latencies))
-        report["history_tokens"] = phase.history_tokens
-        return report
+        return {**phase.report(), "seconds": float(sum(phase.latencies)), "history_tokens": phase.history_tokens}
 
     def fast_forward(self, count: int) -> None:
-        """Move the cache state over the next ``count`` steady requests without running the model (step 3 above),
-        through the scheduler's and the cache manager's public calls; the engine's intake then knows each of those
-        users' last history, as after serving them."""
+        """Move the cache state over the next ``count`` steady requests without running the model (see the module
+        docstring), through the scheduler's and the cache manager's public calls; the engine's intake then knows
+        each of those users' last history, as after serving them."""
         engine, trace = self.engine, self.trace
-        for i in self.steady[self.cursor:self.cursor + count]:
+        indices = self.steady[self.cursor:self.cursor + count]
+        for i in indices:
             r = trace.requests[i]
-            hashes = self._user_hashes(r.user)[: r.history_len]
             engine.scheduler.add(RequestState(seq_id=i, user_id=r.user, num_history=r.history_len,
-                                              num_candidates=trace.config.num_candidates,
-                                              reuse_limit=r.history_len, token_hashes=hashes))
+                                              num_candidates=trace.config.num_candidates, reuse_limit=r.history_len,
+                                              token_hashes=self._user_hashes(r.user)[: r.history_len]))
         host = engine.kv.host
         while engine.scheduler.num_unfinished:
             if host is not None:  # with no forward to pace it, this loop must not outrun the copies
@@ -242,45 +237,32 @@ class BenchRun:
             engine.kv.launch_onloads()
             engine.scheduler.complete(plan.chunks)
             engine.kv.end_step()
-        last = {trace.requests[i].user: trace.requests[i] for i in self.steady[self.cursor:self.cursor + count]}
-        for user, r in last.items():  # as if served: the engine's intake reuses these users' hashes next time
-            e = trace.users[user]
-            engine.hasher.remember(user, e.item_ids[: r.history_len], e.action_ids[: r.history_len],
-                                    e.timestamps[: r.history_len], self._user_hashes(user)[: r.history_len])
+        last = {trace.requests[i].user: trace.requests[i] for i in indices}
+        for r in last.values():  # each user's last: the intake reuses its hashes next time
+            e, n = trace.users[r.user], r.history_len
+            engine.hasher.remember(r.user, e.item_ids[:n], e.action_ids[:n], e.timestamps[:n],
+                                   self._user_hashes(r.user)[:n])
         if host is not None:
             host.poll(wait=True)
         self.cursor += count
 
-    def window(self, batch_size: int, count: int, prime_batches: int | None = None) -> dict:
-        """Serve the next ``count`` steady requests in closed-loop batches of ``batch_size``, after
-        ``prime_batches`` (default ``settings.prime_batches``) unmeasured batches: kernel compilation and
-        graph capture for new shapes happen there rather than in the measurement."""
-        prime = (self.settings.prime_batches if prime_batches is None else prime_batches) * batch_size
-        indices = self.steady[self.cursor:self.cursor + prime + count]
-        if len(indices) < prime + count:
-            raise ValueError(f"the trace has too few steady-state requests for a window of {count}")
-        self.cursor += len(indices)
-        self._serve([self.trace.rank_request(i) for i in indices[:prime]], batch_size)
-        requests = [self.trace.rank_request(i) for i in indices[prime:]]
-        _freeze_heap()
-        return self._serve(requests, batch_size).report()
-
     def windows(self, plan: list[tuple[int, bool]]) -> list[dict]:
-        """The measured windows, spread over the trace: at each of ``window_strata`` evenly spaced points of the
-        steady requests (the cache state fast-forwarded there; recompute mode has none and skips), for each
-        ``(batch_size, sync_phases)`` of ``plan`` in turn, ``window_requests / window_strata`` requests in
-        closed-loop batches of that size (``sync_phases``: device-synchronised phase times, for the per-step
-        breakdown), after ``prime_batches`` unmeasured batches at the first point. Returns each plan entry's
-        report over all strata."""
+        """The measured windows, spread over the trace (its load is not stationary: every user's first and last
+        sessions bunch at its two ends, so one window in the middle would show hit ratios far above the whole
+        trace's): at each of ``window_strata`` evenly spaced points of the steady requests (the cache state
+        fast-forwarded there; recompute mode has none and skips), for each ``(batch_size, sync_phases)`` of ``plan``
+        in turn, ``window_requests / window_strata`` requests in closed-loop batches of that size (``sync_phases``:
+        device-synchronised phase times, for the per-step breakdown), after ``prime_batches`` unmeasured batches
+        (compilation, graph capture) at the first point. Returns each plan entry's report over all strata."""
         settings, steady = self.settings, self.steady
         per = settings.window_requests // settings.window_strata
         if any(per % bs for bs, _ in plan) or per == 0:
             raise ValueError(f"window_requests / window_strata = {per} is not a multiple of every batch size")
+        if not settings.windows_fit(len(steady), [bs for bs, _ in plan], self.cursor):
+            raise ValueError("the trace has too few steady-state requests for the windows")
         phases = [Phase() for _ in plan]
         for k in range(settings.window_strata):
             start = k * len(steady) // settings.window_strata
-            if start < self.cursor:
-                raise ValueError("the trace has too few steady-state requests for the windows")
             if self.engine.config.cache.mode == "recompute":
                 self.cursor = start
             else:
@@ -288,19 +270,15 @@ class BenchRun:
             for (bs, sync), phase in zip(plan, phases, strict=True):
                 prime = settings.prime_batches * bs if k == 0 else 0
                 indices = steady[self.cursor:self.cursor + prime + per]
-                if len(indices) < prime + per:
-                    raise ValueError("the trace has too few steady-state requests for the windows")
                 self.cursor += len(indices)
-                self.set_sync_phases(sync)
+                self.engine.config = msgspec.structs.replace(self.engine.config, sync_phases=sync)
                 self._serve([self.trace.rank_request(i) for i in indices[:prime]], bs)
                 requests = [self.trace.rank_request(i) for i in indices[prime:]]
-                _freeze_heap()
+                gc.collect()
+                gc.freeze()  # every object alive now is exempt from later collections (until close)
                 self._serve(requests, bs, phase)
-        self.set_sync_phases(False)
+        self.engine.config = msgspec.structs.replace(self.engine.config, sync_phases=False)
         return [phase.report() for phase in phases]
-
-    def set_sync_phases(self, on: bool) -> None:
-        self.engine.config = msgspec.structs.replace(self.engine.config, sync_phases=on)
 
     def _serve(self, requests: list[RankRequest], batch_size: int, phase: Phase | None = None) -> Phase:
         """Serve ``requests`` in closed-loop batches; their timings and counters are added to ``phase``."""
@@ -309,37 +287,33 @@ class BenchRun:
         clock = _GcClock()
         gc.callbacks.append(clock)
         try:
-            self._serve_batches(requests, batch_size, phase, clock)
+            for start in range(0, len(requests), batch_size):
+                batch = requests[start:start + batch_size]
+                steps, onloaded = engine.stats.num_steps, engine.kv.stats.onloaded_bytes
+                phases = dict(engine.stats.phase_seconds)
+                _sync(engine)
+                gc_before, t0 = clock.seconds, time.perf_counter()
+                outputs = engine.rank(batch, use_tqdm=False)
+                _sync(engine)
+                phase.latencies.append(time.perf_counter() - t0)
+                phase.gc_seconds += clock.seconds - gc_before
+                failed = [o.error for o in outputs if o.error]
+                if failed:
+                    raise RuntimeError(f"benchmark request failed: {failed[0]}")
+                phase.history_tokens += sum(len(r.item_ids) for r in batch)
+                phase.gpu_hits += sum(o.num_gpu_cached_tokens for o in outputs)
+                phase.host_hits += sum(o.num_host_cached_tokens for o in outputs)
+                phase.onloaded_bytes.append(engine.kv.stats.onloaded_bytes - onloaded)
+                phase.steps += engine.stats.num_steps - steps
+                host = 0.0
+                for name, seconds in engine.stats.phase_seconds.items():
+                    spent = seconds - phases.get(name, 0.0)
+                    phase.phase_seconds[name] = phase.phase_seconds.get(name, 0.0) + spent
+                    host += spent if name in HOST_PHASES else 0.0
+                phase.host_seconds.append(host)
         finally:
             gc.callbacks.remove(clock)
         return phase
-
-    def _serve_batches(self, requests: list[RankRequest], batch_size: int, phase: Phase, clock: _GcClock) -> None:
-        engine = self.engine
-        for start in range(0, len(requests), batch_size):
-            batch = requests[start:start + batch_size]
-            steps, onloaded = engine.stats.num_steps, engine.kv.stats.onloaded_bytes
-            phases = dict(engine.stats.phase_seconds)
-            _sync(engine)
-            gc_before, t0 = clock.seconds, time.perf_counter()
-            outputs = engine.rank(batch, use_tqdm=False)
-            _sync(engine)
-            phase.latencies.append(time.perf_counter() - t0)
-            phase.gc_seconds += clock.seconds - gc_before
-            failed = [o.error for o in outputs if o.error]
-            if failed:
-                raise RuntimeError(f"benchmark request failed: {failed[0]}")
-            phase.history_tokens += sum(len(r.item_ids) for r in batch)
-            phase.gpu_hits += sum(o.num_gpu_cached_tokens for o in outputs)
-            phase.host_hits += sum(o.num_host_cached_tokens for o in outputs)
-            phase.onloaded_bytes.append(engine.kv.stats.onloaded_bytes - onloaded)
-            phase.steps += engine.stats.num_steps - steps
-            host = 0.0
-            for name, seconds in engine.stats.phase_seconds.items():
-                spent = seconds - phases.get(name, 0.0)
-                phase.phase_seconds[name] = phase.phase_seconds.get(name, 0.0) + spent
-                host += spent if name in HOST_PHASES else 0.0
-            phase.host_seconds.append(host)
 
     def _user_hashes(self, user: int) -> np.ndarray:
         if user not in self._hashes:
@@ -372,29 +346,6 @@ class _GcClock:
             self.seconds += time.perf_counter() - self._start
 
 
-def _freeze_heap() -> None:
-    """Collect, then exempt every object alive now from later collections (until ``gc.unfreeze()``)."""
-    gc.collect()
-    gc.freeze()
-
-
 def _sync(engine: GREngine) -> None:
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
-
-
-def cache_config(settings: BenchSettings, mode: str, **changes: object) -> CacheConfig:
-    """The cache configuration of ``mode`` in the benchmark: ``settings``' pages, chunks, host budget and dtype, then
-    its ``cache`` fields (``--cache KEY=VALUE``), then ``changes`` (a sweep's value)."""
-    fields = dict(mode=mode, page_size=settings.page_size, num_gpu_pages=settings.gpu_pages,
-                  chunk_tokens=settings.chunk_tokens, host_budget_bytes=settings.host_budget_bytes,
-                  host_dtype=settings.host_dtype)
-    fields.update(settings.cache)
-    fields.update(changes)
-    return CacheConfig(**fields)
-
-
-def unlimited_pages(settings: BenchSettings, trace: Trace) -> int:
-    """Pages for every user's whole history, plus room for one batch of scratch."""
-    per_user = [-(-len(u.item_ids) // settings.page_size) for u in trace.users]
-    return sum(per_user) + max(settings.batch_sizes) * max(per_user)

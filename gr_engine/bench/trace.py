@@ -1,13 +1,10 @@
-"""A KuaiRand-1K-like request trace: long user histories, short bursty sessions, 60-second requests.
+"""A KuaiRand-1K-like request trace (docs/design.md section 8): long user histories, short bursty sessions.
 
-Shape (docs/design.md section 8): ``num_users`` users whose final histories have 1..20,000 events (log-normal,
-mean ~6,375). The trace starts with each user's **first visit** (the warm-up phase: the user's history so
-far is encoded once), followed by the **steady state**: each user's remaining events arrive in
-sessions; a session is a run of requests 60 seconds apart (NVIDIA's preprocessing cuts a user's events
-into 60-second request intervals), each adding a few events; the gaps between a user's sessions are
-heavy-tailed (Pareto), which gives the strong temporal locality of real traffic. Every request carries
-``num_candidates`` random candidates. The defaults are calibrated so that ``gpu_only`` with 40,960 pages
-of 32 tokens hits 60-68% of history tokens (``gr-engine bench --calibrate`` re-measures it).
+Each user's **first visit** (the warm-up: the history so far, encoded once) comes first; then, in the **steady
+state**, the user's remaining events arrive in sessions of requests 60 seconds apart (as NVIDIA's preprocessing cuts
+them), each adding a few events, with heavy-tailed (Pareto) gaps between sessions: the temporal locality of real
+traffic. The defaults are calibrated so that ``gpu_only`` with 40,960 pages of 32 tokens hits 60-68% of history
+tokens (``gr-engine bench --calibrate`` re-measures it).
 """
 
 from __future__ import annotations
@@ -40,32 +37,18 @@ class TraceRequest:
 
 @dataclass(frozen=True)
 class TraceConfig:
-    """Parameters of :func:`generate_trace` (the defaults are the calibrated benchmark trace).
-
-    Attributes:
-        num_users: users.
-        mean_log_len, sigma_log_len: log-normal final history length, clipped to [1, max_history_len].
-        max_history_len: longest final history.
-        new_fraction: range of the fraction of a user's events that arrive after the first visit.
-        events_per_request: mean events per 60-second request (at least one).
-        requests_per_session: mean requests per session (geometric).
-        gap_alpha: Pareto shape of the gaps between a user's sessions (smaller = heavier tail).
-        horizon_s: seconds over which every user's sessions are spread.
-        num_candidates: candidates per request.
-        num_items, num_actions: vocabularies.
-        seed: random seed.
-    """
+    """Parameters of :func:`generate_trace` (the defaults are the calibrated benchmark trace)."""
 
     num_users: int = 1000
-    mean_log_len: float = 8.5
-    sigma_log_len: float = 0.85
+    mean_log_len: float = 8.5  # final history lengths: log-normal (mean_log_len, sigma_log_len), clipped to
+    sigma_log_len: float = 0.85  # [1, max_history_len]
     max_history_len: int = 20_000
-    new_fraction: tuple[float, float] = (0.02, 0.08)
-    events_per_request: float = 4.0
-    requests_per_session: float = 4.0
-    gap_alpha: float = 1.2
-    horizon_s: float = 39_000.0
-    num_candidates: int = 100
+    new_fraction: tuple[float, float] = (0.02, 0.08)  # range of the fraction of a user's events after the first visit
+    events_per_request: float = 4.0  # mean events per 60-second request (at least one)
+    requests_per_session: float = 4.0  # mean requests per session (geometric)
+    gap_alpha: float = 1.2  # Pareto shape of the gaps between a user's sessions (smaller: heavier tail)
+    horizon_s: float = 39_000.0  # seconds over which every user's sessions are spread
+    num_candidates: int = 100  # per request
     num_items: int = 1_000_000
     num_actions: int = 256
     seed: int = 0

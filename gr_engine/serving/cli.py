@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 def add_commands(commands: argparse._SubParsersAction, add_config_args: Callable[[argparse.ArgumentParser], None],
                  load: Callable[[argparse.Namespace], object]) -> None:
-    """Add ``serve`` to ``commands`` (``add_config_args`` gives it ``--config`` and ``--set``; ``load`` resolves
-    them into an :class:`~gr_engine.EngineConfig`)."""
+    """Add ``serve`` and ``bench-serve`` to ``commands`` (``add_config_args`` gives them ``--config`` and ``--set``;
+    ``load`` resolves them into an :class:`~gr_engine.EngineConfig`)."""
     serve = commands.add_parser("serve", help="serve ranking and retrieval over HTTP (docs/serving.md)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -24,3 +24,66 @@ def add_commands(commands: argparse._SubParsersAction, add_config_args: Callable
         return 0
 
     serve.set_defaults(run=run_serve)
+
+    bench = commands.add_parser("bench-serve", help="load-test the online path: the bench's trace as open-loop "
+                                                    "Poisson arrivals (docs/serving.md)")
+    bench.add_argument("--url", help="the server to load, e.g. http://127.0.0.1:8000 (or --in-process)")
+    bench.add_argument("--in-process", action="store_true",
+                       help="drive an AsyncGREngine in this process instead of HTTP (engine: --config/--set, "
+                            "default the bench's for --mode)")
+    bench.add_argument("--rate", type=float, help="offered load (requests/s)")
+    bench.add_argument("--rates", help="a sweep of offered loads, comma-separated (requests/s)")
+    bench.add_argument("--duration", type=float, default=10.0, help="seconds per rate (default 10)")
+    bench.add_argument("--processes", type=int, default=1, help="load-generator processes over HTTP (default 1)")
+    bench.add_argument("--concurrency", type=int, default=8, help="warm-up requests in flight (default 8)")
+    bench.add_argument("--closed-requests", type=int, help="requests of the closed-loop figure (default 240, "
+                                                           "--quick 16)")
+    bench.add_argument("--timeout-ms", type=float, help="per-request deadline sent with each request (ms)")
+    bench.add_argument("--quick", action="store_true", help="the bench's tiny CPU trace and model")
+    bench.add_argument("--users", type=int, help="users in the generated trace")
+    bench.add_argument("--seed", type=int, default=0, help="the trace's seed (default 0)")
+    bench.add_argument("--mode", default="hierarchical",
+                       choices=["recompute", "gpu_only", "hierarchical", "unlimited"],
+                       help="cache mode of the bench's engine config (default hierarchical)")
+    bench.add_argument("--write-config", metavar="FILE",
+                       help="only write the bench's engine config for --mode (JSON, for gr-engine serve --config)")
+    bench.add_argument("--out", default="bench-serve-out", help="folder for the results (default ./bench-serve-out)")
+    add_config_args(bench)
+
+    def run_bench_serve(args: argparse.Namespace) -> int:
+        import sys
+        from pathlib import Path
+
+        import msgspec
+
+        from ..config import load_config
+        from .load import LoadSettings, bench_engine_config, bench_settings, run_bench
+        from .load_report import write_report
+
+        settings = bench_settings(args.quick, args.users, args.seed)
+        if args.write_config or args.in_process:
+            config = load_config(args.config, args.overrides, base=bench_engine_config(settings, args.mode))
+        if args.write_config:
+            Path(args.write_config).write_bytes(msgspec.json.format(msgspec.json.encode(config)))
+            print(f"wrote {args.write_config} ({args.mode})", file=sys.stderr)
+            return 0
+        if args.in_process == bool(args.url):
+            raise ValueError("give exactly one of --url and --in-process")
+        if args.rate is not None and args.rates:
+            raise ValueError("give --rate or --rates, not both")
+        rates = tuple(float(r) for r in args.rates.split(",")) if args.rates else (args.rate or 50.0,)
+        if min(rates) <= 0 or args.duration <= 0 or args.processes < 1 or args.concurrency < 1:
+            raise ValueError("rates, --duration, --processes and --concurrency must be positive")
+        closed = args.closed_requests if args.closed_requests is not None else (16 if args.quick else 240)
+        load = LoadSettings(rates=rates, duration_s=args.duration, url=None if args.in_process else args.url,
+                            processes=args.processes, quick=args.quick, users=args.users, seed=args.seed,
+                            mode=args.mode, concurrency=args.concurrency, closed_requests=closed,
+                            timeout_ms=args.timeout_ms)
+        result = run_bench(load, config if args.in_process else None, lambda line: print(line, file=sys.stderr))
+        result["command"] = "gr-engine " + " ".join(args.argv)
+        paths = write_report(result, Path(args.out))
+        print(msgspec.json.format(msgspec.json.encode(result["summary"])).decode())
+        print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+        return 0
+
+    bench.set_defaults(run=run_bench_serve)

@@ -1,0 +1,134 @@
+"""The report of ``gr-engine bench-serve`` (:mod:`.load`): per-rate statistics, the summary, ``bench_serve.json``,
+``bench_serve.md`` and ``bench_serve.png``.
+
+Units: latencies and lags in ms, rates and throughputs in requests/s, CPU and spans in s, copy rates in GB/s.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+P99_TARGET_MS = 25.0
+
+
+def _percentiles(values: list[float], suffix: str = "_ms") -> dict[str, float | None]:
+    v = np.asarray(values, dtype=np.float64)
+    if not len(v):
+        return {f"{k}{suffix}": None for k in ("p50", "p90", "p99", "mean", "max")}
+    return {f"p50{suffix}": float(np.percentile(v, 50)), f"p90{suffix}": float(np.percentile(v, 90)),
+            f"p99{suffix}": float(np.percentile(v, 99)), f"mean{suffix}": float(v.mean()),
+            f"max{suffix}": float(v.max())}
+
+
+def phase_stats(parts: list[dict]) -> dict:
+    """One phase over its generator processes' ``parts`` (:meth:`~.load.Recorder.result`): requests sent and
+    answered (without error), achieved throughput (answered / the span from the first scheduled send to the last
+    answer, requests/s), latency percentiles of answered requests (ms), errors by kind, and each generator's CPU
+    seconds and lag (ms)."""
+    latency = [lat for p in parts for lat, o in zip(p["latency_ms"], p["outcomes"], strict=True) if o is None]
+    errors = Counter(o for p in parts for o in p["outcomes"] if o is not None)
+    sent = sum(len(p["outcomes"]) for p in parts)
+    busy = [p for p in parts if p["outcomes"]]
+    span = max(p["last_s"] for p in busy) - min(p["first_s"] for p in busy) if busy else 0.0
+    return {"sent": sent, "answered": len(latency), "span_s": span,
+            "achieved_rps": len(latency) / span if span > 0 else None, **_percentiles(latency),
+            "errors": dict(sorted(errors.items())),
+            "generators": [{"sent": len(p["outcomes"]), "cpu_s": p["cpu_s"],
+                            **{k.replace("_ms", "_lag_ms"): v for k, v in _percentiles(p["lag_ms"]).items()
+                               if k.startswith(("p99", "max"))}} for p in parts]}
+
+
+def build_result(phases: dict, peak_GBps: float | None) -> dict:
+    """Per-phase statistics and the summary of a run's ``phases`` (:func:`~.load.run_http` or
+    :func:`~.load.run_in_process`)."""
+    warmup, closed = phase_stats(phases["warmup"]["parts"]), phase_stats(phases["closed"]["parts"])
+    rates = []
+    for entry in phases["rates"]:
+        stats = phase_stats(entry["parts"])
+        per_request = entry["onloaded_bytes"] / stats["answered"] if stats["answered"] else None
+        rates.append({"offered_rps": entry["rate"], **stats, "onloaded_bytes": entry["onloaded_bytes"],
+                      "onloaded_bytes_per_request": per_request})
+    within = [r["achieved_rps"] for r in rates
+              if r["p99_ms"] is not None and r["p99_ms"] <= P99_TARGET_MS and r["achieved_rps"] is not None]
+    answered = sum(r["answered"] for r in rates)
+    per_request = sum(r["onloaded_bytes"] for r in rates) / answered if answered else None
+    pcie = peak_GBps * 1e9 / per_request if peak_GBps and per_request else None
+    summary = {"rps_at_p99_25ms": max(within) if within else None, "closed_loop_rps": closed["achieved_rps"],
+               "pcie_bound_rps": pcie, "peak_h2d_GBps": peak_GBps, "onloaded_bytes_per_request": per_request,
+               "trace_exhausted": phases["exhausted"]}
+    return {"warmup": warmup, "closed_loop": closed, "rates": rates, "summary": summary}
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(result: dict) -> str:
+    """``bench_serve.md``: the summary and one table row per offered rate."""
+    s, how = result["summary"], "in process (AsyncGREngine)" if result["settings"]["in_process"] else "over HTTP"
+    lines = [f"# gr-engine bench-serve ({how})", "", f"`{result['command']}`", "",
+             f"- highest throughput with p99 <= {P99_TARGET_MS:g} ms: {_num(s['rps_at_p99_25ms'], 1)} requests/s",
+             f"- closed loop (batches of 8 / 8 clients): {_num(s['closed_loop_rps'], 1)} requests/s",
+             f"- PCIe bound: {_num(s['pcie_bound_rps'], 1)} requests/s ({_num(s['onloaded_bytes_per_request'], 0)} "
+             f"onloaded bytes per request at {_num(s['peak_h2d_GBps'])} GB/s)",
+             f"- warm-up: {result['warmup']['answered']} first visits at {_num(result['warmup']['achieved_rps'], 1)} "
+             "requests/s (closed loop; not a capacity figure)", ""]
+    if s["trace_exhausted"]:
+        lines += ["**The trace ran out: the last rates served fewer requests than their duration asked.**", ""]
+    header = ["offered (req/s)", "achieved (req/s)", "sent", "answered", "p50 ms", "p90 ms", "p99 ms", "mean ms",
+              "max ms", "errors", "generator CPU s", "lag p99 ms"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in result["rates"]:
+        errors = ", ".join(f"{k}: {v}" for k, v in r["errors"].items()) or "none"
+        cpu = "/".join(f"{g['cpu_s']:.2f}" for g in r["generators"])
+        lag = "/".join(_num(g["p99_lag_ms"]) for g in r["generators"])
+        lines.append("| " + " | ".join([f"{r['offered_rps']:g}", _num(r["achieved_rps"], 1), str(r["sent"]),
+                                        str(r["answered"]), *(_num(r[k]) for k in ("p50_ms", "p90_ms", "p99_ms",
+                                                                                    "mean_ms", "max_ms")),
+                                        errors, cpu, lag]) + " |")
+    lines += ["", "Latency runs from each request's scheduled send time (open loop). Generator CPU seconds and lag "
+              "(how late requests were fired against their schedule) are per generator process: a lag near the "
+              "latency means the generator, not the server, is the bottleneck."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> bool:
+    """Latency p50 and p99 (ms) against achieved throughput (requests/s); False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [r for r in result["rates"] if r["achieved_rps"] is not None and r["p50_ms"] is not None]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key in ("p50_ms", "p99_ms"):
+        ax.plot([r["achieved_rps"] for r in rows], [r[key] for r in rows], marker="o", label=key[:3])
+    ax.axhline(P99_TARGET_MS, color="grey", linestyle=":", linewidth=1)
+    ax.set(xlabel="achieved throughput (requests/s)", ylabel="latency (ms)", yscale="log",
+           title="bench-serve: latency against throughput")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_report(result: dict, out: Path) -> list[Path]:
+    """Write ``bench_serve.json``, ``bench_serve.md`` and (with matplotlib; else a warning) ``bench_serve.png``."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "bench_serve.json", out / "bench_serve.md"]
+    paths[0].write_text(json.dumps(result, indent=2, default=str))
+    paths[1].write_text(markdown(result))
+    if plot(result, out / "bench_serve.png"):
+        paths.append(out / "bench_serve.png")
+    else:
+        print('warning: matplotlib is not installed, so no plot (bench_serve.png) was written; pip install '
+              '".[bench]" to get it', file=sys.stderr)
+    return paths

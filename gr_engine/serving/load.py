@@ -224,23 +224,25 @@ def engine_sender(engine: object, timeout_ms: float | None) -> Send:
 
 # ---------------------------------------------------------------------------------------------- generators
 def _generator_main(conn: object, trace_config: object, url: str, timeout_ms: float | None) -> None:
-    """A generator process: builds the trace once, then runs the phases it is sent until told to stop."""
+    """A generator process: builds the trace once, then runs the phases it is sent until told to stop, on one
+    event loop and one ``httpx.AsyncClient`` (its connections stay open between phases)."""
     import httpx
 
     trace = generate_trace(trace_config)
 
-    async def run(command: tuple) -> dict:
+    async def main() -> None:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
             send = http_sender(client, url, timeout_ms)
-            requests = [trace.rank_request(i) for i in command[1]]
-            if command[0] == "closed":
-                return await closed_loop(send, requests, command[2])
-            return await open_loop(send, requests, command[2], command[3])
+            conn.send("ready")
+            while (command := await asyncio.to_thread(conn.recv))[0] != "stop":
+                requests = [trace.rank_request(i) for i in command[1]]
+                if command[0] == "closed":
+                    conn.send(await closed_loop(send, requests, command[2]))
+                else:
+                    conn.send(await open_loop(send, requests, command[2], command[3]))
 
-    conn.send("ready")
-    while (command := conn.recv())[0] != "stop":
-        conn.send(asyncio.run(run(command)))
+    asyncio.run(main())
 
 
 class Generators:

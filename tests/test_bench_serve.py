@@ -1,0 +1,128 @@
+"""``gr-engine bench-serve`` on CPU with the bench's tiny trace and model (``--quick``): in process, and against a
+``gr-engine serve`` subprocess on 127.0.0.1 with two generator processes; served scores against offline
+``recompute`` through the load's own request construction."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from gr_engine import GREngine
+from gr_engine.cli import main
+
+from .test_serving import free_port
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("zmq")
+pytest.importorskip("uvicorn")
+
+RATES = "15,30"
+
+
+def check_result(out: Path, in_process: bool) -> dict:
+    result = json.loads((out / "bench_serve.json").read_text())
+    assert result["settings"]["in_process"] is in_process
+    assert [r["offered_rps"] for r in result["rates"]] == [15.0, 30.0]
+    for phase in [result["warmup"], result["closed_loop"], *result["rates"]]:
+        assert phase["sent"] > 0 and phase["answered"] == phase["sent"], phase
+        assert phase["errors"] == {}
+        assert 0 < phase["p50_ms"] <= phase["p90_ms"] <= phase["p99_ms"] <= phase["max_ms"]
+        assert phase["achieved_rps"] > 0
+        assert all(g["cpu_s"] >= 0 for g in phase["generators"])
+    for r in result["rates"]:
+        assert all(g["p99_lag_ms"] >= 0 and g["max_lag_ms"] >= g["p99_lag_ms"] for g in r["generators"])
+        assert r["onloaded_bytes_per_request"] is not None and r["onloaded_bytes_per_request"] >= 0
+    assert result["warmup"]["sent"] == result["trace"]["users"]
+    summary = result["summary"]
+    assert summary["closed_loop_rps"] > 0 and summary["pcie_bound_rps"] is None  # CPU: no copy peak
+    assert summary["rps_at_p99_25ms"] is None or summary["rps_at_p99_25ms"] > 0
+    table = (out / "bench_serve.md").read_text()
+    assert "| 15 |" in table and "| 30 |" in table
+    return result
+
+
+def test_in_process_two_rates(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert main(["bench-serve", "--quick", "--in-process", "--mode", "hierarchical", "--rates", RATES,
+                 "--duration", "1", "--closed-requests", "8", "--out", str(out),
+                 "--set", "serving.warmup=false"]) == 0
+    result = check_result(out, in_process=True)
+    assert result["engine_config"]["cache"]["mode"] == "hierarchical"
+    assert result["engine_config"]["scheduler"]["max_num_seqs"] == 8
+
+
+def test_write_config_is_the_bench_engine(tmp_path: Path) -> None:
+    from gr_engine.serving.load import bench_engine_config, bench_settings
+
+    path = tmp_path / "engine.json"
+    assert main(["bench-serve", "--quick", "--mode", "gpu_only", "--write-config", str(path)]) == 0
+    written = json.loads(path.read_text())
+    expected = msgspec.to_builtins(bench_engine_config(bench_settings(quick=True), "gpu_only"))
+    assert written == expected
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[str]:
+    """``gr-engine serve`` with the bench's quick gpu_only engine (written by ``--write-config``)."""
+    tmp = tmp_path_factory.mktemp("bench-serve")
+    config = tmp / "engine.json"
+    assert main(["bench-serve", "--quick", "--mode", "gpu_only", "--write-config", str(config),
+                 "--set", "serving.warmup=false"]) == 0
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = (tmp / "server.log").open("w")
+    process = subprocess.Popen([sys.executable, "-m", "gr_engine", "serve", "--config", str(config), "--host",
+                                "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, (tmp / "server.log").read_text()
+            assert time.monotonic() < deadline, "the server did not become ready"
+            try:
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(60)
+        log.close()
+
+
+def test_http_with_two_generator_processes(server: str, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert main(["bench-serve", "--quick", "--url", server, "--rates", RATES, "--duration", "1",
+                 "--processes", "2", "--closed-requests", "8", "--out", str(out)]) == 0
+    result = check_result(out, in_process=False)
+    assert all(len(r["generators"]) == 2 for r in result["rates"])
+    assert result["settings"]["processes"] == 2
+
+
+def test_served_scores_equal_offline_recompute(server: str) -> None:
+    """The load's own requests and bodies (:func:`~gr_engine.serving.load.rank_body`) get offline scores."""
+    from gr_engine.bench.trace import generate_trace
+    from gr_engine.serving.load import bench_engine_config, bench_settings, rank_body
+
+    settings = bench_settings(quick=True)
+    trace = generate_trace(settings.trace)
+    requests = [trace.rank_request(i) for i in trace.steady[-6:]]  # late visits: long, partly cached histories
+    response = httpx.post(f"{server}/v1/rank", content=rank_body(requests), timeout=60)
+    assert response.status_code == 200, response.text
+    served = response.json()["outputs"]
+    with GREngine(bench_engine_config(settings, "recompute")) as engine:
+        offline = engine.rank(requests, use_tqdm=False)
+    for output, reference in zip(served, offline, strict=True):
+        assert output["error"] is None
+        np.testing.assert_allclose(np.array(output["scores"], dtype=np.float32), reference.scores, atol=1e-4, rtol=0)

@@ -1,11 +1,6 @@
-"""The host tier's memory: fixed-size chunk slots in a (pinned) host pool.
-
-A slot holds one chunk of one user's history for all layers, laid out like the GPU pool's pages:
-``[num_layers, chunk_pages, 2, page_size, H, D]``, so layer ``l`` of a chunk is one contiguous block
-(one DMA per layer and chunk). The pool is allocated in segments. With ``pin=True`` (CUDA) a
-background thread allocates pinned segments one after another and the store adopts them as they
-arrive, so start-up never waits for the whole pool (pinning costs ~0.7 s per GiB). Until a segment
-arrives its slots simply do not exist yet: users who cannot be persisted are recomputed later.
+"""The host tier's memory: fixed-size chunk slots in a (pinned) host pool, allocated in segments (docs/design.md
+section 5, "Host tier"). A slot is laid out like the GPU pool's pages, ``[num_layers, chunk_pages, 2, page_size, H,
+D]``. Until a segment arrives its slots do not exist: users who cannot be persisted are recomputed later.
 """
 
 from __future__ import annotations

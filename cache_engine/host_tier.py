@@ -1,20 +1,10 @@
-"""The host tier: which chunks to persist or load, and what to do when transfers finish (docs/design.md section 5).
+"""The host tier: which chunks to persist or load, and what to do when transfers finish.
 
-- **Proactive offload**: after each step, every chunk of a user's history that is full on the GPU but not yet on host
-  is queued (:meth:`HostTier.plan_offload`); at most ``max_pending_offloads`` chunks are in flight (admission
-  control). A user is a *reader* while its pages are being copied, and GPU eviction skips readers.
-- **Tail persistence**: before a user's GPU pages are reclaimed, everything not yet on host is persisted at once
-  (:meth:`HostTier.plan_persist`).
-- **Onload**: a returning user's host history is copied into its new pages (:meth:`HostTier.plan_onload`).
-- **Host LRU**: when no slot is free, the least recently used user without a running request loses its host copy. A
-  slot still being read by an onload is freed only once that onload finishes.
-
-The manager drives it per step: plans while it acquires and commits, :meth:`HostTier.launch` before the forward (the
-copies to host decided so far, which must precede any write to their pages, then the planned onloads),
-:meth:`HostTier.finish_step` after the forward is queued (offloads of the chunks it filled) and :meth:`HostTier.poll`
-at the start of the next step (completions; a transfer whose record was cut back or deleted meanwhile, ``generation``
-changed, is discarded). On CPU transfers are synchronous but take effect at the next poll: both paths run one state
-machine. The host tier never adds or deletes records: one it leaves empty goes to the manager's ``release_record``.
+docs/design.md section 5 describes its policies (proactive offload within the admission cap, tail persistence,
+onload, the host LRU) and how the manager drives it each step: plans while it acquires and commits,
+:meth:`HostTier.launch` before the forward, :meth:`HostTier.finish_step` after it and :meth:`HostTier.poll` at the
+start of the next step, which discards a transfer whose record was cut back or deleted meanwhile (``generation``
+changed). On CPU transfers are synchronous but take effect at the next poll: both paths run one state machine.
 """
 
 from __future__ import annotations
@@ -240,13 +230,6 @@ class HostTier:
         if not record.host_slots:
             self._lru.remove(user)
 
-    def drop(self, user: Hashable, record: UserRecord) -> None:
-        """Forget the user's host copy."""
-        self._release(record.host_slots)
-        record.host_slots = []
-        record.host_tokens = 0
-        self._lru.remove(user)
-
     def check(self, records: dict[Hashable, UserRecord]) -> None:
         """Raise ``AssertionError`` unless every allocated slot is free, owned by one of ``records`` (the manager's
         users), being written, or awaiting a deferred free, and the host LRU lists current records only."""
@@ -324,7 +307,7 @@ class HostTier:
                     break
             else:
                 return None
-            self.drop(victim, record)
+            self.cut(victim, record, 0)  # forget its host copy
             self.stats.host_evicted_users += 1
             if not record.num_pages:
                 self._release_record(victim, record)

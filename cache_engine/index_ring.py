@@ -1,23 +1,11 @@
-"""Index arrays that transfer kernels read straight from pinned host memory.
-
-A kernel that needs a few thousand indices (pool pages, host slots, host addresses) can read them over PCIe
-itself: pinned memory is device-addressable, and the kernel reads each index once. That saves the host what an
-upload costs (a pinned staging buffer from torch's caching allocator, a device allocation and a copy). The buffers
-are handed out in turn and a buffer is written again only once the event recorded after its last reader reports done,
-so the host never overwrites indices a queued kernel has yet to read.
+"""Index arrays that transfer kernels read straight from pinned host memory (device-addressable), which saves the
+upload (a staging buffer, a device allocation and a copy). A buffer is written again only once the event recorded
+after its last reader reports done, so the host never overwrites indices a queued kernel has yet to read.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
-
-
-class _Event(Protocol):
-    def query(self) -> bool: ...
-
-    def synchronize(self) -> None: ...
 
 
 class PinnedIndexRing:
@@ -34,7 +22,7 @@ class PinnedIndexRing:
             raise ValueError("a ring needs at least one buffer")
         self.pin = pin
         self._buffers: list[torch.Tensor | None] = [None] * depth
-        self._readers: list[_Event | None] = [None] * depth  # recorded after each buffer's last reader
+        self._readers: list[torch.cuda.Event | None] = [None] * depth  # recorded after each buffer's last reader
         self._turn = 0
         self._taken = -1
 
@@ -54,7 +42,7 @@ class PinnedIndexRing:
         self._taken = index
         return buffer[:size]
 
-    def guard(self, reader: _Event | None) -> None:
+    def guard(self, reader: torch.cuda.Event | None) -> None:
         """The event recorded after the last kernel that reads the buffer just taken (``None``: nothing reads it
         any more)."""
         self._readers[self._taken] = reader

@@ -44,8 +44,8 @@ class UserRecord:
             KVCacheManager.prefetch`), counted as host hits when that request acquires the record; 0 otherwise.
         readers: offloads in flight still reading its GPU pages (it cannot be evicted meanwhile).
         generation: changed whenever the cached history is cut back, unique to the record (see
-            :class:`~cache_engine.KVCacheManager`) and 0 once the record is deleted (:meth:`retire`);
-            transfers of another generation are discarded when they complete.
+            :class:`~cache_engine.KVCacheManager`) and 0 once the record is deleted; transfers of another
+            generation are discarded when they complete.
     """
 
     page_buffer: np.ndarray = field(default_factory=lambda: _NO_PAGES)
@@ -64,11 +64,6 @@ class UserRecord:
     def pages(self) -> np.ndarray:
         """int32 ``[num_pages]``: the GPU page ids in logical order (a view: do not keep it across changes)."""
         return self.page_buffer[: self.num_pages]
-
-    def retire(self) -> None:
-        """Mark the record deleted from the cache's users (generation 0): copies still in flight for it are
-        then discarded when they complete."""
-        self.generation = 0
 
     def forget_pages(self) -> None:
         """Hold no pages (the caller has given them back), releasing the buffer's memory."""

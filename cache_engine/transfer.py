@@ -1,22 +1,11 @@
-"""Moving KV between the GPU page pool and host chunk slots.
+"""Moving KV between the GPU page pool and host chunk slots (the CUDA path: docs/design.md section 5).
 
-On CUDA, three side streams keep transfers off the compute stream:
-
-- **offload**: waits for the compute stream's work so far, then one Triton kernel (:mod:`.offload_kernel`) gathers
-  the pages of every chunk of the offload, quantises them to FP8 if host chunks are FP8, and stores them straight
-  into their host slots (pinned memory is device-addressable). Its event tells when the pages may be written again
-  and the host data is complete.
-- **copy**: per layer, one batched DMA driver call (:mod:`.batched_copy`) copies every chunk's pages of that layer
-  into a device staging buffer (:mod:`.dma_staging`), so the bytes crossing PCIe take no multiprocessors from the
-  forward.
-- **scatter**: per layer, the onload kernel (:mod:`.onload_kernel`) waits for that layer's copies and writes the
-  staged pages into their pool pages (dequantising FP8); its event for layer ``l`` is what the model's layer ``l``
-  waits for. Where the driver has no batched copies, or an onload exceeds the staging buffer, the kernel reads the
-  pages from pinned host memory directly instead.
-
-The kernels read their index arrays from pinned host memory (:class:`.index_ring.PinnedIndexRing`). FP8 host chunks
-have one scale per (slot, layer, K/V, head) in a device table (:mod:`.fp8`). Nothing here synchronises the device. On
-CPU the same calls copy synchronously and return no events.
+On CUDA three side streams keep transfers off the compute stream: **offload** runs the packing kernel
+(:mod:`.offload_kernel`) after the compute stream's work so far, and its event tells when the pages may be written
+again and the host data is complete; **copy** runs, per layer, one batched DMA (:mod:`.batched_copy`) into the
+staging buffer (:mod:`.dma_staging`); **scatter** runs, per layer, the onload kernel (:mod:`.onload_kernel`), whose
+layer ``l`` event is what the model's layer ``l`` waits for. Nothing here synchronises the device. On CPU the same
+calls copy synchronously and return no events.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class Scheduler:
         queue = self._queues.setdefault(request.user_id, deque())
         queue.append(request)
         self._num_waiting += 1
-        if len(queue) == 1 and not self._is_running(request.user_id):
+        if len(queue) == 1 and all(r.user_id != request.user_id for r in self.running):
             heapq.heappush(self._ready, (request.seq_id, request.user_id))
 
     def schedule(self) -> SchedulerOutput:
@@ -143,9 +143,6 @@ class Scheduler:
             return None  # only the candidates are left and they need a larger share of a step
         take = min(remaining, budget, cap)
         return ScheduledChunk(request, request.num_done, request.num_done + take, final=False)
-
-    def _is_running(self, user_id: Hashable) -> bool:
-        return any(r.user_id == user_id for r in self.running)
 
     def _pop_waiting(self, user_id: Hashable, admitted: bool) -> None:
         """Take the user's head request off the waiting structures; if it was not admitted (it

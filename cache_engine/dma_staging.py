@@ -1,9 +1,6 @@
-"""The first half of an onload on CUDA: host pages cross PCIe by DMA into a device staging buffer.
-
-Per layer, one batched driver call (:class:`.batched_copy.BatchedCopier`) on the copy stream copies every job's host
-pages of that layer into the staging buffer, packed in job order, then records that layer's event. The onload kernel
-(:mod:`.onload_kernel`) then reads the staging buffer into the pool's pages, each layer's launch queued after a wait
-for that layer's event.
+"""The first half of an onload on CUDA: host pages cross PCIe by DMA into a device staging buffer, one batched
+driver call (:class:`.batched_copy.BatchedCopier`) per layer, whose event the onload kernel (:mod:`.onload_kernel`)
+waits for before it reads that layer into the pool's pages.
 """
 
 from __future__ import annotations

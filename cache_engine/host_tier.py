@@ -19,8 +19,7 @@ import torch
 from .config import CacheConfig
 from .host_store import HostChunkStore
 from .jobs import OffloadJob, OnloadJob, is_done
-from .lru import LRUIndex
-from .records import HostStats, UserRecord
+from .records import HostStats, LRUIndex, UserRecord
 from .transfer import TransferEngine
 
 

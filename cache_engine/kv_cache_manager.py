@@ -18,9 +18,8 @@ import torch
 
 from .config import CacheConfig
 from .host_tier import HostTier
-from .lru import LRUIndex
 from .page_pool import PagePool
-from .records import CacheHit, CacheStats, PoolStats, UserRecord, grown
+from .records import CacheHit, CacheStats, LRUIndex, PoolStats, UserRecord, grown
 
 
 class KVCacheManager:

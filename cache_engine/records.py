@@ -1,9 +1,11 @@
-"""Per-user cache records and counters."""
+"""Per-user cache records, the LRU index that orders them, and counters."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -73,6 +75,21 @@ class UserRecord:
 
 _NO_PAGES = np.zeros(0, dtype=np.int32)  # shared by records without pages: capacity 0, so never written
 _NO_HASHES = np.zeros(0, dtype=np.uint64)
+
+
+class LRUIndex(OrderedDict[Hashable, Any]):
+    """Keys ordered from least to most recently used (iteration order), each with a value (e.g. the user's record,
+    so that a policy walking the order needs no second lookup). ``OrderedDict`` is a hash map threaded by a doubly
+    linked list: every operation is O(1)."""
+
+    def touch(self, key: Hashable, value: Any = None) -> None:
+        """Insert ``key`` (with ``value``) or mark it most recently used (and set its value)."""
+        self[key] = value
+        self.move_to_end(key)
+
+    def remove(self, key: Hashable) -> None:
+        """Drop ``key`` if present."""
+        self.pop(key, None)
 
 
 class CacheHit(NamedTuple):

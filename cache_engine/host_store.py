@@ -38,29 +38,25 @@ class HostChunkStore:
         self._coming = 0  # segments not adopted yet
         self._stop = threading.Event()
         self._thread = None
-        if memory is not None:
-            num_slots = min(num_slots, memory.numel() // self.slot_bytes)
+        if memory is not None:  # one segment: the slots that fit
+            num_slots = segment_slots = min(num_slots, memory.numel() // self.slot_bytes)
         self.num_slots = num_slots
         #: int64 ``[num_slots]``: each slot's address once its segment is adopted (for kernels reading host memory)
         self.addresses = np.zeros(num_slots, dtype=np.int64)
-        if memory is not None:
-            self.segment_slots = max(self.num_slots, 1)
-            if self.num_slots:
-                self._coming = 1
-                flat = memory[: self.num_slots * self.slot_bytes].view(dtype)
-                self._ready.put(flat.view(self.num_slots, *slot_shape))
-                self.adopt_ready_segments()
-            return
-        self.segment_slots = max(1, segment_slots)
-        sizes = [min(self.segment_slots, num_slots - s) for s in range(0, num_slots, self.segment_slots)]
+        segment_slots = max(1, segment_slots)
+        sizes = [min(segment_slots, num_slots - s) for s in range(0, num_slots, segment_slots)]
         self._coming = len(sizes)
-        if pin:
+        if memory is not None:
+            for size in sizes:
+                self._ready.put(memory[: size * self.slot_bytes].view(dtype).view(size, *slot_shape))
+        elif pin:
             self._thread = threading.Thread(target=self._allocate, args=(sizes, True), daemon=True,
                                             name="gr-engine-host-pool")
             self._thread.start()
+            return
         else:
             self._allocate(sizes, False)
-            self.adopt_ready_segments()
+        self.adopt_ready_segments()
 
     @property
     def slot_bytes(self) -> int:

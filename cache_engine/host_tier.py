@@ -79,7 +79,6 @@ class HostTier:
         self._onloads: deque[tuple[list[torch.cuda.Event | None], list[int]]] = deque()
         self._batch: list[_Persist] = []  # chunk copies decided, issued by the next _flush
         self._planned: list[OnloadJob] = []
-        self._planned_slots: list[int] = []
         self._busy: dict[int, int] = {}  # slot -> onloads in flight reading it
         self._deferred: set[int] = set()  # freed while busy
 
@@ -106,12 +105,9 @@ class HostTier:
         # (i + 1) * chunk_pages)`` of them (the slice stops at the last page).
         pages = record.page_buffer[:num_pages]
         slots = record.host_slots[: -(-tokens // self.chunk)]
-        first = 0
-        for slot in slots:
-            planned.append(OnloadJob(slot, store_slot(slot), pages[first: first + chunk_pages]))
+        for i, slot in enumerate(slots):
+            planned.append(OnloadJob(slot, store_slot(slot), pages[i * chunk_pages: (i + 1) * chunk_pages]))
             busy[slot] = busy.get(slot, 0) + 1
-            first += chunk_pages
-        self._planned_slots.extend(slots)
         self.stats.onloaded_bytes += num_pages * self._page_bytes
         self.stats.onloaded_tokens += tokens
 
@@ -157,8 +153,8 @@ class HostTier:
         self.transfer.before_writes()
         events = self.transfer.onload(self.kv, self._planned)
         if self._planned:
-            self._onloads.append((events, self._planned_slots))
-        self._planned, self._planned_slots = [], []
+            self._onloads.append((events, [job.slot_id for job in self._planned]))
+        self._planned = []
         return events
 
     def finish_step(self) -> None:
@@ -199,13 +195,11 @@ class HostTier:
             if wait and events[-1] is not None:
                 events[-1].synchronize()
             for slot in slots:
-                readers = busy[slot] - 1
-                if readers:
-                    busy[slot] = readers
-                else:
+                busy[slot] -= 1
+                if not busy[slot]:
                     del busy[slot]
                     if slot in self._deferred:
-                        self._deferred.discard(slot)
+                        self._deferred.remove(slot)
                         self.store.free([slot])
 
     def wait_for_onloads(self) -> None:

@@ -30,16 +30,8 @@ class DmaStaging:
         self.buffer = torch.empty((slot_shape[0], pages, *slot_shape[2:]), dtype=dtype, device=stream.device)
         #: ``events[l]``: recorded after layer ``l``'s copies of the latest onload.
         self.events = [torch.cuda.Event() for _ in range(slot_shape[0])]
-
-    @property
-    def layer_bytes(self) -> int:
-        """Bytes from one layer of the staging buffer to the next."""
-        return self.buffer.stride(0) * self.buffer.element_size()
-
-    @property
-    def capacity(self) -> int:
-        """Pages of every layer the buffer holds."""
-        return self.buffer.shape[1]
+        self.capacity = pages  #: pages of every layer the buffer holds
+        self.layer_bytes = self.buffer.stride(0) * self.buffer.element_size()  #: from one layer to the next
 
     def copy(self, jobs: list[OnloadJob], counts: np.ndarray, slot_addresses: np.ndarray | None,
              after: torch.cuda.Event | None, compute: torch.cuda.Stream) -> np.ndarray:

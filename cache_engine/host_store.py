@@ -31,6 +31,7 @@ class HostChunkStore:
                  pin: bool, memory: torch.Tensor | None = None) -> None:
         self.slot_shape = slot_shape
         self.dtype = dtype
+        self.slot_bytes = math.prod(slot_shape) * dtype.itemsize  #: bytes of one slot
         self._segments: list[torch.Tensor] = []
         self._slots: list[torch.Tensor] = []  # per slot id, a view into its segment
         self._free: list[int] = []
@@ -57,11 +58,6 @@ class HostChunkStore:
         else:
             self._allocate(sizes, False)
         self.adopt_ready_segments()
-
-    @property
-    def slot_bytes(self) -> int:
-        """Bytes of one slot (``slot_shape`` of ``dtype``)."""
-        return math.prod(self.slot_shape) * self.dtype.itemsize
 
     @property
     def num_allocated(self) -> int:

@@ -33,6 +33,7 @@ class KVCacheManager:
         self.page_size = config.page_size
         device = torch.device(device)
         self.pool = PagePool(num_layers, config.num_gpu_pages, config.page_size, num_heads, head_dim, dtype, device)
+        self.kv_cache = self.pool.kv  #: ``[num_layers, num_pages, 2, page_size, H, D]``
         self.users: dict[Hashable, UserRecord] = {}
         self._lru = LRUIndex()  # unlocked users that hold pages -> their records, least recently used first
         self._evictable_pages = 0  # pages held by users in the LRU
@@ -48,11 +49,6 @@ class KVCacheManager:
         self.host: HostTier | None = None
         if config.mode == "hierarchical":
             self.host = HostTier(config, self.pool.kv, self._release_record, host_memory)
-
-    @property
-    def kv_cache(self) -> torch.Tensor:
-        """``[num_layers, num_pages, 2, page_size, H, D]``."""
-        return self.pool.kv
 
     @property
     def stats(self) -> CacheStats:

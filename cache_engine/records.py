@@ -23,9 +23,9 @@ def grown(buffer: np.ndarray, keep: int, need: int) -> np.ndarray:
 class UserRecord:
     """One user's cached history, across both tiers.
 
-    The GPU pages and page hashes live in numpy buffers with spare capacity that are written in place:
-    taking pages, committing tokens and verifying a prefix then cost a slice or two, not a rebuilt array. The host
-    tier writes ``host_slots``, ``host_tokens`` and ``readers``; the manager writes the rest.
+    The GPU pages and page hashes live in numpy buffers with spare capacity, written in place (a slice or two per
+    change, not a rebuilt array). The host tier writes ``host_slots``, ``host_tokens`` and ``readers``; the manager
+    the rest.
 
     Attributes:
         page_buffer: int32 ``[>= num_pages]``; ``page_buffer[:num_pages]`` (:attr:`pages`) are the user's GPU

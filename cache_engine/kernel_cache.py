@@ -1,12 +1,11 @@
 """Launching a Triton kernel repeatedly at little host cost.
 
 A ``@triton.jit`` launch binds its arguments, computes the specialisation key and looks the compiled kernel up on
-every call. :class:`CompiledKernels` keeps the compiled kernel the first launch of each specialisation returns and
-afterwards calls its launcher directly, with every argument (the constexprs included) in the kernel's order, as
-Triton's own launch does (the kernels' GPU tests fail if a Triton version changes that). Tensors reach the launcher
-as addresses, which spares Triton's driver check of each pointer: the kernels here are given only device memory or
-pinned host memory. While a launch hook is registered (a profiler), launches go through ``CompiledKernel[grid]``,
-which calls it.
+every call. :class:`CompiledKernels` keeps each specialisation's compiled kernel and afterwards calls its launcher
+directly, with every argument (constexprs included) in the kernel's order, as Triton's own launch does (the kernels'
+GPU tests fail if a Triton version changes that), tensors as addresses (no driver check per pointer: the kernels
+here get only device or pinned host memory). While a launch hook (a profiler) is registered, launches go through
+``CompiledKernel[grid]``, which calls it.
 
 This module imports Triton.
 """

@@ -1,10 +1,6 @@
-"""Which requests run in the next step.
-
-Rules: at most ``max_num_seqs`` requests and ``max_num_batched_tokens`` computed tokens per step; at
-most one request per user per step, and a user's requests run one after another in arrival order
-(the next one reuses what the previous one cached); across users, first come first served. Requests
-already running (a cold user's history being encoded in chunks) go first. A request is admitted only
-once the cache has pages for its whole history, so a running request never waits for pages.
+"""Which requests run in the next step, by the rules of docs/design.md section 3, step 1 (Schedule): budgets per
+step, one request per user at a time in arrival order, first come first served across users, running requests
+first, and admission only once the cache has pages for the whole history.
 """
 
 from __future__ import annotations

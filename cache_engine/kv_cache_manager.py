@@ -31,7 +31,6 @@ class KVCacheManager:
         :class:`~cache_engine.host_store.HostChunkStore`); by default the pool allocates its own."""
         self.config = config
         self.page_size = config.page_size
-        device = torch.device(device)
         self.pool = PagePool(num_layers, config.num_gpu_pages, config.page_size, num_heads, head_dim, dtype, device)
         self.kv_cache = self.pool.kv  #: ``[num_layers, num_pages, 2, page_size, H, D]``
         self.users: dict[Hashable, UserRecord] = {}

@@ -120,16 +120,9 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ offload
     def offload(self, kv: torch.Tensor, jobs: list[OffloadJob]) -> torch.cuda.Event | None:
-        """Copy each job's pages of all layers to its host slot.
-
-        Args:
-            kv: the pool, ``[L, num_pages, 2, page_size, H, D]``.
-            jobs: what to copy.
-
-        Returns:
-            On CUDA the event after which the pages may be written again and the host slots hold the data; on CPU
-            ``None`` (the copy is done).
-        """
+        """Copy each job's pages of all layers of ``kv`` (the pool, ``[L, num_pages, 2, page_size, H, D]``) to its
+        host slot. Returns, on CUDA, the event after which the pages may be written again and the host slots hold the
+        data; on CPU ``None`` (the copy is done)."""
         if not self.is_cuda:
             for job in jobs:
                 data = kv[:, job.pages].unsqueeze(0)  # [1, L, n, 2, page_size, H, D]
@@ -181,13 +174,10 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ onload
     def onload(self, kv: torch.Tensor, jobs: list[OnloadJob]) -> list[torch.cuda.Event | None]:
-        """Copy each job's host chunk into its GPU pages, layer by layer.
-
-        Returns:
-            One entry per layer: on CUDA the event after which that layer's pages hold the data (the model's layer
-            must wait for it; recorded in layer order on one stream, and recorded again by later onloads); on CPU
-            ``None`` (the copy is done).
-        """
+        """Copy each job's host chunk into its GPU pages of ``kv`` (the pool), layer by layer. Returns one entry per
+        layer: on CUDA the event after which that layer's pages hold the data (the model's layer must wait for it;
+        recorded in layer order on one stream, and recorded again by later onloads); on CPU ``None`` (the copy is
+        done)."""
         num_layers = kv.shape[0]
         if not jobs:
             return [None] * num_layers

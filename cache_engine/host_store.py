@@ -36,7 +36,6 @@ class HostChunkStore:
         self._slots: list[torch.Tensor] = []  # per slot id, a view into its segment
         self._free: list[int] = []
         self._ready: queue.Queue[torch.Tensor] = queue.Queue()
-        self._coming = 0  # segments not adopted yet
         self._stop = threading.Event()
         self._thread = None
         if memory is not None:  # one segment: the slots that fit
@@ -46,7 +45,7 @@ class HostChunkStore:
         self.addresses = np.zeros(num_slots, dtype=np.int64)
         segment_slots = max(1, segment_slots)
         sizes = [min(segment_slots, num_slots - s) for s in range(0, num_slots, segment_slots)]
-        self._coming = len(sizes)
+        self._coming = len(sizes)  # segments not adopted yet
         if memory is not None:
             for size in sizes:
                 self._ready.put(memory[: size * self.slot_bytes].view(dtype).view(size, *slot_shape))

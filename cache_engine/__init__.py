@@ -5,10 +5,9 @@ from .host_store import HostChunkStore
 from .host_tier import HostTier
 from .jobs import OffloadJob, OnloadJob
 from .kv_cache_manager import KVCacheManager
-from .lru import LRUIndex
 from .page_pool import PagePool
 from .prefix_hash import IncrementalHasher, page_prefix_hashes
-from .records import CacheHit, CacheStats, HostStats, PoolStats, UserRecord
+from .records import CacheHit, CacheStats, HostStats, LRUIndex, PoolStats, UserRecord
 from .transfer import TransferEngine
 
 __all__ = [

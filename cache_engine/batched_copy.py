@@ -1,12 +1,9 @@
 """Many host-to-device copies in one host call: the CUDA driver's ``cuMemcpyBatchAsync`` (CUDA 12.8 and later).
 
-An onload copies each host chunk's block of every layer into the staging buffer (:mod:`.dma_staging`) with the DMA
-engines, which leaves the multiprocessors to the forward. A copy per (layer, chunk) would cost the host one call
-each; :class:`BatchedCopier` issues a layer's copies in one driver call instead. torch does not expose the call, so
-it is bound here with :mod:`ctypes` from the driver library torch already uses (``libcuda.so.1``); where the driver
-lacks it, :meth:`BatchedCopier.load` returns ``None`` and onload kernels read host memory directly.
-
-The copies are stream-ordered (``CU_MEMCPY_SRC_ACCESS_ORDER_STREAM``) and hinted to run beside compute
+An onload's copies of one layer into the staging buffer (:mod:`.dma_staging`) go to the DMA engines as one driver call
+(:class:`BatchedCopier`), not one per chunk. torch does not expose the call: it is bound with :mod:`ctypes` from
+``libcuda.so.1``; where the driver lacks it, :meth:`BatchedCopier.load` returns ``None`` and onload kernels read host
+memory directly. The copies are stream-ordered (``CU_MEMCPY_SRC_ACCESS_ORDER_STREAM``) and hinted to run beside compute
 (``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``); a batch may run its copies in any order, so none may depend on
 another. The driver does not accept a batch inside a CUDA graph capture, nor on the legacy default stream.
 """

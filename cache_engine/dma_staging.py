@@ -1,9 +1,6 @@
-"""The first half of an onload on CUDA: host pages cross PCIe by DMA into a device staging buffer.
-
-Per layer, one batched driver call (:class:`.batched_copy.BatchedCopier`) on the copy stream copies every job's host
-pages of that layer into the staging buffer, packed in job order, then records that layer's event. The onload kernel
-(:mod:`.onload_kernel`) then reads the staging buffer into the pool's pages, each layer's launch queued after a wait
-for that layer's event.
+"""The first half of an onload on CUDA: host pages cross PCIe by DMA into a device staging buffer, one batched
+driver call (:class:`.batched_copy.BatchedCopier`) per layer, whose event the onload kernel (:mod:`.onload_kernel`)
+waits for before it reads that layer into the pool's pages.
 """
 
 from __future__ import annotations
@@ -33,16 +30,8 @@ class DmaStaging:
         self.buffer = torch.empty((slot_shape[0], pages, *slot_shape[2:]), dtype=dtype, device=stream.device)
         #: ``events[l]``: recorded after layer ``l``'s copies of the latest onload.
         self.events = [torch.cuda.Event() for _ in range(slot_shape[0])]
-
-    @property
-    def layer_bytes(self) -> int:
-        """Bytes from one layer of the staging buffer to the next."""
-        return self.buffer.stride(0) * self.buffer.element_size()
-
-    @property
-    def capacity(self) -> int:
-        """Pages of every layer the buffer holds."""
-        return self.buffer.shape[1]
+        self.capacity = pages  #: pages of every layer the buffer holds
+        self.layer_bytes = self.buffer.stride(0) * self.buffer.element_size()  #: from one layer to the next
 
     def copy(self, jobs: list[OnloadJob], counts: np.ndarray, slot_addresses: np.ndarray | None,
              after: torch.cuda.Event | None, compute: torch.cuda.Stream) -> np.ndarray:

@@ -1,11 +1,6 @@
-"""The host tier's memory: fixed-size chunk slots in a (pinned) host pool.
-
-A slot holds one chunk of one user's history for all layers, laid out like the GPU pool's pages:
-``[num_layers, chunk_pages, 2, page_size, H, D]``, so layer ``l`` of a chunk is one contiguous block
-(one DMA per layer and chunk). The pool is allocated in segments. With ``pin=True`` (CUDA) a
-background thread allocates pinned segments one after another and the store adopts them as they
-arrive, so start-up never waits for the whole pool (pinning costs ~0.7 s per GiB). Until a segment
-arrives its slots simply do not exist yet: users who cannot be persisted are recomputed later.
+"""The host tier's memory: fixed-size chunk slots in a (pinned) host pool, allocated in segments (docs/design.md
+section 5, "Host tier"). A slot is laid out like the GPU pool's pages, ``[num_layers, chunk_pages, 2, page_size, H,
+D]``. Until a segment arrives its slots do not exist: users who cannot be persisted are recomputed later.
 """
 
 from __future__ import annotations
@@ -36,41 +31,32 @@ class HostChunkStore:
                  pin: bool, memory: torch.Tensor | None = None) -> None:
         self.slot_shape = slot_shape
         self.dtype = dtype
+        self.slot_bytes = math.prod(slot_shape) * dtype.itemsize  #: bytes of one slot
         self._segments: list[torch.Tensor] = []
         self._slots: list[torch.Tensor] = []  # per slot id, a view into its segment
         self._free: list[int] = []
         self._ready: queue.Queue[torch.Tensor] = queue.Queue()
-        self._coming = 0  # segments not adopted yet
         self._stop = threading.Event()
         self._thread = None
-        if memory is not None:
-            num_slots = min(num_slots, memory.numel() // self.slot_bytes)
+        if memory is not None:  # one segment: the slots that fit
+            num_slots = segment_slots = min(num_slots, memory.numel() // self.slot_bytes)
         self.num_slots = num_slots
         #: int64 ``[num_slots]``: each slot's address once its segment is adopted (for kernels reading host memory)
         self.addresses = np.zeros(num_slots, dtype=np.int64)
+        segment_slots = max(1, segment_slots)
+        sizes = [min(segment_slots, num_slots - s) for s in range(0, num_slots, segment_slots)]
+        self._coming = len(sizes)  # segments not adopted yet
         if memory is not None:
-            self.segment_slots = max(self.num_slots, 1)
-            if self.num_slots:
-                self._coming = 1
-                flat = memory[: self.num_slots * self.slot_bytes].view(dtype)
-                self._ready.put(flat.view(self.num_slots, *slot_shape))
-                self.adopt_ready_segments()
-            return
-        self.segment_slots = max(1, segment_slots)
-        sizes = [min(self.segment_slots, num_slots - s) for s in range(0, num_slots, self.segment_slots)]
-        self._coming = len(sizes)
-        if pin:
+            for size in sizes:
+                self._ready.put(memory[: size * self.slot_bytes].view(dtype).view(size, *slot_shape))
+        elif pin:
             self._thread = threading.Thread(target=self._allocate, args=(sizes, True), daemon=True,
                                             name="gr-engine-host-pool")
             self._thread.start()
+            return
         else:
             self._allocate(sizes, False)
-            self.adopt_ready_segments()
-
-    @property
-    def slot_bytes(self) -> int:
-        """Bytes of one slot (``slot_shape`` of ``dtype``)."""
-        return math.prod(self.slot_shape) * self.dtype.itemsize
+        self.adopt_ready_segments()
 
     @property
     def num_allocated(self) -> int:

@@ -1,20 +1,10 @@
-"""The host tier: which chunks to persist or load, and what to do when transfers finish (docs/design.md section 5).
+"""The host tier: which chunks to persist or load, and what to do when transfers finish.
 
-- **Proactive offload**: after each step, every chunk of a user's history that is full on the GPU but not yet on host
-  is queued (:meth:`HostTier.plan_offload`); at most ``max_pending_offloads`` chunks are in flight (admission
-  control). A user is a *reader* while its pages are being copied, and GPU eviction skips readers.
-- **Tail persistence**: before a user's GPU pages are reclaimed, everything not yet on host is persisted at once
-  (:meth:`HostTier.plan_persist`).
-- **Onload**: a returning user's host history is copied into its new pages (:meth:`HostTier.plan_onload`).
-- **Host LRU**: when no slot is free, the least recently used user without a running request loses its host copy. A
-  slot still being read by an onload is freed only once that onload finishes.
-
-The manager drives it per step: plans while it acquires and commits, :meth:`HostTier.launch` before the forward (the
-copies to host decided so far, which must precede any write to their pages, then the planned onloads),
-:meth:`HostTier.finish_step` after the forward is queued (offloads of the chunks it filled) and :meth:`HostTier.poll`
-at the start of the next step (completions; a transfer whose record was cut back or deleted meanwhile, ``generation``
-changed, is discarded). On CPU transfers are synchronous but take effect at the next poll: both paths run one state
-machine. The host tier never adds or deletes records: one it leaves empty goes to the manager's ``release_record``.
+docs/design.md section 5 describes its policies (proactive offload within the admission cap, tail persistence,
+onload, the host LRU) and how the manager drives it each step: plans while it acquires and commits,
+:meth:`HostTier.launch` before the forward, :meth:`HostTier.finish_step` after it and :meth:`HostTier.poll` at the
+start of the next step, which discards a transfer whose record was cut back or deleted meanwhile (``generation``
+changed). On CPU transfers are synchronous but take effect at the next poll: both paths run one state machine.
 """
 
 from __future__ import annotations
@@ -29,8 +19,7 @@ import torch
 from .config import CacheConfig
 from .host_store import HostChunkStore
 from .jobs import OffloadJob, OnloadJob, is_done
-from .lru import LRUIndex
-from .records import HostStats, UserRecord
+from .records import HostStats, LRUIndex, UserRecord
 from .transfer import TransferEngine
 
 
@@ -90,7 +79,6 @@ class HostTier:
         self._onloads: deque[tuple[list[torch.cuda.Event | None], list[int]]] = deque()
         self._batch: list[_Persist] = []  # chunk copies decided, issued by the next _flush
         self._planned: list[OnloadJob] = []
-        self._planned_slots: list[int] = []
         self._busy: dict[int, int] = {}  # slot -> onloads in flight reading it
         self._deferred: set[int] = set()  # freed while busy
 
@@ -117,12 +105,9 @@ class HostTier:
         # (i + 1) * chunk_pages)`` of them (the slice stops at the last page).
         pages = record.page_buffer[:num_pages]
         slots = record.host_slots[: -(-tokens // self.chunk)]
-        first = 0
-        for slot in slots:
-            planned.append(OnloadJob(slot, store_slot(slot), pages[first: first + chunk_pages]))
+        for i, slot in enumerate(slots):
+            planned.append(OnloadJob(slot, store_slot(slot), pages[i * chunk_pages: (i + 1) * chunk_pages]))
             busy[slot] = busy.get(slot, 0) + 1
-            first += chunk_pages
-        self._planned_slots.extend(slots)
         self.stats.onloaded_bytes += num_pages * self._page_bytes
         self.stats.onloaded_tokens += tokens
 
@@ -168,8 +153,8 @@ class HostTier:
         self.transfer.before_writes()
         events = self.transfer.onload(self.kv, self._planned)
         if self._planned:
-            self._onloads.append((events, self._planned_slots))
-        self._planned, self._planned_slots = [], []
+            self._onloads.append((events, [job.slot_id for job in self._planned]))
+        self._planned = []
         return events
 
     def finish_step(self) -> None:
@@ -210,13 +195,11 @@ class HostTier:
             if wait and events[-1] is not None:
                 events[-1].synchronize()
             for slot in slots:
-                readers = busy[slot] - 1
-                if readers:
-                    busy[slot] = readers
-                else:
+                busy[slot] -= 1
+                if not busy[slot]:
                     del busy[slot]
                     if slot in self._deferred:
-                        self._deferred.discard(slot)
+                        self._deferred.remove(slot)
                         self.store.free([slot])
 
     def wait_for_onloads(self) -> None:
@@ -239,13 +222,6 @@ class HostTier:
         record.host_tokens = min(record.host_tokens, tokens)
         if not record.host_slots:
             self._lru.remove(user)
-
-    def drop(self, user: Hashable, record: UserRecord) -> None:
-        """Forget the user's host copy."""
-        self._release(record.host_slots)
-        record.host_slots = []
-        record.host_tokens = 0
-        self._lru.remove(user)
 
     def check(self, records: dict[Hashable, UserRecord]) -> None:
         """Raise ``AssertionError`` unless every allocated slot is free, owned by one of ``records`` (the manager's
@@ -324,7 +300,7 @@ class HostTier:
                     break
             else:
                 return None
-            self.drop(victim, record)
+            self.cut(victim, record, 0)  # forget its host copy
             self.stats.host_evicted_users += 1
             if not record.num_pages:
                 self._release_record(victim, record)

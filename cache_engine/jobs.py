@@ -40,10 +40,9 @@ def is_done(event: torch.cuda.Event | None) -> bool:
 
 def host_page_addresses(jobs: list[OnloadJob], slot_addresses: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """For :meth:`~.onload_kernel.OnloadLauncher.all_layers`: the host address of each job page's first layer, in job
-    order, and the bytes from one layer of a page to the next (slots ``[L, chunk_pages, 2, page_size, H, D]``,
-    contiguous, 16-byte aligned: the kernel loads 16 bytes at a time). ``slot_addresses``: int64, each slot id's
-    address (:attr:`.host_store.HostChunkStore.addresses`), read instead of asking each job's tensor (a torch call
-    per job)."""
+    order (int64), and the bytes from one layer of a page to the next (slots ``[L, chunk_pages, 2, page_size, H,
+    D]``, contiguous, 16-byte aligned: the kernel loads 16 bytes at a time). ``slot_addresses``: as
+    :func:`job_slot_addresses`."""
     slot = jobs[0].slot
     page_bytes, layer_bytes = slot.stride(1) * slot.element_size(), slot.stride(0) * slot.element_size()
     slot_addresses = job_slot_addresses(jobs, slot_addresses)

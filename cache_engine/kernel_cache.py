@@ -1,15 +1,11 @@
 """Launching a Triton kernel repeatedly at little host cost.
 
-A ``@triton.jit`` launch binds its arguments, computes the specialisation key and looks the compiled kernel up on every
-call (tens of microseconds of host time a launch). :class:`CompiledKernels` keeps the compiled kernel the first launch
-of each specialisation returns and, afterwards, calls its launcher directly (a few microseconds, given the stream's
-handle, which ``CompiledKernel[grid]`` would otherwise look up on every call). This calls Triton's launcher with every
-argument, the constexprs included, in the kernel's order, as Triton's own launch does; the GPU tests of the kernels that
-use it fail if a Triton version changes that. Tensor arguments reach the launcher as their addresses: given a tensor,
-Triton's launcher calls its ``data_ptr`` and asks the driver whether the address is device-accessible
-(``cuPointerGetAttribute``), a driver call per pointer per launch (six per onload kernel launch); the kernels here are
-only given device memory or pinned host memory, which needs no such check. While a launch hook is registered (a
-profiler), launches go through ``CompiledKernel[grid]``, which calls it.
+A ``@triton.jit`` launch binds its arguments, computes the specialisation key and looks the compiled kernel up on
+every call. :class:`CompiledKernels` keeps each specialisation's compiled kernel and afterwards calls its launcher
+directly, with every argument (constexprs included) in the kernel's order, as Triton's own launch does (the kernels'
+GPU tests fail if a Triton version changes that), tensors as addresses (no driver check per pointer: the kernels
+here get only device or pinned host memory). While a launch hook (a profiler) is registered, launches go through
+``CompiledKernel[grid]``, which calls it.
 
 This module imports Triton.
 """

@@ -1,18 +1,11 @@
 """Per-user persistent KV: which pages (and host chunks) hold whose history, and what to evict (docs/design.md
-section 5).
+section 5, which also says what the manager and the host tier each own).
 
-A user's record (:class:`~cache_engine.records.UserRecord`) persists across requests. A request is served by
-:meth:`KVCacheManager.acquire` (verify the cached prefix against the request's history, cutting a record that no
-longer matches back to its longest matching page prefix: stale KV is never served; lock it; give it pages for the
-whole history, evicting least recently used unlocked users zero-copy; plan onloads of history only on host),
-:meth:`KVCacheManager.commit` after each step (the pages hold more tokens; full chunks are queued for offload) and
-:meth:`KVCacheManager.release` (unlock; ``recompute`` mode drops the record). Each engine step calls
+A request is served by :meth:`KVCacheManager.acquire` (verify the cached prefix, cutting a stale record back to its
+longest matching page prefix; lock it; give it pages for the whole history; plan onloads of history only on host),
+:meth:`KVCacheManager.commit` after each step and :meth:`KVCacheManager.release`. Each engine step calls
 :meth:`begin_step`, :meth:`launch_onloads` before the forward and :meth:`end_step` after it; with ``cache.prefetch``
 the engine calls :meth:`prefetch` as requests arrive.
-
-The manager owns the records (:attr:`KVCacheManager.users`) and its own counters; the host tier
-(:class:`~.host_tier.HostTier`) owns its counters and the host fields of the records, and hands back records it
-leaves empty.
 """
 
 from __future__ import annotations
@@ -25,9 +18,8 @@ import torch
 
 from .config import CacheConfig
 from .host_tier import HostTier
-from .lru import LRUIndex
 from .page_pool import PagePool
-from .records import CacheHit, CacheStats, PoolStats, UserRecord, grown
+from .records import CacheHit, CacheStats, LRUIndex, PoolStats, UserRecord, grown
 
 
 class KVCacheManager:
@@ -39,8 +31,8 @@ class KVCacheManager:
         :class:`~cache_engine.host_store.HostChunkStore`); by default the pool allocates its own."""
         self.config = config
         self.page_size = config.page_size
-        device = torch.device(device)
         self.pool = PagePool(num_layers, config.num_gpu_pages, config.page_size, num_heads, head_dim, dtype, device)
+        self.kv_cache = self.pool.kv  #: ``[num_layers, num_pages, 2, page_size, H, D]``
         self.users: dict[Hashable, UserRecord] = {}
         self._lru = LRUIndex()  # unlocked users that hold pages -> their records, least recently used first
         self._evictable_pages = 0  # pages held by users in the LRU
@@ -56,11 +48,6 @@ class KVCacheManager:
         self.host: HostTier | None = None
         if config.mode == "hierarchical":
             self.host = HostTier(config, self.pool.kv, self._release_record, host_memory)
-
-    @property
-    def kv_cache(self) -> torch.Tensor:
-        """``[num_layers, num_pages, 2, page_size, H, D]``."""
-        return self.pool.kv
 
     @property
     def stats(self) -> CacheStats:
@@ -387,4 +374,4 @@ class KVCacheManager:
         discarded when they complete)."""
         if self.users.get(user_id) is record:
             del self.users[user_id]
-        record.retire()
+        record.generation = 0

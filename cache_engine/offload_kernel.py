@@ -1,15 +1,9 @@
-"""Offload by kernel: one launch gathers the pages of chunks from the pool and writes them into their host slots,
-quantised to FP8 with their scales on the way.
+"""Offload by kernel: one launch gathers the pages of chunks from the pool and stores them straight into their host
+slots (pinned host memory is device-addressable; any memory works: the tests give device addresses), quantised to
+FP8 with their scales on the way. One program per (chunk, layer, K/V, head) reads that head's values of the chunk's
+pages twice (largest magnitude, then scaled values).
 
-The copy path does this with about a dozen torch operations per offload (an ``index_select`` gather, a
-transpose, and the FP8 quantisation's ``abs``, ``amax``, divisions and casts), each a separate launch with its
-own host cost, then one device-to-host copy per chunk. Here one program per (chunk, layer, K/V, head) reads
-that head's values of the chunk's pages twice (largest magnitude, then scaled values) and stores them straight
-into the chunk's slot: pinned host memory is device-addressable, so there is no device buffer and no copy to
-issue. (Any memory works: the tests give addresses of device tensors.)
-
-This module imports Triton; :mod:`cache_engine` imports it only when the ``kernel`` transfer engine is chosen.
-On CPU the kernel runs in Triton's interpreter (tests).
+This module imports Triton. On CPU the kernel runs in Triton's interpreter (tests).
 """
 
 from __future__ import annotations

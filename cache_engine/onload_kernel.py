@@ -1,12 +1,9 @@
-"""The onload kernel: GPU programs copy host chunk pages (or their staged copies) into the pool's pages.
+"""The onload kernel: one launch per layer writes every page of an onload into its pool page, dequantising FP8 on
+the way. It reads the device staging buffer the pages were copied into by DMA (:mod:`.dma_staging`) or, where that is
+not possible, pinned host memory directly, which the device can address (:class:`~.transfer.TransferEngine`
+chooses).
 
-One launch per layer writes every page of an onload into its pool page, dequantising FP8 on the way. It reads
-either the device staging buffer the pages were first copied into by DMA (:mod:`.dma_staging`) or, where that is
-not possible, pinned host memory directly: pinned memory is mapped into the device's address space, so a kernel can
-load from it over PCIe (:class:`~.transfer.TransferEngine` chooses).
-
-This module imports Triton. On CPU the kernel runs in Triton's interpreter (tests), where "host memory" is simply
-memory.
+This module imports Triton. On CPU the kernel runs in Triton's interpreter (tests).
 """
 
 from __future__ import annotations
@@ -20,8 +17,7 @@ import triton.language as tl
 
 from .kernel_cache import POINTER_DTYPES, CompiledKernels
 
-# Launch shape: rows and warps per program (the fastest of a sweep on an H200 with the benchmark's KV, 4 x 128 and
-# pages of 32; any power of two is correct).
+# Launch shape: rows and warps per program (tuned; any power of two is correct).
 ROWS_PER_PROGRAM, NUM_WARPS = 8, 8
 
 

@@ -14,23 +14,13 @@ class PagePool:
             FlashInfer NHD paged cache (``[:, 0]`` K, ``[:, 1]`` V).
     """
 
-    def __init__(
-        self,
-        num_layers: int,
-        num_pages: int,
-        page_size: int,
-        num_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"num_pages ({num_pages}) and page_size ({page_size}) must be positive")
         self.page_size = page_size
         self.num_pages = num_pages
-        self.kv = torch.zeros(
-            num_layers, num_pages, 2, page_size, num_heads, head_dim, dtype=dtype, device=device
-        )
+        self.kv = torch.zeros(num_layers, num_pages, 2, page_size, num_heads, head_dim, dtype=dtype, device=device)
         # A stack in ``_stack[:num_free]``: allocation takes from the end, freeing pushes back; one numpy
         # slice copy per call, whatever the page count.
         self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int32)

@@ -1,9 +1,11 @@
-"""Per-user cache records and counters."""
+"""Per-user cache records, the LRU index that orders them, and counters."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -21,9 +23,9 @@ def grown(buffer: np.ndarray, keep: int, need: int) -> np.ndarray:
 class UserRecord:
     """One user's cached history, across both tiers.
 
-    The GPU pages and page hashes live in numpy buffers with spare capacity that are written in place:
-    taking pages, committing tokens and verifying a prefix then cost a slice or two, not a rebuilt array. The host
-    tier writes ``host_slots``, ``host_tokens`` and ``readers``; the manager writes the rest.
+    The GPU pages and page hashes live in numpy buffers with spare capacity, written in place (a slice or two per
+    change, not a rebuilt array). The host tier writes ``host_slots``, ``host_tokens`` and ``readers``; the manager
+    the rest.
 
     Attributes:
         page_buffer: int32 ``[>= num_pages]``; ``page_buffer[:num_pages]`` (:attr:`pages`) are the user's GPU
@@ -44,8 +46,8 @@ class UserRecord:
             KVCacheManager.prefetch`), counted as host hits when that request acquires the record; 0 otherwise.
         readers: offloads in flight still reading its GPU pages (it cannot be evicted meanwhile).
         generation: changed whenever the cached history is cut back, unique to the record (see
-            :class:`~cache_engine.KVCacheManager`) and 0 once the record is deleted (:meth:`retire`);
-            transfers of another generation are discarded when they complete.
+            :class:`~cache_engine.KVCacheManager`) and 0 once the record is deleted; transfers of another
+            generation are discarded when they complete.
     """
 
     page_buffer: np.ndarray = field(default_factory=lambda: _NO_PAGES)
@@ -65,11 +67,6 @@ class UserRecord:
         """int32 ``[num_pages]``: the GPU page ids in logical order (a view: do not keep it across changes)."""
         return self.page_buffer[: self.num_pages]
 
-    def retire(self) -> None:
-        """Mark the record deleted from the cache's users (generation 0): copies still in flight for it are
-        then discarded when they complete."""
-        self.generation = 0
-
     def forget_pages(self) -> None:
         """Hold no pages (the caller has given them back), releasing the buffer's memory."""
         self.page_buffer = _NO_PAGES
@@ -78,6 +75,21 @@ class UserRecord:
 
 _NO_PAGES = np.zeros(0, dtype=np.int32)  # shared by records without pages: capacity 0, so never written
 _NO_HASHES = np.zeros(0, dtype=np.uint64)
+
+
+class LRUIndex(OrderedDict[Hashable, Any]):
+    """Keys ordered from least to most recently used (iteration order), each with a value (e.g. the user's record,
+    so that a policy walking the order needs no second lookup). ``OrderedDict`` is a hash map threaded by a doubly
+    linked list: every operation is O(1)."""
+
+    def touch(self, key: Hashable, value: Any = None) -> None:
+        """Insert ``key`` (with ``value``) or mark it most recently used (and set its value)."""
+        self[key] = value
+        self.move_to_end(key)
+
+    def remove(self, key: Hashable) -> None:
+        """Drop ``key`` if present."""
+        self.pop(key, None)
 
 
 class CacheHit(NamedTuple):

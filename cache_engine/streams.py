@@ -1,9 +1,7 @@
-"""Cheap CUDA stream lookups, switching and ordering for the per-step transfer and staging code.
-
-``torch.cuda.current_stream(device)`` builds a new ``Stream`` object inside a device context, ``torch.cuda.stream(s)``
-looks up and restores the current device and stream, and ``Stream.wait_stream`` creates (and later destroys) a CUDA
-event: each costs tens of microseconds of host time, and a step makes several of each. :class:`CurrentStream`,
-:func:`on_stream` and :class:`StreamFence` do the same for a fraction of the cost.
+"""Cheap CUDA stream lookups, switching and ordering for the per-step transfer and staging code:
+:class:`CurrentStream`, :func:`on_stream` and :class:`StreamFence` do what ``torch.cuda.current_stream(device)`` (a
+new ``Stream`` object in a device context), ``torch.cuda.stream(s)`` (device and stream lookups) and
+``Stream.wait_stream`` (an event created per call) do, for a fraction of the host time.
 """
 
 from __future__ import annotations
@@ -16,8 +14,7 @@ import torch
 
 def indexed(device: torch.device) -> torch.device:
     """``device`` with its index (CUDA: the current device's when none is given). Torch looks the current stream
-    of an indexed device up directly; for a bare ``"cuda"`` each lookup first asks whether CUDA is available
-    (environment reads) first."""
+    of an indexed device up directly; for a bare ``"cuda"`` each lookup first asks whether CUDA is available."""
     if device.type != "cuda" or device.index is not None:
         return device
     return torch.device("cuda", torch.cuda.current_device())

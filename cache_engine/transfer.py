@@ -1,22 +1,11 @@
-"""Moving KV between the GPU page pool and host chunk slots.
+"""Moving KV between the GPU page pool and host chunk slots (the CUDA path: docs/design.md section 5).
 
-On CUDA, three side streams keep transfers off the compute stream:
-
-- **offload**: waits for the compute stream's work so far, then one Triton kernel (:mod:`.offload_kernel`) gathers
-  the pages of every chunk of the offload, quantises them to FP8 if host chunks are FP8, and stores them straight
-  into their host slots (pinned memory is device-addressable). Its event tells when the pages may be written again
-  and the host data is complete.
-- **copy**: per layer, one batched DMA driver call (:mod:`.batched_copy`) copies every chunk's pages of that layer
-  into a device staging buffer (:mod:`.dma_staging`), so the bytes crossing PCIe take no multiprocessors from the
-  forward.
-- **scatter**: per layer, the onload kernel (:mod:`.onload_kernel`) waits for that layer's copies and writes the
-  staged pages into their pool pages (dequantising FP8); its event for layer ``l`` is what the model's layer ``l``
-  waits for. Where the driver has no batched copies, or an onload exceeds the staging buffer, the kernel reads the
-  pages from pinned host memory directly instead.
-
-The kernels read their index arrays from pinned host memory (:class:`.index_ring.PinnedIndexRing`). FP8 host chunks
-have one scale per (slot, layer, K/V, head) in a device table (:mod:`.fp8`). Nothing here synchronises the device. On
-CPU the same calls copy synchronously and return no events.
+On CUDA three side streams keep transfers off the compute stream: **offload** runs the packing kernel
+(:mod:`.offload_kernel`) after the compute stream's work so far, and its event tells when the pages may be written
+again and the host data is complete; **copy** runs, per layer, one batched DMA (:mod:`.batched_copy`) into the
+staging buffer (:mod:`.dma_staging`); **scatter** runs, per layer, the onload kernel (:mod:`.onload_kernel`), whose
+layer ``l`` event is what the model's layer ``l`` waits for. Nothing here synchronises the device. On CPU the same
+calls copy synchronously and return no events.
 """
 
 from __future__ import annotations
@@ -31,7 +20,6 @@ import torch
 from .batched_copy import BatchedCopier
 from .dma_staging import DmaStaging
 from .fp8 import dequantize, quantize
-from .index_ring import PinnedIndexRing
 from .jobs import OffloadJob, OnloadJob, host_page_addresses, job_slot_addresses
 from .streams import CurrentStream, StreamFence, indexed, on_stream
 
@@ -40,6 +28,49 @@ if TYPE_CHECKING:
     from .onload_kernel import OnloadLauncher
 
 logger = logging.getLogger(__name__)
+
+
+class PinnedIndexRing:
+    """``depth`` pinned int64 buffers, used in turn: index arrays the transfer kernels read straight from pinned host
+    memory (device-addressable), which saves an upload. A buffer is written again only once the event recorded after
+    its last reader reports done, so the host never overwrites indices a queued kernel has yet to read.
+
+    Args:
+        depth: buffers in the ring: a buffer is rewritten ``depth`` takes after its last use, so its reader has
+            normally finished long before (the host waits for it otherwise).
+        pin: pin the buffers (CUDA); plain memory otherwise (tests).
+    """
+
+    def __init__(self, depth: int = 4, pin: bool = True) -> None:
+        if depth < 1:
+            raise ValueError("a ring needs at least one buffer")
+        self.pin = pin
+        self._buffers: list[torch.Tensor | None] = [None] * depth
+        self._readers: list[torch.cuda.Event | None] = [None] * depth  # recorded after each buffer's last reader
+        self._turn = 0
+        self._taken = -1
+
+    def take(self, size: int) -> torch.Tensor:
+        """The next buffer, int64 ``[size]`` (contents undefined), once its previous reader is done; its reader's
+        event must be given to :meth:`guard` before the next :meth:`take`."""
+        index = self._turn
+        self._turn = (index + 1) % len(self._buffers)
+        reader = self._readers[index]
+        if reader is not None and not reader.query():
+            reader.synchronize()  # the ring went round faster than the device: wait for that reader
+        self._readers[index] = None
+        buffer = self._buffers[index]
+        if buffer is None or buffer.numel() < size:
+            capacity = 1 << max(size - 1, 255).bit_length()  # a power of two, at least 256
+            buffer = self._buffers[index] = torch.empty(capacity, dtype=torch.long, pin_memory=self.pin)
+        self._taken = index
+        return buffer[:size]
+
+    def guard(self, reader: torch.cuda.Event | None) -> None:
+        """The event recorded after the last kernel that reads the buffer just taken (``None``: nothing reads it
+        any more)."""
+        self._readers[self._taken] = reader
+
 
 
 class TransferEngine:
@@ -89,16 +120,9 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ offload
     def offload(self, kv: torch.Tensor, jobs: list[OffloadJob]) -> torch.cuda.Event | None:
-        """Copy each job's pages of all layers to its host slot.
-
-        Args:
-            kv: the pool, ``[L, num_pages, 2, page_size, H, D]``.
-            jobs: what to copy.
-
-        Returns:
-            On CUDA the event after which the pages may be written again and the host slots hold the data; on CPU
-            ``None`` (the copy is done).
-        """
+        """Copy each job's pages of all layers of ``kv`` (the pool, ``[L, num_pages, 2, page_size, H, D]``) to its
+        host slot. Returns, on CUDA, the event after which the pages may be written again and the host slots hold the
+        data; on CPU ``None`` (the copy is done)."""
         if not self.is_cuda:
             for job in jobs:
                 data = kv[:, job.pages].unsqueeze(0)  # [1, L, n, 2, page_size, H, D]
@@ -150,13 +174,10 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ onload
     def onload(self, kv: torch.Tensor, jobs: list[OnloadJob]) -> list[torch.cuda.Event | None]:
-        """Copy each job's host chunk into its GPU pages, layer by layer.
-
-        Returns:
-            One entry per layer: on CUDA the event after which that layer's pages hold the data (the model's layer
-            must wait for it; recorded in layer order on one stream, and recorded again by later onloads); on CPU
-            ``None`` (the copy is done).
-        """
+        """Copy each job's host chunk into its GPU pages of ``kv`` (the pool), layer by layer. Returns one entry per
+        layer: on CUDA the event after which that layer's pages hold the data (the model's layer must wait for it;
+        recorded in layer order on one stream, and recorded again by later onloads); on CPU ``None`` (the copy is
+        done)."""
         num_layers = kv.shape[0]
         if not jobs:
             return [None] * num_layers

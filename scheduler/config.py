@@ -22,14 +22,10 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs <= 0:
-            raise ValueError(f"scheduler.max_num_seqs must be positive, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens <= 0:
-            raise ValueError(
-                f"scheduler.max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
-            )
-        if self.max_chunk_tokens is not None and self.max_chunk_tokens <= 0:
-            raise ValueError(f"scheduler.max_chunk_tokens must be positive, got {self.max_chunk_tokens}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_chunk_tokens"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"scheduler.{name} must be positive, got {value}")
 
     @property
     def chunk_tokens(self) -> int:

@@ -1,10 +1,6 @@
-"""Which requests run in the next step.
-
-Rules: at most ``max_num_seqs`` requests and ``max_num_batched_tokens`` computed tokens per step; at
-most one request per user per step, and a user's requests run one after another in arrival order
-(the next one reuses what the previous one cached); across users, first come first served. Requests
-already running (a cold user's history being encoded in chunks) go first. A request is admitted only
-once the cache has pages for its whole history, so a running request never waits for pages.
+"""Which requests run in the next step, by the rules of docs/design.md section 3, step 1 (Schedule): budgets per
+step, one request per user at a time in arrival order, first come first served across users, running requests
+first, and admission only once the cache has pages for the whole history.
 """
 
 from __future__ import annotations
@@ -57,7 +53,7 @@ class Scheduler:
         queue = self._queues.setdefault(request.user_id, deque())
         queue.append(request)
         self._num_waiting += 1
-        if len(queue) == 1 and not self._is_running(request.user_id):
+        if len(queue) == 1 and all(r.user_id != request.user_id for r in self.running):
             heapq.heappush(self._ready, (request.seq_id, request.user_id))
 
     def schedule(self) -> SchedulerOutput:
@@ -168,9 +164,6 @@ class Scheduler:
             return None  # only the candidates are left and they need a larger share of a step
         take = min(remaining, budget, cap)
         return ScheduledChunk(request, request.num_done, request.num_done + take, final=False)
-
-    def _is_running(self, user_id: Hashable) -> bool:
-        return any(r.user_id == user_id for r in self.running)
 
     def _pop_waiting(self, user_id: Hashable, admitted: bool) -> None:
         """Take the user's head request off the waiting structures; if it was not admitted (it

@@ -1,11 +1,11 @@
-"""The pinned index ring (:mod:`cache_engine.index_ring`): buffers handed out in turn, a buffer rewritten only once
-its last reader is done, grown when too small."""
+"""The pinned index ring (:class:`cache_engine.transfer.PinnedIndexRing`): buffers handed out in turn, a buffer
+rewritten only once its last reader is done, grown when too small."""
 
 from __future__ import annotations
 
 import pytest
 
-from cache_engine.index_ring import PinnedIndexRing
+from cache_engine.transfer import PinnedIndexRing
 
 
 class FakeEvent:

@@ -182,6 +182,23 @@ def test_bad_input_gets_400_or_a_per_request_error(server: Server) -> None:
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
 
 
+def test_metrics_count_every_request_once(server: Server) -> None:
+    stream = make_stream(20, seed=29)
+    bad = [{**msgspec.to_builtins(r), "candidate_item_ids": [10**6]} for r in stream[:3]]
+    before = metric_samples(server.url)
+    response = httpx.post(f"{server.url}/v1/rank", timeout=30,
+                          content=json.dumps({"requests": [msgspec.to_builtins(r) for r in stream] + bad + [7]}))
+    assert response.status_code == 200
+    after = metric_samples(server.url)
+
+    def delta(name: str, **labels: str) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    assert delta("gr_engine_requests_total") == 24 and delta("gr_engine_requests_total", outcome="ok") == 20
+    assert delta("gr_engine_request_errors_total", kind="invalid") == 4
+    assert delta("gr_engine_request_latency_seconds_count") == 24
+
+
 def test_overload_is_503_and_the_server_stays_up(server: Server) -> None:
     requests = make_stream(100, seed=7)
     response = httpx.post(f"{server.url}/v1/rank", content=body(requests), timeout=30)

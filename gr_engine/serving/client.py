@@ -42,7 +42,8 @@ class EngineDead(RuntimeError):
     """The engine-core process is not running (it exited, or the client was closed)."""
 
 
-#: Called with each finished request's output, its error kind (``None`` on success) and the core's queue seconds.
+#: Called with each answered request's output, its error kind (``None`` on success) and the core's queue seconds;
+#: requests refused by validation in the client are answered too (kind ``"invalid"``).
 OutputObserver = Callable[[RankOutput | GenerateOutput, str | None, float], None]
 #: Called with each report's counters.
 StatsObserver = Callable[[CoreStats], None]
@@ -216,6 +217,8 @@ class AsyncGREngine:
             except RequestError as exc:
                 results[i] = failed_type(request_id=str(getattr(request, "request_id", "")), error=str(exc),
                                          user_id=output_user_id(getattr(request, "user_id", None)))
+                for observe in self.observers:
+                    observe(results[i], "invalid", 0.0)
                 continue
             size = arrays.num_history + len(arrays.candidate_item_ids)
             core_id = next(self._ids)

@@ -124,7 +124,7 @@ def build_app(config: EngineConfig) -> Starlette:
                 outputs[i] = failed_type(request_id=str(fields.get("request_id", f"request-{i}")),
                                          user_id=output_user_id(fields.get("user_id")),
                                          error=f"invalid request: {exc}")
-                metrics.count_refused("invalid")
+                metrics.observe_output(outputs[i], "invalid", 0.0)
         try:
             if request_type is RankRequest:
                 served = await engine.rank_many(parsed, body.timeout_ms)

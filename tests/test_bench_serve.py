@@ -40,6 +40,7 @@ def check_result(out: Path, in_process: bool) -> dict:
         assert all(g["cpu_s"] >= 0 for g in phase["generators"])
     for r in result["rates"]:
         assert all(g["p99_lag_ms"] >= 0 and g["max_lag_ms"] >= g["p99_lag_ms"] for g in r["generators"])
+        assert 0 <= r["user_waits"] <= r["sent"]
         assert r["onloaded_bytes_per_request"] is not None and r["onloaded_bytes_per_request"] >= 0
     assert result["warmup"]["sent"] == result["trace"]["users"]
     summary = result["summary"]

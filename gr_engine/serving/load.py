@@ -127,6 +127,7 @@ class Recorder:
         self.latency_ms: list[float] = []
         self.outcomes: list[str | None] = []
         self.lag_ms: list[float] = []
+        self.user_waits = 0  # requests whose user's previous visit was still unanswered when they were due
         self.cpu0, self.first, self.last = time.process_time(), start, 0.0
 
     def done(self, scheduled: float, outcomes: list[str | None]) -> None:
@@ -137,7 +138,8 @@ class Recorder:
 
     def result(self) -> dict:
         return {"latency_ms": self.latency_ms, "outcomes": self.outcomes, "lag_ms": self.lag_ms,
-                "cpu_s": time.process_time() - self.cpu0, "first_s": self.first, "last_s": self.last}
+                "user_waits": self.user_waits, "cpu_s": time.process_time() - self.cpu0, "first_s": self.first,
+                "last_s": self.last}
 
 
 async def _guarded(send: Send, batch: list[RankRequest]) -> list[str | None]:
@@ -188,7 +190,9 @@ async def open_loop(send: Send, requests: list[RankRequest], offsets: np.ndarray
         if wait > 0:
             await asyncio.sleep(wait)
         rec.lag_ms.append(max(time.monotonic() - scheduled, 0.0) * 1e3)
-        task = asyncio.create_task(one(request, scheduled, last.get(request.user_id)))
+        previous = last.get(request.user_id)
+        rec.user_waits += previous is not None and not previous.done()
+        task = asyncio.create_task(one(request, scheduled, previous))
         last[request.user_id] = task
         tasks.append(task)
     await asyncio.gather(*tasks)

@@ -36,6 +36,7 @@ def phase_stats(parts: list[dict]) -> dict:
     busy = [p for p in parts if p["outcomes"]]
     span = max(p["last_s"] for p in busy) - min(p["first_s"] for p in busy) if busy else 0.0
     return {"sent": sent, "answered": len(latency), "span_s": span,
+            "user_waits": sum(p.get("user_waits", 0) for p in parts),
             "achieved_rps": len(latency) / span if span > 0 else None, **_percentiles(latency),
             "errors": dict(sorted(errors.items())),
             "generators": [{"sent": len(p["outcomes"]), "cpu_s": p["cpu_s"],
@@ -81,7 +82,7 @@ def markdown(result: dict) -> str:
     if s["trace_exhausted"]:
         lines += ["**The trace ran out: the last rates served fewer requests than their duration asked.**", ""]
     header = ["offered (req/s)", "achieved (req/s)", "sent", "answered", "p50 ms", "p90 ms", "p99 ms", "mean ms",
-              "max ms", "errors", "generator CPU s", "lag p99 ms"]
+              "max ms", "errors", "waited on user", "generator CPU s", "lag p99 ms"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in result["rates"]:
         errors = ", ".join(f"{k}: {v}" for k, v in r["errors"].items()) or "none"
@@ -90,10 +91,11 @@ def markdown(result: dict) -> str:
         lines.append("| " + " | ".join([f"{r['offered_rps']:g}", _num(r["achieved_rps"], 1), str(r["sent"]),
                                         str(r["answered"]), *(_num(r[k]) for k in ("p50_ms", "p90_ms", "p99_ms",
                                                                                     "mean_ms", "max_ms")),
-                                        errors, cpu, lag]) + " |")
+                                        errors, str(r["user_waits"]), cpu, lag]) + " |")
     lines += ["", "Latency runs from each request's scheduled send time (open loop). Generator CPU seconds and lag "
               "(how late requests were fired against their schedule) are per generator process: a lag near the "
-              "latency means the generator, not the server, is the bottleneck."]
+              "latency means the generator, not the server, is the bottleneck. \"Waited on user\": requests sent late "
+              "because their user's previous visit was still unanswered (a user's visits stay in order)."]
     return "\n".join(lines) + "\n"
 
 

@@ -73,7 +73,7 @@ class GRModel(nn.Module):
 
     # ------------------------------------------------------------------ building blocks
     def embed(self, item_ids: torch.Tensor, action_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Token inputs. Args: int64 ``[T]`` each. Returns ``[T, d_model]``."""
+        """Token inputs. Args: int ``[T]`` each. Returns ``[T, d_model]``."""
         return (self.item_embedding(item_ids) + self.action_embedding(action_ids)
                 + self.position_embedding(positions))
 

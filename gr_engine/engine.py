@@ -202,7 +202,7 @@ class GREngine:
 
         Candidates and the events not equal to the user's last validated history are value-checked for the
         whole batch at once (:func:`values_valid`); only when that finds a problem are they checked request by
-        request, in :func:`parse_request` then :func:`check_events`' order, to say which request fails and why."""
+        request, to say which request fails and why."""
         if self.config.cache.prefetch and self.kv.host is not None and not self.scheduler.num_unfinished:
             # Before validation, the users of the step to come: their onloads then run while the host validates and
             # schedules.

@@ -176,17 +176,15 @@ class ModelRunner:
         """
         graphs, num_layers = self.graphs, len(self.model.layers)
         cuda = graphs.device.type == "cuda"
-        done_event = None
+        waits = [[None] * num_layers]
         if cuda:
-            done_event = torch.cuda.Event()
-            done_event.record()
-        waits = [[None] * num_layers] + ([[done_event] * num_layers] if cuda else [])
+            done = torch.cuda.Event()
+            done.record()
+            waits.append([done] * num_layers)
         keys = set()
         for bucket in tqdm(graphs.buckets, desc="Capturing step graphs", disable=not use_tqdm):
-            longest = 1
-            while longest <= bucket:
-                step = _synthetic_step(bucket, longest, pages, graphs.page_size)
-                longest *= 2
+            for shift in range(bucket.bit_length()):  # longest requests of 1, 2, 4, ... <= bucket rows
+                step = _synthetic_step(bucket, 1 << shift, pages, graphs.page_size)
                 if step is None or not graphs.fits(bucket, len(step[0]["num_history_rows"]), bucket,
                                                    len(step[0]["kv_indices"])):
                     continue

@@ -123,10 +123,9 @@ class StepGraphs:
         self._step_expand = step_expand
         # Per bucket: each field's capacity and offset in the static buffer (rows fields hold the bucket's rows, so
         # that a step's page ids come right after its bucket's fields).
-        self._caps: dict[int, dict[str, int]] = {}
-        self._offsets: dict[int, dict[str, int]] = {}
-        for bucket in self.buckets:
-            self._caps[bucket], self._offsets[bucket] = step_expand.field_offsets(max_requests, bucket)
+        layouts = {bucket: step_expand.field_offsets(max_requests, bucket) for bucket in self.buckets}
+        self._caps = {bucket: caps for bucket, (caps, _) in layouts.items()}
+        self._offsets = {bucket: offsets for bucket, (_, offsets) in layouts.items()}
         end = self._offsets[max_rows]["kv_indices"]
         self._cuda = device.type == "cuda"
         self._current_stream = CurrentStream(self.device) if self._cuda else None

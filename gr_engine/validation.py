@@ -74,9 +74,9 @@ def _check_range(name: str, array: np.ndarray, upper: int, what: str) -> None:
         raise RequestError(f"{name} contains {bad}, outside the {what} [0, {upper})")
 
 
-def parse_request(request: Any, config: EngineConfig, *, ranking: bool) -> RequestArrays:
-    """Check one request's types, lengths and candidates against the model and cache limits; :func:`check_events`
-    checks the history's values.
+def parse_fields(request: Any, config: EngineConfig, *, ranking: bool) -> RequestArrays:
+    """Check one request's types and lengths against the model and cache limits; :func:`check_candidates` and
+    :func:`check_events` (or :func:`values_valid`, for a whole batch) check its values.
 
     Args:
         request: a :class:`RankRequest` (``ranking=True``), or a :class:`GenerateRequest` or
@@ -87,14 +87,6 @@ def parse_request(request: Any, config: EngineConfig, *, ranking: bool) -> Reque
     Raises:
         RequestError: what is wrong with the request.
     """
-    arrays = parse_fields(request, config, ranking=ranking)
-    check_candidates(arrays, config)
-    return arrays
-
-
-def parse_fields(request: Any, config: EngineConfig, *, ranking: bool) -> RequestArrays:
-    """:func:`parse_request` without the candidates' vocabulary check (:func:`check_candidates`, or
-    :func:`values_valid` for a whole batch): types, lengths, limits. Arguments and errors as there."""
     wanted = RankRequest if ranking else GenerateRequest
     if not isinstance(request, wanted):
         raise RequestError(f"expected a {wanted.__name__}, got {type(request).__name__}")

@@ -1,25 +1,19 @@
-"""The ``gr-engine`` command line.
-
-- ``gr-engine demo``: returning users under every cache mode, on CPU with a tiny model.
-- ``gr-engine rank --input requests.jsonl --output scores.parquet``: offline batch ranking.
-- ``gr-engine generate --input requests.jsonl --output items.jsonl [--top-k K] [--no-exclude-history]``:
-  offline retrieval, read and written like ``rank``'s files.
-- ``gr-engine config``: print the resolved configuration (defaults, file, overrides) as JSON.
-
-``demo``, ``rank``, ``generate`` and ``config`` take ``--config FILE`` (JSON or TOML) and repeated
-``--set section.key=value``.
+"""The ``gr-engine`` command line: ``demo`` (returning users under every cache mode, on CPU with a tiny model),
+``rank`` and ``generate`` (offline ranking and retrieval over JSONL or Parquet files), ``bench`` and ``config``
+(print the resolved configuration as JSON); :data:`EPILOG` shows their use.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
 
 import msgspec
 
-from .config import EngineConfig, load_config
+from .config import load_config
 from .request import GenerateParams
 
 
@@ -38,24 +32,12 @@ def _add_file_job_args(parser: argparse.ArgumentParser) -> None:
     _add_config_args(parser)
 
 
-def _config(args: argparse.Namespace, base: EngineConfig | None = None) -> EngineConfig:
-    """The command's configuration: ``--config`` (else ``base``, else the defaults) with ``--set`` applied."""
-    return load_config(args.config, args.overrides, base=base)
-
-
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import demo_config, run_demo
 
-    run_demo(_config(args, demo_config()), num_users=args.users, visits_per_user=args.visits, seed=args.seed)
+    config = load_config(args.config, args.overrides, base=demo_config())
+    run_demo(config, num_users=args.users, visits_per_user=args.visits, seed=args.seed)
     return 0
-
-
-def _cmd_rank(args: argparse.Namespace) -> int:
-    return _serve_file(args, generate=False)
-
-
-def _cmd_generate(args: argparse.Namespace) -> int:
-    return _serve_file(args, generate=True)
 
 
 def _serve_file(args: argparse.Namespace, generate: bool) -> int:
@@ -64,11 +46,11 @@ def _serve_file(args: argparse.Namespace, generate: bool) -> int:
     Rows that cannot be parsed become error rows in their place. Exit status: 0 when any request was served,
     1 when every one failed."""
     from .engine import GREngine
-    from .io import check_file_format, read_requests, write_outputs
+    from .io import file_format, read_requests, write_outputs
     from .request import GenerateRequest, RankRequest
 
-    check_file_format(args.input)
-    check_file_format(args.output)  # before serving: results that cannot be written would be lost
+    file_format(args.input)
+    file_format(args.output)  # before serving: results that cannot be written would be lost
     params = GenerateParams(top_k=args.top_k, exclude_history=args.exclude_history) if generate else None
     overrides = args.overrides + ([f"weights_path={args.weights}"] if args.weights else [])
     config = load_config(args.config, overrides)
@@ -177,7 +159,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    print(msgspec.json.format(msgspec.json.encode(_config(args)).decode(), indent=2))
+    print(msgspec.json.format(msgspec.json.encode(load_config(args.config, args.overrides)).decode(), indent=2))
     return 0
 
 
@@ -208,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     rank = commands.add_parser("rank", help="rank a JSONL or Parquet file of requests")
     _add_file_job_args(rank)
-    rank.set_defaults(run=_cmd_rank)
+    rank.set_defaults(run=functools.partial(_serve_file, generate=False))
 
     generate = commands.add_parser("generate", help="retrieve the top items for a JSONL or Parquet file of requests")
     _add_file_job_args(generate)
@@ -217,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--exclude-history", action=argparse.BooleanOptionalAction,
                           default=GenerateParams().exclude_history,
                           help="never return items already in the user's history (default: on)")
-    generate.set_defaults(run=_cmd_generate)
+    generate.set_defaults(run=functools.partial(_serve_file, generate=True))
 
     bench = commands.add_parser("bench", help="run the benchmark (the MTServe paper's experiments)")
     bench.add_argument("--out", help="folder for the results (default ./bench-out; with --report-only, the JSON's "
@@ -242,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .serving.cli import add_commands
 
-    add_commands(commands, _add_config_args, _config)
+    add_commands(commands, _add_config_args, lambda args: load_config(args.config, args.overrides))
 
     config = commands.add_parser("config", help="print the resolved configuration as JSON")
     _add_config_args(config)

@@ -1,9 +1,5 @@
-"""Typed engine configuration: model, cache, scheduler and engine settings.
-
-Configs are ``msgspec.Struct``s with documented defaults. :func:`load_config` reads a JSON or TOML
-file and applies ``section.key=value`` overrides (the CLI's ``--set``); every value is type-checked, and
-the device and attention backend are checked against this machine (:func:`check_device`,
-:func:`check_attention_backend`).
+"""Typed engine configuration: model, cache, scheduler and engine settings (``msgspec.Struct``s with documented
+defaults), and :func:`load_config`, which reads a JSON or TOML file and applies ``section.key=value`` overrides.
 """
 
 from __future__ import annotations
@@ -32,13 +28,7 @@ else:  # pragma: no cover
 DTypeName = Literal["float32", "bfloat16", "float16"]
 Architecture = Literal["hstu", "sasrec"]
 
-__all__ = [
-    "CacheConfig",
-    "EngineConfig",
-    "ModelConfig",
-    "SchedulerConfig",
-    "load_config",
-]
+__all__ = ["CacheConfig", "EngineConfig", "ModelConfig", "SchedulerConfig", "load_config"]
 
 
 class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -48,8 +38,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         architecture: ``"hstu"`` (HSTU layers, SiLU attention) or ``"sasrec"`` (pre-norm softmax
             transformer blocks, SASRec-style); both use the same embeddings, heads, engine and cache.
         num_items: item vocabulary size; item ids are ``0 .. num_items - 1``.
-        num_actions: action vocabulary size (e.g. a bitmask of engagement signals); ids
-            ``0 .. num_actions - 1``. Candidates use an extra learned "candidate" action.
+        num_actions: action vocabulary size (ids ``0 .. num_actions - 1``); candidates use an extra action.
         d_model: embedding and residual width.
         num_layers: HSTU layers.
         num_heads: attention heads.
@@ -125,14 +114,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         scheduler: batch size and token budget per step.
         device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"`` (CUDA when available).
         attention_backend: a registered backend name, or ``"auto"`` for the fastest usable one.
-        weights_path: a safetensors file written by ``GRModel.save``; ``None`` initialises randomly
-            from ``model.seed``.
+        weights_path: a safetensors file written by ``GRModel.save``; ``None``: random init from ``model.seed``.
         sync_phases: synchronise the device after each phase of a step so that per-phase times include
             the device work they queued (for latency breakdowns; it serialises the pipeline).
-        cuda_graph_max_rows: on CUDA, steps of at most this many rows (new history + candidates, over at
-            most ``scheduler.max_num_seqs`` requests) replay their forward from captured CUDA graphs when
-            the attention backend supports it (``hstu_triton``) and the model has no relative time bias;
-            0 turns graphs off. See :mod:`gr_engine.step_graphs`.
+        cuda_graph_max_rows: the largest step (rows) replayed from CUDA graphs (:mod:`gr_engine.step_graphs`);
+            0 turns graphs off.
         serving: the online path's settings (``gr-engine serve``, :class:`~gr_engine.serving.AsyncGREngine`).
     """
 
@@ -157,28 +143,16 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"cuda_graph_max_rows ({self.cuda_graph_max_rows}) must be >= 0 (0: no CUDA graphs)")
 
 
-DEVICE_TYPES = ("cpu", "cuda")
-CONFIG_FORMATS = {".json": "json", ".toml": "toml"}  # config file suffix -> parser
-
-
 def check_device(name: str, require_available: bool = False) -> None:
-    """Check a ``device`` setting: ``"auto"`` or a torch device string of type ``cpu`` or ``cuda``.
-
-    Args:
-        name: the setting, e.g. ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"auto"``.
-        require_available: also require a CUDA device to exist on this machine.
-
-    Raises:
-        ValueError: the name does not parse, has another device type, or (``require_available``) names a
-            CUDA device this machine does not have.
-    """
+    """Raise ``ValueError`` unless ``name`` is ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (with
+    ``require_available``: a CUDA device this machine has)."""
     if name == "auto":
         return
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError, ValueError):
         device = None
-    if device is None or device.type not in DEVICE_TYPES:
+    if device is None or device.type not in ("cpu", "cuda"):
         raise ValueError(f"device {name!r} is not one of 'cpu', 'cuda', 'cuda:N' or 'auto'")
     if require_available and device.type == "cuda":
         if not torch.cuda.is_available():
@@ -189,15 +163,8 @@ def check_device(name: str, require_available: bool = False) -> None:
 
 
 def check_attention_backend(name: str, backends: BackendRegistry | None = None) -> None:
-    """Check an ``attention_backend`` setting: ``"auto"`` or a name ``backends`` knows.
-
-    Args:
-        name: the setting.
-        backends: where names are looked up (default: the built-ins plus installed plugins).
-
-    Raises:
-        ValueError: unknown name; the message lists the known ones.
-    """
+    """Raise ``ValueError`` (listing the known names) unless ``name`` is ``"auto"`` or a name ``backends`` (default:
+    the built-ins plus installed plugins) knows."""
     if name == "auto":
         return
     if backends is None:
@@ -206,13 +173,6 @@ def check_attention_backend(name: str, backends: BackendRegistry | None = None) 
         backends = BackendRegistry()
     if name not in backends.names():
         raise ValueError(f"attention_backend {name!r} is unknown: use 'auto' or one of {', '.join(backends.names())}")
-
-
-def _parse_value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -227,14 +187,17 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ValueError(f"override {item!r}: {part!r} is not a section")
-        node[leaf] = _parse_value(value.strip())
+        try:
+            node[leaf] = json.loads(value)
+        except json.JSONDecodeError:
+            node[leaf] = value.strip()
     return data
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 base: EngineConfig | None = None, backends: BackendRegistry | None = None) -> EngineConfig:
     """Build an :class:`EngineConfig` from an optional JSON/TOML file and ``key=value`` overrides, and check
-    that this machine can run it: the device exists and the attention backend's name is known.
+    that this machine can run it (:func:`check_device`, :func:`check_attention_backend`).
 
     Args:
         path: a config file, JSON (``.json``) or TOML (``.toml``); its values replace ``base``'s entirely.
@@ -248,13 +211,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
-        kind = CONFIG_FORMATS.get(path.suffix.lower())
-        if kind is None:
+        if path.suffix.lower() not in (".json", ".toml"):
             raise ValueError(f"config file {path}: unknown format {path.suffix or '(no extension)'!r}; "
                              "use .json (JSON) or .toml (TOML)")
         raw = path.read_bytes()
         try:
-            data = tomllib.loads(raw.decode()) if kind == "toml" else json.loads(raw)
+            data = tomllib.loads(raw.decode()) if path.suffix.lower() == ".toml" else json.loads(raw)
         except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"cannot parse config file {path}: {exc}") from exc
     elif base is not None:

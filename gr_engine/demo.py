@@ -1,14 +1,9 @@
 """``gr-engine demo``: returning users served by each cache mode, on CPU, with a tiny random model.
 
-The same request stream runs under ``recompute``, ``gpu_only`` (a GPU pool too small for everyone, so
-users are evicted and recomputed), ``hierarchical`` (the same GPU pool, plus host chunks that keep
-evicted users) and ``unlimited``; the table shows time per request, speedup over recompute, the
-history-token hit ratio and the largest score difference from recompute (caching must not change
-scores).
-
-A run takes from tens of seconds to a few minutes on a small CPU, most of it in the ``recompute`` baseline,
-which re-encodes every visit's whole history (200 to over 1000 events). ``--users`` and ``--visits`` set the
-stream's size.
+The same request stream runs under ``recompute``, ``gpu_only`` (a GPU pool too small for everyone, so users are
+evicted and recomputed), ``hierarchical`` (the same GPU pool, plus host chunks that keep evicted users) and
+``unlimited``; the table shows time per request, speedup over recompute, the history-token hit ratio and the largest
+score difference from recompute (caching must not change scores).
 """
 
 from __future__ import annotations

@@ -55,8 +55,7 @@ class GREngine:
             ``config.weights_path``); it is moved to the configured device and dtype.
         backends: where attention backends are looked up (default: built-ins plus entry points).
         host_memory: optional preallocated flat uint8 host memory (pinned, for CUDA) for the host chunk
-            pool, e.g. one arena reused by successive engines in a process (pinning is slow: ~0.7 s/GiB);
-            it must not be used by another live engine.
+            pool, e.g. one arena reused by successive engines in a process; no other live engine may use it.
 
     Attributes (besides the config): ``model``, ``backend`` (attention), ``kv`` (the
     :class:`~cache_engine.KVCacheManager`), ``scheduler``, ``runner`` (the :class:`ModelRunner`), ``hasher``
@@ -169,7 +168,7 @@ class GREngine:
                                              error=str(added))
                 else:
                     index[added] = i
-        # No bar object at all without tqdm: even a disabled one costs ~0.1 ms per call on a slow host.
+        # No bar object at all without tqdm: even a disabled one costs host time per call.
         bar = tqdm(total=len(requests), desc=desc, unit="req", initial=len(requests) - len(index)) if use_tqdm else None
         try:
             while index:
@@ -187,11 +186,9 @@ class GREngine:
         return results
 
     def warmup(self, use_tqdm: bool = True) -> int:
-        """Capture every CUDA graph a step can replay now, before serving, instead of when its first step arrives
-        (a capture, and the kernels a new launch shape compiles, cost that step seconds): call it once at start-up.
-        Only free pages of the pool are written; cached users are untouched. The host tier's onloads are prepared
-        too (:meth:`~cache_engine.KVCacheManager.warm_transfers`). Without step graphs (CPU, a backend without graph
-        support, ``cuda_graph_max_rows = 0``) no step graph is captured.
+        """Call once at start-up: capture every CUDA graph a step can replay (:meth:`ModelRunner.capture_graphs`)
+        and prepare the host tier's onloads (:meth:`~cache_engine.KVCacheManager.warm_transfers`) before serving.
+        Only free pages of the pool are written; cached users are untouched.
 
         Returns:
             How many (bucket, launch shape) forwards were replayed (0 without step graphs).
@@ -226,7 +223,7 @@ class GREngine:
 
         Candidates and the events not equal to the user's last validated history are value-checked for the
         whole batch at once (:func:`values_valid`); only when that finds a problem are they checked request by
-        request, in :func:`parse_request` then :func:`check_events`' order, to say which request fails and why."""
+        request, to say which request fails and why."""
         if self.config.cache.prefetch and self.kv.host is not None and not self.scheduler.num_unfinished:
             # Before validation, the users of the step to come: their onloads then run while the host validates and
             # schedules.
@@ -311,7 +308,8 @@ class GREngine:
         are committed before scoring, while the device still computes the forward."""
         timer = PhaseTimer(self.device if self.config.sync_phases and self.device.type == "cuda" else None)
         # Bytes this step moves: from here on (acquires plan onloads and persist evicted tails), plus its prefetches'.
-        moved = self._moved_before_step()
+        onloaded, offloaded = self.kv.transferred_bytes
+        moved = (onloaded - self._prefetch_bytes[0], offloaded - self._prefetch_bytes[1])
         with timer("schedule"):  # 1 (and 2's cache side: admitted requests acquire their pages)
             self.kv.begin_step()
             plan = self.scheduler.schedule()
@@ -360,12 +358,6 @@ class GREngine:
             if id(state) in finished:
                 done.append((state, self._output(state, result, error=error)))
         return done
-
-    def _moved_before_step(self) -> tuple[int, int]:
-        """The cache's (onloaded, offloaded) byte counters less what the prefetches since the last step moved: a
-        step's transfers are counted from here, its prefetches included."""
-        onloaded, offloaded = self.kv.transferred_bytes
-        return onloaded - self._prefetch_bytes[0], offloaded - self._prefetch_bytes[1]
 
     def _fail_step(self, chunks: list[ScheduledChunk], exc: Exception) -> list[tuple[RequestState, Output]]:
         """A step failed before scoring: its requests are retried alone (a request alone fails with the error)."""

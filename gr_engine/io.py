@@ -24,25 +24,14 @@ FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": 
 
 
 def file_format(path: str | Path) -> str:
-    """``"jsonl"`` or ``"parquet"`` from the file extension (``ValueError`` otherwise)."""
+    """``"jsonl"`` or ``"parquet"`` from the file extension. Call it on a job's input and output before any work
+    starts: it raises ``ValueError`` for an unknown extension, ``ImportError`` for Parquet without pyarrow."""
     suffix = Path(path).suffix.lower()
     if suffix not in FORMATS:
         raise ValueError(f"cannot tell the format of {path}: use one of {', '.join(sorted(FORMATS))}")
-    return FORMATS[suffix]
-
-
-def check_file_format(path: str | Path) -> str:
-    """The format of ``path`` (:func:`file_format`), after checking that it can be read and written here:
-    Parquet needs pyarrow. Call it on a job's input and output before any work starts.
-
-    Raises:
-        ValueError: unknown extension.
-        ImportError: a Parquet file without pyarrow installed.
-    """
-    fmt = file_format(path)
-    if fmt == "parquet":
+    if FORMATS[suffix] == "parquet":
         _pyarrow()
-    return fmt
+    return FORMATS[suffix]
 
 
 def _pyarrow():
@@ -55,9 +44,8 @@ def _pyarrow():
 
 
 def _read_rows(path: Path) -> list[tuple[str, Any]]:
-    """``(label, row)`` of every row of ``path``: ``line-N`` for line ``N`` of a JSONL file (1-based, blank
-    lines counted but skipped), ``row-N`` for row ``N`` of a Parquet file (1-based). A line that is not
-    JSON comes back as a ``ValueError`` instead of a row."""
+    """``(label, row)`` of every row of ``path``, labelled as the module docstring says; a line that is not JSON
+    comes back as a ``ValueError`` instead of a row."""
     if file_format(path) == "parquet":
         table = _pyarrow().parquet.read_table(path).to_pylist()
         return [(f"row-{number}", row) for number, row in enumerate(table, start=1)]

@@ -53,8 +53,26 @@ class PhaseTimer:
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
 
 
+class _HitRatios:
+    """The hit ratios of a record's ``history_tokens``, ``gpu_hit_tokens`` and ``host_hit_tokens``."""
+
+    history_tokens: int
+    gpu_hit_tokens: int
+    host_hit_tokens: int
+
+    @property
+    def gpu_hit_ratio(self) -> float:
+        """Fraction of the history tokens served from GPU pages."""
+        return self.gpu_hit_tokens / self.history_tokens if self.history_tokens else 0.0
+
+    @property
+    def total_hit_ratio(self) -> float:
+        """Fraction of the history tokens not recomputed (GPU or host hits)."""
+        return (self.gpu_hit_tokens + self.host_hit_tokens) / self.history_tokens if self.history_tokens else 0.0
+
+
 @dataclass
-class StepMetrics:
+class StepMetrics(_HitRatios):
     """One engine step.
 
     Attributes:
@@ -77,19 +95,10 @@ class StepMetrics:
     offloaded_bytes: int
     phases: dict[str, float]
 
-    @property
-    def gpu_hit_ratio(self) -> float:
-        """Fraction of this step's history tokens served from GPU pages."""
-        return self.gpu_hit_tokens / self.history_tokens if self.history_tokens else 0.0
-
-    @property
-    def total_hit_ratio(self) -> float:
-        """Fraction of this step's history tokens not recomputed (GPU or host hits)."""
-        return (self.gpu_hit_tokens + self.host_hit_tokens) / self.history_tokens if self.history_tokens else 0.0
 
 
 @dataclass
-class EngineStats:
+class EngineStats(_HitRatios):
     """Totals since the engine started, and the most recent steps.
 
     Attributes:
@@ -135,14 +144,3 @@ class EngineStats:
         self.history_tokens += history_tokens
         self.gpu_hit_tokens += gpu_hits
         self.host_hit_tokens += host_hits
-
-    @property
-    def gpu_hit_ratio(self) -> float:
-        """Fraction of history tokens served from GPU pages."""
-        return self.gpu_hit_tokens / self.history_tokens if self.history_tokens else 0.0
-
-    @property
-    def total_hit_ratio(self) -> float:
-        """Fraction of history tokens not recomputed (GPU or host hits)."""
-        hits = self.gpu_hit_tokens + self.host_hit_tokens
-        return hits / self.history_tokens if self.history_tokens else 0.0

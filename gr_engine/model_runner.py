@@ -1,15 +1,10 @@
-"""Turns one scheduled step into tensors, runs the model over the paged cache, and scores.
+"""Turns one scheduled step into tensors, runs the model over the paged cache, and scores (docs/design.md section 3).
 
-Per step (docs/design.md section 3): :meth:`ModelRunner.prepare` builds the step's page tables and row layout on the
-host (:class:`StepMetadata`), :meth:`ModelRunner.strip` builds the model input from the uncached history suffix plus
-the candidates, :meth:`ModelRunner.forward` runs the layers (each appends its new history K/V into the user's pages,
-then attends) and the ranking head, and :meth:`ModelRunner.score` copies the scores to the host. Host-side work is
-numpy over whole arrays.
-
-The model input (:data:`StepInput`) is an :class:`EagerStep` (tokens and metadata uploaded, the forward launched op
-by op) or, with :class:`~.step_graphs.StepGraphs` (CUDA, a backend with graph support) and a step that fits, a
-:class:`~.step_graphs.StagedStep` written into the graphs' buffers, whose forward is replayed from captured CUDA
-graphs.
+:meth:`ModelRunner.prepare` builds the step's page tables and row layout on the host, :meth:`ModelRunner.strip` the
+model input (the uncached history suffix plus the candidates): an :class:`EagerStep` uploaded for a forward launched
+op by op or, with :class:`~.step_graphs.StepGraphs` and a step that fits, a :class:`~.step_graphs.StagedStep` whose
+forward is replayed from CUDA graphs. :meth:`ModelRunner.forward` runs the layers (each appends its new history K/V
+into the user's pages, then attends) and the ranking head, :meth:`ModelRunner.score` copies the scores to the host.
 """
 
 from __future__ import annotations
@@ -21,13 +16,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from attention_backends import AttentionBackend, PagedBatchMetadata
 from attention_backends.base import upload, upload_int32
 from cache_engine import KVCacheManager
 from scheduler import ScheduledChunk
 
-from .graph_warmup import capture_all
 from .models import GRModel
 from .request import GenerateParams
 from .step_graphs import StagedStep, StepGraphs, run_segments
@@ -52,15 +47,6 @@ class RequestPayload:
 
 
 @dataclass
-class StepTokens:
-    """Model input of one step: int32 ``[T]`` tensors on the model device."""
-
-    item_ids: torch.Tensor
-    action_ids: torch.Tensor
-    positions: torch.Tensor
-
-
-@dataclass
 class StepMetadata:
     """One step's layout on the host, built by :meth:`ModelRunner.prepare`.
 
@@ -80,24 +66,16 @@ class StepMetadata:
 
 @dataclass
 class EagerStep:
-    """A step whose forward is launched op by op: its tokens and metadata on the model device."""
+    """A step whose forward is launched op by op: its tokens (int32 ``[T]`` tensors keyed by
+    :data:`~.step_graphs.TOKEN_FIELDS`) and metadata on the model device."""
 
-    tokens: StepTokens
+    tokens: dict[str, torch.Tensor]
     common: PagedBatchMetadata
     backend: Any  # the attention backend's metadata, built from ``common``
 
 
 StepInput = EagerStep | StagedStep
 """What :meth:`ModelRunner.strip` returns and :meth:`ModelRunner.forward` runs."""
-
-
-@dataclass
-class StepOutput:
-    """What :meth:`ModelRunner.forward` queued: final ``states`` ``[T, d_model]`` and the candidates' ranking
-    ``logits`` float32 ``[C, num_tasks]``, on the device (valid until the next step)."""
-
-    states: torch.Tensor
-    logits: torch.Tensor
 
 
 @dataclass
@@ -175,40 +153,77 @@ class ModelRunner:
         positions = np.empty(len(item_ids), dtype=np.int64)
         positions[host["history_rows"]] = host["append_positions"]
         positions[host["candidate_rows"]] = host["kv_seq_lens"][host["candidate_batch_indices"]]
-        tokens = StepTokens(**upload_int32({"item_ids": item_ids, "action_ids": action_ids, "positions": positions},
-                                           self.device))
+        tokens = upload_int32({"item_ids": item_ids, "action_ids": action_ids, "positions": positions}, self.device)
         return EagerStep(tokens, common, self.backend.build_metadata(common))
 
     @torch.no_grad()
     def capture_graphs(self, pages: np.ndarray, use_tqdm: bool = True) -> int:
-        """Capture every step graph before serving (:func:`.graph_warmup.capture_all`), writing only ``pages``
-        (int32, free pages of the pool); returns the (bucket, launch shape) keys replayed, 0 without graphs."""
-        if self.graphs is None:
-            return 0
-        return capture_all(self.graphs, lambda t, c, b: self._segments(StepTokens(**t), c, b), self._rank_head,
-                           pages, len(self.model.layers), use_tqdm)
+        """Replay (so capture, on CUDA) a synthetic step of every bucket and launch shape of the step graphs, before
+        serving (:meth:`GREngine.warmup <gr_engine.GREngine.warmup>`): a capture, and the kernels a new launch shape
+        compiles, would otherwise cost the first such step seconds.
+
+        Each bucket is probed with steps whose rows fill it and whose longest request has 1, 2, 4, ... rows (the
+        backend's launch shape depends on that length), every row a history row of a request with nothing cached.
+        Each launch shape is replayed twice on CUDA: with nothing to wait for (one graph) and waiting for per-layer
+        events (one graph per layer).
+
+        Args:
+            pages: int32 ``[P]`` free page ids of the pool, which are written (a bucket needing more is skipped).
+            use_tqdm: show a progress bar over the buckets.
+
+        Returns:
+            How many distinct (bucket, launch shape) keys were replayed.
+        """
+        graphs, num_layers = self.graphs, len(self.model.layers)
+        cuda = graphs.device.type == "cuda"
+        waits = [[None] * num_layers]
+        if cuda:
+            done = torch.cuda.Event()
+            done.record()
+            waits.append([done] * num_layers)
+        keys = set()
+        for bucket in tqdm(graphs.buckets, desc="Capturing step graphs", disable=not use_tqdm):
+            for shift in range(bucket.bit_length()):  # longest requests of 1, 2, 4, ... <= bucket rows
+                step = _synthetic_step(bucket, 1 << shift, pages, graphs.page_size)
+                if step is None or not graphs.fits(bucket, len(step[0]["num_history_rows"]), bucket,
+                                                   len(step[0]["kv_indices"])):
+                    continue
+                layout, tokens = step
+                staged = graphs.stage(layout, tokens)
+                key = (bucket, staged.plan_key)
+                if key in keys or not graphs.enabled:  # (after a failed capture steps run eagerly: nothing to capture)
+                    continue
+                keys.add(key)
+                for i, layer_ready in enumerate(waits):
+                    graphs.replay(staged if i == 0 else graphs.stage(layout, tokens), self._segments,
+                                  self._rank_head, layer_ready)
+        if cuda:
+            torch.cuda.synchronize(graphs.device)
+        return len(keys)
 
     @torch.no_grad()
-    def forward(self, step: StepInput, layer_ready: list[torch.cuda.Event | None]) -> StepOutput:
-        """Run all layers and the ranking head (appending new history K/V to pages), queued on the device.
+    def forward(self, step: StepInput, layer_ready: list[torch.cuda.Event | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queue all layers (appending new history K/V to pages) and the ranking head on the device.
 
         Args:
             step: what :meth:`strip` returned.
             layer_ready: per layer, an event the layer's attention must wait for (its pages are being
                 loaded from host), or ``None``; a graph replay waits for it before the layer's graph.
+
+        Returns:
+            The final ``states [T, d_model]`` and the candidates' float32 ranking ``logits [C, num_tasks]``, valid
+            until the next step.
         """
         if isinstance(step, StagedStep):
-            states, logits = self.graphs.replay(
-                step, lambda t, c, b: self._segments(StepTokens(**t), c, b), self._rank_head, layer_ready)
-            return StepOutput(states, logits)
+            return self.graphs.replay(step, self._segments, self._rank_head, layer_ready)
         states = run_segments(self._segments(step.tokens, step.common, step.backend), layer_ready)
-        return StepOutput(states, self._rank_head(states, step.common.candidate_rows))
+        return states, self._rank_head(states, step.common.candidate_rows)
 
     def _rank_head(self, states: torch.Tensor, candidate_rows: torch.Tensor) -> torch.Tensor:
         """Float32 ``[C, num_tasks]`` logits of the candidates at int32 ``candidate_rows [C]`` of ``states``."""
         return self.model.rank_logits(states.index_select(0, candidate_rows)).float()
 
-    def _segments(self, tokens: StepTokens, common: PagedBatchMetadata,
+    def _segments(self, tokens: dict[str, torch.Tensor], common: PagedBatchMetadata,
                   backend: Any) -> list[Callable[[torch.Tensor | None], torch.Tensor]]:
         """The forward as one callable per layer (see :data:`~.step_graphs.SegmentsFn`): the first embeds the
         tokens, each appends its layer's new K/V and attends, the last applies the final norm."""
@@ -225,7 +240,7 @@ class ModelRunner:
 
             def run(x: torch.Tensor | None) -> torch.Tensor:
                 if x is None:
-                    x = model.embed(tokens.item_ids, tokens.action_ids, tokens.positions)
+                    x = model.embed(**tokens)
                 x = layer(x, attend)
                 return model.final_norm(x) if index == last else x
             return run
@@ -233,17 +248,19 @@ class ModelRunner:
         return [segment(i) for i in range(last + 1)]
 
     @torch.no_grad()
-    def score(self, chunks: list[ScheduledChunk], meta: StepMetadata, out: StepOutput) -> list[ChunkResult]:
-        """Results of the requests that finish this step (the ranking logits copied to the host, the retrieval
-        head's top items); one :class:`ChunkResult` per chunk."""
+    def score(self, chunks: list[ScheduledChunk], meta: StepMetadata,
+              out: tuple[torch.Tensor, torch.Tensor]) -> list[ChunkResult]:
+        """Results of the requests that finish this step, from what :meth:`forward` returned (the ranking logits
+        copied to the host, the retrieval head's top items); one :class:`ChunkResult` per chunk."""
+        states, logits = out
         results = [ChunkResult() for _ in chunks]
         counts = [c.num_candidate_rows for c in chunks]
         if sum(counts):
-            host = out.logits.cpu().numpy()
+            host = logits.cpu().numpy()
             for result, end, count in zip(results, itertools.accumulate(counts), counts, strict=True):
                 result.logits = host[end - count:end]
         if meta.retrieval_chunks:
-            self._retrieve(chunks, meta, out.states, results)
+            self._retrieve(chunks, meta, states, results)
         return results
 
     def _retrieve(self, chunks: list[ScheduledChunk], meta: StepMetadata, states: torch.Tensor,
@@ -254,8 +271,7 @@ class ModelRunner:
         if excluded:
             rows = np.concatenate([np.full(len(ids), b) for b, ids in excluded])
             cols = np.concatenate([ids for _, ids in excluded])
-            scores[upload(rows, scores.device), upload(cols, scores.device)] = (
-                float("-inf"))
+            scores[upload(rows, scores.device), upload(cols, scores.device)] = float("-inf")
         k = min(max(p.params.top_k for p in payloads), scores.shape[1])
         top_scores, top_items = (t.cpu() for t in scores.topk(k, dim=1))
         for b, (i, p) in enumerate(zip(meta.retrieval_chunks, payloads, strict=True)):
@@ -263,3 +279,21 @@ class ModelRunner:
             finite = torch.isfinite(keep)
             results[i].item_ids = top_items[b, : p.params.top_k][finite].tolist()
             results[i].scores = keep[finite].tolist()
+
+
+def _synthetic_step(rows: int, longest: int, pages: np.ndarray,
+                    page_size: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None:
+    """A step of ``rows`` history rows in requests of at most ``longest`` rows each (the first ones exactly
+    ``longest``), nothing cached, written into the first of ``pages`` (int32); ``None`` when ``pages`` are too few.
+    Returns the layout and the token arrays :meth:`StepGraphs.stage` takes (tokens all zero: any valid ids)."""
+    count = -(-rows // longest)
+    hist = np.full(count, longest, dtype=np.int64)
+    hist[-1] = rows - longest * (count - 1)
+    per_request = -(-hist // page_size)
+    if per_request.sum() > len(pages):
+        return None
+    indptr = np.concatenate([[0], np.cumsum(per_request)])
+    zeros = np.zeros(count, dtype=np.int64)
+    layout = {"history_start": zeros, "num_history_rows": hist, "num_candidate_rows": zeros, "kv_indptr": indptr,
+              "kv_indices": pages[: indptr[-1]]}
+    return layout, {name: np.zeros(rows, dtype=np.int64) for name in ("item_ids", "action_ids")}

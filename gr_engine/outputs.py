@@ -60,10 +60,6 @@ def output_user_id(value: object) -> int | str | None:
     return value if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)) else None
 
 
-def _no_scores() -> np.ndarray:
-    return np.zeros((0, 0), dtype=np.float32)
-
-
 class RankOutput(_OutputBase, kw_only=True):
     """Scores of a ranking request.
 
@@ -73,7 +69,7 @@ class RankOutput(_OutputBase, kw_only=True):
             request; ``scores.tolist()`` gives lists, and :func:`~gr_engine.io.write_outputs` writes them as lists.)
     """
 
-    scores: np.ndarray = msgspec.field(default_factory=_no_scores)
+    scores: np.ndarray = msgspec.field(default_factory=lambda: np.zeros((0, 0), dtype=np.float32))
 
 
 class GenerateOutput(_OutputBase, kw_only=True):

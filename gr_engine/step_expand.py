@@ -1,7 +1,7 @@
 """A staged step's layout built on the device: the static buffer a bucket's graphs read, written by one Triton kernel.
 
 A step replayed from a CUDA graph is written in *compact* form (:func:`write_compact`) into pinned host memory: its
-per-request numbers, its tokens and its page ids, ``7 + 4 B + 2 T + P`` int32 values. The first work of each replay
+per-request numbers, its tokens and its page ids, ``4 + 4 B + 2 T + P`` int32 values. The first work of each replay
 (:func:`expand`, captured with the graphs, reading the compact step over PCIe) derives from them every index field of
 :class:`~attention_backends.PagedBatchMetadata` and the token positions, padded to the bucket's capacities, as
 :func:`~attention_backends.base.layout_arrays` derives them on the host: the host then builds no per-row array.

@@ -1,29 +1,19 @@
-"""CUDA graphs for small steps: a step's forward (every layer) replayed from captured graphs.
+"""CUDA graphs for small steps: a step's forward (every layer) replayed from captured graphs (docs/design.md section
+3, step 5).
 
-Launching a step's kernels one by one from Python costs milliseconds of host time, more than the GPU needs for a batch
-of returning users (a few new events and the candidates over cached histories). A step that fits a capture bucket (at
-most ``max_rows`` rows, ``max_requests`` requests, at least one new history row, no relative time bias) is instead
-*staged*: its per-request numbers, tokens and page ids are written in compact form into a pinned host buffer (the
-attention backend's plan, :meth:`~attention_backends.GraphReplayable.graph_plan`, is copied to the device unless the
-backend writes it on the device), and the forward captured for that bucket is replayed. The replay's first work
-expands the step into the static buffers the graphs read, every per-row field padded to the bucket
-(:mod:`.step_expand`, one kernel that reads the compact step over PCIe: pinned memory is device-addressable): the host
-builds no per-row array and queues no copy. The host writes the buffer again only once the event recorded after the
-last replay reports done (normally long before: scoring a step waits for its replay). Padding is inert: spare requests
-have no rows, spare append rows repeat the step's last real append (the same values written to the same slot), spare
-token rows are computed and never read.
+A step that fits a capture bucket (at most ``max_rows`` rows, ``max_requests`` requests, at least one new history
+row, no relative time bias) is *staged*: its per-request numbers, tokens and page ids are written in compact form into
+a pinned host buffer (the backend's :meth:`~attention_backends.GraphReplayable.graph_plan` is copied to the device
+unless the backend writes it there), and the forward captured for that bucket is replayed. The replay's first kernel
+expands the step into the static buffers the graphs read, padded to the bucket (:mod:`.step_expand`). The host writes
+the compact buffer again only once the event recorded after the last replay reports done.
 
 Buckets are powers of two from 128 rows to ``max_rows``; graphs are captured the first time a bucket and the backend's
-launch shape occur (one eager warm-up forward of that step on a side stream, then the capture), or all at start-up
-(:mod:`.graph_warmup`). A step whose pages are being loaded from host is captured as one graph per layer, so that a
-replay still waits for each layer's onload event just before that layer (layer ``l`` computes while layer ``l + 1``'s
-KV is still crossing PCIe); a step with nothing to wait for replays one graph of the whole forward. (A single graph
-waiting on the onload events through event-wait nodes costs more host time and latency: see
-benchmarks/results/README.md.) The last graph also runs the ranking head over the candidate rows, so that scoring a
-replayed step is one device-to-host copy. All graphs share one memory pool: replays never overlap, a layer's output is
-written and read within one replay, and each bucket's final states and logits (read before the next replay) stay held,
-so memory is the largest bucket's, not the sum over buckets. On CPU (for tests, with Triton's interpreter) the same
-padded forward runs eagerly in place of a replay, so the padding's inertness is tested without a GPU.
+launch shape occur (after one eager warm-up forward on a side stream), or all at start-up
+(:meth:`.ModelRunner.capture_graphs`). A step whose pages are being loaded from host replays one graph per layer, each
+after its layer's onload event; a step with nothing to wait for replays one graph of the whole forward. The last graph
+also runs the ranking head. All graphs share one memory pool (replays never overlap). On CPU (tests, Triton's
+interpreter) the same padded forward runs eagerly in place of a replay.
 """
 
 from __future__ import annotations
@@ -133,10 +123,9 @@ class StepGraphs:
         self._step_expand = step_expand
         # Per bucket: each field's capacity and offset in the static buffer (rows fields hold the bucket's rows, so
         # that a step's page ids come right after its bucket's fields).
-        self._caps: dict[int, dict[str, int]] = {}
-        self._offsets: dict[int, dict[str, int]] = {}
-        for bucket in self.buckets:
-            self._caps[bucket], self._offsets[bucket] = step_expand.field_offsets(max_requests, bucket)
+        layouts = {bucket: step_expand.field_offsets(max_requests, bucket) for bucket in self.buckets}
+        self._caps = {bucket: caps for bucket, (caps, _) in layouts.items()}
+        self._offsets = {bucket: offsets for bucket, (_, offsets) in layouts.items()}
         end = self._offsets[max_rows]["kv_indices"]
         self._cuda = device.type == "cuda"
         self._current_stream = CurrentStream(self.device) if self._cuda else None

@@ -66,9 +66,5 @@ def synthetic_requests(
             ))
         per_user.append(visits)
     order = rng.permutation(np.repeat(np.arange(num_users), visits_per_user))
-    next_visit = [0] * num_users
-    stream = []
-    for user in order:
-        stream.append(per_user[user][next_visit[user]])
-        next_visit[user] += 1
-    return stream
+    visits_left = [iter(visits) for visits in per_user]
+    return [next(visits_left[user]) for user in order]

@@ -14,6 +14,7 @@ from .request import GenerateRequest, RankRequest
 _INT64 = np.dtype(np.int64)
 _INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
 _JOIN_LIMIT = 1024  # values_valid checks longer unchecked histories request by request, without copying them
+_OUT_OF_INT64 = f"outside the 64-bit integer range [{_INT64_MIN}, {_INT64_MAX}]"
 _SEPARATOR = np.array([np.iinfo(np.int64).max, np.iinfo(np.int64).min], dtype=np.int64)  # between requests' timestamps
 
 
@@ -55,23 +56,15 @@ def _int_array(name: str, value: Any) -> np.ndarray:
     else:
         raise RequestError(f"{name} must be a list of integers, got {type(value).__name__}")
     if array.ndim == 1 and array.dtype.kind in "Of" and isinstance(value, (list, tuple)):
-        _check_int64_range(name, value)  # numpy holds ints beyond 64 bits as objects (or floats): say so
+        for v in value:  # numpy holds ints beyond 64 bits as objects (or floats): say so
+            if isinstance(v, int) and not isinstance(v, bool) and not _INT64_MIN <= v <= _INT64_MAX:
+                raise RequestError(f"{name} contains {v}, {_OUT_OF_INT64}")
     if array.ndim != 1 or array.dtype.kind not in "iu":
         what = f"{array.ndim}-D array" if array.ndim != 1 else f"elements of type {array.dtype}"
         raise RequestError(f"{name} must be a flat list of integers, got {what}")
     if array.dtype.kind == "u" and len(array) and int(array.max()) > _INT64_MAX:  # would wrap around
         raise RequestError(f"{name} contains {int(array.max())}, {_OUT_OF_INT64}")
     return array.astype(_INT64, copy=False)
-
-
-_OUT_OF_INT64 = f"outside the 64-bit integer range [{_INT64_MIN}, {_INT64_MAX}]"
-
-
-def _check_int64_range(name: str, values: Sequence[Any]) -> None:
-    """Raise if an int of ``values`` (bools aside) does not fit in int64; other elements are left alone."""
-    for v in values:
-        if isinstance(v, int) and not isinstance(v, bool) and not _INT64_MIN <= v <= _INT64_MAX:
-            raise RequestError(f"{name} contains {v}, {_OUT_OF_INT64}")
 
 
 def _check_range(name: str, array: np.ndarray, upper: int, what: str) -> None:
@@ -81,9 +74,9 @@ def _check_range(name: str, array: np.ndarray, upper: int, what: str) -> None:
         raise RequestError(f"{name} contains {bad}, outside the {what} [0, {upper})")
 
 
-def validate_request(request: Any, config: EngineConfig, *, ranking: bool) -> RequestArrays:
-    """Check one request against the model and cache limits (:func:`parse_request`, then
-    :func:`check_events` over the whole history).
+def parse_fields(request: Any, config: EngineConfig, *, ranking: bool) -> RequestArrays:
+    """Check one request's types and lengths against the model and cache limits; :func:`check_candidates` and
+    :func:`check_events` (or :func:`values_valid`, for a whole batch) check its values.
 
     Args:
         request: a :class:`RankRequest` (``ranking=True``), or a :class:`GenerateRequest` or
@@ -94,22 +87,6 @@ def validate_request(request: Any, config: EngineConfig, *, ranking: bool) -> Re
     Raises:
         RequestError: what is wrong with the request.
     """
-    arrays = parse_request(request, config, ranking=ranking)
-    check_events(arrays, config)
-    return arrays
-
-
-def parse_request(request: Any, config: EngineConfig, *, ranking: bool) -> RequestArrays:
-    """Everything :func:`validate_request` checks except the history's values (:func:`check_events`): types,
-    lengths, limits, candidates. Arguments and errors as there."""
-    arrays = parse_fields(request, config, ranking=ranking)
-    check_candidates(arrays, config)
-    return arrays
-
-
-def parse_fields(request: Any, config: EngineConfig, *, ranking: bool) -> RequestArrays:
-    """:func:`parse_request` without the candidates' vocabulary check (:func:`check_candidates`, or
-    :func:`values_valid` for a whole batch): types, lengths, limits. Arguments and errors as there."""
     wanted = RankRequest if ranking else GenerateRequest
     if not isinstance(request, wanted):
         raise RequestError(f"expected a {wanted.__name__}, got {type(request).__name__}")
@@ -178,10 +155,8 @@ def check_events(arrays: RequestArrays, config: EngineConfig, start: int = 0) ->
 
 def values_valid(batch: Sequence[tuple[RequestArrays, int]], config: EngineConfig) -> bool:
     """Whether every request of a batch passes :func:`check_candidates` and :func:`check_events` from its
-    ``start``: one vectorised pass over the whole batch's candidates and unchecked events (about ten numpy calls
-    per batch instead of several per request; a request with over ``_JOIN_LIMIT`` unchecked events, e.g. a new
-    user's, is checked where it is rather than copied). ``False`` when at least one request fails; running those
-    checks request by request then says which and why.
+    ``start``, in one vectorised pass over the whole batch (a request with over ``_JOIN_LIMIT`` unchecked events is
+    checked where it is rather than copied). When it is ``False``, those checks request by request say which fails.
 
     Args:
         batch: ``(arrays, start)`` of each request, ``start`` as in :func:`check_events`.

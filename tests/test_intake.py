@@ -19,7 +19,7 @@ from gr_engine.validation import (
     RequestError,
     check_candidates,
     check_events,
-    parse_request,
+    parse_fields,
     values_valid,
 )
 from tests.conftest import tiny_config
@@ -247,12 +247,13 @@ def test_values_valid_equals_the_per_request_checks(join_limit, monkeypatch):
 
 
 def _reference_errors(engine, requests, last, in_flight):
-    """The per-request intake (parse_request, the duplicate check, then check_events of the events after the
-    user's last accepted history's shared whole pages): each request's error or None."""
+    """The per-request intake (parse_fields, check_candidates, the duplicate check, then check_events of the events
+    after the user's last accepted history's shared whole pages): each request's error or None."""
     ps, config, ids, errors = engine.config.cache.page_size, engine.config, set(), []
     for request in requests:
         try:
-            arrays = parse_request(request, config, ranking=True)
+            arrays = parse_fields(request, config, ranking=True)
+            check_candidates(arrays, config)
             if request.request_id in in_flight or request.request_id in ids:
                 raise RequestError(f"request_id {request.request_id!r} is already in flight")
             kept, start = last.get(request.user_id), 0

@@ -39,11 +39,9 @@ class HSTULayer(nn.Module):
 
     def forward(self, x: torch.Tensor, attend: AttendFn) -> torch.Tensor:
         """Args: ``x`` ``[T, d_model]``. Returns ``[T, d_model]``."""
-        rows = x.shape[0]
-        width = self.num_heads * self.head_dim
-        u, v, q, k = F.silu(self.uvqk(self.input_norm(x))).split(width, dim=-1)
-        shape = (rows, self.num_heads, self.head_dim)
-        attn = attend(q.reshape(shape), k.reshape(shape), v.reshape(shape), self.time_bias).reshape(rows, width)
+        heads = (self.num_heads, self.head_dim)
+        u, v, q, k = F.silu(self.uvqk(self.input_norm(x))).split(self.num_heads * self.head_dim, dim=-1)
+        attn = attend(q.unflatten(1, heads), k.unflatten(1, heads), v.unflatten(1, heads), self.time_bias).flatten(1)
         normed = self.attn_norm(attn)
         y = torch.cat([u, attn, u * normed], dim=-1) if self.concat_ua else u * normed
         return x + self.output(y)
@@ -66,12 +64,10 @@ class SASRecLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, attend: AttendFn) -> torch.Tensor:
         """Args: ``x`` ``[T, d_model]``. Returns ``[T, d_model]``."""
-        rows = x.shape[0]
-        width = self.num_heads * self.head_dim
-        q, k, v = self.qkv(self.attn_norm(x)).split(width, dim=-1)
-        shape = (rows, self.num_heads, self.head_dim)
-        attn = attend(q.reshape(shape), k.reshape(shape), v.reshape(shape), self.time_bias)
-        x = x + self.proj(attn.reshape(rows, width))
+        heads = (self.num_heads, self.head_dim)
+        q, k, v = self.qkv(self.attn_norm(x)).split(self.num_heads * self.head_dim, dim=-1)
+        attn = attend(q.unflatten(1, heads), k.unflatten(1, heads), v.unflatten(1, heads), self.time_bias)
+        x = x + self.proj(attn.flatten(1))
         return x + self.ffn(self.ffn_norm(x))
 
 

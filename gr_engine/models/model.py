@@ -1,17 +1,9 @@
 """The engine's ranking model: embeddings, HSTU (or SASRec-style) layers, ranking and retrieval heads.
 
-docs/design.md section 4.
-
-Cache consistency: a history token's input is ``item_emb + action_emb + pos_emb[i]`` with ``i`` its
-forward position, and history attends causally only to history, so its K/V at every layer depend only
-on the tokens before it (prefix invariance). HSTU's attention normaliser is the configured
-``scaling_seqlen`` (softmax normalises per row), so a request's scores do not depend on its batch-mates
-(batch invariance).
-Candidates sit at position ``n`` (the history length) with a learned "candidate" action; each attends
-to the whole history and itself only.
-
-The model never sees the KV storage: each layer gets an ``attend(q, k, v)`` callable from the model
-runner (paged, through an attention backend) or from :meth:`GRModel.forward_reference` (dense).
+Its cache-consistency invariants (prefix and batch invariance) are docs/design.md section 4's. Candidates sit at
+position ``n`` (the history length) with a learned "candidate" action; each attends to the whole history and itself
+only. The model never sees the KV storage: each layer gets an ``attend(q, k, v)`` callable from the model runner
+(paged, through an attention backend) or from :meth:`GRModel.forward_reference` (dense).
 """
 
 from __future__ import annotations
@@ -73,7 +65,7 @@ class GRModel(nn.Module):
 
     # ------------------------------------------------------------------ building blocks
     def embed(self, item_ids: torch.Tensor, action_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Token inputs. Args: int64 ``[T]`` each. Returns ``[T, d_model]``."""
+        """Token inputs. Args: int ``[T]`` each. Returns ``[T, d_model]``."""
         return (self.item_embedding(item_ids) + self.action_embedding(action_ids)
                 + self.position_embedding(positions))
 

@@ -1,6 +1,6 @@
 """``AsyncGREngine``: the asyncio client of an engine-core process (docs/serving.md).
 
-The client validates each request's types and lengths (:func:`~gr_engine.validation.parse_request`) in its own
+The client validates each request's types, lengths and candidates (:mod:`gr_engine.validation`) in its own
 process, sends it to the core as raw bytes, and resolves the caller's await when the core reports its output.
 Admission is bounded (``serving.max_pending_requests`` and ``max_pending_tokens`` of requests sent and not yet
 answered by the core): beyond it a call raises :class:`EngineOverloaded` at once. A call with ``timeout_ms`` returns,
@@ -27,7 +27,7 @@ import zmq.asyncio
 from ..config import EngineConfig
 from ..outputs import GenerateOutput, RankOutput, output_user_id
 from ..request import GenerateParams, GenerateRequest, RankRequest
-from ..validation import RequestError, parse_request
+from ..validation import RequestError, check_candidates, parse_fields
 from .core import run_core_process
 from .protocol import Abort, CoreOutput, CoreReport, CoreRequest, CoreStats, Shutdown, engine_output, to_core
 
@@ -213,7 +213,8 @@ class AsyncGREngine:
         tokens = 0
         for i, request in enumerate(requests):
             try:
-                arrays = parse_request(request, self.config, ranking=ranking)
+                arrays = parse_fields(request, self.config, ranking=ranking)
+                check_candidates(arrays, self.config)
             except RequestError as exc:
                 results[i] = failed_type(request_id=str(getattr(request, "request_id", "")), error=str(exc),
                                          user_id=output_user_id(getattr(request, "user_id", None)))

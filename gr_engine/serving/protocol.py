@@ -16,7 +16,7 @@ from ..validation import RequestArrays
 
 
 class CoreRequest(msgspec.Struct, array_like=True, tag="request"):
-    """A validated request (types and lengths checked by :func:`~gr_engine.validation.parse_request`).
+    """A request whose types, lengths and candidates the client checked (:mod:`gr_engine.validation`).
 
     Attributes:
         core_id: the client's id for it (the engine's ``request_id`` in the core).
@@ -116,7 +116,7 @@ CoreInput = CoreRequest | Abort | Shutdown
 
 def to_core(core_id: int, request: RankRequest | GenerateRequest, arrays: RequestArrays,
             params: GenerateParams | None, deadline: float | None) -> CoreRequest:
-    """The message of a request whose fields :func:`~gr_engine.validation.parse_request` turned into ``arrays``."""
+    """The message of a request whose fields :func:`~gr_engine.validation.parse_fields` turned into ``arrays``."""
     return CoreRequest(
         core_id=core_id, user_id=request.user_id,
         item_ids=arrays.item_ids.tobytes(), action_ids=arrays.action_ids.tobytes(),

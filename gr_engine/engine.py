@@ -1,8 +1,6 @@
-"""``GREngine``: the public entry point (vLLM ``LLM.generate`` conventions).
-
-``rank`` and ``generate`` take a list of requests and return one output per request, in input order;
-a bad request gets an output whose ``error`` says why, and its batch-mates are served. For streaming
-use, ``add_request`` + ``step`` expose the engine loop directly.
+"""``GREngine``, the public entry point (vLLM ``LLM.generate`` conventions): ``rank`` and ``generate`` return one
+output per request, in input order (a bad request's ``error`` says why; its batch-mates are served);
+``add_request`` + ``step`` expose the engine loop for streaming use.
 """
 
 from __future__ import annotations
@@ -51,8 +49,7 @@ class GREngine:
 
     Args:
         config: the engine configuration.
-        model: an already built model (else one is built from ``config.model`` and
-            ``config.weights_path``); it is moved to the configured device and dtype.
+        model: a built model (default: from ``config.model`` and ``config.weights_path``), moved to the device/dtype.
         backends: where attention backends are looked up (default: built-ins plus entry points).
         host_memory: optional preallocated flat uint8 host memory (pinned, for CUDA) for the host chunk
             pool, e.g. one arena reused by successive engines in a process; no other live engine may use it.
@@ -88,24 +85,16 @@ class GREngine:
                                 config.scheduler.max_num_seqs, config.cache.num_gpu_pages)
         self.runner = ModelRunner(self.model, self.backend, self.kv, self.device, graphs)
         self.stats = EngineStats()
-        # Prefetches since the last step: their host time (counted in its onload phase) and the bytes they moved
-        # (counted in its metrics), (onloaded, offloaded).
+        # Prefetches since the last step: host time (for its onload phase), bytes moved (onloaded, offloaded).
         self._prefetch_s, self._prefetch_bytes = 0.0, (0, 0)
         self._seq = itertools.count()
         self._in_flight: set[str] = set()
         self._undelivered: list[Output] = []
 
     # ------------------------------------------------------------------ streaming API
-    def add_request(self, request: RankRequest | GenerateRequest,
-                    params: GenerateParams | None = None) -> int:
-        """Queue a request; ranking if ``params`` is ``None``, else retrieval with ``params``.
-
-        Returns:
-            The request's sequence number (arrival order).
-
-        Raises:
-            RequestError: the request is invalid or its ``request_id`` is already in flight.
-        """
+    def add_request(self, request: RankRequest | GenerateRequest, params: GenerateParams | None = None) -> int:
+        """Queue a request (ranking if ``params`` is ``None``, else retrieval); return its sequence number (arrival
+        order). Raises :class:`RequestError` if it is invalid or its ``request_id`` is already in flight."""
         result = self._add([request], params)[0]
         if isinstance(result, RequestError):
             raise result
@@ -119,9 +108,8 @@ class GREngine:
         """Run one engine step; return the outputs of requests that finished (or failed) in it.
 
         Args:
-            between: called once the step's forward is queued on the device and its requests are committed,
-                before scoring waits for the device: host work done there (e.g. :meth:`add_requests` for the
-                next step) overlaps the forward. It must not call :meth:`step`.
+            between: called once the forward is queued and the requests committed, before scoring waits for the
+                device, so host work there (e.g. :meth:`add_requests`) overlaps the forward; must not call :meth:`step`.
         """
         outputs = self._undelivered + [out for _, out in self._step(between)]
         self._undelivered = []
@@ -129,8 +117,7 @@ class GREngine:
 
     def add_requests(self, requests: Sequence[RankRequest | GenerateRequest],
                      params: GenerateParams | None = None) -> list[int | RequestError]:
-        """Queue several requests with one intake pass (:meth:`add_request` for each, faster): each one's
-        sequence number, or the :class:`~gr_engine.validation.RequestError` that refused it."""
+        """:meth:`add_request` for each, in one faster intake pass: sequence numbers or the refusing errors."""
         return self._add(requests, params)
 
     def abort_waiting(self, request_ids: Collection[str], error: str) -> list[Output]:
@@ -154,8 +141,7 @@ class GREngine:
         return self._run(requests, params or GenerateParams(), use_tqdm, "Retrieving")
 
     # ------------------------------------------------------------------ internals
-    def _run(self, requests: Sequence[Any], params: GenerateParams | None, use_tqdm: bool,
-             desc: str) -> list[Any]:
+    def _run(self, requests: Sequence[Any], params: GenerateParams | None, use_tqdm: bool, desc: str) -> list[Any]:
         results: list[Any] = [None] * len(requests)
         index: dict[int, int] = {}
         failed_type = RankOutput if params is None else GenerateOutput
@@ -186,13 +172,9 @@ class GREngine:
         return results
 
     def warmup(self, use_tqdm: bool = True) -> int:
-        """Call once at start-up: capture every CUDA graph a step can replay (:meth:`ModelRunner.capture_graphs`)
-        and prepare the host tier's onloads (:meth:`~cache_engine.KVCacheManager.warm_transfers`) before serving.
-        Only free pages of the pool are written; cached users are untouched.
-
-        Returns:
-            How many (bucket, launch shape) forwards were replayed (0 without step graphs).
-        """
+        """Once at start-up, before serving: capture every step graph (:meth:`ModelRunner.capture_graphs`, writing
+        only free pages) and prepare the host tier's onloads (:meth:`~cache_engine.KVCacheManager.warm_transfers`).
+        Returns how many (bucket, launch shape) forwards were replayed (0 without step graphs)."""
         if self.scheduler.num_unfinished:
             raise RuntimeError("warmup() runs between calls, not while requests are in flight")
         self.kv.warm_transfers()
@@ -218,15 +200,11 @@ class GREngine:
         self.close()
 
     def _add(self, requests: Sequence[Any], params: GenerateParams | None) -> list[int | RequestError]:
-        """Intake (docs/design.md section 3, step 2's request side): validate each request, hash the new parts of
-        all valid histories in one pass, queue them. Returns each request's sequence number or its error.
-
-        Candidates and the events not equal to the user's last validated history are value-checked for the
-        whole batch at once (:func:`values_valid`); only when that finds a problem are they checked request by
-        request, to say which request fails and why."""
+        """Intake (docs/design.md section 3, step 2's request side): validate, hash the new parts of all valid
+        histories in one pass, queue; returns each request's sequence number or error. Values are checked for the
+        whole batch at once (:func:`values_valid`), request by request only when that finds a problem."""
         if self.config.cache.prefetch and self.kv.host is not None and not self.scheduler.num_unfinished:
-            # Before validation, the users of the step to come: their onloads then run while the host validates and
-            # schedules.
+            # The coming step's users, before validation: their onloads run while the host validates and schedules.
             t, before = time.perf_counter(), self.kv.transferred_bytes
             users = [getattr(request, "user_id", None) for request in requests]
             self.kv.prefetch(users, self._next_step_size(requests))
@@ -286,9 +264,8 @@ class GREngine:
         return added
 
     def _next_step_size(self, requests: Sequence[Any]) -> int:
-        """How many of ``requests`` (not validated yet) the next step would admit when nothing else waits: at most
-        ``max_num_seqs``, while their uncached rows (history beyond what the cache holds, plus candidates) fit the
-        step's token budget (an estimate: a request that fails validation still counts)."""
+        """An estimate of how many of ``requests`` (unvalidated) the next step admits when nothing else waits: at
+        most ``max_num_seqs``, while their uncached history plus candidate rows fit the step's token budget."""
         budget, count = self.config.scheduler.max_num_batched_tokens, 0
         for request in requests[:self.config.scheduler.max_num_seqs]:
             if budget <= 0:
@@ -303,9 +280,8 @@ class GREngine:
         return count
 
     def _step(self, between: Callable[[], None] | None = None) -> list[tuple[RequestState, Output]]:
-        """One engine step (docs/design.md section 3): the seven steps in the order they run. The onloads are
-        launched before the metadata is built, so that the PCIe copies run while the host works, and the requests
-        are committed before scoring, while the device still computes the forward."""
+        """One engine step (docs/design.md section 3): onloads launch before the metadata is built (PCIe copies
+        overlap host work), requests commit before scoring (while the device computes the forward)."""
         timer = PhaseTimer(self.device if self.config.sync_phases and self.device.type == "cuda" else None)
         # Bytes this step moves: from here on (acquires plan onloads and persist evicted tails), plus its prefetches'.
         onloaded, offloaded = self.kv.transferred_bytes
@@ -386,6 +362,5 @@ class GREngine:
             self.stats.record_request(state.num_history, state.num_gpu_hits, state.num_host_hits)
         if payload.params is None:
             return RankOutput(scores=result.logits, **fields) if ok else RankOutput(**fields)
-        return GenerateOutput(item_ids=result.item_ids if ok else [], scores=result.scores if ok else [],
-                              **fields)
+        return GenerateOutput(item_ids=result.item_ids if ok else [], scores=result.scores if ok else [], **fields)
 

@@ -1,19 +1,14 @@
-"""CUDA graphs for small steps: a step's forward (every layer) replayed from captured graphs (docs/design.md section
-3, step 5).
+"""CUDA graphs for small steps: a step's forward replayed from captured graphs (docs/design.md section 3, step 5).
 
-A step that fits a capture bucket (at most ``max_rows`` rows, ``max_requests`` requests, at least one new history
-row, no relative time bias) is *staged*: its per-request numbers, tokens and page ids are written in compact form into
-a pinned host buffer (the backend's :meth:`~attention_backends.GraphReplayable.graph_plan` is copied to the device
-unless the backend writes it there), and the forward captured for that bucket is replayed. The replay's first kernel
-expands the step into the static buffers the graphs read, padded to the bucket (:mod:`.step_expand`). The host writes
-the compact buffer again only once the event recorded after the last replay reports done.
+A step that fits a bucket (at most ``max_rows`` rows and ``max_requests`` requests, at least one new history row, no
+relative time bias) is *staged*: written in compact form into a pinned host buffer (the backend's
+:meth:`~attention_backends.GraphReplayable.graph_plan` uploaded unless the backend writes it on the device), then the
+bucket's forward is replayed; its first kernel expands the step into the padded static buffers (:mod:`.step_expand`).
 
-Buckets are powers of two from 128 rows to ``max_rows``; graphs are captured the first time a bucket and the backend's
-launch shape occur (after one eager warm-up forward on a side stream), or all at start-up
-(:meth:`.ModelRunner.capture_graphs`). A step whose pages are being loaded from host replays one graph per layer, each
-after its layer's onload event; a step with nothing to wait for replays one graph of the whole forward. The last graph
-also runs the ranking head. All graphs share one memory pool (replays never overlap). On CPU (tests, Triton's
-interpreter) the same padded forward runs eagerly in place of a replay.
+Buckets are powers of two from 128 rows to ``max_rows``; graphs are captured when a bucket and launch shape first
+occur (after an eager warm-up on a side stream) or all at start-up (:meth:`.ModelRunner.capture_graphs`). A step
+waiting for onloads replays one graph per layer, each after its layer's event, any other one graph; the last graph
+also runs the ranking head. All graphs share one memory pool. On CPU the padded forward runs eagerly instead.
 """
 
 from __future__ import annotations
@@ -32,7 +27,7 @@ from cache_engine.streams import CurrentStream, indexed
 
 logger = logging.getLogger(__name__)
 
-# The real length of each field of a staged step: per request (+ 1), per new history row, per candidate, per row.
+# The real length of each field of a staged step.
 _LENGTHS = {
     "query_start_loc": "requests1", "kv_indptr": "requests1", "num_history_rows": "requests",
     "num_candidate_rows": "requests", "kv_last_page_len": "requests", "kv_seq_lens": "requests",
@@ -45,11 +40,8 @@ _VIEW_CACHE_SIZE = 4096  # (bucket, field, length) views of the static buffer ke
 
 Segment = Callable[[torch.Tensor | None], torch.Tensor]
 SegmentsFn = Callable[[dict[str, torch.Tensor], PagedBatchMetadata, Any], list[Segment]]
-"""``segments(tokens, common, backend_metadata)``: the forward cut into one callable per layer, without
-onload waits; the first takes ``None`` and embeds the tokens, each takes the previous one's output ``[T, d]``,
-the last returns the final states. ``tokens`` maps :data:`TOKEN_FIELDS` to int32 ``[T]`` tensors."""
-
-
+"""``segments(tokens, common, backend_metadata)``: the forward as one callable per layer (no onload waits); the first
+takes ``None`` and embeds ``tokens`` (:data:`TOKEN_FIELDS` -> int32 ``[T]``), each maps ``[T, d]`` to ``[T, d]``."""
 HeadFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``head(states, candidate_rows)``: the ranking head's logits ``[C, num_tasks]`` from the final states ``[T, d]``
 and the int32 ``[C]`` rows of the candidates."""
@@ -68,8 +60,6 @@ def run_segments(parts: list[Segment], layer_ready: list[torch.cuda.Event | None
 @dataclass(slots=True)
 class StagedStep:
     """A step staged in compact form, expanded into the static buffers by its replay (or :meth:`StepGraphs._expand`).
-    Its tensors at their real length are built only when needed (:meth:`StepGraphs.step_inputs`): a replay reads the
-    bucket's padded buffers.
 
     Attributes:
         host: the per-request host arrays (see :attr:`PagedBatchMetadata.host`).
@@ -78,8 +68,7 @@ class StagedStep:
         bucket: rows of the capture bucket (``>= T``).
         plan_key: the backend's launch-shape key for :meth:`GraphReplayable.graph_plan`.
         plan_writer: writes the plan inside the replay (nothing was uploaded for it), or ``None``.
-        stream: the CUDA stream current when it was staged (its plan's copy, if any, queued there), where it is
-            replayed (``None`` on CPU).
+        stream: the CUDA stream current when staged (plan copy queued there), where it is replayed (``None`` on CPU).
     """
 
     host: dict[str, np.ndarray]
@@ -106,11 +95,9 @@ class StepGraphs:
     """Static buffers and captured forwards of one engine.
 
     Args:
-        backend: the engine's attention backend; it must be :class:`GraphReplayable` (see :meth:`supported`).
-        device: the CUDA device.
-        page_size: tokens per KV page.
-        max_rows, max_requests, max_pages: the largest step replayed from a graph (rows, requests, pages in
-            its page table); larger steps run eagerly.
+        backend: the engine's attention backend, :class:`GraphReplayable` (see :meth:`supported`).
+        device, page_size: the CUDA device; tokens per KV page.
+        max_rows, max_requests, max_pages: the largest step replayed (rows, requests, page-table pages).
     """
 
     def __init__(self, backend: AttentionBackend, device: torch.device, page_size: int, max_rows: int,
@@ -121,8 +108,7 @@ class StepGraphs:
         from . import step_expand  # imports Triton: only engines with a graph-replayable backend get here
 
         self._step_expand = step_expand
-        # Per bucket: each field's capacity and offset in the static buffer (rows fields hold the bucket's rows, so
-        # that a step's page ids come right after its bucket's fields).
+        # Per bucket: each field's capacity and offset in the static buffer (page ids after the bucket's fields).
         layouts = {bucket: step_expand.field_offsets(max_requests, bucket) for bucket in self.buckets}
         self._caps = {bucket: caps for bucket, (caps, _) in layouts.items()}
         self._offsets = {bucket: offsets for bucket, (_, offsets) in layouts.items()}
@@ -158,16 +144,14 @@ class StepGraphs:
                 and num_requests <= self.max_requests and num_pages <= self.max_pages)
 
     def stage(self, layout: dict[str, np.ndarray], tokens: dict[str, np.ndarray]) -> StagedStep:
-        """Write a step in compact form (:func:`.step_expand.write_compact`) into the pinned buffer its replay expands
-        from into the static buffer (and upload the backend's plan if the host made it); the caller checked
-        :meth:`fits`. Waits only if the last staged step's replay (or expansion) has not run yet.
+        """Write a step that :meth:`fits` in compact form (:func:`.step_expand.write_compact`) into the pinned buffer
+        (and upload the backend's plan if made on the host); waits only while the last staged step's replay reads it.
 
         Args:
             layout: int arrays ``history_start``, ``num_history_rows``, ``num_candidate_rows`` (``[B]``),
                 ``kv_indptr`` (``[B + 1]``) and ``kv_indices`` (``[P]``): the arguments of
                 :meth:`~attention_backends.PagedBatchMetadata.from_layout`.
-            tokens: int ``item_ids`` and ``action_ids`` ``[T]``, rows of each request in turn (its new history rows,
-                then its candidates); positions are derived on the device.
+            tokens: int ``item_ids`` and ``action_ids`` ``[T]`` (each request's new history rows, then candidates).
         """
         start, hist, cand = layout["history_start"], layout["num_history_rows"], layout["num_candidate_rows"]
         indptr, pages = layout["kv_indptr"], layout["kv_indices"]
@@ -200,8 +184,7 @@ class StepGraphs:
         return StagedStep(host, lengths, bucket, plan_key, writer, stream)
 
     def step_inputs(self, step: StagedStep) -> tuple[dict[str, torch.Tensor], PagedBatchMetadata]:
-        """A staged step's token tensors (keyed by :data:`TOKEN_FIELDS`) and metadata over the static buffer, every
-        tensor at its real length (valid once the step is expanded), for eager use."""
+        """A staged step's tokens (:data:`TOKEN_FIELDS`) and metadata at real length over the expanded static buffer."""
         views = {name: self._view(step.bucket, name, step.lengths[kind]) for name, kind in _LENGTHS.items()}
         tokens = {name: views.pop(name) for name in TOKEN_FIELDS}
         host = step.host
@@ -214,9 +197,8 @@ class StepGraphs:
 
     def replay(self, step: StagedStep, segments: SegmentsFn, head: HeadFn,
                layer_ready: list[torch.cuda.Event | None]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the forward and the ranking head over the staged step from its bucket's graphs (captured now if
-        new), layer ``l`` after ``layer_ready[l]`` (``None``: no wait). Returns ``states [T, d_model]`` and the
-        candidates' ``logits [C, num_tasks]``, both valid until the next replay."""
+        """The forward and head from the bucket's graphs (captured if new), layer ``l`` after ``layer_ready[l]``.
+        Returns ``states [T, d_model]`` and ``logits [C, num_tasks]``, valid until the next replay."""
         if not self._cuda:
             self.num_replays += 1
             return self._run_eagerly(step, segments, head, layer_ready)
@@ -254,24 +236,21 @@ class StepGraphs:
 
     def _run_unpadded(self, step: StagedStep, segments: SegmentsFn, head: HeadFn,
                       layer_ready: list[torch.cuda.Event | None]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The staged step at its real size with the backend's eager metadata (planned on the host): after a failed
-        capture, nothing the capture needed (a device-written plan, say) is relied on."""
+        """The staged step at real size, host-planned metadata (after a failed capture: relies on nothing it made)."""
         self._expand(step.bucket)
         tokens, common = self.step_inputs(step)
         states = run_segments(segments(tokens, common, self.backend.build_metadata(common)), layer_ready)
         return states, head(states, common.candidate_rows)
 
     def _expand(self, bucket: int, record: bool = True) -> None:
-        """Write the staged step into the static buffer as ``bucket``'s graphs read it (:func:`.step_expand.expand`,
-        one kernel on the current stream: the first work of a replay); with ``record`` (not while capturing), mark
-        the compact step read after it."""
+        """Expand the staged step into ``bucket``'s static buffer (:func:`.step_expand.expand`, on the current stream);
+        with ``record`` (not while capturing), mark the compact step read after it."""
         self._step_expand.expand(self._compact, self._buffer, self.max_requests, bucket, self.page_size)
         if record and self._compact_read is not None:
             self._compact_read.record(self._current_stream())
 
     def _view(self, bucket: int, name: str, length: int) -> torch.Tensor:
-        """``length`` entries of field ``name`` in ``bucket``'s layout of the static buffer (views kept: slicing a
-        tensor costs microseconds)."""
+        """``length`` entries of field ``name`` in ``bucket``'s static buffer (views kept: slicing is slow)."""
         key = (bucket, name, length)
         view = self._views.get(key)
         if view is None:
@@ -291,8 +270,8 @@ class StepGraphs:
 
     def _plan_buffers(self, key: Hashable, uploaded: bool) -> tuple[torch.Tensor, torch.Tensor | None,
                                                                    torch.cuda.Event | None]:
-        """The plan's device buffer, and when the plan is ``uploaded`` (not written on the device) its pinned
-        staging buffer and the event of the last copy out of it (a key is planned one way or the other, always)."""
+        """The plan's device buffer and, if ``uploaded`` (not device-written), its pinned staging buffer and the event
+        of the last copy out of it."""
         buffers = self._plans.get(key)  # one lookup: hashing a launch-shape key costs about a microsecond
         if buffers is None:
             length = self.backend.graph_plan_size(key)
@@ -325,8 +304,7 @@ class StepGraphs:
                 x = part(x)
             head(x, common.candidate_rows)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        # One graph for the whole forward, or one per layer: each layer's output lives in its graph's pool, read by
-        # the next graph. The padded inputs, then the plan if the backend writes it, come first in each replay.
+        # Each layer's output lives in the shared pool, read by the next graph; the first expands inputs and plan.
         groups = [parts] if whole else [[part] for part in parts]
         graphs, x = [], None
         for index, group in enumerate(groups):

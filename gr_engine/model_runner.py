@@ -1,10 +1,9 @@
 """Turns one scheduled step into tensors, runs the model over the paged cache, and scores (docs/design.md section 3).
 
-:meth:`ModelRunner.prepare` builds the step's page tables and row layout on the host, :meth:`ModelRunner.strip` the
-model input (the uncached history suffix plus the candidates): an :class:`EagerStep` uploaded for a forward launched
-op by op or, with :class:`~.step_graphs.StepGraphs` and a step that fits, a :class:`~.step_graphs.StagedStep` whose
-forward is replayed from CUDA graphs. :meth:`ModelRunner.forward` runs the layers (each appends its new history K/V
-into the user's pages, then attends) and the ranking head, :meth:`ModelRunner.score` copies the scores to the host.
+:meth:`~ModelRunner.prepare` builds page tables and row layout on the host; :meth:`~ModelRunner.strip` the model
+input (uncached history suffix plus candidates), an :class:`EagerStep` or, when it fits the step graphs, a
+:class:`~.step_graphs.StagedStep`; :meth:`~ModelRunner.forward` runs the layers (each appends its new history K/V,
+then attends) and the ranking head; :meth:`~ModelRunner.score` copies the scores to the host.
 """
 
 from __future__ import annotations
@@ -31,14 +30,8 @@ from .validation import RequestArrays
 
 @dataclass(eq=False)
 class RequestPayload:
-    """The engine's data for one request (``RequestState.payload``).
-
-    Attributes:
-        request: the user's request object.
-        arrays: its validated fields.
-        params: retrieval settings for ``generate`` requests; ``None`` for ranking.
-        arrival_s: ``time.perf_counter()`` at arrival.
-    """
+    """The engine's data for one request (``RequestState.payload``): the request, its validated ``arrays``, retrieval
+    ``params`` (``None`` for ranking) and ``arrival_s`` (``time.perf_counter()`` at arrival)."""
 
     request: Any
     arrays: RequestArrays
@@ -55,8 +48,7 @@ class StepMetadata:
             ``kv_indptr`` (``[B + 1]``) and ``kv_indices`` (``[P]``, the page tables after this step's append): the
             arguments of :meth:`~attention_backends.PagedBatchMetadata.from_layout`.
         retrieval_chunks: indices of the step's chunks that finish a retrieval request.
-        retrieval_rows: int64 ``[R]`` on the device, the row of the last history token of each of those (``None``
-            when there is none).
+        retrieval_rows: int64 ``[R]`` on the device, each one's last history row (``None`` when there is none).
     """
 
     layout: dict[str, np.ndarray]
@@ -128,9 +120,8 @@ class ModelRunner:
         return np.concatenate(queries), np.concatenate(keys)
 
     def strip(self, chunks: list[ScheduledChunk], meta: StepMetadata) -> StepInput:
-        """Model input: each request's uncached history ``[start, end)``, then its candidates if final. A step that
-        fits the step graphs is staged into their buffers, tokens and metadata together (positions are derived on
-        the device); any other is uploaded for an eager forward."""
+        """Model input: each request's uncached history ``[start, end)``, then its candidates if final; staged into
+        the step graphs' buffers if it fits, else uploaded for an eager forward."""
         items, actions = [], []
         for chunk in chunks:
             arrays: RequestArrays = chunk.request.payload.arrays
@@ -147,8 +138,7 @@ class ModelRunner:
         common = PagedBatchMetadata.from_layout(layout["history_start"], hist, layout["num_candidate_rows"],
                                                 layout["kv_indptr"], layout["kv_indices"], self.kv.page_size,
                                                 self.device, *times)
-        # History rows sit at their event's position, candidates one past the user's last event (candidates come
-        # with a request's final chunk only, whose history then ends at kv_seq_lens).
+        # History rows sit at their event's position, candidates (final chunk only) at kv_seq_lens.
         host = common.host
         positions = np.empty(len(item_ids), dtype=np.int64)
         positions[host["history_rows"]] = host["append_positions"]
@@ -158,14 +148,10 @@ class ModelRunner:
 
     @torch.no_grad()
     def capture_graphs(self, pages: np.ndarray, use_tqdm: bool = True) -> int:
-        """Replay (so capture, on CUDA) a synthetic step of every bucket and launch shape of the step graphs, before
-        serving (:meth:`GREngine.warmup <gr_engine.GREngine.warmup>`): a capture, and the kernels a new launch shape
-        compiles, would otherwise cost the first such step seconds.
-
-        Each bucket is probed with steps whose rows fill it and whose longest request has 1, 2, 4, ... rows (the
-        backend's launch shape depends on that length), every row a history row of a request with nothing cached.
-        Each launch shape is replayed twice on CUDA: with nothing to wait for (one graph) and waiting for per-layer
-        events (one graph per layer).
+        """Replay (so capture, on CUDA) a synthetic step of every bucket and launch shape before serving
+        (:meth:`GREngine.warmup <gr_engine.GREngine.warmup>`), sparing the first such step seconds of capture and
+        compilation. Each bucket is filled with uncached history rows in requests of at most 1, 2, 4, ... rows (the
+        launch shape depends on the longest); on CUDA each shape is replayed as one graph and as one per layer.
 
         Args:
             pages: int32 ``[P]`` free page ids of the pool, which are written (a bucket needing more is skipped).
@@ -207,12 +193,10 @@ class ModelRunner:
 
         Args:
             step: what :meth:`strip` returned.
-            layer_ready: per layer, an event the layer's attention must wait for (its pages are being
-                loaded from host), or ``None``; a graph replay waits for it before the layer's graph.
+            layer_ready: per layer, the onload event its attention waits for, or ``None``.
 
         Returns:
-            The final ``states [T, d_model]`` and the candidates' float32 ranking ``logits [C, num_tasks]``, valid
-            until the next step.
+            ``states [T, d_model]`` and float32 ``logits [C, num_tasks]`` of the candidates, valid until the next step.
         """
         if isinstance(step, StagedStep):
             return self.graphs.replay(step, self._segments, self._rank_head, layer_ready)

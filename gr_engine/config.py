@@ -40,9 +40,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         num_items: item vocabulary size; item ids are ``0 .. num_items - 1``.
         num_actions: action vocabulary size (ids ``0 .. num_actions - 1``); candidates use an extra action.
         d_model: embedding and residual width.
-        num_layers: HSTU layers.
-        num_heads: attention heads.
-        head_dim: features per head (q, k, v and u).
+        num_layers, num_heads, head_dim: layers, attention heads, features per head (q, k, v and u).
         max_history_len: longest history accepted (events); also the number of position embeddings.
         max_candidates: most candidates per request.
         num_tasks: ranking head outputs per candidate (e.g. click, like, long-view).
@@ -51,10 +49,9 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ``max_history_len``. Never the batch's length, so scores do not depend on batch-mates.
         attn_alpha: scale of ``q.k``; defaults to ``1 / sqrt(head_dim)``.
         concat_ua: output projection over ``[u, attn, u * LN(attn)]`` instead of ``u * LN(attn)``.
-        time_bias_buckets: a learned relative time bias per layer and head, added to ``alpha * q.k``:
-            bucket ``min(floor(log2(1 + |t_query - t_key|)), buckets - 1)`` of the event times (a
-            candidate's time is its request's last event). 0 disables it. Computed inside attention
-            from the request's timestamps, so cached K/V stay valid.
+        time_bias_buckets: a learned relative time bias per layer and head added to ``alpha * q.k``, bucket
+            ``min(floor(log2(1 + |t_query - t_key|)), buckets - 1)`` (a candidate's time is its request's last
+            event); 0 disables it. Computed inside attention from the timestamps, so cached K/V stay valid.
         dtype: parameter, activation and KV dtype.
         seed: seed of the random initialisation (used when no weights file is given).
     """
@@ -115,10 +112,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"`` (CUDA when available).
         attention_backend: a registered backend name, or ``"auto"`` for the fastest usable one.
         weights_path: a safetensors file written by ``GRModel.save``; ``None``: random init from ``model.seed``.
-        sync_phases: synchronise the device after each phase of a step so that per-phase times include
-            the device work they queued (for latency breakdowns; it serialises the pipeline).
-        cuda_graph_max_rows: the largest step (rows) replayed from CUDA graphs (:mod:`gr_engine.step_graphs`);
-            0 turns graphs off.
+        sync_phases: synchronise the device after each step phase so its time includes its device work (serialises).
+        cuda_graph_max_rows: the largest step (rows) replayed from CUDA graphs (:mod:`.step_graphs`); 0: none.
         serving: the online path's settings (``gr-engine serve``, :class:`~gr_engine.serving.AsyncGREngine`).
     """
 
@@ -137,8 +132,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.scheduler.max_num_batched_tokens <= self.model.max_candidates:
             raise ValueError(
                 f"scheduler.max_num_batched_tokens ({self.scheduler.max_num_batched_tokens}) must exceed "
-                f"model.max_candidates ({self.model.max_candidates}) so a request's candidates fit in a step"
-            )
+                f"model.max_candidates ({self.model.max_candidates}) so a request's candidates fit in a step")
         if self.cuda_graph_max_rows < 0:
             raise ValueError(f"cuda_graph_max_rows ({self.cuda_graph_max_rows}) must be >= 0 (0: no CUDA graphs)")
 

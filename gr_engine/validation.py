@@ -24,12 +24,8 @@ class RequestError(ValueError):
 
 @dataclass
 class RequestArrays:
-    """A validated request's fields as int64 numpy arrays.
-
-    Attributes:
-        item_ids, action_ids, timestamps: ``[n]`` history events.
-        candidate_item_ids: ``[c]`` (empty for retrieval requests).
-    """
+    """A validated request's fields as int64 numpy arrays: history events ``item_ids``, ``action_ids``,
+    ``timestamps`` ``[n]``; ``candidate_item_ids`` ``[c]`` (empty for retrieval)."""
 
     item_ids: np.ndarray
     action_ids: np.ndarray
@@ -99,10 +95,8 @@ def parse_fields(request: Any, config: EngineConfig, *, ranking: bool) -> Reques
     actions = _int_array("action_ids", request.action_ids)
     times = _int_array("timestamps", request.timestamps)
     if not len(items) == len(actions) == len(times):
-        raise RequestError(
-            f"history fields differ in length: item_ids {len(items)}, action_ids {len(actions)}, "
-            f"timestamps {len(times)}"
-        )
+        raise RequestError(f"history fields differ in length: item_ids {len(items)}, action_ids {len(actions)}, "
+                           f"timestamps {len(times)}")
     n = len(items)
     if n > model.max_history_len:
         raise RequestError(f"history of {n} events exceeds model.max_history_len ({model.max_history_len})")
@@ -110,39 +104,26 @@ def parse_fields(request: Any, config: EngineConfig, *, ranking: bool) -> Reques
         raise RequestError("retrieval needs at least one history event")
     pages = -(-n // config.cache.page_size)
     if pages > config.cache.num_gpu_pages:
-        raise RequestError(
-            f"history of {n} events needs {pages} KV pages but cache.num_gpu_pages is "
-            f"{config.cache.num_gpu_pages}"
-        )
+        raise RequestError(f"history of {n} events needs {pages} KV pages but cache.num_gpu_pages is "
+                           f"{config.cache.num_gpu_pages}")
     candidates = np.zeros(0, dtype=np.int64)
     if ranking:
         candidates = _int_array("candidate_item_ids", request.candidate_item_ids)
         if len(candidates) == 0:
             raise RequestError("candidate_item_ids is empty: nothing to rank")
         if len(candidates) > model.max_candidates:
-            raise RequestError(
-                f"{len(candidates)} candidates exceed model.max_candidates ({model.max_candidates})"
-            )
+            raise RequestError(f"{len(candidates)} candidates exceed model.max_candidates ({model.max_candidates})")
     return RequestArrays(items, actions, times, candidates)
 
 
 def check_candidates(arrays: RequestArrays, config: EngineConfig) -> None:
-    """Check that the candidates are within the item vocabulary.
-
-    Raises:
-        RequestError: the first candidate outside it.
-    """
+    """Raise :class:`RequestError` for the first candidate outside the item vocabulary."""
     _check_range("candidate_item_ids", arrays.candidate_item_ids, config.model.num_items, "item vocabulary")
 
 
 def check_events(arrays: RequestArrays, config: EngineConfig, start: int = 0) -> None:
-    """Check the history's events from ``start`` on: ids within the vocabularies, timestamps never going
-    backwards (from event ``start - 1``). ``start > 0`` when the first ``start`` events are known valid (equal
-    to a history this engine validated before), so that a returning user's events are not checked again.
-
-    Raises:
-        RequestError: the first problem found.
-    """
+    """Check the events from ``start`` on (the first ``start`` are known valid: a history validated before): ids
+    within the vocabularies, timestamps non-decreasing from event ``start - 1``. Raises :class:`RequestError`."""
     model = config.model
     _check_range("item_ids", arrays.item_ids[start:], model.num_items, "item vocabulary")
     _check_range("action_ids", arrays.action_ids[start:], model.num_actions, "action vocabulary")
@@ -154,14 +135,9 @@ def check_events(arrays: RequestArrays, config: EngineConfig, start: int = 0) ->
 
 
 def values_valid(batch: Sequence[tuple[RequestArrays, int]], config: EngineConfig) -> bool:
-    """Whether every request of a batch passes :func:`check_candidates` and :func:`check_events` from its
-    ``start``, in one vectorised pass over the whole batch (a request with over ``_JOIN_LIMIT`` unchecked events is
-    checked where it is rather than copied). When it is ``False``, those checks request by request say which fails.
-
-    Args:
-        batch: ``(arrays, start)`` of each request, ``start`` as in :func:`check_events`.
-        config: the engine's configuration.
-    """
+    """Whether every ``(arrays, start)`` of ``batch`` passes :func:`check_candidates` and :func:`check_events` from
+    ``start``, in one vectorised pass (histories with over ``_JOIN_LIMIT`` unchecked events are checked in place).
+    When ``False``, those checks request by request say which fails."""
     if not batch:
         return True
     items: list[np.ndarray] = []  # new item_ids and candidates, then new action_ids, then timestamps from start - 1

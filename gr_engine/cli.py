@@ -41,10 +41,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _serve_file(args: argparse.Namespace, generate: bool) -> int:
-    """``rank`` / ``generate``: serve every request of ``--input``, write one output per row to ``--output``.
-
-    Rows that cannot be parsed become error rows in their place. Exit status: 0 when any request was served,
-    1 when every one failed."""
+    """``rank`` / ``generate``: serve ``--input``, write one output per row (unparsable rows: error rows) to
+    ``--output``. Exit status 1 when every request failed, else 0."""
     from .engine import GREngine
     from .io import file_format, read_requests, write_outputs
     from .request import GenerateRequest, RankRequest

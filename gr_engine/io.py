@@ -1,11 +1,9 @@
 """Reading requests from and writing outputs to JSONL and Parquet files (offline ranking and retrieval).
 
-A file holds one request per line (JSONL) or row (Parquet) with the fields of
-:class:`~gr_engine.request.RankRequest` (for retrieval, those of :class:`~gr_engine.request.GenerateRequest`).
-A malformed row does not stop the job: it becomes an output whose ``error`` says what is wrong, in its
-place, with the row's ``request_id`` and ``user_id`` where they can be read. An error row whose
-``request_id`` cannot be read is labelled by where it is in the file: ``line-N`` for line ``N`` of a JSONL
-file (1-based; blank lines are skipped but counted), ``row-N`` for row ``N`` of a Parquet file (1-based).
+One request per line (JSONL) or row (Parquet), with the fields of :class:`~gr_engine.request.RankRequest` (or
+:class:`~gr_engine.request.GenerateRequest`). A malformed row becomes an output in its place whose ``error`` says why,
+with the row's ``request_id`` and ``user_id`` where readable; without a ``request_id`` it is labelled ``line-N``
+(JSONL, 1-based; blank lines skipped but counted) or ``row-N`` (Parquet, 1-based).
 """
 
 from __future__ import annotations

@@ -17,8 +17,7 @@ input), ``forward``, ``commit`` (advancing the cached lengths, starting offloads
 waiting for the device)."""
 
 HOST_PHASES = ("schedule", "prepare", "onload", "strip", "commit")
-"""The step phases that are pure host work (the benchmark's overhead): forward and score also wait for the device,
-and intake comes before the step."""
+"""The step phases that are pure host work (the benchmark's overhead; forward and score also wait for the device)."""
 
 
 class PhaseTimer:
@@ -94,7 +93,6 @@ class StepMetrics(_HitRatios):
     onloaded_bytes: int
     offloaded_bytes: int
     phases: dict[str, float]
-
 
 
 @dataclass

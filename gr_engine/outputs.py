@@ -64,9 +64,8 @@ class RankOutput(_OutputBase, kw_only=True):
     """Scores of a ranking request.
 
     Attributes:
-        scores: float32 numpy ``[num_candidates, num_tasks]`` logits (apply a sigmoid for probabilities), in
-            candidate order; ``[0, 0]`` on error. (An array, not nested lists, which would cost host time per
-            request; ``scores.tolist()`` gives lists, and :func:`~gr_engine.io.write_outputs` writes them as lists.)
+        scores: float32 numpy ``[num_candidates, num_tasks]`` logits (sigmoid: probabilities), in candidate order;
+            ``[0, 0]`` on error. An array, as lists cost host time (:func:`~gr_engine.io.write_outputs` writes lists).
     """
 
     scores: np.ndarray = msgspec.field(default_factory=lambda: np.zeros((0, 0), dtype=np.float32))

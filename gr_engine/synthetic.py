@@ -1,10 +1,8 @@
 """Synthetic returning-user traffic for the demo, examples and tests (no downloads).
 
-Each user has one growing stream of events. Their first visit shows a history of
-``first_history`` events; each later visit adds ``new_events`` more, so a caching engine only has to
-encode the new events. Visits of different users are interleaved at random while each user's visits
-stay in order. ``rewrite_prob`` occasionally changes an old event of a user's history (e.g. a deleted
-interaction), which a correct cache must detect instead of serving stale KV.
+Each user's history grows by ``new_events`` per visit after ``first_history`` on the first, so a caching engine only
+encodes the new events; users' visits interleave at random, each user's in order. ``rewrite_prob`` occasionally changes
+an old event (e.g. a deleted interaction), which a correct cache must detect instead of serving stale KV.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The attention-backend interface; ``docs/backends.md`` is the guide to writing a backend.
+"""The attention-backend interface (``docs/design.md`` section 6; ``docs/backends.md`` on writing one).
 
-A backend derives its own per-step metadata from the common page tables (:meth:`AttentionBackend.build_metadata`,
-once per step, shared by all layers), writes the step's new history K/V into the paged cache
-(:meth:`AttentionBackend.append_kv`) and computes attention (:meth:`AttentionBackend.attend`) of every row of the
-flat batch. Request ``b`` owns rows ``query_start_loc[b]:query_start_loc[b + 1]``: first its
+Request ``b`` owns rows ``query_start_loc[b]:query_start_loc[b + 1]`` of the flat batch: first its
 ``num_history_rows[b]`` new history rows, causal over its paged history (which already holds them), then its
 ``num_candidate_rows[b]`` candidate rows, each over the whole history and itself, never over other candidates
 (candidate K/V are never written into pages).
@@ -30,13 +27,11 @@ class AttentionSpec:
 
     Attributes:
         kind: ``"hstu"`` (``silu(alpha * q.k) / scaling_seqlen``, no softmax) or ``"softmax"``.
-        num_heads, head_dim, page_size: query and KV heads (no grouped-query attention), features per head
-            (shared by q, k and v), tokens per KV page.
+        num_heads, head_dim, page_size: query and KV heads (no GQA), features per head of q, k and v, tokens per page.
         dtype, device_type: of q/k/v and the paged cache; ``"cpu"`` or ``"cuda"``.
         alpha: scale applied to ``q.k`` (``1/sqrt(head_dim)`` by default in the model).
         scaling_seqlen: the fixed HSTU normaliser (a configured constant, never the batch's length).
-        time_bias_buckets: buckets of the relative time bias added to ``alpha * q.k`` (0: no bias);
-            see :func:`time_bucket`.
+        time_bias_buckets: buckets of the relative time bias added to ``alpha * q.k`` (0: none); :func:`time_bucket`.
     """
 
     kind: AttentionKind
@@ -91,8 +86,8 @@ class BackendSupport:
 
 
 def package_reasons(package: str, module: str, install: str, check_import: bool) -> list[str]:
-    """Why an optional ``package`` cannot be used: not installed (``pip install {install}``); or, with
-    ``check_import`` (importing may take seconds), its ``module`` fails to import."""
+    """Why optional ``package`` is unusable: not installed (``pip install {install}``), or (``check_import``) its
+    ``module`` fails to import."""
     if importlib.util.find_spec(package) is None:
         return [f"{package} is not installed (pip install {install})"]
     if check_import:
@@ -109,8 +104,7 @@ class StepTimestamps:
     earliest time where it spans less than ``2**31 - 1`` units (the bias depends only on differences; cheaper).
 
     Attributes:
-        query: ``[T]`` time of each row: a history row's own event; a candidate's, its request's last
-            history event (0 when the history is empty).
+        query: ``[T]`` each row's time: a history row's event; a candidate's, its request's last (0 if none).
         keys: ``[sum(kv_seq_lens)]`` the times of every request's history, request after request.
         key_start: ``[B]`` int32, where request ``b``'s history starts in ``keys``.
     """
@@ -124,9 +118,8 @@ class StepTimestamps:
 class PagedBatchMetadata:
     """One step's page tables and row layout, built once by the model runner, shared by all layers.
 
-    All tensors live on the model's device; index tensors are int32. ``B`` is the number of requests in
-    the step, ``T`` the number of query rows, ``N`` the number of new history rows (``N <= T``).
-    The page table describes each request's history *after* this step's append.
+    Tensors live on the model's device, index tensors int32. ``B`` requests, ``T`` query rows, ``N <= T`` new
+    history rows. The page table describes each request's history *after* this step's append.
 
     Attributes:
         query_start_loc: ``[B + 1]`` row offsets of each request in the flat batch.
@@ -138,19 +131,17 @@ class PagedBatchMetadata:
         kv_seq_lens: ``[B]`` history tokens in pages after the append.
         append_batch_indices: ``[N]`` request index of each new history row.
         append_positions: ``[N]`` position of each new history row in its request's history.
-        append_pages: ``[N]`` physical page of each new history row (FlashInfer's slot formula, resolved
-            once per step on the host: ``kv_indices[(kv_indptr[b] * page_size + position) // page_size]``).
+        append_pages: ``[N]`` physical page of each new history row (FlashInfer's slot formula, resolved on the
+            host: ``kv_indices[(kv_indptr[b] * page_size + position) // page_size]``).
         append_entries: ``[N]`` entry of each new history row in its page.
         history_rows: ``[N]`` flat row index of each new history row.
         candidate_rows: ``[T - N]`` flat row index of each candidate row.
         candidate_batch_indices: ``[T - N]`` request index of each candidate row.
         page_size: tokens per page.
-        max_query_len, max_kv_len, max_pages: the largest per-request row count, ``kv_seq_lens`` entry and page
-            count (host ints).
-        host: read-only int numpy copies of index tensors by field name, for planning on the host without
-            reading the device, or ``None``: every field from :meth:`from_layout`; a step replayed from a CUDA
-            graph has only the per-request ``query_start_loc``, ``num_history_rows``, ``num_candidate_rows``,
-            ``kv_indptr`` and ``kv_seq_lens``.
+        max_query_len, max_kv_len, max_pages: largest per-request row count, ``kv_seq_lens`` and page count (ints).
+        host: read-only int numpy copies of index tensors by field name, for host planning, or ``None``: every
+            field from :meth:`from_layout`; a CUDA-graph replay has only ``query_start_loc``, ``num_history_rows``,
+            ``num_candidate_rows``, ``kv_indptr`` and ``kv_seq_lens``.
         timestamps: event times for the relative time bias, or ``None`` when the model has none.
     """
 
@@ -188,13 +179,9 @@ class PagedBatchMetadata:
 
         Args:
             history_start: int ``[B]`` history tokens already in pages before this step.
-            num_history_rows: int ``[B]`` new history rows (appended this step).
-            num_candidate_rows: int ``[B]`` candidate rows.
-            kv_indptr: int ``[B + 1]`` CSR offsets of the pages covering
-                ``history_start + num_history_rows`` tokens.
+            num_history_rows, num_candidate_rows: int ``[B]`` new history rows (appended this step), candidates.
+            kv_indptr: int ``[B + 1]`` CSR offsets of the pages covering ``history_start + num_history_rows`` tokens.
             kv_indices: int ``[kv_indptr[-1]]`` physical page ids.
-            page_size: tokens per page.
-            device: where the tensors go.
             query_timestamps: int ``[T]`` (see :class:`StepTimestamps`), with ``key_timestamps``.
             key_timestamps: int ``[sum(history_start + num_history_rows)]``.
         """
@@ -215,8 +202,7 @@ class PagedBatchMetadata:
 
 def layout_arrays(history_start: np.ndarray, num_history_rows: np.ndarray, num_candidate_rows: np.ndarray,
                   kv_indptr: np.ndarray, kv_indices: np.ndarray, page_size: int) -> dict[str, np.ndarray]:
-    """Every index field of :class:`PagedBatchMetadata` as int64 numpy arrays keyed by field name, from the
-    arguments of :meth:`PagedBatchMetadata.from_layout`."""
+    """Every index field of :class:`PagedBatchMetadata` (int64 numpy, by name) from :meth:`~.from_layout`'s args."""
     start, hist, cand, indptr, indices = (np.asarray(a, dtype=np.int64) for a in (
         history_start, num_history_rows, num_candidate_rows, kv_indptr, kv_indices))
     seq_lens = start + hist
@@ -237,9 +223,8 @@ def layout_arrays(history_start: np.ndarray, num_history_rows: np.ndarray, num_c
 
 
 def upload(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
-    """``array`` as a tensor on ``device`` (on CPU, no copy). To CUDA it goes without blocking the host through a
-    pinned block of torch's caching host allocator (``torch.empty(..., pin_memory=True)``), reused once its copies
-    are done; a pageable copy would synchronise, and ``Tensor.pin_memory()`` would pin a new buffer per call."""
+    """``array`` as a tensor on ``device`` (on CPU, no copy). To CUDA without blocking the host, through a pinned
+    block of torch's caching host allocator (reused once copied; ``Tensor.pin_memory()`` would pin anew each call)."""
     tensor = torch.from_numpy(array)
     device = torch.device(device)
     if device.type == "cpu":
@@ -265,8 +250,7 @@ def _segments(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 class AttentionBackend(abc.ABC):
-    """Base class of every attention backend (subclasses set ``name`` and ``support``), created once per engine
-    with the model's :class:`AttentionSpec`."""
+    """Base of every attention backend (subclasses set ``name``, ``support``), made once per engine for a spec."""
 
     name: ClassVar[str]
     support: ClassVar[BackendSupport]
@@ -281,8 +265,7 @@ class AttentionBackend(abc.ABC):
 
     @classmethod
     def reasons_unsupported(cls, spec: AttentionSpec) -> list[str]:
-        """Every reason this backend cannot serve ``spec``; override to add runtime checks
-        (a missing package, an unsupported GPU)."""
+        """Every reason this backend cannot serve ``spec``; override to add runtime checks (package, GPU)."""
         return cls.support.reasons_unsupported(spec)
 
     def build_metadata(self, common: PagedBatchMetadata) -> Any:
@@ -305,17 +288,16 @@ class AttentionBackend(abc.ABC):
         """Attention for every row of the flat batch (after :meth:`append_kv` for this layer).
 
         Args:
-            q, k, v: ``[T, H, D]`` projections of all rows (history and candidates); candidates' own
-                k/v are read from here, history k/v from ``kv_cache``.
+            q, k, v: ``[T, H, D]`` projections of all rows; candidates' own k/v come from here, history's from
+                ``kv_cache``.
             kv_cache: one layer's cache ``[num_pages, 2, page_size, H, D]``.
             metadata: what :meth:`build_metadata` returned for this step.
-            time_bias: float32 ``[time_bias_buckets, H]``, this layer's relative time bias: entry
-                ``[time_bucket(t_query - t_key), h]`` is added to ``alpha * q.k`` of head ``h``
-                (timestamps from the common metadata); ``None`` for none.
+            time_bias: float32 ``[time_bias_buckets, H]`` or ``None``: entry ``[time_bucket(t_query - t_key), h]``
+                is added to ``alpha * q.k`` of head ``h`` (timestamps from the common metadata).
 
         Returns:
-            ``[T, H, D]`` attention output in ``q``'s dtype. For ``hstu`` it is
-            ``sum_j silu(alpha q.k_j) / scaling_seqlen * v_j`` over the row's allowed keys.
+            ``[T, H, D]`` in ``q``'s dtype; for ``hstu``, ``sum_j silu(alpha q.k_j) / scaling_seqlen * v_j`` over
+            the row's allowed keys.
         """
 
 
@@ -330,14 +312,12 @@ class GraphReplayable(abc.ABC):
     @abc.abstractmethod
     def graph_plan(self, common_host: dict[str, np.ndarray], max_rows: int,
                    max_requests: int) -> tuple[Hashable, np.ndarray | PlanWriter]:
-        """This step's own metadata for CUDA-graph replay, from its per-request host arrays ``common_host``
-        (:attr:`PagedBatchMetadata.host` of a replayed step) and the capacities it is padded to (``T <= max_rows``,
-        ``B <= max_requests``).
+        """This step's metadata for CUDA-graph replay, from ``common_host`` (:attr:`PagedBatchMetadata.host` of a
+        replayed step) and the capacities it is padded to (``T <= max_rows``, ``B <= max_requests``).
 
-        Returns ``(key, plan)``: ``plan`` is a flat int32 array of :meth:`graph_plan_size` entries whose layout
-        depends only on ``key`` (the launch shape), uploaded for the replay; or, where the backend writes it on the
-        device, a :data:`PlanWriter`, called (and captured) before the first layer of each replay. A key always
-        comes with the one or always with the other. Steps with equal keys and capacities share one graph.
+        Returns ``(key, plan)``: ``plan`` is a flat int32 array of :meth:`graph_plan_size` entries, laid out by
+        ``key`` alone, uploaded for the replay; or a :data:`PlanWriter` that writes it on the device, captured
+        before the first layer. A key always comes with the same kind. Equal keys and capacities share a graph.
         """
 
     @abc.abstractmethod
@@ -346,7 +326,6 @@ class GraphReplayable(abc.ABC):
 
     @abc.abstractmethod
     def graph_metadata(self, common: PagedBatchMetadata, key: Hashable, plan: torch.Tensor) -> Any:
-        """The metadata ``attend`` gets inside a captured graph: ``plan`` is :meth:`graph_plan`'s array for
-        ``key`` on the device, at a fixed address, and ``common``'s tensors are padded to the capacities (spare
-        requests have no rows; spare append rows repeat the last real one). Everything a launch reads about
-        the step must come from these tensors, never from host values that change between steps."""
+        """The metadata ``attend`` gets inside a captured graph: ``plan``, :meth:`graph_plan`'s array for ``key``
+        on the device at a fixed address; ``common``'s tensors padded to the capacities (spare requests have no
+        rows; spare append rows repeat the last). Launches read the step only from these, never from host values."""

@@ -1,11 +1,9 @@
 """``flashinfer``: FlashInfer's paged K/V append, composed with ``hstu_triton``'s paged HSTU attention.
 
-New history K/V are written by ``flashinfer.page.append_paged_kv_cache`` into the layer's NHD cache; the
-request and position of each appended row it needs are the common metadata's ``append_batch_indices`` and
-``append_positions``, exactly what ``flashinfer.get_batch_indices_positions`` returns for them (the GPU tests
-check it). FlashInfer has no HSTU (SiLU) attention, so ``hstu_triton``'s kernel attends over the same pages, time
-bias included (hence CUDA, fp16/bf16: FlashInfer's append has no fp32). ``flashinfer`` is imported only when the
-backend is checked or created; its first append JIT-compiles FlashInfer's page module (about 10 s, then cached).
+The append's rows are placed by ``append_batch_indices`` and ``append_positions`` (what
+``flashinfer.get_batch_indices_positions`` returns; the GPU tests check it). FlashInfer has no HSTU (SiLU)
+attention, hence ``hstu_triton``'s; its append has no fp32. ``flashinfer`` is imported only when the backend is
+checked or created; its first append JIT-compiles FlashInfer's page module (then cached).
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ class FlashInferBackend(AttentionBackend):
     support: ClassVar[BackendSupport] = BackendSupport(
         devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16}), kinds=frozenset({"hstu"}),
         head_dims=frozenset({64, 128, 256}), page_sizes=frozenset({16, 32, 64}), time_bias=True)
-    #: Below ``hstu_triton`` (same attention; the append is a small part of a layer): ``auto`` skips FlashInfer's JIT.
+    #: Below ``hstu_triton`` (same attention): ``auto`` skips FlashInfer's JIT.
     priority: ClassVar[int] = 5
 
     def __init__(self, spec: AttentionSpec) -> None:
@@ -51,12 +49,11 @@ class FlashInferBackend(AttentionBackend):
 
     def append_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   metadata: HSTUTritonMetadata) -> None:
-        """:meth:`AttentionBackend.append_kv` by ``flashinfer.page.append_paged_kv_cache``: fp16/bf16, the last dim
-        of ``kv_cache``, ``key`` and ``value`` contiguous; ``TypeError`` if their dtypes differ."""
+        """By ``flashinfer.page.append_paged_kv_cache``: fp16/bf16, last dims contiguous; ``TypeError`` if the
+        dtypes differ (FlashInfer would reinterpret the bytes)."""
         if key.shape[0] == 0:
             return
         if key.dtype != kv_cache.dtype or value.dtype != kv_cache.dtype:
-            # FlashInfer does not check this: it would reinterpret the bytes.
             raise TypeError(f"K/V dtype {key.dtype}/{value.dtype} differs from the cache's {kv_cache.dtype}")
         c = metadata.common
         self._flashinfer_page.append_paged_kv_cache(

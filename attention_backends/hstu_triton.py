@@ -1,9 +1,7 @@
 """``hstu_triton``: HSTU (SiLU) attention over the paged KV cache in Triton (``docs/design.md`` section 6).
 
-Each step is cut into (query tile, key-range part) work items, longest first, by :func:`.plan_tile_map` on the
-host, or for steps replayed from CUDA graphs by :mod:`.hstu_triton_device_plan` on the device; the kernels
-(:mod:`.hstu_triton_kernels`) run them on a persistent grid. ``import attention_backends`` never imports Triton
-(this module does); on CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` at import, for tests).
+Work items are planned by :func:`.plan_tile_map` (host) or :mod:`.hstu_triton_device_plan` (graph replays) and run
+by :mod:`.hstu_triton_kernels`. This module imports Triton; on CPU it needs ``TRITON_INTERPRET=1`` (tests).
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ class HSTUTritonMetadata:
             slots) and which part of the tile's key range it covers.
         num_sms: programs that run at once: the persistent grid's size (host int).
         may_split: whether any tile can have several parts (host bool; else no partial buffer).
-        config: the launch shape the tiles were cut for.
+        config: the tiles' launch shape.
     """
 
     common: PagedBatchMetadata
@@ -70,14 +68,12 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
         if self.tiles.block_n % spec.page_size:
             raise ValueError(f"block_n {self.tiles.block_n} is not a multiple of page_size {spec.page_size}")
         self.overhead_keys, self.min_tiles_per_split = SPLIT_OVERHEAD_KEYS, MIN_TILES_PER_SPLIT  # split-KV knobs
-        #: Replayed steps plan on the device when the key's capacities allow (:mod:`.hstu_triton_device_plan`).
-        self.plan_on_device = True
-        cuda = spec.device_type == "cuda"  # processors planned for; on CPU (the interpreter, for tests) a nominal 4
+        self.plan_on_device = True  #: replays plan on the device where capacities allow
+        cuda = spec.device_type == "cuda"  # on CPU (the interpreter) a nominal 4 processors
         self.num_sms = torch.cuda.get_device_properties("cuda").multi_processor_count if cuda else 4
-        # graph_plan's device-planned keys, by (tile config, capacities, num_sms) and by (longest request's rows,
-        # capacities, num_sms): one writer per launch shape, found per step without building a tile config
+        # graph_plan's (key, writer) by (config, capacities, num_sms) and by (longest rows, capacities, num_sms)
         self._device_keys: dict[tuple, tuple[Hashable, PlanWriter]] = {}
-        # graph_metadata's views of each static plan buffer, by key: (the buffer, its tile map, its work items)
+        # graph_metadata's (buffer, tile map view, items view) by key
         self._plan_views: dict[Hashable, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
@@ -90,14 +86,12 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
         return reasons
 
     def build_metadata(self, common: PagedBatchMetadata) -> HSTUTritonMetadata:
-        """Plan the step on the host from ``common.host`` (:func:`plan_tile_map` with this backend's split-KV
-        knobs ``num_sms``, ``overhead_keys``, ``min_tiles_per_split``; without ``host``, a read from the device)
-        and upload the plan in one non-blocking copy; nothing else runs on the device."""
+        """Plan the step on the host (:func:`plan_tile_map` of ``common.host``, else a device read) and upload it
+        in one non-blocking pinned copy (as :func:`.base.upload`); nothing else runs on the device."""
         host = common.host or {k: getattr(common, k).cpu().numpy()
                                for k in ("query_start_loc", "num_history_rows", "kv_seq_lens")}
         config = self._config(common.max_query_len)
         tiles, items = self._plan(host, config)
-        # One copy from pinned memory, which torch's caching host allocator reuses once that copy is done (no wait).
         flat = torch.empty(tiles.size + items.size, dtype=torch.int32, pin_memory=common.query_start_loc.is_cuda)
         np.concatenate([tiles.ravel(), items.ravel()], out=flat.numpy())
         flat = flat.to(common.query_start_loc.device, non_blocking=True)  # on CPU (the interpreter): no copy
@@ -106,10 +100,9 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
 
     def graph_plan(self, common_host: dict[str, np.ndarray], max_rows: int,
                    max_requests: int) -> tuple[Hashable, np.ndarray | PlanWriter]:
-        """The tile map padded to the most tiles and items a step within the capacities can have: spare tiles
-        (request ``-1``, no parts) and spare items (tile ``-1``) are skipped by the kernels. Key: the launch
-        shape, the two capacities and whether the plan is written on the device (with ``plan_on_device``, when
-        :func:`.hstu_triton_device_plan.fits` the capacities; then :meth:`write_device_plan` is the writer)."""
+        """The tile map padded to the capacities' most tiles and items (spares are skipped by the kernels). Key:
+        (launch shape, tiles, items, on device); on device (``plan_on_device`` and
+        :func:`.hstu_triton_device_plan.fits`) the writer is :meth:`write_device_plan`."""
         longest = int(np.diff(common_host["query_start_loc"]).max(initial=0))
         by_rows = (longest, max_rows, max_requests, self.num_sms)
         if self.plan_on_device:  # by the longest request's rows: no tile config to build and hash per step
@@ -138,8 +131,7 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
         return 5 * num_tiles + 2 * num_items
 
     def write_device_plan(self, key: Hashable, common: PagedBatchMetadata, plan: torch.Tensor) -> None:
-        """:func:`.hstu_triton_device_plan.write_plan` of the padded step in ``common``: what :meth:`graph_plan`
-        would upload for it with ``plan_on_device`` off."""
+        """:func:`.hstu_triton_device_plan.write_plan` of the padded step in ``common`` (= the host plan)."""
         from .hstu_triton_device_plan import write_plan
 
         config, num_tiles, num_items, _ = key

@@ -1,11 +1,10 @@
-"""``hstu_triton``'s tile plan written on the device, inside the first layer's graph, for steps replayed from CUDA
-graphs (their metadata is already in the graph's static buffers), so that the host neither plans nor uploads it.
+"""``hstu_triton``'s tile plan written on the device inside the first layer's graph, for CUDA-graph replays, so the
+host neither plans nor uploads it.
 
-:func:`write_plan` writes exactly what :meth:`~.hstu_triton.HSTUTritonBackend.graph_plan` would upload (the host
-plan, padded to the key's capacities): same cuts, same float32 costs (no fused multiply-add), same order. The
-split search runs per (plan, tile) in closed form: a tile of ``b`` key tiles in parts of ``p`` has ``b // p``
-parts of ``p`` and one of ``b % p``; the ``k``-th longest part of a plan is found by bisection. One program holds
-everything in registers, so only keys with small capacities (:func:`fits`) are planned here. Imports Triton.
+:func:`write_plan` writes exactly the padded host plan: same cuts, same float32 costs (no fused multiply-add), same
+order. Per (plan, tile), in closed form: ``b`` key tiles in parts of ``p`` are ``b // p`` parts of ``p`` and one of
+``b % p``; a plan's ``k``-th longest part is found by bisection. One program holds everything in registers, so only
+small capacities (:func:`fits`) are planned here. Imports Triton.
 """
 
 from __future__ import annotations
@@ -143,15 +142,10 @@ def _plan_kernel(
 def write_plan(plan: torch.Tensor, query_start_loc: torch.Tensor, num_history_rows: torch.Tensor,
                kv_seq_lens: torch.Tensor, tiles: TileConfig, num_tiles: int, num_items: int, num_heads: int,
                num_sms: int, overhead_keys: int, min_tiles_per_split: int) -> None:
-    """Write the padded tile plan of a step into ``plan`` on the current stream (one program; graph-capturable).
-
-    Args:
-        plan: int32 ``[5 * num_tiles + 2 * num_items]``, laid out as :func:`~.hstu_triton_plan.padded_plan`
-            (check :func:`fits` the capacities first).
-        query_start_loc, num_history_rows, kv_seq_lens: int32 ``[B + 1]``, ``[B]``, ``[B]``; spare requests (after
-            the real ones) have no rows.
-        tiles, num_heads, num_sms, overhead_keys, min_tiles_per_split: as for ``plan_tile_map``.
-    """
+    """Write a step's padded tile plan into int32 ``plan [5 * num_tiles + 2 * num_items]`` (laid out as
+    :func:`~.hstu_triton_plan.padded_plan`; check :func:`fits` first) on the current stream, graph-capturable.
+    ``query_start_loc [B + 1]``, ``num_history_rows [B]``, ``kv_seq_lens [B]``: int32, spare requests (after the
+    real ones) without rows; the rest as for ``plan_tile_map``."""
     max_requests = num_history_rows.shape[0]
     constants = dict(
         MAX_REQUESTS=max_requests, R_P2=triton.next_power_of_2(max_requests), BLOCK_M=tiles.block_m,

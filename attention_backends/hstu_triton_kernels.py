@@ -1,11 +1,9 @@
-"""The Triton kernels of ``hstu_triton`` (:mod:`.hstu_triton`): HSTU attention over the paged KV cache, and the
-sum of split tiles' partials; and the K/V append.
+"""The Triton kernels of :mod:`.hstu_triton`: paged HSTU attention, the sum of split tiles' partials, the K/V append.
 
-A program computes a ``BLOCK_M``-row query tile of one request and one head over a part of its paged history,
-``BLOCK_N`` keys (whole pages, read through the cache's strides) at a time: key tiles every row sees unmasked,
-those crossing the causal diagonal or the history's end masked, none past the tile's last visible key; then
-candidates' own k/v. Split tiles write fp32 partials that :func:`sum_partials_kernel` adds in part order (no
-softmax: deterministic). Without Triton the kernels are plain, never-called functions.
+A program computes a ``BLOCK_M``-row query tile of one request and head over part of its paged history, ``BLOCK_N``
+keys (whole pages) at a time: unmasked where every row sees them, masked across the causal diagonal or the history's
+end; then candidates' own k/v. Split tiles' fp32 partials are summed in part order (``docs/design.md`` section 6).
+Without Triton the kernels are plain, never-called functions.
 """
 
 from __future__ import annotations
@@ -21,8 +19,8 @@ try:
 except ImportError:  # the backend then reports itself unusable (reasons_unsupported)
     triton = tl = None
 _jit: Callable[[Callable], Callable] = (lambda fn: fn) if triton is None else triton.jit  # no Triton: never called
-# Per-step values Triton must not specialise on (``== 1``, divisibility by 16, alignment): each new combination
-# would recompile the kernel (seconds) mid-serving; they are read once per program, so that gains nothing.
+# Per-step values Triton must not specialise on (``== 1``, divisibility by 16): each new combination would
+# recompile mid-serving, for no gain (they are read once per program).
 _STEP_ARGS = ["Tiles", "Items", "QueryStartLoc", "NumHistory", "SeqLens", "KvIndptr", "KvIndices", "TimeBias",
               "QueryTimes", "KeyTimes", "KeyStart", "max_bucket", "num_tiles", "num_items", "num_work", "num_rounds",
               "Pages", "Entries", "num_rows"]
@@ -241,16 +239,9 @@ def _append_kernel(
 
 def append_rows(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
                 entries: torch.Tensor) -> None:
-    """Write appended rows into their resolved slots in one small launch, with the result of
-    :func:`~.paged.write_appended` (two indexed writes, each a slow generic indexing kernel): program ``i`` copies
-    row ``i`` of ``key`` and ``value`` to entry ``entries[i]`` of page ``pages[i]``. Duplicate (page, entry)
-    targets must carry equal rows (a CUDA-graph step pads its appends by repeating the last one).
-
-    Args:
-        kv_cache: ``[num_pages, 2, page_size, H, D]`` (NHD, any strides), written in place.
-        key, value: ``[N, H, D]`` in the cache's dtype (any strides).
-        pages, entries: int ``[N]`` page and entry of each row.
-    """
+    """:func:`~.paged.write_appended` in one small launch: row ``i`` of ``key``, ``value`` (``[N, H, D]``, the
+    cache's dtype) to entry ``entries[i]`` of page ``pages[i]`` (int ``[N]``) of ``kv_cache`` (NHD), in place; any
+    strides. Duplicate targets must carry equal rows (a CUDA-graph step pads by repeating the last append)."""
     num_rows, num_heads, head_dim = key.shape
     if num_rows == 0:
         return

@@ -1,5 +1,4 @@
-"""Host-side planning for ``hstu_triton`` (numpy only, no Triton): launch shapes, and the split-KV tile map, whose
-cost model makes both few queries over long histories and one long request among short ones fill the GPU."""
+"""Host-side planning for ``hstu_triton`` (numpy, no Triton): launch shapes and the split-KV tile map."""
 
 from __future__ import annotations
 
@@ -18,8 +17,8 @@ MAX_SPLITS, MAX_PROGRAMS_PER_SM, MIN_TILES_PER_SPLIT, SPLIT_OVERHEAD_KEYS = 32, 
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Launch shape: ``block_m`` query rows and ``block_n`` keys (a multiple of the page size) per step,
-    both powers of two >= 16; ``num_warps`` per program; ``num_stages`` of key-loop pipelining."""
+    """Launch shape: ``block_m`` query rows and ``block_n`` keys (a multiple of the page size) per step, powers of
+    two >= 16; ``num_warps`` per program; ``num_stages`` of key-loop pipelining."""
 
     block_m: int
     block_n: int
@@ -28,9 +27,8 @@ class TileConfig:
 
 
 def default_tile_config(spec: AttentionSpec, max_query_len: int | None = None) -> TileConfig:
-    """Launch shape for ``spec`` (tuned on an H200; any valid shape is correct). For a step whose requests have
-    at most ``max_query_len <= 32`` rows each (a few new rows plus candidates over a long history, say), 16 or 32
-    query rows per tile: the same key tiles without most of the padded rows' math."""
+    """Launch shape for ``spec`` (any valid one is correct); with ``max_query_len <= 32`` rows per request
+    (decode-like), 16 or 32 query rows per tile, sparing the padded rows' math."""
     if spec.dtype == torch.float32:
         config = TileConfig(block_m=32 if spec.head_dim >= 256 else 64, block_n=32, num_warps=4, num_stages=1)
     elif spec.head_dim >= 256:
@@ -47,9 +45,9 @@ def default_tile_config(spec: AttentionSpec, max_query_len: int | None = None) -
 def plan_tile_map(query_start_loc: np.ndarray, num_history_rows: np.ndarray, kv_seq_lens: np.ndarray,
                   tiles: TileConfig, num_heads: int, num_sms: int, overhead_keys: int = SPLIT_OVERHEAD_KEYS,
                   min_tiles_per_split: int = MIN_TILES_PER_SPLIT) -> tuple[np.ndarray, np.ndarray]:
-    """Cut the step's rows into query tiles and their key ranges into work items, in numpy on the host, from
-    host copies of the common metadata's ``query_start_loc [B + 1]``, ``num_history_rows [B]`` and
-    ``kv_seq_lens [B]``. Returns ``tiles`` int32 ``[5, num_tiles]`` and ``items`` int32 ``[2, num_items]``.
+    """Cut the step's rows into query tiles and their key ranges into work items, from host copies of
+    ``query_start_loc [B + 1]``, ``num_history_rows [B]``, ``kv_seq_lens [B]``. Returns ``tiles`` int32
+    ``[5, num_tiles]`` and ``items`` int32 ``[2, num_items]`` (:class:`~.hstu_triton.HSTUTritonMetadata`).
 
     For ``s = 1..MAX_SPLITS`` parts of the longest tile, every tile is cut into equal parts of at most as
     many keys; the ``s`` with the least estimated time (list-scheduling lower bounds on ``num_sms``
@@ -72,10 +70,9 @@ def plan_tile_map(query_start_loc: np.ndarray, num_history_rows: np.ndarray, kv_
     last_limit = seq_lens[req] - hist[req] + np.minimum(first + block_m, rows[req])
     blocks = -(-np.where(in_use, np.minimum(last_limit, seq_lens[req]), 0) // block_n)  # key tiles it visits
 
-    # Plans s = 1..MAX_SPLITS parts of the longest tile: parts per tile, key tiles per part [MAX_SPLITS, num_tiles].
-    # Those within the item budget (s = 1 always is; of equal ones the first) are costed from their items' lengths
-    # [plans, num_tiles * (most parts + 1)] (more zero padding changes nothing) by lower bounds of the list-scheduling
-    # time on num_sms processors (total work, waves of near-longest programs, two on one processor) plus overheads.
+    # Plans s = 1..MAX_SPLITS: parts per tile, key tiles per part [MAX_SPLITS, num_tiles]. Those within the item
+    # budget (s = 1 always; of equal ones the first) are costed from their items' lengths by list-scheduling lower
+    # bounds (total work, waves of near-longest programs, two on one processor) plus overheads.
     max_part = np.maximum(-(-blocks.max() // np.arange(1, MAX_SPLITS + 1)[:, None]), min_tiles_per_split)
     parts = np.where(in_use, np.maximum(-(-blocks // max_part), 1), 0)
     part_len = -(-blocks // np.maximum(parts, 1))  # so no part is empty
@@ -109,9 +106,8 @@ def plan_tile_map(query_start_loc: np.ndarray, num_history_rows: np.ndarray, kv_
 
 
 def padded_plan(tiles: np.ndarray, items: np.ndarray, num_tiles: int, num_items: int) -> np.ndarray:
-    """:func:`plan_tile_map`'s ``tiles [5, n]`` and ``items [2, m]`` as one flat int32 array ``[5 * num_tiles + 2 *
-    num_items]`` padded to those capacities (``n <= num_tiles``, ``m <= num_items``): spare tiles have request
-    ``-1`` and zeros, spare items tile ``-1`` and part 0 (the kernels skip both)."""
+    """:func:`plan_tile_map`'s ``tiles [5, n]``, ``items [2, m]`` as one int32 ``[5 * num_tiles + 2 * num_items]``
+    padded to the capacities: spare tiles have request ``-1`` and zeros, spare items tile ``-1``, part 0."""
     plan = np.zeros(5 * num_tiles + 2 * num_items, dtype=np.int32)
     padded_tiles, padded_items = plan[: 5 * num_tiles].reshape(5, -1), plan[5 * num_tiles:].reshape(2, -1)
     padded_tiles[0], padded_items[0] = -1, -1

@@ -20,12 +20,10 @@ def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_s
 def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, batch_indices: torch.Tensor,
                           positions: torch.Tensor, paged_kv_cache: torch.Tensor, kv_indices: torch.Tensor,
                           kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor) -> None:
-    """Write appended K/V rows into their pages, in place (FlashInfer's kernel formula).
-
-    Row ``i`` goes to flat slot ``kv_indptr[batch_indices[i]] * page_size + positions[i]`` of the request's page
-    list, i.e. page ``kv_indices[slot // page_size]``, entry ``slot % page_size``. The page table must already
-    include the appended tokens. Unlike the CUDA kernel, on CPU tensors (where the check costs no device
-    synchronisation) positions past a request's allocation raise ``IndexError``.
+    """Write appended K/V rows into their pages, in place (FlashInfer's formula): row ``i`` goes to flat slot
+    ``kv_indptr[batch_indices[i]] * page_size + positions[i]``, i.e. page ``kv_indices[slot // page_size]``, entry
+    ``slot % page_size``. The page table must already include the appended tokens. On CPU (no sync cost), unlike
+    the CUDA kernel, positions past a request's allocation raise ``IndexError``.
 
     Args:
         append_key, append_value: ``[nnz, H, D]``.
@@ -45,8 +43,8 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, 
 
 def write_appended(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
                    entries: torch.Tensor) -> None:
-    """Write ``key`` and ``value`` (``[N, H, D]``, the cache's dtype) into entries ``entries`` of pages ``pages``
-    (int ``[N]``, e.g. ``PagedBatchMetadata.append_pages/entries``) of ``kv_cache`` (NHD), in place."""
+    """Write ``key``, ``value`` (``[N, H, D]``, the cache's dtype) into ``entries`` of ``pages`` (int ``[N]``, as
+    ``PagedBatchMetadata.append_pages/entries``) of ``kv_cache`` (NHD), in place."""
     kv_cache[pages, 0, entries] = key
     kv_cache[pages, 1, entries] = value
 

@@ -1,9 +1,4 @@
-"""Finding attention backends by name (``docs/backends.md``, "Registering it"; ``docs/design.md`` section 6).
-
-Built-ins are listed by qualified name, so their (possibly GPU-only) modules are imported only when used;
-installed plugins add backends through the entry-point group :data:`ENTRY_POINT_GROUP`, never replacing a
-built-in; a program can register more on its own :class:`BackendRegistry` (there is no global registry).
-"""
+"""Finding attention backends by name (``docs/design.md`` section 6, "Registry"; ``docs/backends.md``)."""
 
 from __future__ import annotations
 
@@ -22,8 +17,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
 
 
 class BackendRegistry:
-    """Name -> backend class, from the built-ins, installed plugins (with ``load_entry_points``) and
-    :meth:`register`."""
+    """Name -> backend class: built-ins, installed plugins (``load_entry_points``) and :meth:`register`."""
 
     def __init__(self, load_entry_points: bool = True) -> None:
         self._sources: dict[str, str | type[AttentionBackend] | importlib_metadata.EntryPoint] = dict(BUILTIN_BACKENDS)
@@ -42,8 +36,7 @@ class BackendRegistry:
         return sorted(self._sources)
 
     def get(self, name: str) -> type[AttentionBackend]:
-        """The backend class called ``name``; ``KeyError`` (listing the known names) if there is none,
-        ``ImportError`` if its module cannot be imported or does not hold a backend class."""
+        """The backend class ``name``; ``KeyError`` if unknown, ``ImportError`` if it does not import to one."""
         if name not in self._sources:
             raise KeyError(f"unknown attention backend {name!r}; known: {', '.join(self.names())}")
         source = self._sources[name]
@@ -70,9 +63,8 @@ class BackendRegistry:
         return backend.reasons_unsupported(spec)
 
     def select(self, name: str, spec: AttentionSpec) -> str:
-        """Resolve ``name`` to a backend that can serve ``spec``; ``"auto"``: the usable one (importable and
-        supporting ``spec``) of highest ``priority``, ties to the larger name. ``KeyError``: unknown name;
-        ``ValueError``: the backend (for ``"auto"``: every backend) cannot serve ``spec``, saying why."""
+        """Resolve ``name`` to a backend that can serve ``spec``; ``"auto"``: the usable one of highest ``priority``
+        (ties: the larger name). ``KeyError``: unknown; ``ValueError``: it (``"auto"``: every one) cannot, with why."""
         if name != "auto":
             reasons = self.reasons_unusable(name, spec)
             if reasons:

@@ -27,8 +27,7 @@ class TorchRefMetadata:
         row_valid: bool ``[B, P]``.
         key_limit: int64 ``[B, P]`` number of leading history keys each slot may see.
         is_candidate: bool ``[B, P]``; candidates also attend to their own k/v.
-        time_delta: int64 ``[B, P, max_pages * page_size]`` query time minus key time, or ``None``
-            without timestamps.
+        time_delta: int64 ``[B, P, max_pages * page_size]`` query minus key time (``None``: no timestamps).
     """
 
     common: PagedBatchMetadata
@@ -85,9 +84,8 @@ class TorchRefBackend(AttentionBackend):
         compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         pages = kv_cache[m.block_table]  # [B, max_pages, 2, page_size, H, D]
         key_pos = torch.arange(pages.shape[1] * pages.shape[3], device=q.device)
-        # Slots past a request's history (its last page's unwritten tail, the block table's padding, which
-        # points at page 0, another user's) hold anything, inf and NaN included: zero them, so that they
-        # enter no product (0 * inf is NaN) and cannot leak into this or another request's rows.
+        # Slots past a request's history (its last page's tail, block-table padding at page 0) may hold inf or NaN:
+        # zero them, so that they enter no product (0 * inf is NaN).
         in_history = (key_pos[None, :] < m.common.kv_seq_lens.long()[:, None])[:, :, None, None]  # [B, K, 1, 1]
         hist_k = torch.where(in_history, pages[:, :, 0].reshape(batch, -1, heads, dim), 0).to(compute)
         hist_v = torch.where(in_history, pages[:, :, 1].reshape(batch, -1, heads, dim), 0).to(compute)

@@ -1,14 +1,11 @@
 """``xformers``: softmax attention (SASRec-style models) with ``xformers.ops.memory_efficient_attention``.
 
-xformers has no HSTU (SiLU) kernel nor a paged path usable here (its paged biases are decode-only), so each
-layer gathers the histories from the pages into dense K/V and makes one call over all rows of the step with a
-``BlockDiagonalCausalFromBottomRightMask``. Its blocks, per request: its ``n`` new history rows over its whole
-history (``s`` keys; bottom-right alignment puts row ``i`` at key ``s - n + i``: causal); then, per candidate,
-that one row over the history followed by its own k/v (a one-row block sees all its keys). Rows stay in the flat
-batch's order, so neither ``q`` nor the output is reordered. Every candidate block carries its own copy of the
-history (``sum_b candidates_b * seq_len_b`` keys gathered per layer): this suits short histories, not 10k-token
-ones. Only :meth:`XFormersBackend.build_metadata` reads host lengths (the mask needs Python lists). (Where the
-CUDA runtime differs from the wheel's, xformers needs ``libcudart.so.12`` on ``LD_LIBRARY_PATH``: "No operator".)
+xformers has no HSTU kernel nor a usable paged path (its paged biases are decode-only), so each layer gathers
+the histories into dense K/V for one call with a ``BlockDiagonalCausalFromBottomRightMask``. Blocks, per request:
+its ``n`` new history rows over its ``s`` history keys (bottom-right alignment puts row ``i`` at key ``s - n + i``:
+causal); then one per candidate: that row over the history and its own k/v. Rows keep the flat batch's order.
+Each candidate block copies the history (``sum_b candidates_b * seq_len_b`` keys per layer): short histories only.
+(Where the CUDA runtime differs from the wheel's, xformers needs ``libcudart.so.12`` on ``LD_LIBRARY_PATH``.)
 """
 
 from __future__ import annotations
@@ -34,8 +31,7 @@ class XFormersMetadata:
         attn_bias: the ``BlockDiagonalCausalFromBottomRightMask`` over all rows (``None`` if no rows).
         num_keys: ``K`` (host int).
         history_dest: int64 ``[G]`` slot of the dense K/V each gathered history key goes to.
-        history_page: int64 ``[G]`` physical page of each gathered history key.
-        history_entry: int64 ``[G]`` entry in that page.
+        history_page, history_entry: int64 ``[G]`` its physical page and entry in it.
         own_dest: int64 ``[C]`` slot of each candidate's own key (the last of its block).
         own_rows: int64 ``[C]`` flat row of each candidate (where its k/v are read from).
     """
@@ -69,18 +65,16 @@ class XFormersBackend(AttentionBackend):
         reasons = cls.support.reasons_unsupported(spec)
         if spec.device_type == "cuda" and not torch.cuda.is_available():
             reasons.append("CUDA is not available (torch.cuda.is_available() is False)")
-        # Import xformers only for a configuration it could otherwise serve.
         return reasons + package_reasons("xformers", "xformers.ops", "xformers", check_import=not reasons)
 
     def build_metadata(self, common: PagedBatchMetadata) -> XFormersMetadata:
-        """The blocks of the mask (from ``common.host``; without it, one read from the device) and where each
-        of their keys comes from (expanded on the device from per-block arrays uploaded in one copy)."""
+        """The mask's blocks (from host lengths: the mask needs lists) and where each key comes from (expanded
+        on the device from per-block arrays uploaded in one copy)."""
         device = common.query_start_loc.device
         hist, cand, seq_lens, kv_indptr = (
             np.asarray(common.host[k] if common.host else getattr(common, k).cpu().numpy(), dtype=np.int64)
             for k in ("num_history_rows", "num_candidate_rows", "kv_seq_lens", "kv_indptr"))
-        # Blocks, per request: its history block (dropped below when it has no new history row), then one
-        # block per candidate.
+        # Per request: its history block (dropped without new history rows), then one block per candidate.
         per_request = 1 + cand
         block_req = np.repeat(np.arange(len(hist)), per_request)
         is_history = np.zeros(len(block_req), dtype=bool)
@@ -118,8 +112,7 @@ class XFormersBackend(AttentionBackend):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                metadata: XFormersMetadata, time_bias: torch.Tensor | None = None) -> torch.Tensor:
-        """:meth:`AttentionBackend.attend` (``q``, ``k``, ``v``: last dim contiguous): ``softmax(alpha q.k) v``
-        over each row's allowed keys."""
+        """``softmax(alpha q.k) v`` over each row's allowed keys (``q``, ``k``, ``v``: last dim contiguous)."""
         m = metadata
         if m.attn_bias is None:
             return torch.empty_like(q)

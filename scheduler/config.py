@@ -10,11 +10,10 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     Attributes:
         max_num_seqs: most requests in one step (the batch size).
-        max_num_batched_tokens: most tokens computed in one step: uncached history tokens plus
-            candidates; must exceed the model's ``max_candidates``.
-        max_chunk_tokens: most history tokens one request may encode in one step; a cold user's long
-            history is encoded over several steps (chunked prefill) and leaves the rest of each step
-            to other users. ``None``: half of ``max_num_batched_tokens``.
+        max_num_batched_tokens: most uncached history tokens plus candidates in one step; must exceed the
+            model's ``max_candidates``.
+        max_chunk_tokens: most history tokens one request encodes in one step (chunked prefill: a cold user's
+            long history leaves room for others). ``None``: half of ``max_num_batched_tokens``.
     """
 
     max_num_seqs: int = 8
@@ -29,7 +28,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @property
     def chunk_tokens(self) -> int:
-        """The effective per-request history-token cap of one step."""
+        """The effective ``max_chunk_tokens``."""
         if self.max_chunk_tokens is not None:
             return self.max_chunk_tokens
         return max(1, self.max_num_batched_tokens // 2)

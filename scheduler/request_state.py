@@ -29,8 +29,7 @@ class RequestState:
         reuse_limit: at most this many cached history tokens may be reused (``n`` or ``n - 1``).
         token_hashes: uint64 ``[n]`` page-prefix hashes of the history (cache validation).
         payload: the engine's own data for the request (arrays, the original request).
-        num_gpu_hits: history tokens served from GPU pages (set at admission).
-        num_host_hits: history tokens loaded from host chunks (set at admission).
+        num_gpu_hits, num_host_hits: history tokens served from GPU pages, loaded from host chunks (at admission).
         num_done: history tokens whose K/V are in the user's pages.
         timings: seconds spent per engine phase on this request's steps.
         solo: run alone in its steps (it is being retried after a step failed).
@@ -58,8 +57,7 @@ class RequestState:
 
 @dataclass
 class ScheduledChunk:
-    """Work for one request in one step: history positions ``[start, end)`` and, if ``final``, the
-    candidates (after which the request is finished)."""
+    """One request's work in one step: history positions ``[start, end)`` and, if ``final``, its candidates."""
 
     request: RequestState
     start: int
@@ -68,7 +66,7 @@ class ScheduledChunk:
 
     @property
     def num_history_rows(self) -> int:
-        """History events this chunk computes (``start`` to ``end``)."""
+        """``end - start``."""
         return self.end - self.start
 
     @property

@@ -117,9 +117,8 @@ class Scheduler:
         self._retire(request)
 
     def retry_alone(self, request: RequestState) -> None:
-        """Put a running request back at the head of its user's queue, to run alone in a step: a step
-        that failed is retried request by request, so only the request that causes the failure fails.
-        History tokens it already committed stay cached and are reused."""
+        """Requeue a running request at its user's head, to run alone: a failed step is retried request by
+        request, so only the culprit fails. Its committed history tokens stay cached and are reused."""
         self.running.remove(request)
         self.kv.release(request.user_id)
         request.status = RequestStatus.WAITING
@@ -130,8 +129,7 @@ class Scheduler:
         heapq.heappush(self._ready, (request.seq_id, request.user_id))
 
     def drop_waiting(self, should_drop: Callable[[RequestState], bool]) -> list[RequestState]:
-        """Remove the waiting requests (not yet admitted) for which ``should_drop`` is true; return them.
-        Costs a pass over every waiting request: call it when there is something to drop."""
+        """Remove and return the waiting (not admitted) requests ``should_drop`` accepts; a pass over all waiting."""
         dropped: list[RequestState] = []
         for user_id in list(self._queues):
             kept: deque[RequestState] = deque()
@@ -154,7 +152,6 @@ class Scheduler:
             heapq.heapify(self._ready)
         return dropped
 
-    # ------------------------------------------------------------------ internals
     def _next_chunk(self, request: RequestState, budget: int) -> ScheduledChunk | None:
         remaining = request.num_history - request.num_done
         cap = self.config.chunk_tokens
@@ -166,8 +163,7 @@ class Scheduler:
         return ScheduledChunk(request, request.num_done, request.num_done + take, final=False)
 
     def _pop_waiting(self, user_id: Hashable, admitted: bool) -> None:
-        """Take the user's head request off the waiting structures; if it was not admitted (it
-        failed), the user's next request becomes ready."""
+        """Take the user's head request off the waiting structures; if it failed, the user's next becomes ready."""
         heapq.heappop(self._ready)
         queue = self._queues[user_id]
         queue.popleft()

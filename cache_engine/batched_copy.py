@@ -1,11 +1,10 @@
 """Many host-to-device copies in one host call: the CUDA driver's ``cuMemcpyBatchAsync`` (CUDA 12.8 and later).
 
-An onload's copies of one layer into the staging buffer (:mod:`.dma_staging`) go to the DMA engines as one driver call
-(:class:`BatchedCopier`), not one per chunk. torch does not expose the call: it is bound with :mod:`ctypes` from
-``libcuda.so.1``; where the driver lacks it, :meth:`BatchedCopier.load` returns ``None`` and onload kernels read host
-memory directly. The copies are stream-ordered (``CU_MEMCPY_SRC_ACCESS_ORDER_STREAM``) and hinted to run beside compute
-(``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``); a batch may run its copies in any order, so none may depend on
-another. The driver does not accept a batch inside a CUDA graph capture, nor on the legacy default stream.
+An onload's copies of one layer into the staging buffer (:mod:`.dma_staging`) are one driver call, bound with
+:mod:`ctypes` from ``libcuda.so.1`` (torch does not expose it); where the driver lacks it, :meth:`BatchedCopier.load`
+returns ``None`` and onload kernels read host memory directly. The copies are stream-ordered and hinted to overlap
+compute; a batch may run its copies in any order, so none may depend on another. The driver accepts no batch inside a
+CUDA graph capture or on the legacy default stream.
 """
 
 from __future__ import annotations
@@ -34,9 +33,9 @@ class _MemcpyAttributes(ctypes.Structure):
 
 def copy_arrays(dst_base: int, src_addresses: np.ndarray, counts: np.ndarray, unit_bytes: int) -> tuple[
         np.ndarray, np.ndarray, np.ndarray]:
-    """The ``(dsts, srcs, sizes)`` uint64 arrays of a batch that packs runs of units back to back from
-    ``dst_base``: run ``i`` copies ``counts[i]`` units of ``unit_bytes`` from address ``src_addresses[i]`` to
-    ``dst_base + unit_bytes * (counts[0] + .. + counts[i - 1])``. ``src_addresses``, ``counts``: int ``[n]``."""
+    """The ``(dsts, srcs, sizes)`` uint64 arrays of a batch packing runs back to back from ``dst_base``: run ``i``
+    copies ``counts[i]`` units of ``unit_bytes`` from ``src_addresses[i]`` (both int ``[n]``) to
+    ``dst_base + unit_bytes * (counts[0] + .. + counts[i - 1])``."""
     counts = np.asarray(counts, dtype=np.uint64)
     sizes = counts * np.uint64(unit_bytes)
     dsts = np.empty_like(sizes)
@@ -85,11 +84,10 @@ class BatchedCopier:
 
     def layers(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, dst_layer_bytes: int,
                src_layer_bytes: int, num_layers: int, stream: int, after_layer: Callable[[int], None]) -> None:
-        """Queue the copies of ``sizes[i]`` bytes from ``srcs[i] + l * src_layer_bytes`` to ``dsts[i] + l *
-        dst_layer_bytes`` (uint64 ``[n]``, C-contiguous) for every layer ``l`` of ``num_layers``: one driver call per
-        layer, in order, each followed by ``after_layer(l)`` (to record an event after that layer's copies, say), on
-        the CUDA stream with handle ``stream`` (not the legacy default stream; not while capturing a graph). The
-        addresses of every layer are computed at once."""
+        """Queue the copies of ``sizes[i]`` bytes from ``srcs[i] + l * src_layer_bytes`` to
+        ``dsts[i] + l * dst_layer_bytes`` (uint64 ``[n]``, C-contiguous) for each layer ``l < num_layers``: one driver
+        call per layer, in order, each followed by ``after_layer(l)`` (e.g. an event record), on the stream with raw
+        handle ``stream``."""
         count = len(sizes)
         if not count:
             for layer in range(num_layers):

@@ -1,7 +1,5 @@
-"""The first half of an onload on CUDA: host pages cross PCIe by DMA into a device staging buffer, one batched
-driver call (:class:`.batched_copy.BatchedCopier`) per layer, whose event the onload kernel (:mod:`.onload_kernel`)
-waits for before it reads that layer into the pool's pages.
-"""
+"""The first half of a CUDA onload: host pages cross PCIe by DMA into a device staging buffer, one batched driver call
+per layer, whose event the onload kernel waits for before reading that layer (docs/design.md section 5)."""
 
 from __future__ import annotations
 
@@ -35,13 +33,12 @@ class DmaStaging:
 
     def copy(self, jobs: list[OnloadJob], counts: np.ndarray, slot_addresses: np.ndarray | None,
              after: torch.cuda.Event | None, compute: torch.cuda.Stream) -> np.ndarray:
-        """Queue on the copy stream, once ``after`` (the previous onload's last kernel: it reads the buffer) is
-        done, per layer one batched copy of every job's first ``counts[j]`` host pages of that layer into the buffer,
-        packed in job order, then a record of ``events[l]``. The buffer must hold ``counts.sum()`` pages.
-        ``counts``: int64 ``[len(jobs)]``; ``slot_addresses``: as :func:`~.jobs.job_slot_addresses`. Returns each
-        staged page's device address in layer 0 (int64 ``[counts.sum()]``); layer ``l``'s is ``l * layer_bytes``
-        further. Raises ``RuntimeError`` if a driver call fails (the copies queued before it only wrote the
-        buffer)."""
+        """Queue on the copy stream, after ``after`` (the previous onload's last kernel, a reader of the buffer), per
+        layer one batched copy of each job's first ``counts[j]`` (int64 ``[len(jobs)]``) host pages into the buffer,
+        packed in job order, then a record of ``events[l]``; the buffer must hold ``counts.sum()`` pages.
+        ``slot_addresses``: as :func:`~.jobs.job_slot_addresses`. Returns each staged page's layer-0 device address
+        (int64 ``[counts.sum()]``; layer ``l`` is ``l * layer_bytes`` further). Raises ``RuntimeError`` if a driver
+        call fails (earlier copies only wrote the buffer)."""
         slot, buffer = jobs[0].slot, self.buffer
         page_bytes, host_layer_bytes = slot.stride(1) * slot.element_size(), slot.stride(0) * slot.element_size()
         dsts, srcs, sizes = copy_arrays(buffer.data_ptr(), job_slot_addresses(jobs, slot_addresses), counts,

@@ -1,7 +1,5 @@
-"""The host tier's memory: fixed-size chunk slots in a (pinned) host pool, allocated in segments (docs/design.md
-section 5, "Host tier"). A slot is laid out like the GPU pool's pages, ``[num_layers, chunk_pages, 2, page_size, H,
-D]``. Until a segment arrives its slots do not exist: users who cannot be persisted are recomputed later.
-"""
+"""The host tier's memory: chunk slots ``[num_layers, chunk_pages, 2, page_size, H, D]`` in a (pinned) host pool,
+allocated in segments whose slots do not exist until they arrive (docs/design.md section 5, "Host tier")."""
 
 from __future__ import annotations
 
@@ -22,9 +20,8 @@ class HostChunkStore:
         dtype: KV dtype.
         segment_slots: slots per segment.
         pin: pin the memory (for asynchronous DMA); segments are then allocated in the background.
-        memory: optional preallocated flat uint8 host memory (pinned for CUDA) to carve the slots from,
-            e.g. one arena shared by successive engines; then ``num_slots`` is capped by its size and
-            nothing is allocated.
+        memory: optional preallocated flat uint8 host memory (pinned for CUDA) to carve the slots from, e.g. one
+            arena shared by successive engines; ``num_slots`` is then capped by its size and nothing is allocated.
     """
 
     def __init__(self, num_slots: int, slot_shape: tuple[int, ...], dtype: torch.dtype, segment_slots: int,

@@ -1,10 +1,7 @@
 """The host tier: which chunks to persist or load, and what to do when transfers finish.
 
-docs/design.md section 5 describes its policies (proactive offload within the admission cap, tail persistence,
-onload, the host LRU) and how the manager drives it each step: plans while it acquires and commits,
-:meth:`HostTier.launch` before the forward, :meth:`HostTier.finish_step` after it and :meth:`HostTier.poll` at the
-start of the next step, which discards a transfer whose record was cut back or deleted meanwhile (``generation``
-changed). On CPU transfers are synchronous but take effect at the next poll: both paths run one state machine.
+docs/design.md section 5 describes its policies and how the manager drives it each step (plan, launch, finish, poll);
+:meth:`HostTier.poll` discards a transfer whose record's ``generation`` changed meanwhile.
 """
 
 from __future__ import annotations
@@ -25,8 +22,8 @@ from .transfer import TransferEngine
 
 @dataclass(eq=False, slots=True)
 class _Persist(OffloadJob):
-    """One chunk copy decided or in flight: tokens ``[chunk * C, end)`` of ``user`` (its ``record`` at
-    ``generation``) into slot ``slot_id``; itself the transfer's job (one object per chunk copy)."""
+    """One chunk copy, decided or in flight, and its transfer job: tokens ``[chunk * C, end)`` of ``user`` (its
+    ``record`` at ``generation``) into slot ``slot_id``."""
 
     user: Hashable
     record: UserRecord
@@ -41,10 +38,8 @@ class HostTier:
     Args:
         config: the cache configuration (its host-tier settings).
         kv: the page pool, ``[L, num_pages, 2, page_size, H, D]``.
-        release_record: called with a user and its record when the record holds no pages, no host slots and no
-            lock any more (the manager deletes it).
-        host_memory: optional preallocated flat uint8 (pinned) memory to carve the slots from (see
-            :class:`~.host_store.HostChunkStore`).
+        release_record: called with a user and its record once the record holds no pages, host slots or lock.
+        host_memory: optional preallocated memory for the slots: :class:`~.host_store.HostChunkStore`'s ``memory``.
     """
 
     def __init__(self, config: CacheConfig, kv: torch.Tensor,
@@ -88,7 +83,7 @@ class HostTier:
         return self._in_flight_chunks + len(self._batch)
 
     def prepare(self) -> None:
-        """Create what transfers need (on CUDA: the onload kernel's launcher, the staging buffer) before a step."""
+        """Before a step, create what transfers need (on CUDA: the onload kernel's launcher, the staging buffer)."""
         self.transfer.prepare(self.kv, self.store.slot_shape, self.store.dtype)
 
     # ------------------------------------------------------------------ plans
@@ -100,9 +95,8 @@ class HostTier:
         """Plan copying the user's first ``tokens`` host tokens into its (new) pages at the next :meth:`launch`."""
         busy, store_slot, planned, chunk_pages = self._busy, self.store.slot, self._planned, self._chunk_pages
         num_pages = -(-tokens // self.page_size)
-        # Views of the user's page ids: its pages stay as they are until the onload is launched (the user is locked;
-        # other users' acquires take or free only their own pages). Chunk ``i`` gets pages ``[i * chunk_pages,
-        # (i + 1) * chunk_pages)`` of them (the slice stops at the last page).
+        # Views of the locked user's page ids, unchanged until the onload is launched; chunk ``i`` gets pages
+        # ``[i * chunk_pages, (i + 1) * chunk_pages)`` of them.
         pages = record.page_buffer[:num_pages]
         slots = record.host_slots[: -(-tokens // self.chunk)]
         for i, slot in enumerate(slots):
@@ -120,10 +114,9 @@ class HostTier:
                 self._queue.append((user, record, record.generation, chunk))
 
     def plan_persist(self, user: Hashable, record: UserRecord) -> bool:
-        """The user's GPU pages are about to be reclaimed: plan copying everything of its GPU history not yet on
-        host (without ``persist_tails`` nothing: what is not on host yet is lost). The copies are issued by the next
-        :meth:`launch`, which must come before any write to the pages. Returns whether any copy is now pending for the
-        user."""
+        """The user's GPU pages are about to be reclaimed: plan copying its GPU history not yet on host (nothing
+        without ``persist_tails``: that is lost), issued by the next :meth:`launch`, which must precede any write to
+        the pages. Returns whether any copy is now pending for the user."""
         size, tokens, on_host = self.chunk, record.num_tokens, record.host_tokens
         if not self.config.persist_tails:
             self.stats.lost_tokens += tokens - on_host
@@ -224,8 +217,8 @@ class HostTier:
             self._lru.remove(user)
 
     def check(self, records: dict[Hashable, UserRecord]) -> None:
-        """Raise ``AssertionError`` unless every allocated slot is free, owned by one of ``records`` (the manager's
-        users), being written, or awaiting a deferred free, and the host LRU lists current records only."""
+        """Raise ``AssertionError`` unless every allocated slot is free, owned by one of ``records``, being written or
+        awaiting a deferred free, and the host LRU lists current records only."""
         owned = [s for r in records.values() for s in r.host_slots]
         writing = [e.slot_id for _, entries, _ in self._in_flight for e in entries] + [e.slot_id for e in self._batch]
         every = owned + writing + self.store.free_slot_ids() + list(self._deferred)
@@ -237,9 +230,8 @@ class HostTier:
     # ------------------------------------------------------------------ internals
     def _add(self, user: Hashable, record: UserRecord, chunk: int, end: int, slot: int) -> None:
         """Decide to copy tokens ``[chunk * chunk_tokens, end)`` of ``record`` into ``slot``. The job's pages are a
-        view of the record's page buffer, read by the next :meth:`_flush`: until then the buffer's entries are not
-        written (an evicted record abandons its buffer, :meth:`~cache_engine.records.UserRecord.forget_pages`, so
-        its pages may be handed to another user meanwhile)."""
+        view of the record's page buffer, unwritten until the next :meth:`_flush` reads it (an evicted record
+        abandons its buffer, :meth:`~cache_engine.records.UserRecord.forget_pages`)."""
         page_size, start = self.page_size, chunk * self.chunk
         first, count = start // page_size, -(-(end - start) // page_size)  # within the record's pages
         pages = record.page_buffer[first: first + count]
@@ -280,8 +272,7 @@ class HostTier:
         self._lru.touch(entry.user, record)
 
     def _copies_in_flight(self, user: Hashable) -> list[_Persist]:
-        """The user's chunk copies launched and not finished (the per-user index is rebuilt once after each
-        change of ``_in_flight``, so an eviction never scans every copy in flight)."""
+        """The user's chunk copies launched and not finished (indexed per user once per change of ``_in_flight``)."""
         if self._writing is None:
             self._writing = {}
             for _, entries, _ in self._in_flight:

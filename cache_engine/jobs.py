@@ -1,5 +1,4 @@
-"""The jobs of host-tier transfers and the host addresses they read (:class:`~.transfer.TransferEngine` carries
-them out)."""
+"""Host-tier transfer jobs and the host addresses they read (:class:`~.transfer.TransferEngine` runs them)."""
 
 from __future__ import annotations
 
@@ -11,11 +10,10 @@ import torch
 
 @dataclass(slots=True)
 class OffloadJob:
-    """Copy GPU pages ``pages`` (int64 ``[n]``, at most a chunk's worth, in order; or a list) into host slot
-    ``slot_id`` (memory ``slot``: ``[L, chunk_pages, 2, page_size, H, D]``); the rest of the slot is left as it is.
-    The pages hold ``tokens`` tokens (``(n - 1) * page_size < tokens <= n * page_size``): the rows of the last page
-    past them are not the user's (a page keeps what its previous owner wrote there). FP8 scales are taken over the
-    tokens only, and the rows past them are stored as zeros."""
+    """Copy GPU pages ``pages`` (int64 ``[n]`` or a list, at most a chunk's worth, in order) into host slot
+    ``slot_id`` (memory ``slot``: ``[L, chunk_pages, 2, page_size, H, D]``), leaving the rest of the slot. The pages
+    hold ``tokens`` tokens (``(n - 1) * page_size < tokens <= n * page_size``); the last page's rows past them are a
+    previous owner's: FP8 scales ignore them and they are stored as zeros."""
 
     pages: np.ndarray
     slot_id: int
@@ -39,10 +37,9 @@ def is_done(event: torch.cuda.Event | None) -> bool:
 
 
 def host_page_addresses(jobs: list[OnloadJob], slot_addresses: np.ndarray | None = None) -> tuple[np.ndarray, int]:
-    """For :meth:`~.onload_kernel.OnloadLauncher.all_layers`: the host address of each job page's first layer, in job
-    order (int64), and the bytes from one layer of a page to the next (slots ``[L, chunk_pages, 2, page_size, H,
-    D]``, contiguous, 16-byte aligned: the kernel loads 16 bytes at a time). ``slot_addresses``: as
-    :func:`job_slot_addresses`."""
+    """For :meth:`~.onload_kernel.OnloadLauncher.all_layers`: each job page's first-layer host address, in job order
+    (int64), and the bytes between layers (slots ``[L, chunk_pages, 2, page_size, H, D]``, contiguous, 16-byte
+    aligned for the kernel's 16-byte loads). ``slot_addresses``: as :func:`job_slot_addresses`."""
     slot = jobs[0].slot
     page_bytes, layer_bytes = slot.stride(1) * slot.element_size(), slot.stride(0) * slot.element_size()
     slot_addresses = job_slot_addresses(jobs, slot_addresses)
@@ -53,11 +50,10 @@ def host_page_addresses(jobs: list[OnloadJob], slot_addresses: np.ndarray | None
     return np.repeat(slot_addresses, counts) + (np.arange(int(counts.sum())) - first) * page_bytes, layer_bytes
 
 
-def job_slot_addresses(jobs: list[OnloadJob] | list[OffloadJob], slot_addresses: np.ndarray | None = None
-                       ) -> np.ndarray:
-    """int64 ``[len(jobs)]``: the host address of each job's slot, read from ``slot_addresses`` (each slot id's
-    address, :attr:`.host_store.HostChunkStore.addresses`) if given, else asked of each job's tensor (a torch
-    call per job)."""
+def job_slot_addresses(jobs: list[OnloadJob] | list[OffloadJob],
+                       slot_addresses: np.ndarray | None = None) -> np.ndarray:
+    """int64 ``[len(jobs)]``: each job's slot address, from ``slot_addresses`` (per slot id,
+    :attr:`.host_store.HostChunkStore.addresses`) if given, else from each job's tensor (a torch call per job)."""
     if slot_addresses is None:
         return np.fromiter((job.slot.data_ptr() for job in jobs), dtype=np.int64, count=len(jobs))
     return slot_addresses[np.fromiter((job.slot_id for job in jobs), dtype=np.int64, count=len(jobs))]

@@ -1,13 +1,10 @@
-"""Launching a Triton kernel repeatedly at little host cost.
+"""Launching a Triton kernel repeatedly at little host cost (this module imports Triton).
 
 A ``@triton.jit`` launch binds its arguments, computes the specialisation key and looks the compiled kernel up on
-every call. :class:`CompiledKernels` keeps each specialisation's compiled kernel and afterwards calls its launcher
-directly, with every argument (constexprs included) in the kernel's order, as Triton's own launch does (the kernels'
-GPU tests fail if a Triton version changes that), tensors as addresses (no driver check per pointer: the kernels
-here get only device or pinned host memory). While a launch hook (a profiler) is registered, launches go through
-``CompiledKernel[grid]``, which calls it.
-
-This module imports Triton.
+every call. :class:`CompiledKernels` keeps each specialisation's compiled kernel and then calls its launcher directly,
+every argument (constexprs included) in the kernel's order as Triton's own launch does (the kernels' GPU tests catch a
+Triton change there), tensors as addresses (the kernels here get only device or pinned host memory). While a launch
+hook (a profiler) is registered, launches go through ``CompiledKernel[grid]``, which calls it.
 """
 
 from __future__ import annotations
@@ -43,11 +40,10 @@ class CompiledKernels:
 
     def launch(self, key: Hashable, grid: tuple[int, ...], args: tuple[Any, ...], constants: dict[str, Any],
                stream: int | None = None) -> None:
-        """Launch on the current stream. ``key`` must hold everything Triton specialises the compiled kernel on
-        (dtypes, constexpr values, the 16-byte alignment of pointers, integers equal to 1 or divisible by 16
-        unless the kernel excludes them); ``constants`` are the constexprs, in the kernel's order; ``stream``: the
-        current stream's raw handle (``torch.cuda.Stream.cuda_stream``), if the caller has it, else it is looked up.
-        Under Triton's interpreter every launch goes through the JIT (it returns no compiled kernel)."""
+        """Launch on the current stream. ``key`` holds everything Triton specialises on (dtypes, constexpr values,
+        pointers' 16-byte alignment, integers equal to 1 or divisible by 16 unless excluded); ``constants``: the
+        constexprs, in the kernel's order; ``stream``: the current stream's raw handle, if the caller has it. Under
+        Triton's interpreter every launch goes through the JIT (it returns no compiled kernel)."""
         grid = (*grid, 1, 1)[:3]
         entry = self._compiled.get(key)
         if entry is None:

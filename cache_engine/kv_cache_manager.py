@@ -1,11 +1,9 @@
 """Per-user persistent KV: which pages (and host chunks) hold whose history, and what to evict (docs/design.md
 section 5, which also says what the manager and the host tier each own).
 
-A request is served by :meth:`KVCacheManager.acquire` (verify the cached prefix, cutting a stale record back to its
-longest matching page prefix; lock it; give it pages for the whole history; plan onloads of history only on host),
-:meth:`KVCacheManager.commit` after each step and :meth:`KVCacheManager.release`. Each engine step calls
-:meth:`begin_step`, :meth:`launch_onloads` before the forward and :meth:`end_step` after it; with ``cache.prefetch``
-the engine calls :meth:`prefetch` as requests arrive.
+A request is served by :meth:`KVCacheManager.acquire`, :meth:`KVCacheManager.commit` after each step and
+:meth:`KVCacheManager.release`. Each engine step calls :meth:`begin_step`, :meth:`launch_onloads` before the forward
+and :meth:`end_step` after it; with ``cache.prefetch`` the engine calls :meth:`prefetch` as requests arrive.
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ class KVCacheManager:
 
     def __init__(self, config: CacheConfig, num_layers: int, num_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, host_memory: torch.Tensor | None = None) -> None:
-        """``host_memory``: optional preallocated flat uint8 (pinned) memory for the host chunk pool (see
-        :class:`~cache_engine.host_store.HostChunkStore`); by default the pool allocates its own."""
+        """``host_memory``: optional preallocated memory for the host pool (:class:`~.host_store.HostChunkStore`)."""
         self.config = config
         self.page_size = config.page_size
         self.pool = PagePool(num_layers, config.num_gpu_pages, config.page_size, num_heads, head_dim, dtype, device)
@@ -38,9 +35,8 @@ class KVCacheManager:
         self._evictable_pages = 0  # pages held by users in the LRU
         self._reuses = config.mode != "recompute"  # records persist across requests
         self._evicts = config.mode in ("gpu_only", "hierarchical")  # users in the LRU may lose their pages
-        # Record generations are unique across records (0 once deleted): a copy to host still in flight for a
-        # user's deleted record can never be mistaken for one of the user's next record (whose history may
-        # differ), and a completing copy needs no lookup to know whether its record is still current.
+        # Generations are unique across records (0 once deleted): a completing copy for a deleted record is never
+        # taken for the user's next record's, and needs no lookup to know whether its record is current.
         self._generations = itertools.count(1)
         self._stats = PoolStats()
         self._prefetched: set[Hashable] = set()  # users locked by a prefetch, not yet acquired or handed back
@@ -86,11 +82,10 @@ class KVCacheManager:
 
     def prefetch(self, user_ids: Sequence[Hashable], count: int | None = None) -> None:
         """Start loading the host-resident history of the first ``count`` (default: all) users of ``user_ids`` who
-        hold no GPU pages, before their requests are validated (``cache.prefetch``, ``hierarchical``); all of
-        ``user_ids`` become the most recently used, so evictions making room take other users. A record loaded is
-        locked, holds pages for its host tokens and counts as a host hit when its request is acquired (whose verified
-        prefix still decides the reuse); one not acquired by the end of the next step is handed back as GPU-resident.
-        Users without room in the pool, unknown, locked or on the GPU are skipped."""
+        hold no GPU pages, before their requests are validated (docs/design.md section 5, "Prefetch"); all of
+        ``user_ids`` become the most recently used, so evictions making room take other users. A loaded record is
+        locked and holds pages for its host tokens. Users without room in the pool, unknown, locked or on the GPU are
+        skipped."""
         if self.host is None:
             return
         users = []
@@ -123,9 +118,8 @@ class KVCacheManager:
             self._prefetch_events = self.host.launch()
 
     def hand_back_prefetched(self) -> None:
-        """Unlock the prefetched records no request acquired (their requests failed validation or wait): they stay
-        on the GPU, in the LRU, their prefetched tokens still to be counted as host hits (called at the end of each
-        step, and by the engine when a step schedules nothing)."""
+        """Unlock the prefetched records no request acquired: they stay on the GPU, in the LRU, their prefetched
+        tokens still to count as host hits (at the end of each step, and when a step schedules nothing)."""
         for user_id in self._prefetched:
             record = self.users[user_id]
             record.locked = False
@@ -134,15 +128,13 @@ class KVCacheManager:
         self._prefetched.clear()
 
     def end_step(self) -> None:
-        """Hand back the step's prefetched records and start offloads of chunks that became full (within the
-        admission cap)."""
+        """Hand back the step's prefetched records and start offloads of chunks that became full."""
         if self.host is not None:
             self.hand_back_prefetched()
             self.host.finish_step()
 
     def warm_transfers(self) -> None:
-        """Before serving (``hierarchical`` on CUDA): create the onloads' kernel launcher and staging buffer, so that
-        no step pays for it."""
+        """Before serving, create the onloads' kernel launcher and staging buffer (``hierarchical`` on CUDA)."""
         if self.host is not None:
             self.host.prepare()
 
@@ -157,14 +149,13 @@ class KVCacheManager:
 
         Args:
             user_id: the request's user.
-            token_hashes: uint64 ``[n]`` from :func:`~cache_engine.prefix_hash.page_prefix_hashes` of the
-                request's full history (``n`` events).
-            reuse_limit: at most this many cached tokens may be reused (``n``, or ``n - 1`` when the
-                last history token must be recomputed for its output).
+            token_hashes: uint64 ``[n]``, :func:`~cache_engine.prefix_hash.page_prefix_hashes` of the request's full
+                history (``n`` events).
+            reuse_limit: most cached tokens to reuse (``n``, or ``n - 1`` when the last token must be recomputed).
 
         Returns:
-            How many leading history tokens are reused from GPU pages and from host chunks, or
-            ``None`` if the pages cannot be found now (nothing was changed).
+            The leading history tokens reused from GPU pages and from host chunks, or ``None`` if the pages cannot
+            be found now (nothing was changed).
         """
         record = self.users.get(user_id)
         gpu = host = held = prefetched = 0
@@ -246,8 +237,7 @@ class KVCacheManager:
             self._release_record(user_id, record)
 
     def why_no_room(self, num_tokens: int) -> str | None:
-        """Why a history of ``num_tokens`` can never get pages while nothing else runs, or ``None``
-        if waiting for running requests may help."""
+        """Why a history of ``num_tokens`` can never get pages while nothing else runs (``None``: waiting may help)."""
         need = self.pages_for(num_tokens)
         if need > self.pool.num_pages:
             return (f"a history of {num_tokens} tokens needs {need} KV pages but the pool has only "
@@ -320,8 +310,7 @@ class KVCacheManager:
         return full * ps
 
     def _cut(self, user_id: Hashable, record: UserRecord, num_tokens: int, token_hashes: np.ndarray) -> None:
-        """Cut ``record`` back to its first ``num_tokens < hashed_tokens`` tokens (verified against
-        ``token_hashes``)."""
+        """Cut ``record`` back to its first ``num_tokens < hashed_tokens`` tokens, verified against ``token_hashes``."""
         if num_tokens < max(record.num_tokens, record.host_tokens):
             self._stats.truncated_tokens += max(record.num_tokens, record.host_tokens) - num_tokens
         record.generation = next(self._generations)  # transfers in flight beyond the cut are now stale
@@ -370,8 +359,7 @@ class KVCacheManager:
             self._release_record(user_id, record)
 
     def _release_record(self, user_id: Hashable, record: UserRecord) -> None:
-        """Delete ``record``, which holds nothing any more, from the users (copies still in flight for it are
-        discarded when they complete)."""
+        """Delete ``record``, which holds nothing any more (copies in flight for it are discarded on completion)."""
         if self.users.get(user_id) is record:
             del self.users[user_id]
         record.generation = 0

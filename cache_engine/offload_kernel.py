@@ -1,9 +1,6 @@
-"""Offload by kernel: one launch gathers the pages of chunks from the pool and stores them straight into their host
-slots (pinned host memory is device-addressable; any memory works: the tests give device addresses), quantised to
-FP8 with their scales on the way. One program per (chunk, layer, K/V, head) reads that head's values of the chunk's
-pages twice (largest magnitude, then scaled values).
-
-This module imports Triton. On CPU the kernel runs in Triton's interpreter (tests).
+"""Offload by kernel: one launch gathers chunks' pages from the pool into their (pinned, device-addressable) host
+slots, quantised to FP8 on the way; one program per (chunk, layer, K/V, head) reads that head's values twice (largest
+magnitude, then scaled values). This module imports Triton; on CPU the kernel runs in Triton's interpreter (tests).
 """
 
 from __future__ import annotations
@@ -83,10 +80,8 @@ class ChunkPacker:
     def __call__(self, kv: torch.Tensor, pages: torch.Tensor, out_addr: torch.Tensor, out_dtype: torch.dtype,
                  slot_pages: int, slot_ids: torch.Tensor | None = None, scales: torch.Tensor | None = None,
                  stream: torch.cuda.Stream | None = None, tokens: torch.Tensor | None = None) -> None:
-        """Gather whole chunks of pages into their slots, on the current stream.
-
-        The index tensors (``pages``, ``out_addr``, ``slot_ids``, ``tokens``) may be on the device or in pinned host
-        memory.
+        """Gather whole chunks of pages into their slots, on the current stream. The index tensors (``pages``,
+        ``out_addr``, ``slot_ids``, ``tokens``) may be on the device or in pinned host memory.
 
         Args:
             kv: the pool, ``[L, num_pages, 2, page_size, H, D]``, contiguous.

@@ -1,9 +1,6 @@
-"""The onload kernel: one launch per layer writes every page of an onload into its pool page, dequantising FP8 on
-the way. It reads the device staging buffer the pages were copied into by DMA (:mod:`.dma_staging`) or, where that is
-not possible, pinned host memory directly, which the device can address (:class:`~.transfer.TransferEngine`
-chooses).
-
-This module imports Triton. On CPU the kernel runs in Triton's interpreter (tests).
+"""The onload kernel: one launch per layer writes every page of an onload into its pool page, dequantising FP8, from
+the DMA staging buffer (:mod:`.dma_staging`) or else pinned host memory directly (docs/design.md section 5). This
+module imports Triton; on CPU the kernel runs in Triton's interpreter (tests).
 """
 
 from __future__ import annotations
@@ -51,9 +48,8 @@ def _onload_pages_kernel(
 
 
 class OnloadLauncher:
-    """Launches the onload kernel, keeping each specialisation's compiled kernel
-    (:class:`~.kernel_cache.CompiledKernels`). The key holds everything the compiled kernel is specialised on: dtypes,
-    the values of the specialised integers, the pool and scale pointers' 16-byte alignment.
+    """Launches the onload kernel, keeping each compiled specialisation (:class:`~.kernel_cache.CompiledKernels`),
+    keyed by dtypes, specialised integers' values, and the pool and scale pointers' 16-byte alignment.
 
     Args:
         rows_per_program: K/V rows (one token's ``H * D`` values each) copied by one program, a power of two; capped

@@ -21,14 +21,13 @@ class PagePool:
         self.page_size = page_size
         self.num_pages = num_pages
         self.kv = torch.zeros(num_layers, num_pages, 2, page_size, num_heads, head_dim, dtype=dtype, device=device)
-        # A stack in ``_stack[:num_free]``: allocation takes from the end, freeing pushes back; one numpy
-        # slice copy per call, whatever the page count.
+        # A stack in ``_stack[:num_free]``: allocate pops from the end, free pushes; one slice copy per call.
         self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int32)
         self.num_free = num_pages  #: pages free now (read-only outside this class)
 
     def allocate(self, out: np.ndarray) -> None:
-        """Fill ``out`` (int32 ``[count]``, e.g. a slice of a user's page buffer) with ``count`` free page ids
-        (``RuntimeError`` if fewer are free; callers check first)."""
+        """Fill ``out`` (int32 ``[count]``, e.g. a slice of a user's page buffer) with free page ids (``RuntimeError``
+        if fewer are free)."""
         count, end = len(out), self.num_free
         if count > end:
             raise RuntimeError(f"page pool exhausted: {count} pages asked, {end} free")

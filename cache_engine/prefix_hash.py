@@ -1,9 +1,7 @@
 """Hashes that let the cache check, page by page, that a user's cached prefix matches a request.
 
-For a history of ``n`` events, :func:`page_prefix_hashes` returns ``h[i]``: the hash of the tokens of
-``i``'s page from the page start up to and including ``i``. So ``h[k * page_size + r - 1]`` identifies
-the first ``r`` tokens of page ``k`` and a cached page holding ``r`` tokens is verified by one
-comparison, with no per-token Python work.
+:func:`page_prefix_hashes` returns ``h[i]``, the hash of ``i``'s page's tokens up to and including ``i``, so
+``h[k * page_size + r - 1]`` verifies a cached page ``k`` of ``r`` tokens in one comparison (docs/design.md section 5).
 """
 
 from __future__ import annotations
@@ -59,15 +57,8 @@ def _hash_pages(fields: np.ndarray, page_size: int, out: np.ndarray) -> None:
 def page_prefix_hashes(
     item_ids: np.ndarray, action_ids: np.ndarray, timestamps: np.ndarray, page_size: int
 ) -> np.ndarray:
-    """Within-page cumulative token hashes.
-
-    Args:
-        item_ids, action_ids, timestamps: int ``[n]`` history events.
-        page_size: tokens per page.
-
-    Returns:
-        uint64 ``[n]``: entry ``i`` hashes the tokens from ``i``'s page start through ``i``.
-    """
+    """Within-page cumulative token hashes of the history events ``item_ids``, ``action_ids``, ``timestamps`` (int
+    ``[n]`` each): uint64 ``[n]``, entry ``i`` hashing the tokens from ``i``'s page start through ``i``."""
     n = len(item_ids)
     if n == 0:
         return np.zeros(0, dtype=np.uint64)
@@ -128,12 +119,11 @@ _NO_TAIL = np.zeros((4, 0), dtype=_INT64)
 class IncrementalHasher:
     """:func:`page_prefix_hashes` that reuses each user's previous result.
 
-    A returning user's history usually extends the previous request's. The previous request's events are
-    kept (for the ``max_users`` most recent users); if the new history starts with them (an exact byte
-    comparison, cheaper than hashing), only the pages from the last page boundary on are hashed again.
-    :meth:`many` hashes the new parts of several requests in one vectorised pass. A kept history that the next
-    one extends is extended in place (its buffer has room to grow), so only the new events and hashes are
-    copied; the hashes returned are views of that buffer, whose entries are never written once handed out.
+    The previous request's events are kept (for the ``max_users`` most recent users); if the new history starts with
+    them (an exact byte comparison, cheaper than hashing), only the pages from the last page boundary on are hashed.
+    :meth:`many` hashes the new parts of several requests in one vectorised pass. A kept history is extended in place,
+    so only new events and hashes are copied; the hashes returned are views of its buffer, never written once handed
+    out.
 
     Args:
         page_size: tokens per page.
@@ -153,9 +143,8 @@ class IncrementalHasher:
 
     def match(self, user_id: Hashable, item_ids: np.ndarray, action_ids: np.ndarray,
               timestamps: np.ndarray) -> PrefixMatch:
-        """How much of this history (int arrays ``[n]``) equals the user's last kept one, in whole pages. The
-        events are compared as int64 bytes, one ``memcmp`` per field (``bytearray.startswith``, no copy for a
-        C-contiguous int64 array)."""
+        """How much of this history (int arrays ``[n]``) equals the user's last kept one, in whole pages, compared as
+        int64 bytes with one ``bytearray.startswith`` per field."""
         kept = self._last.get(user_id)
         if kept is None:
             return _NO_MATCH
@@ -170,8 +159,8 @@ class IncrementalHasher:
     def many(self, requests: list[tuple[Hashable, np.ndarray, np.ndarray, np.ndarray]],
              matches: list[PrefixMatch] | None = None) -> list[np.ndarray]:
         """:meth:`__call__` of each ``(user_id, item_ids, action_ids, timestamps)``, in order. ``matches``: each
-        request's :meth:`match`, taken earlier (e.g. to validate only the unmatched events); without them a
-        user recurring in ``requests`` reuses its earlier request's result."""
+        request's :meth:`match`, taken earlier; without them a user recurring in ``requests`` reuses its earlier
+        request's result."""
         results: list[np.ndarray] = []
         pending: list[tuple[Hashable, Fields, PrefixMatch]] = []
         for k, (user_id, item_ids, action_ids, timestamps) in enumerate(requests):
@@ -184,8 +173,8 @@ class IncrementalHasher:
 
     def remember(self, user_id: Hashable, item_ids: np.ndarray, action_ids: np.ndarray, timestamps: np.ndarray,
                  hashes: np.ndarray) -> None:
-        """Take ``hashes`` (:func:`page_prefix_hashes` of these events, computed elsewhere) as the user's last
-        request; the engine takes these events as validated. Events and hashes are copied."""
+        """Keep copies of these events and their ``hashes`` (:func:`page_prefix_hashes`, computed elsewhere) as the
+        user's last, validated, request."""
         self._keep(user_id, self._copy((item_ids, action_ids, timestamps), hashes, _NO_TAIL))
 
     def _finish(self, pending: list[tuple[Hashable, Fields, PrefixMatch]]) -> list[np.ndarray]:
@@ -217,12 +206,9 @@ class IncrementalHasher:
     def _store(self, user_id: Hashable, fields: Fields, match: PrefixMatch, tail: np.ndarray) -> np.ndarray:
         """Keep ``fields`` (``n`` events) as the user's last history and return its hashes (uint64 ``[n]``).
 
-        Args:
-            tail: int64 ``[4, n - match.length]``: the events after the matched prefix and their hashes' bits.
-
-        They are written after the prefix into the buffer it was matched against when that is unchanged since,
-        large enough, and any hashes already handed out past the prefix equal ``tail``'s; otherwise the
-        history is copied to a new buffer."""
+        ``tail``: int64 ``[4, n - match.length]``, the events after the matched prefix and their hashes' bits, are
+        written after the prefix into the buffer it was matched against if that is unchanged since, large enough,
+        and any hashes handed out past the prefix equal ``tail``'s; otherwise the history is copied to a new buffer."""
         n, start, source = len(fields[0]), match.length, match.source
         if (source is not None and self._last.get(user_id) is source and source.version == match.version
                 and source.capacity >= n):

@@ -11,8 +11,8 @@ import numpy as np
 
 
 def grown(buffer: np.ndarray, keep: int, need: int) -> np.ndarray:
-    """A new buffer of ``buffer``'s dtype with room for at least ``need`` entries (25% headroom, so that a
-    history growing a page at a time is copied O(log) times), holding ``buffer[:keep]`` first."""
+    """A new buffer of ``buffer``'s dtype with room for ``need`` entries plus 25% (a history growing a page at a time
+    is copied O(log) times), holding ``buffer[:keep]`` first."""
     new = np.empty(need + need // 4 + 4, dtype=buffer.dtype)
     if keep:
         new[:keep] = buffer[:keep]
@@ -21,11 +21,8 @@ def grown(buffer: np.ndarray, keep: int, need: int) -> np.ndarray:
 
 @dataclass(eq=False, slots=True)
 class UserRecord:
-    """One user's cached history, across both tiers.
-
-    The GPU pages and page hashes live in numpy buffers with spare capacity, written in place (a slice or two per
-    change, not a rebuilt array). The host tier writes ``host_slots``, ``host_tokens`` and ``readers``; the manager
-    the rest.
+    """One user's cached history, across both tiers (docs/design.md section 5, "Per-user records"; the host tier
+    writes ``host_slots``, ``host_tokens`` and ``readers``, the manager the rest).
 
     Attributes:
         page_buffer: int32 ``[>= num_pages]``; ``page_buffer[:num_pages]`` (:attr:`pages`) are the user's GPU
@@ -37,17 +34,15 @@ class UserRecord:
             ``[i * chunk_tokens, (i + 1) * chunk_tokens)`` (the last one possibly partly).
         host_tokens: leading history tokens whose K/V is complete on host.
         hashed_tokens: tokens covered by the page hashes (``>= num_tokens`` and ``>= host_tokens``).
-        hash_buffer: uint64 ``[>= ceil(hashed_tokens / page_size)]``; entry ``k < ceil(hashed_tokens /
-            page_size)`` hashes the tokens of page ``k`` that are known (see :mod:`cache_engine.prefix_hash`);
-            entries beyond are garbage.
+        hash_buffer: uint64 ``[>= ceil(hashed_tokens / page_size)]``; entry ``k`` below that hashes page ``k``'s
+            known tokens (:mod:`cache_engine.prefix_hash`); entries beyond are garbage.
         locked: a running request owns the record (or a request on its way: see
             :meth:`~cache_engine.KVCacheManager.prefetch`).
         prefetched: history tokens loaded from host ahead of the user's next request (:meth:`~cache_engine.
             KVCacheManager.prefetch`), counted as host hits when that request acquires the record; 0 otherwise.
         readers: offloads in flight still reading its GPU pages (it cannot be evicted meanwhile).
-        generation: changed whenever the cached history is cut back, unique to the record (see
-            :class:`~cache_engine.KVCacheManager`) and 0 once the record is deleted; transfers of another
-            generation are discarded when they complete.
+        generation: unique to the record, changed whenever its history is cut back, 0 once it is deleted;
+            transfers of another generation are discarded when they complete.
     """
 
     page_buffer: np.ndarray = field(default_factory=lambda: _NO_PAGES)
@@ -78,9 +73,8 @@ _NO_HASHES = np.zeros(0, dtype=np.uint64)
 
 
 class LRUIndex(OrderedDict[Hashable, Any]):
-    """Keys ordered from least to most recently used (iteration order), each with a value (e.g. the user's record,
-    so that a policy walking the order needs no second lookup). ``OrderedDict`` is a hash map threaded by a doubly
-    linked list: every operation is O(1)."""
+    """Keys from least to most recently used (iteration order), each with a value (e.g. the user's record, so a
+    policy walking the order needs no second lookup); every operation is O(1)."""
 
     def touch(self, key: Hashable, value: Any = None) -> None:
         """Insert ``key`` (with ``value``) or mark it most recently used (and set its value)."""
@@ -146,5 +140,4 @@ class HostStats:
 
 @dataclass
 class CacheStats(PoolStats, HostStats):
-    """A snapshot of every cache counter (:class:`PoolStats` and :class:`HostStats`), taken by
-    :attr:`~cache_engine.KVCacheManager.stats`."""
+    """A snapshot of every cache counter, taken by :attr:`~cache_engine.KVCacheManager.stats`."""

@@ -1,8 +1,6 @@
-"""Cheap CUDA stream lookups, switching and ordering for the per-step transfer and staging code:
-:class:`CurrentStream`, :func:`on_stream` and :class:`StreamFence` do what ``torch.cuda.current_stream(device)`` (a
-new ``Stream`` object in a device context), ``torch.cuda.stream(s)`` (device and stream lookups) and
-``Stream.wait_stream`` (an event created per call) do, for a fraction of the host time.
-"""
+"""Cheap CUDA stream lookups, switching and ordering: :class:`CurrentStream`, :func:`on_stream` and
+:class:`StreamFence` do what ``torch.cuda.current_stream``, ``torch.cuda.stream`` and ``Stream.wait_stream`` do,
+for a fraction of the host time."""
 
 from __future__ import annotations
 
@@ -13,17 +11,16 @@ import torch
 
 
 def indexed(device: torch.device) -> torch.device:
-    """``device`` with its index (CUDA: the current device's when none is given). Torch looks the current stream
-    of an indexed device up directly; for a bare ``"cuda"`` each lookup first asks whether CUDA is available."""
+    """``device`` with its index (CUDA: the current device's if none), whose current stream torch looks up directly
+    (for a bare ``"cuda"`` each lookup first asks whether CUDA is available)."""
     if device.type != "cuda" or device.index is not None:
         return device
     return torch.device("cuda", torch.cuda.current_device())
 
 
 class CurrentStream:
-    """``torch.cuda.current_stream(device)`` of one CUDA device, cheaply: reads the current stream's raw handle (the
-    call Triton's launcher makes) and returns the ``torch.cuda.Stream`` kept for that handle, made by torch the first
-    time the handle is seen (streams are few and a handle names one stream)."""
+    """``torch.cuda.current_stream(device)`` of one CUDA device, cheaply: the ``torch.cuda.Stream`` kept for the
+    current stream's raw handle (the call Triton's launcher makes), made by torch when the handle is first seen."""
 
     def __init__(self, device: torch.device) -> None:
         self.index = indexed(device).index
@@ -39,8 +36,8 @@ class CurrentStream:
 
 @contextmanager
 def on_stream(stream: torch.cuda.Stream, current: torch.cuda.Stream) -> Iterator[None]:
-    """``torch.cuda.stream(stream)`` of the same device as ``current``, the device's current stream (restored on exit):
-    the same effect without the context's current-device and current-stream lookups."""
+    """``torch.cuda.stream(stream)`` for ``current``'s device, whose current stream ``current`` is restored on exit,
+    without the context's device and stream lookups."""
     torch.cuda.set_stream(stream)
     try:
         yield
@@ -49,9 +46,8 @@ def on_stream(stream: torch.cuda.Stream, current: torch.cuda.Stream) -> Iterator
 
 
 class StreamFence:
-    """``waiter.wait_stream(signaller)`` through one kept event: recorded on ``signaller``, waited for by ``waiter``. A
-    wait binds to the event's record at the time of the call, so re-recording it later never changes an earlier
-    wait."""
+    """``waiter.wait_stream(signaller)`` through one kept event (a wait binds to the record at the time of the call,
+    so re-recording it never changes an earlier wait)."""
 
     def __init__(self) -> None:
         self._event = torch.cuda.Event()

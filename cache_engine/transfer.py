@@ -1,11 +1,8 @@
 """Moving KV between the GPU page pool and host chunk slots (the CUDA path: docs/design.md section 5).
 
-On CUDA three side streams keep transfers off the compute stream: **offload** runs the packing kernel
-(:mod:`.offload_kernel`) after the compute stream's work so far, and its event tells when the pages may be written
-again and the host data is complete; **copy** runs, per layer, one batched DMA (:mod:`.batched_copy`) into the
-staging buffer (:mod:`.dma_staging`); **scatter** runs, per layer, the onload kernel (:mod:`.onload_kernel`), whose
-layer ``l`` event is what the model's layer ``l`` waits for. Nothing here synchronises the device. On CPU the same
-calls copy synchronously and return no events.
+On CUDA three side streams keep transfers off the compute stream: **offload** runs the packing kernel, **copy** the
+per-layer batched DMA into the staging buffer, **scatter** the per-layer onload kernel, whose layer ``l`` event the
+model's layer ``l`` waits for. Nothing here synchronises the device. On CPU the same calls copy synchronously.
 """
 
 from __future__ import annotations
@@ -31,13 +28,12 @@ logger = logging.getLogger(__name__)
 
 
 class PinnedIndexRing:
-    """``depth`` pinned int64 buffers, used in turn: index arrays the transfer kernels read straight from pinned host
-    memory (device-addressable), which saves an upload. A buffer is written again only once the event recorded after
-    its last reader reports done, so the host never overwrites indices a queued kernel has yet to read.
+    """``depth`` pinned int64 buffers, used in turn, for index arrays the transfer kernels read straight from pinned
+    host memory (no upload). A buffer is rewritten only once the event after its last reader reports done (the host
+    waits otherwise), so a queued kernel's indices are never overwritten.
 
     Args:
-        depth: buffers in the ring: a buffer is rewritten ``depth`` takes after its last use, so its reader has
-            normally finished long before (the host waits for it otherwise).
+        depth: buffers in the ring.
         pin: pin the buffers (CUDA); plain memory otherwise (tests).
     """
 
@@ -51,8 +47,8 @@ class PinnedIndexRing:
         self._taken = -1
 
     def take(self, size: int) -> torch.Tensor:
-        """The next buffer, int64 ``[size]`` (contents undefined), once its previous reader is done; its reader's
-        event must be given to :meth:`guard` before the next :meth:`take`."""
+        """The next buffer, int64 ``[size]`` (undefined contents), once its previous reader is done; give its reader's
+        event to :meth:`guard` before the next :meth:`take`."""
         index = self._turn
         self._turn = (index + 1) % len(self._buffers)
         reader = self._readers[index]
@@ -67,10 +63,8 @@ class PinnedIndexRing:
         return buffer[:size]
 
     def guard(self, reader: torch.cuda.Event | None) -> None:
-        """The event recorded after the last kernel that reads the buffer just taken (``None``: nothing reads it
-        any more)."""
+        """The event after the last kernel reading the buffer just taken (``None``: nothing reads it)."""
         self._readers[self._taken] = reader
-
 
 
 class TransferEngine:
@@ -78,14 +72,12 @@ class TransferEngine:
 
     Args:
         device: where the page pool lives.
-        scales: with FP8 host chunks, float32 ``[num_slots, L, 2, H]`` on ``device``: each slot's
-            dequantisation scales (written by offloads, read by onloads); ``None`` when host chunks
-            have the pool's dtype.
-        slot_addresses: int64, the address of each host slot id (:attr:`.host_store.HostChunkStore.addresses`,
-            read when a kernel is given host addresses; kept by reference, so it may grow), or ``None``: ask each
-            job's slot tensor.
-        staging_pages: the staging buffer's pages (of every layer; at most the pool's): an onload of more pages
-            reads host memory directly.
+        scales: with FP8 host chunks, float32 ``[num_slots, L, 2, H]`` on ``device``: each slot's dequantisation
+            scales (written by offloads, read by onloads); ``None`` when host chunks have the pool's dtype.
+        slot_addresses: int64, each host slot id's address (:attr:`.host_store.HostChunkStore.addresses`, kept by
+            reference, so it may grow), or ``None``: ask each job's slot tensor.
+        staging_pages: the staging buffer's pages (of every layer; at most the pool's): larger onloads read host
+            memory directly.
 
     Raises:
         RuntimeError: on CUDA without Triton (the transfer kernels need it).
@@ -108,7 +100,6 @@ class TransferEngine:
             self._fence = StreamFence()  # side streams wait for the compute stream's work so far
             self._copier = BatchedCopier.load(self.device.index)  # None: onload kernels read host memory
         self.last_gather: torch.cuda.Event | None = None
-        # The gather before_writes last made the streams wait for, and the current stream then.
         self._waited_gather: tuple[torch.cuda.Event, torch.cuda.Stream] | None = None
         self._last_scatter: torch.cuda.Event | None = None
         self._launcher: OnloadLauncher | None = None  # created at the first onload (imports Triton)
@@ -121,8 +112,8 @@ class TransferEngine:
     # ------------------------------------------------------------------ offload
     def offload(self, kv: torch.Tensor, jobs: list[OffloadJob]) -> torch.cuda.Event | None:
         """Copy each job's pages of all layers of ``kv`` (the pool, ``[L, num_pages, 2, page_size, H, D]``) to its
-        host slot. Returns, on CUDA, the event after which the pages may be written again and the host slots hold the
-        data; on CPU ``None`` (the copy is done)."""
+        host slot. Returns the event after which the pages may be written again and the slots hold the data (CUDA),
+        or ``None`` (CPU: the copy is done)."""
         if not self.is_cuda:
             for job in jobs:
                 data = kv[:, job.pages].unsqueeze(0)  # [1, L, n, 2, page_size, H, D]
@@ -130,9 +121,8 @@ class TransferEngine:
                     data = quantize(data, [job.tokens], self.scales, [job.slot_id])
                 job.slot[:, : len(job.pages)] = data[0]
             return None
-        # Index layout, read by the kernel from pinned memory: each chunk's pool pages padded to a whole slot with -1
-        # (pages the kernel skips: a tail's slot gets the tail's pages only), the slot ids, the token counts, the slot
-        # addresses.
+        # Index layout in pinned memory: each chunk's pool pages padded to a whole slot with -1 (pages the kernel
+        # skips), the slot ids, the token counts, the slot addresses.
         num_jobs, slot = len(jobs), jobs[0].slot
         slot_pages = slot.shape[1]
         num_pages = num_jobs * slot_pages
@@ -161,9 +151,8 @@ class TransferEngine:
         return gathered
 
     def before_writes(self) -> None:
-        """Make the compute (current) and scatter streams wait for offloads already issued (pages that were
-        being read may now be written by their new owner); nothing to do when both already waited for the last one
-        (no offload since the last call, on the same current stream)."""
+        """Make the compute (current) and scatter streams wait for offloads already issued, so pages being read may
+        be written by their new owner (nothing to do if they already waited for the last one)."""
         if not self.is_cuda or self.last_gather is None:
             return
         compute = self.current_stream()
@@ -174,10 +163,9 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ onload
     def onload(self, kv: torch.Tensor, jobs: list[OnloadJob]) -> list[torch.cuda.Event | None]:
-        """Copy each job's host chunk into its GPU pages of ``kv`` (the pool), layer by layer. Returns one entry per
-        layer: on CUDA the event after which that layer's pages hold the data (the model's layer must wait for it;
-        recorded in layer order on one stream, and recorded again by later onloads); on CPU ``None`` (the copy is
-        done)."""
+        """Copy each job's host chunk into its GPU pages of ``kv`` (the pool), layer by layer. Returns per layer the
+        event after which its pages hold the data (CUDA: recorded in layer order on one stream, re-recorded by later
+        onloads), or ``None`` (CPU: the copy is done)."""
         num_layers = kv.shape[0]
         if not jobs:
             return [None] * num_layers
@@ -220,9 +208,8 @@ class TransferEngine:
         return list(events)
 
     def prepare(self, kv: torch.Tensor, slot_shape: tuple[int, ...], src_dtype: torch.dtype) -> None:
-        """Create what CUDA onloads need before the first one (nothing on CPU): the onload kernel's launcher, its
-        per-layer events and, where the driver has batched copies, the staging buffer (``staging_pages`` pages, or
-        the pool's pages if fewer) of host slots' shape ``slot_shape`` and dtype ``src_dtype``."""
+        """Create what CUDA onloads need (nothing on CPU): the onload kernel's launcher, its per-layer events and,
+        where the driver batches copies, the staging buffer of host slots' shape ``slot_shape`` and ``src_dtype``."""
         if not self.is_cuda or self._launcher is not None:
             return
         from .onload_kernel import OnloadLauncher  # imports Triton

@@ -210,8 +210,7 @@ def markdown(result: dict) -> str:
     for probe, (what, note) in HOST_PROBES.items():
         if result.get(probe) is None:
             continue
-        at_start = ", ".join(f"{name} {entry[probe]:.1f}" for name, entry in modes.items()
-                             if entry.get(probe) is not None)
+        at_start = ", ".join(f"{name} {e[probe]:.1f}" for name, e in modes.items() if e.get(probe) is not None)
         lines += ["", f"{what} takes {result[probe]:.1f} us at the end of the run"
                   + (f" (us as each mode's windows start: {at_start})" if at_start else "") + f". {note}"]
     lines += ["", "Whole-trace hit ratios (policy simulation, same cache code, no model):", ""]
@@ -315,8 +314,7 @@ def plot(result: dict, path: Path) -> bool:
 
 
 def unwritable(out: Path, overwrite: bool) -> str | None:
-    """Why results may not go into ``out`` (a non-empty folder inside ``benchmarks/results`` without ``overwrite``),
-    or ``None``."""
+    """Why results may not go into ``out`` (non-empty, in ``benchmarks/results``, no ``overwrite``), or ``None``."""
     parts = Path(out).resolve().parts
     committed = any(parts[i:i + 2] == ("benchmarks", "results") for i in range(len(parts) - 1))
     if committed and Path(out).is_dir() and any(Path(out).iterdir()) and not overwrite:
@@ -326,8 +324,7 @@ def unwritable(out: Path, overwrite: bool) -> str | None:
 
 
 def write_results(result: dict, out: Path, raw: bool = True) -> list[Path]:
-    """Write ``bench.json`` (if ``raw``), ``bench.md``, ``summary.json`` and, with matplotlib, ``bench.png`` into
-    ``out``; returns the paths written."""
+    """Write bench.json (if ``raw``), bench.md, summary.json and (with matplotlib) bench.png into ``out``: the paths."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "bench.md", out / "summary.json"]
     if raw:

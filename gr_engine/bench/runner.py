@@ -90,8 +90,7 @@ class BenchSettings:
                 raise ValueError(f"the cache field {key!r} cannot be set for every engine: {BENCH_CACHE_FIELDS[key]}")
 
     def check_trace(self, trace: Trace) -> None:
-        """Raise ``ValueError`` if ``trace`` is too short for the main run's windows (each batch size, then the largest
-        again)."""
+        """Raise ``ValueError`` if ``trace`` is too short for the main run's windows."""
         steady = len(trace.steady)
         if not self.windows_fit(steady, [*self.batch_sizes, max(self.batch_sizes)]):
             raise ValueError(f"the trace's {steady} steady-state requests ({self.trace.num_users} users) are too few "
@@ -168,8 +167,7 @@ class Phase:
     def report(self) -> dict:
         lat = np.asarray(self.latencies) * 1e3
         batches, steps, tokens = max(len(lat), 1), max(self.steps, 1), max(self.history_tokens, 1)
-        # Heavy-tailed latencies: mean and p99 beside the median; per batch, latency and bytes in the order served
-        # (the same batches in every mode).
+        # Heavy-tailed: mean and p99 beside the median; per batch latency and bytes, in order (same batches per mode)
         return {"batches": len(lat), **_spread(lat, "_ms", (90, 99)),
                 "gpu_hit_ratio": self.gpu_hits / tokens, "total_hit_ratio": (self.gpu_hits + self.host_hits) / tokens,
                 "onloaded_bytes_per_batch": sum(self.onloaded_bytes) / batches,
@@ -194,8 +192,7 @@ class BenchRun:
             self.engine.kv.host.store.wait_until_allocated()
         self.engine.kv.warm_transfers()
         self.startup_s = time.perf_counter() - t0
-        self.steady = trace.steady
-        self.cursor = 0
+        self.steady, self.cursor = trace.steady, 0
         self._hashes: dict[int, np.ndarray] = {}
 
     def warmup(self) -> dict:
@@ -318,8 +315,7 @@ class _GcClock:
     """A ``gc.callbacks`` entry that adds up the cyclic garbage collector's pauses (``seconds``)."""
 
     def __init__(self) -> None:
-        self.seconds = 0.0
-        self._start = 0.0
+        self.seconds = self._start = 0.0
 
     def __call__(self, stage: str, info: dict) -> None:
         if stage == "start":

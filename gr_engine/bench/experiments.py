@@ -134,8 +134,7 @@ def _score_drift(settings: BenchSettings, model: GRModel) -> dict:
         with GREngine(engine_config(settings, cache, bs), model=model) as engine:
             outputs = [o for start in range(0, len(requests), bs)
                        for o in engine.rank(requests[start:start + bs], use_tqdm=False)]
-        failed = [o.error for o in outputs if o.error]
-        if failed:
+        if failed := [o.error for o in outputs if o.error]:
             raise RuntimeError(f"drift request failed: {failed[0]}")
         return outputs
 

@@ -27,8 +27,7 @@ def latency_stats(entry: dict) -> dict[str, float | None]:
     """A window report's ``median``, ``mean`` and ``p99`` batch latency (ms): its ``*_ms`` field, else computed from
     ``batch_latency_ms`` (older results), else ``None``."""
     stats = {"median": entry.get("median_ms"), "mean": entry.get("mean_ms"), "p99": entry.get("p99_ms")}
-    per_batch = entry.get("batch_latency_ms")
-    if per_batch:
+    if per_batch := entry.get("batch_latency_ms"):
         latency = np.asarray(per_batch, dtype=np.float64)
         computed = {"median": np.median(latency), "mean": latency.mean(), "p99": np.percentile(latency, 99)}
         stats = {k: float(computed[k]) if v is None else v for k, v in stats.items()}
@@ -70,8 +69,7 @@ def summarize(result: dict, bs: int = 8) -> dict:
             pooled = pooled_windows(default_config_windows(result, bs), unl, peak)
             if pooled is not None:  # Table 1's window and the sweeps' at the same configuration, together
                 summary["hier_all_windows_bs8"] = pooled
-        fit = latency_fit(entry)
-        if fit is not None:
+        if (fit := latency_fit(entry)) is not None:
             summary["hier_fit_bs8"] = {"intercept_ms": fit[0], "GBps": fit[1]}
         # Pure CPU time of steps 1-7 (docs/design.md section 3; HOST_PHASES): median over batches, and mean. Intake
         # comes before step 1: reported apart.

@@ -228,11 +228,10 @@ class BenchRun:
         self.cursor += count
 
     def windows(self, plan: list[tuple[int, bool]]) -> list[dict]:
-        """The measured windows, spread over the trace (its load is not stationary): at each of ``window_strata``
-        evenly spaced points of the steady requests (fast-forwarded there; recompute skips), for each
-        ``(batch_size, sync_phases)`` of ``plan``, ``window_requests / window_strata`` requests in closed-loop
-        batches (``sync_phases``: device-synchronised phase times), after ``prime_batches`` unmeasured batches at the
-        first point. Returns each plan entry's report over all strata."""
+        """The measured windows (docs/design.md section 8): at each of ``window_strata`` evenly spaced points of the
+        steady requests (fast-forwarded there; recompute skips), for each ``(batch_size, sync_phases)`` of ``plan``,
+        ``window_requests / window_strata`` requests in closed-loop batches (device-synchronised phase times if
+        ``sync_phases``), after ``prime_batches`` unmeasured batches at the first point. Returns a report per entry."""
         settings, steady = self.settings, self.steady
         per = settings.window_requests // settings.window_strata
         if any(per % bs for bs, _ in plan) or per == 0:

@@ -1,7 +1,5 @@
-"""The benchmark's experiments (``gr-engine bench``, docs/design.md section 8), each built from
-:class:`~.runner.BenchRun`: every cache mode at each batch size, the chunk-size and GPU-budget sweeps, latency against
-history length, the score drift of host chunks; and the measurements ``benchmarks/`` scripts share (the copy peak, the
-host probes)."""
+"""The benchmark's experiments (docs/design.md section 8), each built from :class:`~.runner.BenchRun`, and the
+measurements ``benchmarks/`` scripts share (the copy peak, the host probes)."""
 
 from __future__ import annotations
 
@@ -25,8 +23,8 @@ from .trace import Trace, fixed_length_trace, generate_trace
 
 def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print,
                   checkpoint: Callable[[dict], None] | None = None) -> dict:
-    """Run every experiment; returns the results as a JSON-able dict (see :mod:`gr_engine.bench.report`).
-    ``checkpoint(results_so_far)`` is called after each part (so that a run cut short keeps what it measured)."""
+    """Run every experiment; returns the results as a JSON-able dict (:mod:`.report`). ``checkpoint(results_so_far)``
+    is called after each part, so that a run cut short keeps what it measured."""
     checkpoint = checkpoint or (lambda partial: None)
     trace = generate_trace(settings.trace)
     settings.check_trace(trace)
@@ -68,8 +66,7 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print,
     result["score_drift"] = _score_drift(settings, model)
     result["peak_pinned_h2d_GBps"] = peak_h2d_GBps(settings.device)
     result.update(host_probes(device))
-    # The policy simulations run after the measurements, so that their worker processes never share the CPU with
-    # a measured engine (whose host work is most of a cached batch's latency).
+    # After the measurements: the simulations' workers must not share the CPU with a measured engine.
     echo("simulating the cache policies over the whole trace")
     swept = [(entry, cache_config(settings, mode, **{name: value})) for key, name, _, modes in sweeps
              for mode in modes for value, entry in result[key][mode].items()]
@@ -90,8 +87,7 @@ def host_arena(settings: BenchSettings) -> torch.Tensor | None:
 
 def _window(settings: BenchSettings, trace: Trace, cache: CacheConfig, arena: torch.Tensor | None = None,
             model: GRModel | None = None) -> dict:
-    """The report of one engine with ``cache`` over ``trace``: warm-up, then :meth:`~.runner.BenchRun.windows` at
-    the largest batch size."""
+    """One engine with ``cache`` over ``trace``: warm-up, then the windows at the largest batch size."""
     bs = max(settings.batch_sizes)
     run = BenchRun(settings, trace, cache, bs, arena, model)
     run.warmup()
@@ -101,9 +97,8 @@ def _window(settings: BenchSettings, trace: Trace, cache: CacheConfig, arena: to
 
 
 def _length_scan(settings: BenchSettings, model: GRModel) -> dict:
-    """Latency against history length (``new_events`` new events per visit): recompute vs unlimited. Each length's
-    trace is one batch of users (:func:`~.trace.fixed_length_trace`); after the warm-up, one batch of their visits
-    primes and the rest are measured."""
+    """Latency against history length (``new_events`` per visit), recompute vs unlimited: per length one batch of
+    users (:func:`~.trace.fixed_length_trace`); after the warm-up one batch of visits primes, the rest are measured."""
     bs = max(settings.batch_sizes)
     out: dict = {}
     for mode in ("recompute", "unlimited"):
@@ -118,15 +113,13 @@ def _length_scan(settings: BenchSettings, model: GRModel) -> dict:
 
 
 def _score_drift(settings: BenchSettings, model: GRModel) -> dict:
-    """How far scores cached from host chunks move from recomputed ones, per host chunk dtype (``kv``: the KV dtype,
-    and ``float8_e4m3fn``). Unlike the timed windows this serves real K/V: two batches of users with
-    ``drift_history``-event histories (:func:`~.trace.fixed_length_trace`), warm-up first and then in order, on a GPU
-    budget of one batch, so every returning user was evicted to the host tier in between and is served from host
-    chunks; the same requests through a ``recompute`` engine give the reference scores.
+    """How far scores served from host chunks move from recomputed ones, per host dtype (``kv``, ``float8_e4m3fn``).
+    Real K/V: two batches of users with ``drift_history``-event histories on a GPU budget of one batch, so every
+    returning user is served from host chunks; a ``recompute`` engine gives the reference scores.
 
     Returns per host dtype: ``max_abs`` and ``mean_abs`` score differences (logits) over the requests served from
-    host chunks, ``score_std`` (the reference scores' spread, for scale), ``max_rel`` (``max_abs / score_std``),
-    ``host_hit_ratio`` (history tokens loaded from host over all history tokens) and ``requests_from_host``."""
+    host, ``score_std`` (the reference spread), ``max_rel`` (``max_abs / score_std``), ``host_hit_ratio`` (history
+    tokens loaded from host over all) and ``requests_from_host``."""
     bs = max(settings.batch_sizes)
     trace = fixed_length_trace(settings.trace, settings.drift_history, 2 * bs, settings.new_events)
     pages = bs * (-(-(settings.drift_history + 8 * settings.new_events) // settings.page_size) + 1)
@@ -141,8 +134,7 @@ def _score_drift(settings: BenchSettings, model: GRModel) -> dict:
         with GREngine(engine_config(settings, cache, bs), model=model) as engine:
             outputs = [o for start in range(0, len(requests), bs)
                        for o in engine.rank(requests[start:start + bs], use_tqdm=False)]
-        failed = [o.error for o in outputs if o.error]
-        if failed:
+        if failed := [o.error for o in outputs if o.error]:
             raise RuntimeError(f"drift request failed: {failed[0]}")
         return outputs
 
@@ -154,12 +146,11 @@ def _score_drift(settings: BenchSettings, model: GRModel) -> dict:
         from_host = [i for i, o in enumerate(outputs) if o.num_host_cached_tokens]
         diffs = np.concatenate([np.abs(np.asarray(outputs[i].scores) - reference[i]).ravel() for i in from_host]
                                or [np.zeros(0)])
-        out[host_dtype] = {
-            "max_abs": float(diffs.max(initial=0.0)), "mean_abs": float(diffs.mean()) if len(diffs) else 0.0,
-            "score_std": spread, "max_rel": float(diffs.max(initial=0.0)) / spread if spread else None,
-            "host_hit_ratio": sum(o.num_host_cached_tokens for o in outputs) / max(history, 1),
-            "requests_from_host": len(from_host),
-        }
+        worst = float(diffs.max(initial=0.0))
+        out[host_dtype] = {"max_abs": worst, "mean_abs": float(diffs.mean()) if len(diffs) else 0.0,
+                           "score_std": spread, "max_rel": worst / spread if spread else None,
+                           "host_hit_ratio": sum(o.num_host_cached_tokens for o in outputs) / max(history, 1),
+                           "requests_from_host": len(from_host)}
     return out
 
 
@@ -180,8 +171,7 @@ def peak_h2d_GBps(device: str) -> float | None:
 
 
 def host_python_loop_us(rounds: int = 200) -> float:
-    """The host's speed at the engine's kind of work (:data:`~.report.HOST_PROBES`): median microseconds of a
-    1,000-step Python loop (``sum(range(1000))``) over ``rounds`` rounds."""
+    """Median microseconds of ``sum(range(1000))`` over ``rounds`` rounds (:data:`~.report.HOST_PROBES`)."""
     times = []
     for _ in range(rounds):
         t0 = time.perf_counter()
@@ -191,9 +181,8 @@ def host_python_loop_us(rounds: int = 200) -> float:
 
 
 def host_torch_op_us(device: torch.device, rounds: int = 50, calls: int = 20) -> float:
-    """The host's speed at CUDA calls (:data:`~.report.HOST_PROBES`): median microseconds of one small torch operation
-    on ``device`` (``add_`` on 1,024 floats: on CUDA an asynchronous kernel launch, the device synchronised between
-    rounds of ``calls``)."""
+    """Median microseconds of one ``add_`` on 1,024 floats on ``device`` (on CUDA an asynchronous kernel launch; the
+    device synchronised between rounds of ``calls``; :data:`~.report.HOST_PROBES`)."""
     small = torch.zeros(1024, device=device)
     times = []
     for _ in range(rounds):
@@ -209,13 +198,11 @@ def host_torch_op_us(device: torch.device, rounds: int = 50, calls: int = 20) ->
 
 
 def host_probes(device: torch.device) -> dict[str, float]:
-    """This host's speed now (:data:`~.report.HOST_PROBES`): ``host_python_loop_us`` (:func:`host_python_loop_us`)
-    and ``host_torch_op_us`` (:func:`host_torch_op_us` on ``device``)."""
+    """This host's speed now: both probes of :data:`~.report.HOST_PROBES`, keyed by function name."""
     return {"host_python_loop_us": host_python_loop_us(), "host_torch_op_us": host_torch_op_us(device)}
 
 
 def _settings_dict(settings: BenchSettings) -> dict:
     """``settings`` as JSON-able values, its model and trace last."""
     out = msgspec.to_builtins(settings)
-    return {**{k: v for k, v in out.items() if k not in ("model", "trace")}, "model": out["model"],
-            "trace": out["trace"]}
+    return {k: v for k, v in out.items() if k not in ("model", "trace")} | {k: out[k] for k in ("model", "trace")}

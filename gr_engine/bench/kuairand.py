@@ -1,8 +1,6 @@
-"""A trace from the real KuaiRand-1K log files, for users who have them (no download is attempted).
-
-As in NVIDIA's preprocessing, each interaction's eight binary signals become an action bitmask (:data:`SIGNALS`),
-each user's events are sorted by time and cut into requests at 60-second intervals, and every request's history is
-everything up to its interval's end.
+"""A trace from the real KuaiRand-1K log files, for users who have them (nothing is downloaded). As in NVIDIA's
+preprocessing, the eight binary signals become an action bitmask (:data:`SIGNALS`) and each user's time-sorted events
+are cut into requests at 60-second intervals, each request's history being everything up to its interval's end.
 """
 
 from __future__ import annotations
@@ -34,19 +32,18 @@ def _read_columns(path: Path, columns: list[str]) -> dict[str, np.ndarray]:
 def load_kuairand(paths: list[str | Path], *, window_start_ms: int | None = None, num_items: int = 1_000_000,
                   num_candidates: int = 100, interval_s: int = 60, max_history_len: int = 20_000,
                   seed: int = 0) -> Trace:
-    """Build a :class:`~gr_engine.bench.trace.Trace` from KuaiRand-1K log CSVs (``log_standard_4_08_to_4_21_1k.csv``,
+    """Build a :class:`~.trace.Trace` from KuaiRand-1K log CSVs (``log_standard_4_08_to_4_21_1k.csv``,
     ``log_standard_4_22_to_5_08_1k.csv``: one interaction per row, with ``user_id``, ``video_id``, ``time_ms`` and
-    the :data:`SIGNALS` among others).
+    the :data:`SIGNALS`).
 
     Args:
-        paths: the log files (any subset; rows from all are merged).
-        window_start_ms: events before this time are each user's first visit (the warm-up; later intervals are
-            the steady state); default: the time that leaves the last 20% of all events to the steady state.
-        num_items: video ids are folded into ``[0, num_items)`` (``video_id % num_items``) to fit the
-            model's vocabulary.
+        paths: the log files (any subset; their rows are merged).
+        window_start_ms: events before it are each user's first visit (the warm-up), later intervals the steady
+            state; default: the time that leaves the last 20% of all events to the steady state.
+        num_items: video ids are folded into ``[0, num_items)`` (``video_id % num_items``).
         num_candidates: random candidates per request.
-        interval_s: request interval length (NVIDIA's preprocessing uses 60 seconds).
-        max_history_len: a user's history is truncated to its most recent this many events.
+        interval_s: request interval length.
+        max_history_len: each history keeps its most recent this many events.
         seed: candidate sampling seed.
     """
     data: dict[str, list[np.ndarray]] = {}

@@ -11,8 +11,7 @@ import numpy as np
 
 from ..metrics import HOST_PHASES, PHASES
 
-#: The host probes a run records (:mod:`.experiments`), at its end and as each mode's windows start: what each
-#: measures and how to read it (bench.md).
+#: The host probes a run records at its end and as each mode's windows start: what each measures, how to read it.
 HOST_PROBES = {
     "host_python_loop_us": ("This instance's host: a 1,000-step Python loop", "Hosts differ by up to ~2x, between "
                             "instances and within a run: compare host times within a run, or scaled by this."),
@@ -20,18 +19,15 @@ HOST_PROBES = {
                          "The onload phase is mostly driver calls, which this tracks and the Python loop does not."),
 }
 
-
 #: The summary's latency maps (mode -> batch size -> ms) and the statistic of :func:`latency_stats` each holds.
 LATENCY_KEYS = (("latency_ms", "median"), ("latency_mean_ms", "mean"), ("latency_p99_ms", "p99"))
 
 
 def latency_stats(entry: dict) -> dict[str, float | None]:
-    """A window report's batch latency statistics (ms): ``median``, ``mean`` and ``p99``, each the report's own field
-    (``median_ms``, ``mean_ms``, ``p99_ms``) or, in results written before those were stored, computed from its
-    ``batch_latency_ms``; ``None`` without either."""
+    """A window report's ``median``, ``mean`` and ``p99`` batch latency (ms): its ``*_ms`` field, else computed from
+    ``batch_latency_ms`` (older results), else ``None``."""
     stats = {"median": entry.get("median_ms"), "mean": entry.get("mean_ms"), "p99": entry.get("p99_ms")}
-    per_batch = entry.get("batch_latency_ms")
-    if per_batch:
+    if per_batch := entry.get("batch_latency_ms"):
         latency = np.asarray(per_batch, dtype=np.float64)
         computed = {"median": np.median(latency), "mean": latency.mean(), "p99": np.percentile(latency, 99)}
         stats = {k: float(computed[k]) if v is None else v for k, v in stats.items()}
@@ -40,8 +36,7 @@ def latency_stats(entry: dict) -> dict[str, float | None]:
 
 def summarize(result: dict, bs: int = 8) -> dict:
     """The headline numbers (``summary.json``) at batch size ``bs``: latencies (:data:`LATENCY_KEYS`), speedups over
-    recompute by mean batch latency (what throughput sees) and by median, hit ratios, bound ratios, host probes, CPU
-    overhead of steps 1-7 and of intake."""
+    recompute (by mean, then median), hit ratios, bound ratios, host probes, host time of steps 1-7 and intake."""
     modes = result["modes"]
     stats = {m: {b: latency_stats(e) for b, e in v["batch_sizes"].items()} for m, v in modes.items()}
 
@@ -74,12 +69,10 @@ def summarize(result: dict, bs: int = 8) -> dict:
             pooled = pooled_windows(default_config_windows(result, bs), unl, peak)
             if pooled is not None:  # Table 1's window and the sweeps' at the same configuration, together
                 summary["hier_all_windows_bs8"] = pooled
-        fit = latency_fit(entry)
-        if fit is not None:
+        if (fit := latency_fit(entry)) is not None:
             summary["hier_fit_bs8"] = {"intercept_ms": fit[0], "GBps": fit[1]}
-        # Host time of steps 1-7 (docs/design.md section 3) that is pure CPU work (HOST_PHASES; forward and score
-        # also wait for the device): its median over batches, and the mean. Intake (validating and hashing arriving
-        # requests) comes before step 1: reported apart.
+        # Pure CPU time of steps 1-7 (docs/design.md section 3; HOST_PHASES): median over batches, and mean. Intake
+        # comes before step 1: reported apart.
         host = entry.get("host_ms_per_batch", {})
         phases = entry["phase_ms_per_batch"]
         summary["overhead_ms_bs8"] = host.get("median")
@@ -98,9 +91,8 @@ def summarize(result: dict, bs: int = 8) -> dict:
 
 
 def batch_bound_ratios(hier: dict, unlimited: dict, peak_GBps: float) -> list[float]:
-    """Each hierarchical batch's latency over its own bound: max(the same batch's unlimited latency, its onloaded
-    bytes at ``peak_GBps``). ``hier`` and ``unlimited`` are one batch size's window reports (same batches, same
-    order); empty when either lacks per-batch data."""
+    """Each hierarchical batch's latency over its own bound, max(the same batch's unlimited latency, its onloaded
+    bytes at ``peak_GBps``), from two window reports of the same batches; empty without per-batch data."""
     lat, onloaded = hier.get("batch_latency_ms"), hier.get("batch_onloaded_bytes")
     floor = unlimited.get("batch_latency_ms")
     if not lat or not onloaded or not floor or len(floor) != len(lat):
@@ -109,9 +101,8 @@ def batch_bound_ratios(hier: dict, unlimited: dict, peak_GBps: float) -> list[fl
 
 
 def default_config_windows(result: dict, bs: int) -> list[dict]:
-    """Every hierarchical window report of ``result`` at batch size ``bs`` and the default configuration: Table 1's,
-    and the chunk and budget sweeps' at the settings' chunk size and GPU pages (the sweeps measure at each stratum's
-    first requests, Table 1 after the smaller batch sizes' windows: other batches of the same trace)."""
+    """Every hierarchical window report of ``result`` at batch size ``bs`` and the default configuration: Table 1's
+    and the sweeps' at the settings' chunk size and GPU pages (other batches of the same trace)."""
     settings = result.get("settings", {})
     windows = [result["modes"]["hierarchical"]["batch_sizes"][bs]]
     for sweep, value in (("chunk_sweep", settings.get("chunk_tokens")), ("budget_sweep", settings.get("gpu_pages"))):
@@ -138,9 +129,8 @@ BYTE_BUCKETS_MB = (0, 1, 50, 150, 300, 500, float("inf"))
 
 
 def by_onloaded_bytes(windows: list[dict], peak_GBps: float) -> list[dict]:
-    """The batches of ``windows`` grouped by onloaded bytes (:data:`BYTE_BUCKETS_MB`, MB): per non-empty group its
-    bounds, batch count, mean latency (ms), mean time of its bytes at ``peak_GBps`` (ms) and the mean excess of the
-    latency over that time (what the batch spends beyond moving its bytes at the peak)."""
+    """The batches of ``windows`` grouped by onloaded MB (:data:`BYTE_BUCKETS_MB`): per non-empty group its bounds,
+    batch count, mean latency, mean time of its bytes at ``peak_GBps`` and mean excess of latency over it (ms)."""
     latency = np.concatenate([w["batch_latency_ms"] for w in windows])
     mb = np.concatenate([w["batch_onloaded_bytes"] for w in windows]).astype(np.float64) / 1e6
     at_peak = mb / peak_GBps  # MB / (GB/s) = ms
@@ -155,10 +145,9 @@ def by_onloaded_bytes(windows: list[dict], peak_GBps: float) -> list[dict]:
 
 
 def latency_fit(hier: dict, min_bytes: int = 20_000_000) -> tuple[float, float] | None:
-    """Least squares ``latency = intercept + onloaded bytes / rate`` over the window's batches that onloaded at least
-    ``min_bytes``: ``(intercept ms, rate GB/s)``, the rate being what a batch's onloads cost it per byte (with
-    onloads hidden under the forward it would approach the copy peak); ``None`` with fewer than three such batches,
-    no per-batch data, or no growth with bytes."""
+    """Least squares ``latency = intercept + onloaded bytes / rate`` over the batches that onloaded at least
+    ``min_bytes``: ``(intercept ms, rate GB/s)``, the rate being what onloads cost a batch per byte; ``None`` with
+    fewer than three such batches or no growth."""
     lat, onloaded = hier.get("batch_latency_ms"), hier.get("batch_onloaded_bytes")
     if not lat or not onloaded:
         return None
@@ -182,9 +171,8 @@ def markdown(result: dict) -> str:
         lines += ["", f"Report rebuilt from the run's bench.json by `{result['report_command']}`."]
     lines += _headline(summary, bs)
     lines += ["", "## Table 1: latency and hit ratios", "",
-              "Batch latency in ms: median, mean and 99th percentile over the measured batches (heavy-tailed: a few "
-              "batches onload far more than the rest). Speedup over recompute by mean latency (what throughput sees), "
-              "then by median.", ""]
+              "Batch latency in ms: median, mean and p99 over the measured batches (heavy-tailed: a few onload far "
+              "more than the rest). Speedup over recompute by mean latency (what throughput sees), then median.", ""]
     rows = []
     for name, entry in modes.items():
         for b in sizes:
@@ -216,13 +204,11 @@ def markdown(result: dict) -> str:
     if "hier_fit_bs8" in summary:
         fit = summary["hier_fit_bs8"]
         lines += ["", f"Hierarchical batches at BS={bs} that onloaded at least 20 MB: latency ~ "
-                  f"{fit['intercept_ms']:.2f} ms + bytes / {fit['GBps']:.1f} GB/s (least squares; the rate is what "
-                  "onloads cost a batch per byte)."]
+                  f"{fit['intercept_ms']:.2f} ms + bytes / {fit['GBps']:.1f} GB/s (least squares)."]
     for probe, (what, note) in HOST_PROBES.items():
         if result.get(probe) is None:
             continue
-        at_start = ", ".join(f"{name} {entry[probe]:.1f}" for name, entry in modes.items()
-                             if entry.get(probe) is not None)
+        at_start = ", ".join(f"{name} {e[probe]:.1f}" for name, e in modes.items() if e.get(probe) is not None)
         lines += ["", f"{what} takes {result[probe]:.1f} us at the end of the run"
                   + (f" (us as each mode's windows start: {at_start})" if at_start else "") + f". {note}"]
     lines += ["", "Whole-trace hit ratios (policy simulation, same cache code, no model):", ""]
@@ -232,8 +218,7 @@ def markdown(result: dict) -> str:
     lines += _table(["mode", *PHASES], [[name, *_phase_cells(entry["breakdown_bs8"]["phase_ms_per_step"])]
                                         for name, entry in modes.items()])
     lines += ["", f"Host time per batch at BS={bs} (not synchronised: forward and score include waiting for the "
-              "device; gc: the garbage collector's pauses inside the batches; steps 1-7: schedule to commit without "
-              "forward and score, per batch):", ""]
+              "device; gc: the collector's pauses; steps 1-7: schedule to commit without forward and score):", ""]
     rows = []
     for name, entry in modes.items():
         e = entry["batch_sizes"][bs]
@@ -327,8 +312,7 @@ def plot(result: dict, path: Path) -> bool:
 
 
 def unwritable(out: Path, overwrite: bool) -> str | None:
-    """Why the benchmark may not write its results into folder ``out``, or ``None`` if it may: a non-empty folder
-    inside ``benchmarks/results`` (the committed GPU results) is replaced only with ``overwrite``."""
+    """Why results may not go into ``out`` (non-empty, in ``benchmarks/results``, no ``overwrite``), or ``None``."""
     parts = Path(out).resolve().parts
     committed = any(parts[i:i + 2] == ("benchmarks", "results") for i in range(len(parts) - 1))
     if committed and Path(out).is_dir() and any(Path(out).iterdir()) and not overwrite:
@@ -338,9 +322,7 @@ def unwritable(out: Path, overwrite: bool) -> str | None:
 
 
 def write_results(result: dict, out: Path, raw: bool = True) -> list[Path]:
-    """Write ``bench.json`` (unless not ``raw``: a report rebuilt from a saved one leaves it as it is), ``bench.md``,
-    ``summary.json`` and, with matplotlib, ``bench.png`` into ``out`` (without, a warning on stderr says how to get
-    it). Returns the paths written."""
+    """Write bench.json (if ``raw``), bench.md, summary.json and (with matplotlib) bench.png into ``out``: the paths."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "bench.md", out / "summary.json"]
     if raw:
@@ -357,9 +339,8 @@ def write_results(result: dict, out: Path, raw: bool = True) -> list[Path]:
 
 
 def load_result(path: Path) -> dict:
-    """A saved ``bench.json`` as :func:`~.experiments.run_benchmark` returned it: JSON made its batch sizes, sweep
-    values and history lengths strings, which are ints again here. Raises ``ValueError`` for a file that is not a
-    benchmark result."""
+    """A saved ``bench.json`` as :func:`~.experiments.run_benchmark` returned it (int keys restored); ``ValueError``
+    for a file that is not a benchmark result."""
     try:
         result = json.loads(Path(path).read_text())
     except json.JSONDecodeError as exc:

@@ -1,12 +1,9 @@
-"""How ``gr-engine bench`` measures one engine over a trace (docs/design.md section 8, "Method"): its settings, and
-:class:`BenchRun`; the experiments built from it are in :mod:`.experiments`.
+"""How ``gr-engine bench`` measures one engine over a trace (docs/design.md section 8, "Method"): its settings and
+:class:`BenchRun`.
 
-Between the measured windows, requests only move the cache state (:meth:`BenchRun.fast_forward`: the engine's
-scheduler and cache manager, no model), so their K/V values are never computed: the windows' scores are meaningless,
-their timings (which do not depend on values) are not. Before measured batches the long-lived objects (trace, cache
-records, engine) are moved out of the cyclic garbage collector's view (``gc.freeze()``, as a serving process does
-after start-up), so that no full collection, which scans every one of them, lands inside a batch; the collector's
-pauses inside measured batches are still timed (``gc_ms_per_batch``).
+Fast-forwarded requests never compute K/V, so the windows' scores are meaningless; their timings do not depend on
+values. Long-lived objects are ``gc.freeze()``-d before measured batches, so that no full collection lands inside
+one; the collector's pauses there are still timed (``gc_ms_per_batch``).
 """
 
 from __future__ import annotations
@@ -34,9 +31,7 @@ PAPER_MODEL = ModelConfig(num_items=1_000_000, num_actions=256, d_model=512, num
                           max_history_len=20_000, max_candidates=100, num_tasks=8, ranking_hidden=512,
                           scaling_seqlen=20_000, dtype="bfloat16")
 
-
-#: Cache fields the benchmark sets itself, per engine or from its own options, so that ``cache`` (``--cache``) may not
-#: set them: why, for each.
+#: Cache fields the benchmark sets itself, which ``--cache`` may not set: why, for each.
 BENCH_CACHE_FIELDS = {
     "mode": "the bench runs every cache mode itself and labels its results by mode",
     "num_gpu_pages": "the bench sets each engine's GPU pages (unlimited mode and the GPU budget sweep their own)",
@@ -49,9 +44,8 @@ BENCH_CACHE_FIELDS = {
 
 @dataclass(frozen=True)
 class BenchSettings:
-    """What ``gr-engine bench`` runs (defaults: the full benchmark on one H200). Raises ``ValueError`` for sizes the
-    benchmark cannot run (no users, no pages, windows that are no whole number of batches) and for ``cache`` fields
-    it sets itself (:data:`BENCH_CACHE_FIELDS`)."""
+    """What ``gr-engine bench`` runs (defaults: the full benchmark on one H200). Raises ``ValueError`` for sizes it
+    cannot run and for ``cache`` fields it sets itself (:data:`BENCH_CACHE_FIELDS`)."""
 
     model: ModelConfig = PAPER_MODEL
     trace: TraceConfig = field(default_factory=TraceConfig)
@@ -66,9 +60,7 @@ class BenchSettings:
     host_dtype: str = "float8_e4m3fn"  # half the PCIe bytes; the score drift it causes is measured
     cache: tuple[tuple[str, object], ...] = ()  # other cache fields, set for every engine (``--cache KEY=VALUE``)
     max_batched_tokens: int = 163_840  # a batch of 8 whole histories (up to 20,000 events) in one step
-    # 60 batches of 8 per mode: fewer leave the median of the heavy-tailed batch latencies unsteady between runs
-    # (benchmarks/results/README.md)
-    window_requests: int = 480
+    window_requests: int = 480  # 60 batches of 8: fewer leave the heavy-tailed latencies' median unsteady
     window_strata: int = 10
     chunk_sweep: tuple[int, ...] = (512, 1024, 2048, 4096)
     budget_sweep: tuple[int, ...] = (20_480, 30_720, 40_960, 51_200, 61_440)
@@ -83,31 +75,27 @@ class BenchSettings:
             raise ValueError(f"the trace needs at least one user (--users), got {self.trace.num_users}")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"batch sizes must be positive, got {self.batch_sizes}")
-        for name, option in (("gpu_pages", ""), ("page_size", ""), ("chunk_tokens", ""),
-                             ("host_budget_bytes", " (--host-budget-gib)"), ("max_batched_tokens", ""),
-                             ("window_strata", "")):
+        for name, option in (("gpu_pages", ""), ("page_size", ""), ("chunk_tokens", ""), ("window_strata", ""),
+                             ("host_budget_bytes", " (--host-budget-gib)"), ("max_batched_tokens", "")):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}{option} must be positive, got {getattr(self, name)}")
         if self.prime_batches < 0 or self.simulation_workers < 0:
             raise ValueError("prime_batches and simulation_workers must not be negative")
         unit = self.window_strata * math.lcm(*self.batch_sizes)
         if self.window_requests < 1 or self.window_requests % unit:
-            raise ValueError(f"window_requests (--window) must be a positive multiple of {unit} (window_strata "
-                             f"{self.window_strata} x every batch size of {self.batch_sizes}), got "
-                             f"{self.window_requests}")
+            raise ValueError(f"window_requests (--window) must be a positive multiple of {unit} ({self.window_strata} "
+                             f"strata x every batch size of {self.batch_sizes}), got {self.window_requests}")
         for key, _ in self.cache:
             if key in BENCH_CACHE_FIELDS:
                 raise ValueError(f"the cache field {key!r} cannot be set for every engine: {BENCH_CACHE_FIELDS[key]}")
 
     def check_trace(self, trace: Trace) -> None:
-        """Raise ``ValueError`` if ``trace`` has too few steady-state requests for the main run's windows (each batch
-        size, then the largest once more)."""
+        """Raise ``ValueError`` if ``trace`` is too short for the main run's windows."""
         steady = len(trace.steady)
         if not self.windows_fit(steady, [*self.batch_sizes, max(self.batch_sizes)]):
             raise ValueError(f"the trace's {steady} steady-state requests ({self.trace.num_users} users) are too few "
                              f"for the measured windows ({self.window_requests} requests per batch size over "
-                             f"{self.window_strata} stretches of the trace, plus priming): use more --users or a "
-                             f"smaller --window")
+                             f"{self.window_strata} stretches, plus priming): use more --users or a smaller --window")
 
     def windows_fit(self, steady: int, sizes: list[int], cursor: int = 0) -> bool:
         """Whether :meth:`BenchRun.windows` at batch ``sizes``, from steady request ``cursor`` on, fits in ``steady``
@@ -127,7 +115,7 @@ def quick_settings() -> BenchSettings:
                         max_history_len=2048, max_candidates=16, num_tasks=3, dtype="float32")
     trace = TraceConfig(num_users=16, mean_log_len=4.5, sigma_log_len=0.4, max_history_len=2048, num_candidates=8,
                         num_items=5000, num_actions=16, horizon_s=600, new_fraction=(0.3, 0.5))
-    # The sweeps' values each include the default, so that the default configuration's windows are pooled.
+    # Each sweep includes the default, so that the default configuration's windows are pooled.
     return BenchSettings(model=model, trace=trace, device="cpu", backend="torch_ref", gpu_pages=40, page_size=8,
                          chunk_tokens=32, host_budget_bytes=2**26, max_batched_tokens=1024, window_requests=16,
                          window_strata=2, chunk_sweep=(16, 32), budget_sweep=(24, 40), lengths=(32, 128),
@@ -142,14 +130,12 @@ def engine_config(settings: BenchSettings, cache: CacheConfig, max_batch: int) -
 
 
 def cache_config(settings: BenchSettings, mode: str, **changes: object) -> CacheConfig:
-    """The cache configuration of ``mode`` in the benchmark: ``settings``' pages, chunks, host budget and dtype, then
-    its ``cache`` fields (``--cache KEY=VALUE``), then ``changes`` (a sweep's value)."""
+    """The cache configuration of ``mode``: ``settings``' pages, chunks, host budget and dtype, then its ``cache``
+    fields (``--cache KEY=VALUE``), then ``changes`` (a sweep's value)."""
     fields = dict(mode=mode, page_size=settings.page_size, num_gpu_pages=settings.gpu_pages,
                   chunk_tokens=settings.chunk_tokens, host_budget_bytes=settings.host_budget_bytes,
                   host_dtype=settings.host_dtype)
-    fields.update(settings.cache)
-    fields.update(changes)
-    return CacheConfig(**fields)
+    return CacheConfig(**(fields | dict(settings.cache) | changes))
 
 
 def unlimited_pages(settings: BenchSettings, trace: Trace) -> int:
@@ -159,8 +145,7 @@ def unlimited_pages(settings: BenchSettings, trace: Trace) -> int:
 
 
 def _spread(values: np.ndarray, suffix: str = "", percentiles: tuple[int, ...] = (90,)) -> dict[str, float | None]:
-    """Median, mean and ``percentiles`` (``p90``, ...) of ``values``, each key followed by ``suffix`` (``None`` when
-    ``values`` is empty)."""
+    """Median, mean and ``percentiles`` (``p90``, ...) of ``values``, keys suffixed ``suffix``; ``None``s if empty."""
     stats = {"median": np.median, "mean": np.mean} | {f"p{q}": lambda v, q=q: np.percentile(v, q) for q in percentiles}
     return {name + suffix: float(f(values)) if len(values) else None for name, f in stats.items()}
 
@@ -182,9 +167,7 @@ class Phase:
     def report(self) -> dict:
         lat = np.asarray(self.latencies) * 1e3
         batches, steps, tokens = max(len(lat), 1), max(self.steps, 1), max(self.history_tokens, 1)
-        # Batch latencies are heavy-tailed (a few batches onload far more than the rest): the mean (what throughput
-        # sees) and the 99th percentile beside the median; each batch's own latency and bytes, in the order served
-        # (the windows serve the same batches in every mode).
+        # Heavy-tailed: mean and p99 beside the median; per batch latency and bytes, in order (same batches per mode)
         return {"batches": len(lat), **_spread(lat, "_ms", (90, 99)),
                 "gpu_hit_ratio": self.gpu_hits / tokens, "total_hit_ratio": (self.gpu_hits + self.host_hits) / tokens,
                 "onloaded_bytes_per_batch": sum(self.onloaded_bytes) / batches,
@@ -209,8 +192,7 @@ class BenchRun:
             self.engine.kv.host.store.wait_until_allocated()
         self.engine.kv.warm_transfers()
         self.startup_s = time.perf_counter() - t0
-        self.steady = trace.steady
-        self.cursor = 0
+        self.steady, self.cursor = trace.steady, 0
         self._hashes: dict[int, np.ndarray] = {}
 
     def warmup(self) -> dict:
@@ -219,9 +201,8 @@ class BenchRun:
         return {**phase.report(), "seconds": float(sum(phase.latencies)), "history_tokens": phase.history_tokens}
 
     def fast_forward(self, count: int) -> None:
-        """Move the cache state over the next ``count`` steady requests without running the model (see the module
-        docstring), through the scheduler's and the cache manager's public calls; the engine's intake then knows
-        each of those users' last history, as after serving them."""
+        """Move the cache state over the next ``count`` steady requests through the scheduler and cache manager,
+        without the model; the intake then knows each user's last history, as after serving them."""
         engine, trace = self.engine, self.trace
         indices = self.steady[self.cursor:self.cursor + count]
         for i in indices:
@@ -247,13 +228,10 @@ class BenchRun:
         self.cursor += count
 
     def windows(self, plan: list[tuple[int, bool]]) -> list[dict]:
-        """The measured windows, spread over the trace (its load is not stationary: every user's first and last
-        sessions bunch at its two ends, so one window in the middle would show hit ratios far above the whole
-        trace's): at each of ``window_strata`` evenly spaced points of the steady requests (the cache state
-        fast-forwarded there; recompute mode has none and skips), for each ``(batch_size, sync_phases)`` of ``plan``
-        in turn, ``window_requests / window_strata`` requests in closed-loop batches of that size (``sync_phases``:
-        device-synchronised phase times, for the per-step breakdown), after ``prime_batches`` unmeasured batches
-        (compilation, graph capture) at the first point. Returns each plan entry's report over all strata."""
+        """The measured windows (docs/design.md section 8): at each of ``window_strata`` evenly spaced points of the
+        steady requests (fast-forwarded there; recompute skips), for each ``(batch_size, sync_phases)`` of ``plan``,
+        ``window_requests / window_strata`` requests in closed-loop batches (device-synchronised phase times if
+        ``sync_phases``), after ``prime_batches`` unmeasured batches at the first point. Returns a report per entry."""
         settings, steady = self.settings, self.steady
         per = settings.window_requests // settings.window_strata
         if any(per % bs for bs, _ in plan) or per == 0:
@@ -336,8 +314,7 @@ class _GcClock:
     """A ``gc.callbacks`` entry that adds up the cyclic garbage collector's pauses (``seconds``)."""
 
     def __init__(self) -> None:
-        self.seconds = 0.0
-        self._start = 0.0
+        self.seconds = self._start = 0.0
 
     def __call__(self, stage: str, info: dict) -> None:
         if stage == "start":

@@ -1,9 +1,7 @@
 """Cache-policy simulation: the engine's scheduler and KV cache manager over a trace, without the model.
 
-Hit ratios depend only on the policy (which users' KV is where), not on the KV values, so the same
-``Scheduler`` and ``KVCacheManager`` code runs here with a one-value-per-token KV pool on the CPU. This
-is how the trace is calibrated and how hit ratios over the whole trace are computed quickly; latencies
-come from real runs on the GPU.
+Hit ratios depend only on the policy, not on K/V values, so the same code runs with a one-value-per-token KV pool on
+the CPU: it calibrates the trace and gives whole-trace hit ratios quickly.
 """
 
 from __future__ import annotations
@@ -34,9 +32,8 @@ class PolicyResult:
 
 
 def simulate_policy(trace: Trace, cache: CacheConfig) -> PolicyResult:
-    """Run ``trace`` through the scheduler (batches of up to 8 requests, 65,536 tokens) and the cache manager with
-    ``cache``, without the model, and measure hit ratios. ``cache.host_budget_bytes`` is read for the benchmark
-    model's KV size (8 layers, 4 heads x 128, bf16: 16 KiB per token)."""
+    """Hit ratios of ``trace`` through the scheduler (batches of up to 8 requests, 65,536 tokens) and cache manager.
+    ``cache.host_budget_bytes`` counts the benchmark model's KV (8 layers, 4 heads x 128, bf16: 16 KiB per token)."""
     real_token_bytes = 8 * 2 * 4 * 128 * 2
     sim_token_bytes = 1 * 2 * 1 * 1 * 2  # the simulated pool: 1 layer, 1 head, 1 dim, fp16
     sim_cache = msgspec.structs.replace(
@@ -75,9 +72,8 @@ def _simulate_in_worker(trace_config: TraceConfig, cache: CacheConfig) -> dict:
 
 
 class Simulations:
-    """Whole-trace policy simulations (:func:`simulate_policy`) of several cache configurations, run in up to
-    ``workers`` spawned processes (inline when ``workers`` is 0). The benchmark runs them after its measurements,
-    so that they never share the CPU with a measured engine."""
+    """Whole-trace policy simulations (:func:`simulate_policy`) of several cache configurations, in up to ``workers``
+    spawned processes (inline when 0)."""
 
     def __init__(self, trace: Trace, caches: list[CacheConfig], workers: int) -> None:
         self._pool = None

@@ -1,11 +1,5 @@
-"""A KuaiRand-1K-like request trace (docs/design.md section 8): long user histories, short bursty sessions.
-
-Each user's **first visit** (the warm-up: the history so far, encoded once) comes first; then, in the **steady
-state**, the user's remaining events arrive in sessions of requests 60 seconds apart (as NVIDIA's preprocessing cuts
-them), each adding a few events, with heavy-tailed (Pareto) gaps between sessions: the temporal locality of real
-traffic. The defaults are calibrated so that ``gpu_only`` with 40,960 pages of 32 tokens hits 60-68% of history
-tokens (``gr-engine bench --calibrate`` re-measures it).
-"""
+"""A KuaiRand-1K-like request trace (docs/design.md section 8, "Trace"): each user's first visit (the warm-up), then
+sessions of requests 60 seconds apart with Pareto gaps between sessions (the steady state)."""
 
 from __future__ import annotations
 
@@ -77,26 +71,22 @@ class Trace:
         r = self.requests[index]
         events = self.users[r.user]
         rng = np.random.default_rng((self.config.seed, index))
-        return RankRequest(
-            request_id=f"t{index}", user_id=r.user, item_ids=events.item_ids[: r.history_len],
-            action_ids=events.action_ids[: r.history_len], timestamps=events.timestamps[: r.history_len],
-            candidate_item_ids=rng.integers(0, self.config.num_items, self.config.num_candidates),
-        )
+        return RankRequest(request_id=f"t{index}", user_id=r.user, item_ids=events.item_ids[: r.history_len],
+                           action_ids=events.action_ids[: r.history_len], timestamps=events.timestamps[: r.history_len],
+                           candidate_item_ids=rng.integers(0, self.config.num_items, self.config.num_candidates))
 
     def summary(self) -> dict[str, float]:
         """The trace's headline statistics (users, requests, history lengths), as ``bench.json`` records them."""
         lengths = np.array([len(u.item_ids) for u in self.users])
         steady = [self.requests[i] for i in self.steady]
-        return {
-            "users": len(self.users), "requests": len(self.requests), "steady_requests": len(steady),
-            "mean_final_history": float(lengths.mean()), "max_final_history": int(lengths.max()),
-            "min_final_history": int(lengths.min()), "total_events": int(lengths.sum()),
-            "mean_steady_history": float(np.mean([r.history_len for r in steady])) if steady else 0.0,
-        }
+        return {"users": len(self.users), "requests": len(self.requests), "steady_requests": len(steady),
+                "mean_final_history": float(lengths.mean()), "max_final_history": int(lengths.max()),
+                "min_final_history": int(lengths.min()), "total_events": int(lengths.sum()),
+                "mean_steady_history": float(np.mean([r.history_len for r in steady])) if steady else 0.0}
 
 
 def generate_trace(config: TraceConfig = TraceConfig()) -> Trace:
-    """Build the trace described in the module docstring (deterministic for a given config)."""
+    """Build the trace of the module docstring, calibrated as docs/design.md section 8 says; deterministic."""
     rng = np.random.default_rng(config.seed)
     lengths = np.clip(np.round(rng.lognormal(config.mean_log_len, config.sigma_log_len, config.num_users)),
                       1, config.max_history_len).astype(np.int64)
@@ -130,9 +120,8 @@ def _request_sizes(rng: np.random.Generator, total: int, mean: float) -> np.ndar
 
 
 def _request_times(rng: np.random.Generator, count: int, config: TraceConfig) -> np.ndarray:
-    """Times of a user's ``count`` requests: sessions of ~``requests_per_session`` requests 60 s apart,
-    separated by Pareto gaps, the whole spread over ``horizon_s`` (later for users with more than
-    ``horizon_s / 60`` requests); consecutive requests are at least 60 s apart."""
+    """Times of a user's ``count`` requests: sessions of ~``requests_per_session`` requests 60 s apart, separated by
+    Pareto gaps, spread over ``horizon_s`` (longer for more than ``horizon_s / 60`` requests)."""
     if count == 0:
         return np.zeros(0)
     session_of = np.cumsum(rng.random(count) < 1.0 / config.requests_per_session)
@@ -143,15 +132,13 @@ def _request_times(rng: np.random.Generator, count: int, config: TraceConfig) ->
     span = starts[-1] if sessions > 1 else 1.0
     starts = starts / span * (config.horizon_s - 60.0 * count / sessions) + rng.uniform(0, 60)
     within = np.arange(count) - np.searchsorted(session_of, session_of, side="left")
-    # A user's requests stay in order and at least 60 s apart (compressed gaps would otherwise stack whole
-    # sessions onto one instant): t[i] = max(wanted[i], t[i - 1] + 60).
+    # In order, at least 60 s apart (else compressed gaps stack sessions): t[i] = max(wanted[i], t[i - 1] + 60).
     step = 60.0 * np.arange(count)
     return step + np.maximum.accumulate(starts[session_of] + 60.0 * within - step)
 
 
 def _event_times(rng: np.random.Generator, first: int, times: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """Non-decreasing event timestamps (seconds): history before the trace, then each request's events
-    inside its 60-second interval."""
+    """Non-decreasing event timestamps (seconds): history before the trace, then each request's in its 60 s."""
     before = np.sort(rng.uniform(-30 * 86_400, -60, first))
     during = [t - 60 + np.sort(rng.uniform(0, 60, s)) for t, s in zip(times, sizes)]
     stamps = np.concatenate([before, *during]) if during else before

@@ -136,6 +136,10 @@ class IncrementalHasher:
         self._last = LRUIndex()  # user -> its _History, least recently used first
         self._padding = np.zeros(page_size, dtype=np.int64)
 
+    def __contains__(self, user_id: Hashable) -> bool:
+        """Whether ``user_id``'s last history is kept."""
+        return user_id in self._last
+
     def __call__(self, user_id: Hashable, item_ids: np.ndarray, action_ids: np.ndarray,
                  timestamps: np.ndarray) -> np.ndarray:
         """uint64 ``[n]``, equal to ``page_prefix_hashes(item_ids, action_ids, timestamps, page_size)``."""

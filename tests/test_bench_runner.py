@@ -75,7 +75,7 @@ def test_quick_bench_writes_reports(tmp_path, capsys):
     assert "Score drift" in text and "Host time per batch" in text and "a small torch operation" in text
     assert "Table 1" in text and "Table 2" in text and "Table 3" in text and "Table 6" in text
     assert "x recompute by mean batch latency" in text and "| median ms | mean ms | p99 ms |" in text
-    assert "Batch latency in ms: median / mean / p99." in text  # the history length table
+    assert "Batch latency in ms: median / mean / p99 / max." in text  # the history length table
     assert "speedup_bs8" in capsys.readouterr().out
 
 

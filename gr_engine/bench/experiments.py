@@ -54,7 +54,7 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print,
         entry["breakdown_bs8"] = reports[-1]
         for bs, e in entry["batch_sizes"].items():
             echo(f"{mode:<12} bs={bs}: median {e['median_ms']:.2f} ms, mean {e['mean_ms']:.2f}, p99 {e['p99_ms']:.2f}, "
-                 f"hit {e['total_hit_ratio']:.1%}")
+                 f"max {e['max_ms']:.2f}, hit {e['total_hit_ratio']:.1%}")
         result["modes"][mode] = entry
         checkpoint(result)
     for key, name, values, modes in sweeps:  # their policy simulations are added below

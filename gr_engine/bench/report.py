@@ -20,16 +20,18 @@ HOST_PROBES = {
 }
 
 #: The summary's latency maps (mode -> batch size -> ms) and the statistic of :func:`latency_stats` each holds.
-LATENCY_KEYS = (("latency_ms", "median"), ("latency_mean_ms", "mean"), ("latency_p99_ms", "p99"))
+LATENCY_KEYS = (("latency_ms", "median"), ("latency_mean_ms", "mean"), ("latency_p99_ms", "p99"),
+                ("latency_max_ms", "max"))
 
 
 def latency_stats(entry: dict) -> dict[str, float | None]:
-    """A window report's ``median``, ``mean`` and ``p99`` batch latency (ms): its ``*_ms`` field, else computed from
-    ``batch_latency_ms`` (older results), else ``None``."""
-    stats = {"median": entry.get("median_ms"), "mean": entry.get("mean_ms"), "p99": entry.get("p99_ms")}
+    """A window report's ``median``, ``mean``, ``p99`` and ``max`` batch latency (ms): its ``*_ms`` field, else
+    computed from ``batch_latency_ms`` (older results), else ``None``."""
+    stats = {k: entry.get(f"{k}_ms") for k in ("median", "mean", "p99", "max")}
     if per_batch := entry.get("batch_latency_ms"):
         latency = np.asarray(per_batch, dtype=np.float64)
-        computed = {"median": np.median(latency), "mean": latency.mean(), "p99": np.percentile(latency, 99)}
+        computed = {"median": np.median(latency), "mean": latency.mean(), "p99": np.percentile(latency, 99),
+                    "max": latency.max()}
         stats = {k: float(computed[k]) if v is None else v for k, v in stats.items()}
     return stats
 
@@ -171,8 +173,9 @@ def markdown(result: dict) -> str:
         lines += ["", f"Report rebuilt from the run's bench.json by `{result['report_command']}`."]
     lines += _headline(summary, bs)
     lines += ["", "## Table 1: latency and hit ratios", "",
-              "Batch latency in ms: median, mean and p99 over the measured batches (heavy-tailed: a few onload far "
-              "more than the rest). Speedup over recompute by mean latency (what throughput sees), then median.", ""]
+              "Batch latency in ms: median, mean, p99 and max over the measured batches (heavy-tailed: a few onload "
+              "far more than the rest). Speedup over recompute by mean latency (what throughput sees), then median.",
+              ""]
     rows = []
     for name, entry in modes.items():
         for b in sizes:
@@ -180,8 +183,8 @@ def markdown(result: dict) -> str:
             speedups = [_speedup(summary[key], name, b) for key in ("latency_mean_ms", "latency_ms")]
             rows.append([name, b, *(_ms(summary[key][name][b]) for key, _ in LATENCY_KEYS), *speedups,
                          f"{e['gpu_hit_ratio']:.1%}", f"{e['total_hit_ratio']:.1%}"])
-    lines += _table(["mode", "BS", "median ms", "mean ms", "p99 ms", "speedup (mean)", "speedup (median)", "GPU hit",
-                     "total hit"], rows)
+    lines += _table(["mode", "BS", "median ms", "mean ms", "p99 ms", "max ms", "speedup (mean)", "speedup (median)",
+                     "GPU hit", "total hit"], rows)
     if "hier_over_bound_bs8" in summary:
         per_batch = summary.get("hier_over_batch_bound_bs8")
         lines += ["", f"Hierarchical at BS={bs}: {summary['hier_over_bound_bs8']:.2f}x its bound (median "
@@ -228,14 +231,14 @@ def markdown(result: dict) -> str:
     lines += _table(["mode", *PHASES, "gc", "steps 1-7: median / mean"], rows)
     for title, key in (("Table 3: chunk size", "chunk_sweep"), ("Table 6: GPU budget (pages)", "budget_sweep")):
         lines += ["", f"## {title}", ""]
-        lines += _table(["mode", "value", "median ms", "mean ms", "p99 ms", "total hit (window)",
+        lines += _table(["mode", "value", "median ms", "mean ms", "p99 ms", "max ms", "total hit (window)",
                          "total hit (whole trace)"],
                         [[mode, value, *_latency_cells(e), f"{e['total_hit_ratio']:.1%}",
                           f"{e['simulated']['total_hit_ratio']:.2%}"]
                          for mode, values in result.get(key, {}).items() for value, e in values.items()])
     scan = result.get("lengths", {})
     lines += ["", "## Latency against history length (fixed new events per visit)", "",
-              "Batch latency in ms: median / mean / p99.", ""]
+              "Batch latency in ms: median / mean / p99 / max.", ""]
     lines += _table(["history", *scan], [[length, *(" / ".join(_latency_cells(scan[m][length])) for m in scan)]
                                          for length in next(iter(scan.values()), {})])
     if "score_drift" in result:
@@ -259,7 +262,7 @@ def _phase_cells(phases: dict[str, float]) -> list[str]:
 
 def _latency_cells(entry: dict) -> list[str]:
     stats = latency_stats(entry)
-    return [_ms(stats[k]) for k in ("median", "mean", "p99")]
+    return [_ms(stats[k]) for k in ("median", "mean", "p99", "max")]
 
 
 def _speedup(latency: dict, mode: str, bs: int) -> str:

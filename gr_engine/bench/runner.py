@@ -145,8 +145,10 @@ def unlimited_pages(settings: BenchSettings, trace: Trace) -> int:
 
 
 def _spread(values: np.ndarray, suffix: str = "", percentiles: tuple[int, ...] = (90,)) -> dict[str, float | None]:
-    """Median, mean and ``percentiles`` (``p90``, ...) of ``values``, keys suffixed ``suffix``; ``None``s if empty."""
-    stats = {"median": np.median, "mean": np.mean} | {f"p{q}": lambda v, q=q: np.percentile(v, q) for q in percentiles}
+    """Median, mean, ``percentiles`` (``p90``, ...) and max of ``values``, keys suffixed ``suffix``; ``None``s if
+    empty."""
+    stats = ({"median": np.median, "mean": np.mean} | {f"p{q}": lambda v, q=q: np.percentile(v, q) for q in percentiles}
+             | {"max": np.max})
     return {name + suffix: float(f(values)) if len(values) else None for name, f in stats.items()}
 
 

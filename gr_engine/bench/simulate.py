@@ -31,9 +31,11 @@ class PolicyResult:
     host_evicted_users: int
 
 
-def simulate_policy(trace: Trace, cache: CacheConfig) -> PolicyResult:
+def simulate_policy(trace: Trace, cache: CacheConfig, per_request: np.ndarray | None = None) -> PolicyResult:
     """Hit ratios of ``trace`` through the scheduler (batches of up to 8 requests, 65,536 tokens) and cache manager.
-    ``cache.host_budget_bytes`` counts the benchmark model's KV (8 layers, 4 heads x 128, bf16: 16 KiB per token)."""
+    ``cache.host_budget_bytes`` counts the benchmark model's KV (8 layers, 4 heads x 128, bf16: 16 KiB per token).
+    ``per_request``, if given (int64 ``[len(trace.requests), 3]``), receives each request's history tokens, GPU hits
+    and host hits (tokens), first visits included."""
     real_token_bytes = 8 * 2 * 4 * 128 * 2
     sim_token_bytes = 1 * 2 * 1 * 1 * 2  # the simulated pool: 1 layer, 1 head, 1 dim, fp16
     sim_cache = msgspec.structs.replace(
@@ -51,6 +53,8 @@ def simulate_policy(trace: Trace, cache: CacheConfig) -> PolicyResult:
         kv.begin_step()
         plan = scheduler.schedule()
         for state in plan.admitted:
+            if per_request is not None:
+                per_request[state.seq_id] = (state.num_history, state.num_gpu_hits, state.num_host_hits)
             if not state.payload:
                 totals += (state.num_history, state.num_gpu_hits, state.num_host_hits)
         kv.launch_onloads()

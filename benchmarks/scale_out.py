@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     pool = None
     if args.workers:
         pool = concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn"))
-    hit, sim_imbalance, results = {}, {}, {}
+    hit, sim_imbalance, results, unadmitted = {}, {}, {}, {}
     for n in args.replicas:
         trace = merged_trace(traces[:n], args.users_per_replica)
         ring = HashRing(replica_names(n), args.virtual_nodes)
@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
         per = simulate_routing(trace, owner, cache, pool, f"N={n}")
         steady = np.array([not r.warmup for r in trace.requests])
         hit[n] = ratio(per[steady])
+        unadmitted[n] = int((per[:, 0] == 0).sum())  # too long for the scaled GPU pages: not in the ratios
         sim_imbalance[n] = imbalance(np.bincount([r.user for r in trace.requests]), owner_of_user, n)
         results[n] = (trace, ring, owner_of_user, per)
 
@@ -258,6 +259,7 @@ def main(argv: list[str] | None = None) -> None:
            "imbalance_target": f"<= 1.10 at 1 < N <= {args.target_replicas}",
            "hash_space_imbalance_by_virtual_nodes": {str(v): {str(k): round(x, 4) for k, x in d.items()}
                                                      for v, d in space.items()},
+           "unadmitted_requests": {str(k): v for k, v in unadmitted.items()},
            "imbalance_simulated_users": {str(k): round(v, 4) for k, v in sim_imbalance.items()},
            "settings": {"virtual_nodes": args.virtual_nodes, "replicas": args.replicas,
                         "imbalance_users_per_replica": args.imbalance_users,

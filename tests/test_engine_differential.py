@@ -83,16 +83,28 @@ def test_cached_modes_equal_recompute_over_thousands_of_requests(long_stream, mo
     engine.kv.check_invariants()
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10_000), page_size=st.sampled_from([1, 3, 4, 8]),
-       max_num_seqs=st.integers(1, 6), budget=st.integers(13, 80), slack=st.integers(0, 80),
-       mode=st.sampled_from(["gpu_only", "hierarchical"]), chunk_pages=st.integers(1, 5),
-       host_chunks=st.integers(0, 40), max_pending=st.integers(1, 4), persist_tails=st.booleans(),
-       prefetch=st.booleans(), call=st.integers(1, 9),
-       retrieval=st.booleans())
-def test_random_configurations_equal_recompute(seed, page_size, max_num_seqs, budget, slack, mode, chunk_pages,
-                                               host_chunks, max_pending, persist_tails, prefetch,
-                                               call, retrieval):
+RANDOM_CONFIGURATIONS = given(
+    seed=st.integers(0, 10_000), page_size=st.sampled_from([1, 3, 4, 8]), max_num_seqs=st.integers(1, 6),
+    budget=st.integers(13, 80), slack=st.integers(0, 80), mode=st.sampled_from(["gpu_only", "hierarchical"]),
+    chunk_pages=st.integers(1, 5), host_chunks=st.integers(0, 40), max_pending=st.integers(1, 4),
+    persist_tails=st.booleans(), prefetch=st.booleans(), call=st.integers(1, 9), retrieval=st.booleans())
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@RANDOM_CONFIGURATIONS
+def test_random_configurations_equal_recompute(**draw):
+    check_random_configuration(**draw)
+
+
+@pytest.mark.slow
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@RANDOM_CONFIGURATIONS
+def test_many_random_configurations_equal_recompute(**draw):
+    check_random_configuration(**draw)
+
+
+def check_random_configuration(seed, page_size, max_num_seqs, budget, slack, mode, chunk_pages, host_chunks,
+                               max_pending, persist_tails, prefetch, call, retrieval):
     """Random cache configurations, served ``call`` requests at a time (each call prefetches, with ``prefetch``),
     ranking or retrieval (``generate``, whose last history token is always recomputed)."""
     config = tiny_config(page_size=page_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,

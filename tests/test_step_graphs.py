@@ -48,8 +48,9 @@ def graph_engine(config, max_rows: int) -> GREngine:
 
 
 @needs_interpreter
-@pytest.mark.parametrize("mode,pages,plan_on_device", [("gpu_only", 45, True), ("hierarchical", 45, True),
-                                                       ("unlimited", 500, True), ("hierarchical", 45, False)])
+@pytest.mark.parametrize("mode,pages,plan_on_device", [
+    pytest.param("gpu_only", 45, True, marks=pytest.mark.slow), ("hierarchical", 45, True),
+    pytest.param("unlimited", 500, True, marks=pytest.mark.slow), ("hierarchical", 45, False)])
 def test_staged_steps_equal_recompute_on_cpu(mode, pages, plan_on_device):
     """Staged steps (the tile plan written on the device, or uploaded from the host) against recompute."""
     config = tiny_config(mode=mode, num_gpu_pages=pages, page_size=16, max_num_seqs=3, max_num_batched_tokens=96,
@@ -69,6 +70,7 @@ def test_staged_steps_equal_recompute_on_cpu(mode, pages, plan_on_device):
 
 
 @needs_interpreter
+@pytest.mark.slow
 def test_unpadded_fallback_equals_recompute_on_cpu(monkeypatch):
     """The path a step takes after a failed capture (its real size, the backend's host-planned eager metadata, no
     device plan) scores like recompute; on CPU it stands in for every replay here."""

@@ -90,6 +90,7 @@ class GREngine:
         self._seq = itertools.count()
         self._in_flight: set[str] = set()
         self._undelivered: list[Output] = []
+        self._in_step = False  # a step's ``between`` hook is running: its forward may still read freed pages
 
     # ------------------------------------------------------------------ streaming API
     def add_request(self, request: RankRequest | GenerateRequest, params: GenerateParams | None = None) -> int:
@@ -203,7 +204,8 @@ class GREngine:
         """Intake (docs/design.md section 3, step 2's request side): validate, hash the new parts of all valid
         histories in one pass, queue; returns each request's sequence number or error. Values are checked for the
         whole batch at once (:func:`values_valid`), request by request only when that finds a problem."""
-        if self.config.cache.prefetch and self.kv.host is not None and not self.scheduler.num_unfinished:
+        if (self.config.cache.prefetch and self.kv.host is not None and not self.scheduler.num_unfinished
+                and not self._in_step):  # a prefetch inside a step could onload into pages its forward reads
             # The coming step's users, before validation: their onloads run while the host validates and schedules.
             t, before = time.perf_counter(), self.kv.transferred_bytes
             users = [getattr(request, "user_id", None) for request in requests]
@@ -312,7 +314,11 @@ class GREngine:
             finished = {id(state) for state in self.scheduler.complete(chunks)}
             self.kv.end_step()
         if between is not None:
-            between()
+            self._in_step = True
+            try:
+                between()
+            finally:
+                self._in_step = False
         try:
             with timer("score"):  # 6
                 results, error = self.runner.score(chunks, meta, out), None

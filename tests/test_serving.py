@@ -353,3 +353,28 @@ def test_abort_waiting_and_work_between_steps() -> None:
     for request, reference in zip(served, recompute_scores(served)):
         np.testing.assert_allclose(by_id[request.request_id].scores, reference, atol=TOL, rtol=0)
     engine.kv.check_invariants()
+
+
+def test_requests_added_between_a_steps_forward_and_its_scoring_are_not_prefetched(monkeypatch) -> None:
+    """A prefetch onloads into free pages, which may be those the running step's forward still reads: requests added
+    through ``step(between=...)`` wait for the next step instead."""
+    from .conftest import with_cache
+
+    engine = GREngine(with_cache(tiny_config(mode="hierarchical", num_gpu_pages=96), prefetch=True))
+    calls: list[int] = []
+    prefetch = engine.kv.prefetch
+    monkeypatch.setattr(engine.kv, "prefetch", lambda users, count=None: (calls.append(len(users)),
+                                                                           prefetch(users, count))[1])
+    stream = make_stream(8, seed=31)
+    engine.add_requests(stream[:1])  # nothing in flight: prefetched
+    assert calls == [1]
+    outputs = engine.step(between=lambda: engine.add_requests(stream[1:]))  # the step finishes its only request
+    assert calls == [1]  # added inside the step: not prefetched
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    engine.add_requests(make_stream(1, seed=37))  # between calls again: prefetched
+    assert calls == [1, 1]
+    by_id = {o.request_id: o for o in outputs}
+    assert len(by_id) == len(stream)
+    for request, reference in zip(stream, recompute_scores(stream)):
+        np.testing.assert_allclose(by_id[request.request_id].scores, reference, atol=TOL, rtol=0)

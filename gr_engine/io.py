@@ -91,7 +91,7 @@ def read_requests(path: str | Path, request_type: type[GenerateRequest] = RankRe
 def write_outputs(path: str | Path, outputs: Sequence[RankOutput | GenerateOutput]) -> None:
     """Write outputs as JSONL (one object per line) or Parquet, by ``path``'s extension."""
     path = Path(path)
-    rows = msgspec.to_builtins(outputs, enc_hook=_array_as_lists)
+    rows = msgspec.to_builtins(outputs, enc_hook=array_as_lists)
     if file_format(path) == "jsonl":
         encoder = msgspec.json.Encoder()
         with path.open("wb") as f:
@@ -105,7 +105,7 @@ def write_outputs(path: str | Path, outputs: Sequence[RankOutput | GenerateOutpu
     pa.parquet.write_table(pa.Table.from_pylist(rows), path)
 
 
-def _array_as_lists(value: object) -> object:
+def array_as_lists(value: object) -> object:
     """``msgspec.to_builtins`` hook: numpy arrays (ranking scores) as nested lists; any other type is an error."""
     if isinstance(value, np.ndarray):
         return value.tolist()

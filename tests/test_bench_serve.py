@@ -5,10 +5,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,10 +12,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from gr_engine import GREngine
+from gr_engine import EngineConfig, GREngine
 from gr_engine.cli import main
 
-from .test_serving import free_port
+from .test_serving import Server
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("zmq")
@@ -76,30 +72,12 @@ def server(tmp_path_factory) -> Iterator[str]:
     """``gr-engine serve`` with the bench's quick gpu_only engine (written by ``--write-config``)."""
     tmp = tmp_path_factory.mktemp("bench-serve")
     config = tmp / "engine.json"
-    assert main(["bench-serve", "--quick", "--mode", "gpu_only", "--write-config", str(config),
-                 "--set", "serving.warmup=false"]) == 0
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = (tmp / "server.log").open("w")
-    process = subprocess.Popen([sys.executable, "-m", "gr_engine", "serve", "--config", str(config), "--host",
-                                "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert main(["bench-serve", "--quick", "--mode", "gpu_only", "--write-config", str(config)]) == 0
+    srv = Server(tmp, config=msgspec.json.decode(config.read_bytes(), type=EngineConfig))
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, (tmp / "server.log").read_text()
-            assert time.monotonic() < deadline, "the server did not become ready"
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        yield url
+        yield srv.url
     finally:
-        process.terminate()
-        process.wait(60)
-        log.close()
+        srv.stop()
 
 
 def test_http_with_two_generator_processes(server: str, tmp_path: Path) -> None:

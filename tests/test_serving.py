@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from gr_engine import GREngine, RankRequest
+from gr_engine import EngineConfig, GREngine, RankRequest
 
 from .conftest import tiny_config
 
@@ -65,12 +65,12 @@ def free_port() -> int:
 class Server:
     """``gr-engine serve`` in a subprocess."""
 
-    def __init__(self, tmp: Path, *overrides: str) -> None:
-        config = tmp / "config.json"
-        config.write_bytes(msgspec.json.encode(tiny_config(num_gpu_pages=96)))
+    def __init__(self, tmp: Path, *overrides: str, config: EngineConfig | None = None) -> None:
+        path = tmp / "config.json"
+        path.write_bytes(msgspec.json.encode(config or tiny_config(num_gpu_pages=96)))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        args = [sys.executable, "-m", "gr_engine", "serve", "--config", str(config), "--host", "127.0.0.1",
+        args = [sys.executable, "-m", "gr_engine", "serve", "--config", str(path), "--host", "127.0.0.1",
                 "--port", str(self.port), "--set", "serving.warmup=false"]
         for override in overrides:
             args += ["--set", override]
@@ -289,7 +289,9 @@ def test_sigterm_under_load_loses_no_accepted_request(tmp_path: Path) -> None:
 
     async def run() -> None:
         tasks = [asyncio.create_task(client(list(range(k, len(stream), 16)))) for k in range(16)]
-        while len(answered) < 60:
+        deadline = time.monotonic() + 120
+        while len(answered) < 60 and not failures:
+            assert time.monotonic() < deadline, "the load did not get 60 answers"
             await asyncio.sleep(0.01)
         server.process.send_signal(signal.SIGTERM)
         await asyncio.gather(*tasks)

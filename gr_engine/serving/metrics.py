@@ -85,17 +85,17 @@ class _CoreCollector:
         stats = self.engine.stats
         if stats is None:
             return
-        gauges = {"requests_running": (stats.running, "Requests admitted to engine steps."),
-                  "requests_waiting": (stats.waiting, "Requests queued in the engine core."),
-                  "gpu_pages_used": (stats.gpu_pages_used, "KV pages of the GPU pool in use."),
-                  "gpu_pages_free": (stats.gpu_pages_free, "KV pages of the GPU pool free."),
-                  "host_bytes_used": (stats.host_bytes_used, "Bytes of host chunk slots holding history.")}
-        for name, (value, text) in gauges.items():
-            yield GaugeMetricFamily(f"gr_engine_{name}", text, value=value)
-        counters = {"computed_tokens": (stats.computed_tokens, "Tokens computed (history and candidates)."),
-                    "gpu_hit_tokens": (stats.gpu_hit_tokens, "History tokens reused from GPU pages."),
-                    "host_hit_tokens": (stats.host_hit_tokens, "History tokens loaded from host chunks."),
-                    "onloaded_bytes": (stats.onloaded_bytes, "Bytes copied from host to GPU."),
-                    "offloaded_bytes": (stats.offloaded_bytes, "Bytes copied from GPU to host.")}
-        for name, (value, text) in counters.items():
-            yield CounterMetricFamily(f"gr_engine_{name}", text, value=value)
+        figures = [
+            (GaugeMetricFamily, "requests_running", stats.running, "Requests admitted to engine steps."),
+            (GaugeMetricFamily, "requests_waiting", stats.waiting, "Requests queued in the engine core."),
+            (GaugeMetricFamily, "gpu_pages_used", stats.gpu_pages_used, "KV pages of the GPU pool in use."),
+            (GaugeMetricFamily, "gpu_pages_free", stats.gpu_pages_free, "KV pages of the GPU pool free."),
+            (GaugeMetricFamily, "host_bytes_used", stats.host_bytes_used, "Bytes of host chunk slots holding history."),
+            (CounterMetricFamily, "computed_tokens", stats.computed_tokens, "Tokens computed (history, candidates)."),
+            (CounterMetricFamily, "gpu_hit_tokens", stats.gpu_hit_tokens, "History tokens reused from GPU pages."),
+            (CounterMetricFamily, "host_hit_tokens", stats.host_hit_tokens, "History tokens loaded from host chunks."),
+            (CounterMetricFamily, "onloaded_bytes", stats.onloaded_bytes, "Bytes copied from host to GPU."),
+            (CounterMetricFamily, "offloaded_bytes", stats.offloaded_bytes, "Bytes copied from GPU to host."),
+        ]
+        for family, name, value, text in figures:
+            yield family(f"gr_engine_{name}", text, value=value)

@@ -22,6 +22,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..config import EngineConfig
+from ..io import array_as_lists
 from ..outputs import GenerateOutput, RankOutput, output_user_id
 from ..request import GenerateParams, GenerateRequest, RankRequest
 from .client import AsyncGREngine, EngineDead, EngineOverloaded
@@ -54,13 +55,7 @@ def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -
     return Response(_ENCODER.encode(data), status_code=status, media_type="application/json", headers=headers)
 
 
-def _array_as_lists(value: object) -> object:
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    raise TypeError(f"cannot encode a {type(value).__name__}")
-
-
-_ENCODER = msgspec.json.Encoder(enc_hook=_array_as_lists)
+_ENCODER = msgspec.json.Encoder(enc_hook=array_as_lists)  # ranking scores (numpy) as nested lists
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:

@@ -7,10 +7,12 @@ docs/design.md section 5 describes its policies and how the manager drives it ea
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .config import CacheConfig
@@ -85,6 +87,24 @@ class HostTier:
     def prepare(self) -> None:
         """Before a step, create what transfers need (on CUDA: the onload kernel's launcher, the staging buffer)."""
         self.transfer.prepare(self.kv, self.store.slot_shape, self.store.dtype)
+
+    def warm(self, pages: np.ndarray, timeout_s: float = 120.0) -> None:
+        """Before serving: run the transfer kernels once (:meth:`.transfer.TransferEngine.warm`) through a free slot
+        (waiting up to ``timeout_s`` for the first pinned segment) and ``pages``, int64 ``[chunk_pages]`` free pool
+        pages; the slot is free again afterwards (with no slot free, nothing runs)."""
+        self.prepare()
+        store, deadline = self.store, time.monotonic() + timeout_s
+        slot_id = store.allocate()
+        while slot_id is None and store.num_allocated < store.num_slots and time.monotonic() < deadline:
+            time.sleep(0.01)
+            store.adopt_ready_segments()
+            slot_id = store.allocate()
+        if slot_id is None:
+            return
+        try:
+            self.transfer.warm(self.kv, OffloadJob(pages, slot_id, store.slot(slot_id), len(pages) * self.page_size))
+        finally:
+            store.free([slot_id])
 
     # ------------------------------------------------------------------ plans
     def touch(self, user: Hashable, record: UserRecord) -> None:

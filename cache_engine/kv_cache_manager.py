@@ -134,9 +134,20 @@ class KVCacheManager:
             self.host.finish_step()
 
     def warm_transfers(self) -> None:
-        """Before serving, create the onloads' kernel launcher and staging buffer (``hierarchical`` on CUDA)."""
-        if self.host is not None:
+        """Before serving, with no transfer in flight (``hierarchical`` on CUDA; else nothing): create the onloads'
+        launcher and staging buffer and run each transfer kernel once (:meth:`.host_tier.HostTier.warm`) on free
+        pages, so that no step compiles one."""
+        if self.host is None:
+            return
+        pages = np.empty(min(self.config.chunk_pages, self.pool.num_free), dtype=np.int32)
+        if not len(pages):
             self.host.prepare()
+            return
+        self.pool.allocate(pages)
+        try:
+            self.host.warm(pages)
+        finally:
+            self.pool.free(pages)
 
     def close(self) -> None:
         """Finish all transfers and stop background work."""

@@ -207,6 +207,23 @@ class TransferEngine:
         self._last_scatter = events[-1]
         return list(events)
 
+    def warm(self, kv: torch.Tensor, offload: OffloadJob) -> None:
+        """Before serving (CUDA; nothing on CPU): compile and run every transfer kernel once, so that no step
+        compiles one. Packs ``offload``'s pages (free pool pages) into its slot, then copies the slot back into
+        them by each onload path (DMA into the staging buffer where there is one, and host reads), and waits."""
+        if not self.is_cuda:
+            return
+        self.offload(kv, [offload])
+        self.before_writes()
+        onload = [OnloadJob(offload.slot_id, offload.slot, offload.pages)]
+        self.onload(kv, onload)
+        staging, self._staging = self._staging, None
+        try:
+            self.onload(kv, onload)
+        finally:
+            self._staging = staging
+        torch.cuda.synchronize(self.device)
+
     def prepare(self, kv: torch.Tensor, slot_shape: tuple[int, ...], src_dtype: torch.dtype) -> None:
         """Create what CUDA onloads need (nothing on CPU): the onload kernel's launcher, its per-layer events and,
         where the driver batches copies, the staging buffer of host slots' shape ``slot_shape`` and ``src_dtype``."""

@@ -19,6 +19,7 @@ from attention_backends import AttentionSpec, BackendRegistry
 from cache_engine import IncrementalHasher, KVCacheManager
 from scheduler import RequestState, ScheduledChunk, Scheduler
 
+from .compile_watch import CompileWatch, StallCounts
 from .config import EngineConfig
 from .metrics import EngineStats, PhaseTimer, StepMetrics
 from .model_runner import ChunkResult, ModelRunner, RequestPayload
@@ -64,6 +65,7 @@ class GREngine:
         self.config = config
         mc = config.model
         self.device = resolve_device(config.device)
+        self._compiles = CompileWatch(listen=self.device.type == "cuda")
         if model is None:
             model = GRModel(mc)
             if config.weights_path is not None:
@@ -173,22 +175,31 @@ class GREngine:
         return results
 
     def warmup(self, use_tqdm: bool = True) -> int:
-        """Once at start-up, before serving: capture every step graph (:meth:`ModelRunner.capture_graphs`, writing
-        only free pages) and prepare the host tier's onloads (:meth:`~cache_engine.KVCacheManager.warm_transfers`).
-        Returns how many (bucket, launch shape) forwards were replayed (0 without step graphs)."""
+        """Once at start-up, before serving, so that no later step compiles a kernel or captures a graph
+        (:meth:`stalls`): run the host tier's transfer kernels (:meth:`~cache_engine.KVCacheManager.warm_transfers`),
+        one eager step of each launch shape (:meth:`ModelRunner.warm_eager`) and capture every step graph
+        (:meth:`ModelRunner.capture_graphs`), writing only free pages. Returns how many (bucket, launch shape)
+        forwards were captured (0 without step graphs)."""
         if self.scheduler.num_unfinished:
             raise RuntimeError("warmup() runs between calls, not while requests are in flight")
-        self.kv.warm_transfers()
-        if self.runner.graphs is None:
-            return 0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # free pages may still be read by gathers in flight
-        pages = np.empty(min(self.kv.pool.num_free, self.runner.graphs.max_pages), dtype=np.int32)
+        self.kv.warm_transfers()
+        graphs = self.runner.graphs
+        pages = np.empty(self.kv.pool.num_free, dtype=np.int32)
         self.kv.pool.allocate(pages)
         try:
-            return self.runner.capture_graphs(pages, use_tqdm)
+            self.runner.warm_eager(pages)
+            return 0 if graphs is None else self.runner.capture_graphs(pages[: graphs.max_pages], use_tqdm)
         finally:
             self.kv.pool.free(pages)
+
+    def stalls(self) -> StallCounts:
+        """Kernel compilations and graph captures since the engine was built (each stalls the step it happens in):
+        after :meth:`warmup`, serving leaves them unchanged."""
+        graphs = self.runner.graphs
+        return StallCounts(self._compiles.compilations, self._compiles.cache_loads,
+                           0 if graphs is None else graphs.num_graphs)
 
     def close(self) -> None:
         """Finish in-flight transfers and stop background work (the engine stays usable)."""

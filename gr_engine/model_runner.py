@@ -80,6 +80,12 @@ class ChunkResult:
     scores: list[float] | None = None
 
 
+#: Most new history rows of :meth:`ModelRunner.warm_eager`'s steps (above it launch shapes no longer change) and the
+#: cached history of its long steps (tokens; enough for any backend's split of a request's key range).
+WARM_MAX_ROWS = 512
+WARM_CACHED_TOKENS = 8192
+
+
 class ModelRunner:
     """Executes scheduled steps of :class:`GRModel` over the :class:`KVCacheManager`'s pages."""
 
@@ -135,9 +141,15 @@ class ModelRunner:
                 and self.graphs.fits(len(item_ids), len(chunks), int(hist.sum()), len(layout["kv_indices"]))):
             return self.graphs.stage(layout, {"item_ids": item_ids, "action_ids": action_ids})
         times = self._timestamps(chunks) if self.model.config.time_bias_buckets else (None, None)
-        common = PagedBatchMetadata.from_layout(layout["history_start"], hist, layout["num_candidate_rows"],
-                                                layout["kv_indptr"], layout["kv_indices"], self.kv.page_size,
-                                                self.device, *times)
+        return self._eager_step(layout, item_ids, action_ids, times)
+
+    def _eager_step(self, layout: dict[str, np.ndarray], item_ids: np.ndarray, action_ids: np.ndarray,
+                    times: tuple[np.ndarray | None, np.ndarray | None]) -> EagerStep:
+        """Upload a step for an eager forward: ``layout`` as :attr:`StepMetadata.layout`, int64 ``item_ids`` and
+        ``action_ids`` ``[T]`` of its rows, and the time-bias timestamps (as :meth:`_timestamps`, or ``None``s)."""
+        common = PagedBatchMetadata.from_layout(layout["history_start"], layout["num_history_rows"],
+                                                layout["num_candidate_rows"], layout["kv_indptr"],
+                                                layout["kv_indices"], self.kv.page_size, self.device, *times)
         # History rows sit at their event's position, candidates (final chunk only) at kv_seq_lens.
         host = common.host
         positions = np.empty(len(item_ids), dtype=np.int64)
@@ -186,6 +198,43 @@ class ModelRunner:
         if cuda:
             torch.cuda.synchronize(graphs.device)
         return len(keys)
+
+    @torch.no_grad()
+    def warm_eager(self, pages: np.ndarray) -> int:
+        """Run, before serving (:meth:`GREngine.warmup <gr_engine.GREngine.warmup>`), one eager step of each shape
+        whose launch configuration a backend may pick differently, so that no later step compiles a kernel: one
+        request of 1, 2, 4, ..., :data:`WARM_MAX_ROWS` new history rows (and one of ``max_candidates`` candidates),
+        over no cached history and over a long one, with both timestamp widths when the model has a time bias.
+
+        Args:
+            pages: int32 ``[P]`` free page ids of the pool, which are written (shapes needing more are skipped).
+
+        Returns:
+            How many steps ran.
+        """
+        page_size, config = self.kv.page_size, self.model.config
+        shapes = [(1 << shift, 0) for shift in range(WARM_MAX_ROWS.bit_length())] + [(1, config.max_candidates)]
+        spans = [0, 2**32] if config.time_bias_buckets else [None]  # int32 and int64 timestamps
+        count = 0
+        for (rows, candidates), long, span in itertools.product(shapes, (False, True), spans):
+            room = min(WARM_CACHED_TOKENS, config.max_history_len - rows - 1, len(pages) * page_size - rows)
+            cached = room if long else 0
+            if rows >= config.max_history_len or cached < 0 or (long and room <= 0):
+                continue
+            num_pages = -(-(cached + rows) // page_size)
+            if num_pages > len(pages):
+                continue
+            layout = {"history_start": np.array([cached]), "num_history_rows": np.array([rows]),
+                      "num_candidate_rows": np.array([candidates]), "kv_indptr": np.array([0, num_pages]),
+                      "kv_indices": pages[:num_pages]}
+            times = (None, None) if span is None else (np.full(rows + candidates, span, dtype=np.int64),
+                                                       np.zeros(cached + rows, dtype=np.int64))
+            zeros = np.zeros(rows + candidates, dtype=np.int64)
+            self.forward(self._eager_step(layout, zeros, zeros, times), [None] * len(self.model.layers))
+            count += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return count
 
     @torch.no_grad()
     def forward(self, step: StepInput, layer_ready: list[torch.cuda.Event | None]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -350,7 +350,25 @@ def test_warmed_up_engine_captures_nothing_while_serving():
     assert max_diff(outputs[1], outputs[0]) == 0
 
 
-def test_warmup_without_step_graphs_does_nothing(config):
-    """On CPU (no step graphs) ``warmup()`` captures nothing and leaves the pool as it was."""
+@pytest.mark.parametrize("mode", ["hierarchical", "gpu_only"])
+def test_warmup_without_step_graphs_runs_eager_steps_on_free_pages_only(mode):
+    """On CPU (no step graphs) ``warmup()`` between calls captures nothing, runs its eager steps (and the host
+    tier's transfers) on free pages only: cached users' pages, the free list and later scores are as without it."""
+    config = tiny_config(mode=mode, num_gpu_pages=120, page_size=16, max_num_seqs=3, max_num_batched_tokens=96,
+                         chunk_pages=2, host_chunks=200)
+    requests = stream(config, num_users=8, visits=4, seed=9)
+    expected = GREngine(with_cache(config, mode="recompute")).rank(requests, use_tqdm=False)
     engine = GREngine(config)
-    assert engine.warmup(use_tqdm=False) == 0 and engine.kv.pool.num_free == config.cache.num_gpu_pages
+    got = engine.rank(requests[:12], use_tqdm=False)
+    held = np.concatenate([r.page_buffer[:r.num_pages] for r in engine.kv.users.values()])
+    before, free = engine.kv.kv_cache[:, held].clone(), engine.kv.pool.free_page_ids()
+    calls = []
+    original = engine.runner.forward
+    engine.runner.forward = lambda *args: calls.append(1) or original(*args)
+    assert engine.warmup(use_tqdm=False) == 0
+    assert len(calls) >= 10  # 1..512 rows, over no and a long cached history
+    assert torch.equal(engine.kv.kv_cache[:, held], before) and engine.kv.pool.free_page_ids() == free
+    assert engine.stalls().kernel_compilations == engine.stalls().graph_captures == 0  # nothing compiles on CPU
+    got += engine.rank(requests[12:], use_tqdm=False)
+    assert max_diff(got, expected) <= 1e-5
+    engine.kv.check_invariants()

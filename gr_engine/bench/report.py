@@ -89,6 +89,9 @@ def summarize(result: dict, bs: int = 8) -> dict:
     if "score_drift" in result:
         summary["fp8_score_drift_max_rel"] = result["score_drift"].get("float8_e4m3fn", {}).get("max_rel")
     summary["simulated_total_hit_ratio"] = result["simulated"].get("hierarchical", {}).get("total_hit_ratio")
+    stalls = [e["stalls"] for m in modes.values() for e in m["batch_sizes"].values() if "stalls" in e]
+    if stalls:  # kernel compilations, cache loads and graph captures inside Table 1's measured batches
+        summary["stalls_in_windows"] = int(sum(stalls))
     return summary
 
 
@@ -185,6 +188,9 @@ def markdown(result: dict) -> str:
                          f"{e['gpu_hit_ratio']:.1%}", f"{e['total_hit_ratio']:.1%}"])
     lines += _table(["mode", "BS", "median ms", "mean ms", "p99 ms", "max ms", "speedup (mean)", "speedup (median)",
                      "GPU hit", "total hit"], rows)
+    if "stalls_in_windows" in summary:
+        lines += ["", f"Kernel compilations, kernel cache loads and graph captures during these batches (after each "
+                  f"engine's warm-up): {summary['stalls_in_windows']}."]
     if "hier_over_bound_bs8" in summary:
         per_batch = summary.get("hier_over_batch_bound_bs8")
         lines += ["", f"Hierarchical at BS={bs}: {summary['hier_over_bound_bs8']:.2f}x its bound (median "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
 import msgspec
 import numpy as np
@@ -165,6 +165,7 @@ class Phase:
     host_seconds: list[float] = field(default_factory=list)  # per batch, the host time of its HOST_PHASES
     steps: int = 0
     gc_seconds: float = 0.0
+    stalls: int = 0  # kernel compilations and cache loads, graph captures (GREngine.stalls): 0 after warm-up
 
     def report(self) -> dict:
         lat = np.asarray(self.latencies) * 1e3
@@ -174,6 +175,7 @@ class Phase:
                 "gpu_hit_ratio": self.gpu_hits / tokens, "total_hit_ratio": (self.gpu_hits + self.host_hits) / tokens,
                 "onloaded_bytes_per_batch": sum(self.onloaded_bytes) / batches,
                 "steps_per_batch": self.steps / batches, "gc_ms_per_batch": self.gc_seconds / batches * 1e3,
+                "stalls": self.stalls,
                 "phase_ms_per_step": {k: v / steps * 1e3 for k, v in self.phase_seconds.items()},
                 "phase_ms_per_batch": {k: v / batches * 1e3 for k, v in self.phase_seconds.items()},
                 "host_ms_per_batch": _spread(np.asarray(self.host_seconds) * 1e3),
@@ -192,7 +194,7 @@ class BenchRun:
         self.engine = GREngine(config, host_memory=host_memory, model=model)
         if self.engine.kv.host is not None:
             self.engine.kv.host.store.wait_until_allocated()
-        self.engine.kv.warm_transfers()
+        self.engine.warmup(use_tqdm=False)
         self.startup_s = time.perf_counter() - t0
         self.steady, self.cursor = trace.steady, 0
         self._hashes: dict[int, np.ndarray] = {}
@@ -269,7 +271,7 @@ class BenchRun:
         try:
             for start in range(0, len(requests), batch_size):
                 batch = requests[start:start + batch_size]
-                steps, onloaded = engine.stats.num_steps, engine.kv.stats.onloaded_bytes
+                steps, onloaded, stalls = engine.stats.num_steps, engine.kv.stats.onloaded_bytes, engine.stalls()
                 phases = dict(engine.stats.phase_seconds)
                 _sync(engine)
                 gc_before, t0 = clock.seconds, time.perf_counter()
@@ -285,6 +287,7 @@ class BenchRun:
                 phase.host_hits += sum(o.num_host_cached_tokens for o in outputs)
                 phase.onloaded_bytes.append(engine.kv.stats.onloaded_bytes - onloaded)
                 phase.steps += engine.stats.num_steps - steps
+                phase.stalls += sum(astuple(engine.stalls())) - sum(astuple(stalls))
                 host = 0.0
                 for name, seconds in engine.stats.phase_seconds.items():
                     spent = seconds - phases.get(name, 0.0)

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import time
+from dataclasses import asdict
 
 import msgspec
 import zmq
@@ -190,7 +191,7 @@ class EngineCore:
             computed_tokens=engine.stats.num_computed_step_tokens, gpu_hit_tokens=engine.stats.gpu_hit_tokens,
             host_hit_tokens=engine.stats.host_hit_tokens, gpu_pages_used=kv.pool.num_pages - kv.pool.num_free,
             gpu_pages_free=kv.pool.num_free, host_bytes_used=host_used, onloaded_bytes=onloaded,
-            offloaded_bytes=offloaded,
+            offloaded_bytes=offloaded, **asdict(engine.stalls()),
         )
 
 

@@ -28,7 +28,8 @@ class ServingMetrics:
     ``request_latency_seconds`` and ``request_queue_seconds`` (histograms), ``step_seconds`` (histogram),
     ``requests_running`` and ``requests_waiting`` (gauges), ``computed_tokens_total``, ``gpu_hit_tokens_total``,
     ``host_hit_tokens_total``, ``gpu_pages_used``, ``gpu_pages_free``, ``host_bytes_used``,
-    ``onloaded_bytes_total``, ``offloaded_bytes_total``.
+    ``onloaded_bytes_total``, ``offloaded_bytes_total``, ``kernel_compilations_total``,
+    ``kernel_cache_loads_total``, ``graph_captures_total``.
     """
 
     def __init__(self, engine: AsyncGREngine) -> None:
@@ -96,6 +97,12 @@ class _CoreCollector:
             (CounterMetricFamily, "host_hit_tokens", stats.host_hit_tokens, "History tokens loaded from host chunks."),
             (CounterMetricFamily, "onloaded_bytes", stats.onloaded_bytes, "Bytes copied from host to GPU."),
             (CounterMetricFamily, "offloaded_bytes", stats.offloaded_bytes, "Bytes copied from GPU to host."),
+            (CounterMetricFamily, "kernel_compilations", stats.kernel_compilations,
+             "Triton kernels compiled by the engine core (none after warm-up)."),
+            (CounterMetricFamily, "kernel_cache_loads", stats.kernel_cache_loads,
+             "Triton kernels loaded from the disk cache by the engine core (none after warm-up)."),
+            (CounterMetricFamily, "graph_captures", stats.graph_captures,
+             "CUDA graphs captured by the engine core (none after warm-up)."),
         ]
         for family, name, value, text in figures:
             yield family(f"gr_engine_{name}", text, value=value)

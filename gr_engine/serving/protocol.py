@@ -87,6 +87,8 @@ class CoreStats(msgspec.Struct, array_like=True):
         gpu_pages_used, gpu_pages_free: the GPU page pool now.
         host_bytes_used: bytes of host chunk slots holding history now.
         onloaded_bytes, offloaded_bytes: totals moved between host and GPU.
+        kernel_compilations, kernel_cache_loads, graph_captures: the engine's stalls since it was built
+            (:meth:`~gr_engine.GREngine.stalls`; unchanged after warm-up).
     """
 
     running: int
@@ -100,6 +102,9 @@ class CoreStats(msgspec.Struct, array_like=True):
     host_bytes_used: int
     onloaded_bytes: int
     offloaded_bytes: int
+    kernel_compilations: int
+    kernel_cache_loads: int
+    graph_captures: int
 
 
 class CoreReport(msgspec.Struct, array_like=True):

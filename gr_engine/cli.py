@@ -10,6 +10,7 @@ import functools
 import json
 import sys
 import time
+from pathlib import Path
 
 import msgspec
 
@@ -41,31 +42,45 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _serve_file(args: argparse.Namespace, generate: bool) -> int:
-    """``rank`` / ``generate``: serve ``--input``, write one output per row (unparsable rows: error rows) to
-    ``--output``. Exit status 1 when every request failed, else 0."""
+    """``rank`` / ``generate``: serve ``--input`` a chunk at a time (:class:`~gr_engine.io.RequestReader`), writing
+    each chunk's outputs, one per row (unparsable rows: error rows), to ``--output`` before reading the next. Exit
+    status 1 when every request failed, else 0."""
+    from tqdm.auto import tqdm
+
     from .engine import GREngine
-    from .io import file_format, read_requests, write_outputs
+    from .io import RequestReader, file_format
+    from .output_writer import OutputWriter
+    from .outputs import GenerateOutput, RankOutput
     from .request import GenerateRequest, RankRequest
 
     file_format(args.input)
     file_format(args.output)  # before serving: results that cannot be written would be lost
+    if Path(args.output).exists() and Path(args.output).samefile(args.input):
+        raise ValueError(f"--output {args.output} is the input file: it is read while the outputs are written")
     params = GenerateParams(top_k=args.top_k, exclude_history=args.exclude_history) if generate else None
     overrides = args.overrides + ([f"weights_path={args.weights}"] if args.weights else [])
     config = load_config(args.config, overrides)
-    parsed = read_requests(args.input, GenerateRequest if generate else RankRequest)
-    engine = GREngine(config)
-    t0 = time.perf_counter()
-    valid = [p for p in parsed if isinstance(p, GenerateRequest)]
-    progress = not args.no_progress
-    served = iter(engine.generate(valid, params, use_tqdm=progress) if generate
-                  else engine.rank(valid, use_tqdm=progress))
-    outputs = [next(served) if isinstance(p, GenerateRequest) else p for p in parsed]
-    write_outputs(args.output, outputs)
-    failed = sum(o.error is not None for o in outputs)
+    rows = failed = 0
+    # The input opens first (a missing file fails before the engine is built), the output once the engine exists.
+    with RequestReader(args.input, GenerateRequest if generate else RankRequest) as reader:
+        engine = GREngine(config)
+        t0 = time.perf_counter()
+        with OutputWriter(args.output, GenerateOutput if generate else RankOutput) as writer, \
+                tqdm(total=reader.num_rows, desc="Retrieving" if generate else "Ranking", unit="req",
+                     disable=args.no_progress) as bar:
+            for chunk in reader:
+                valid = [p for p in chunk if isinstance(p, GenerateRequest)]
+                served = iter(engine.generate(valid, params, use_tqdm=False) if generate
+                              else engine.rank(valid, use_tqdm=False))
+                outputs = [next(served) if isinstance(p, GenerateRequest) else p for p in chunk]
+                writer.write(outputs)
+                rows += len(outputs)
+                failed += sum(o.error is not None for o in outputs)
+                bar.update(len(outputs))
     verb = "retrieved items for" if generate else "ranked"
-    print(f"{verb} {len(outputs) - failed} requests ({failed} failed) in {time.perf_counter() - t0:.2f} s; "
+    print(f"{verb} {rows - failed} requests ({failed} failed) in {time.perf_counter() - t0:.2f} s; "
           f"history token hit ratio {engine.stats.total_hit_ratio:.1%}; wrote {args.output}", file=sys.stderr)
-    if outputs and failed == len(outputs):
+    if rows and failed == rows:
         print(f"gr-engine {args.command}: error: all {failed} requests failed (see the error field of "
               f"{args.output})", file=sys.stderr)
         return 1
@@ -75,7 +90,6 @@ def _serve_file(args: argparse.Namespace, generate: bool) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     import dataclasses
     import subprocess
-    from pathlib import Path
 
     from .bench.experiments import run_benchmark
     from .bench.report import load_result, summarize, unwritable, write_results

@@ -1,24 +1,41 @@
-"""Reading requests from and writing outputs to JSONL and Parquet files (offline ranking and retrieval).
+"""Reading requests from JSONL and Parquet files, a chunk of rows at a time (offline ranking and retrieval in bounded
+memory: ``gr-engine rank`` / ``generate``).
 
 One request per line (JSONL) or row (Parquet), with the fields of :class:`~gr_engine.request.RankRequest` (or
 :class:`~gr_engine.request.GenerateRequest`). A malformed row becomes an output in its place whose ``error`` says why,
 with the row's ``request_id`` and ``user_id`` where readable; without a ``request_id`` it is labelled ``line-N``
 (JSONL, 1-based; blank lines skipped but counted) or ``row-N`` (Parquet, 1-based).
+
+:class:`RequestReader` yields chunks of at most :data:`CHUNK_ROWS` rows, and
+:class:`~gr_engine.output_writer.OutputWriter` appends each chunk's outputs: a job that reads a chunk, serves it and
+writes it before reading the next holds one chunk of requests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from .outputs import GenerateOutput, RankOutput, output_user_id
 from .request import GenerateRequest, RankRequest
 
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
+
+#: Rows per chunk. A request of 4,096 events (the default ``model.max_history_len``) holds about 350 KB of Python
+#: ints, so a chunk of the longest histories is about 90 MB (typical ones: tens of MB; a Parquet chunk's decoded rows
+#: are held too while it is parsed). 256 rows are 32 full steps of the default scheduler (``max_num_seqs=8``): the
+#: partly filled steps at a chunk's end are few (on CPU, 3,000 requests run as fast in chunks of 256 as at once).
+CHUNK_ROWS = 256
+
+#: Bytes pyarrow reads of a Parquet column at a time. Without a buffer (and with its pre-buffering) pyarrow reads and
+#: decodes a whole row group, which another tool may have written with millions of rows.
+PARQUET_READ_BUFFER = 1 << 20
+
+Parsed = GenerateRequest | RankOutput | GenerateOutput
 
 
 def file_format(path: str | Path) -> str:
@@ -28,11 +45,12 @@ def file_format(path: str | Path) -> str:
     if suffix not in FORMATS:
         raise ValueError(f"cannot tell the format of {path}: use one of {', '.join(sorted(FORMATS))}")
     if FORMATS[suffix] == "parquet":
-        _pyarrow()
+        import_pyarrow()
     return FORMATS[suffix]
 
 
-def _pyarrow():
+def import_pyarrow() -> ModuleType:
+    """The ``pyarrow`` module with ``pyarrow.parquet`` loaded; ``ImportError`` saying how to install it."""
     try:
         import pyarrow
         import pyarrow.parquet
@@ -41,72 +59,89 @@ def _pyarrow():
     return pyarrow
 
 
-def _read_rows(path: Path) -> list[tuple[str, Any]]:
-    """``(label, row)`` of every row of ``path``, labelled as the module docstring says; a line that is not JSON
-    comes back as a ``ValueError`` instead of a row."""
-    if file_format(path) == "parquet":
-        table = _pyarrow().parquet.read_table(path).to_pylist()
-        return [(f"row-{number}", row) for number, row in enumerate(table, start=1)]
-    rows: list[tuple[str, Any]] = []
-    with path.open("rb") as f:
-        for number, line in enumerate(f, start=1):
+class RequestReader:
+    """The rows of a request file, parsed, in chunks of at most :data:`CHUNK_ROWS` rows, in file order.
+
+    The file is opened here (a missing file fails before any work); iterate once. Each chunk is a list of
+    requests of ``request_type`` and, in the places of rows that are not valid requests, failed outputs
+    (:class:`RankOutput` for ranking requests, :class:`GenerateOutput` for retrieval). A chunk is parsed only when
+    the iteration asks for it.
+
+    Args:
+        path: a ``.jsonl``/``.json``/``.ndjson`` or ``.parquet``/``.pq`` file.
+        request_type: :class:`RankRequest` (rows need candidates) or :class:`GenerateRequest` (other fields, such
+            as candidates, are ignored).
+
+    Attributes:
+        num_rows: rows in the file (Parquet, from its metadata), or ``None`` (JSONL: unknown until read).
+    """
+
+    def __init__(self, path: str | Path, request_type: type[GenerateRequest] = RankRequest) -> None:
+        self.path = Path(path)
+        self.format = file_format(self.path)
+        self.request_type = request_type
+        self.num_rows: int | None = None
+        if self.format == "parquet":
+            self._parquet = import_pyarrow().parquet.ParquetFile(self.path, buffer_size=PARQUET_READ_BUFFER,
+                                                           pre_buffer=False)
+            self.num_rows = self._parquet.metadata.num_rows
+        else:
+            self._jsonl = self.path.open("rb")
+
+    def __iter__(self) -> Iterator[list[Parsed]]:
+        rows = CHUNK_ROWS
+        chunk: list[Parsed] = []
+        for label, row in self._parquet_rows(rows) if self.format == "parquet" else self._jsonl_rows():
+            chunk.append(parse_row(label, row, self.request_type))
+            if len(chunk) == rows:
+                yield chunk
+                chunk = []
+        if chunk:
+            yield chunk
+
+    def _parquet_rows(self, batch_rows: int) -> Iterator[tuple[str, Any]]:
+        number = 0
+        for batch in self._parquet.iter_batches(batch_size=batch_rows):
+            for row in batch.to_pylist():
+                number += 1
+                yield f"row-{number}", row
+
+    def _jsonl_rows(self) -> Iterator[tuple[str, Any]]:
+        for number, line in enumerate(self._jsonl, start=1):
             if not line.strip():
                 continue
             try:
-                rows.append((f"line-{number}", msgspec.json.decode(line)))
+                yield f"line-{number}", msgspec.json.decode(line)
             except msgspec.DecodeError as exc:
-                rows.append((f"line-{number}", ValueError(f"line {number} is not valid JSON: {exc}")))
-    return rows
+                yield f"line-{number}", ValueError(f"line {number} is not valid JSON: {exc}")
+
+    def close(self) -> None:
+        """Close the file."""
+        (self._parquet if self.format == "parquet" else self._jsonl).close()
+
+    def __enter__(self) -> RequestReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
-def read_requests(path: str | Path, request_type: type[GenerateRequest] = RankRequest,
-                  ) -> list[GenerateRequest | RankOutput | GenerateOutput]:
-    """Parse a request file; rows that are not valid requests come back as failed outputs, in their place.
-
-    Args:
-        path: a ``.jsonl``/``.json``/``.ndjson`` or ``.parquet`` file.
-        request_type: :class:`RankRequest` (rows need candidates; failed rows are :class:`RankOutput`s) or
-            :class:`GenerateRequest` (other fields, such as candidates, are ignored; failed rows are
-            :class:`GenerateOutput`s).
-    """
+def parse_row(label: str, row: Any, request_type: type[GenerateRequest]) -> Parsed:
+    """A decoded row (or the ``ValueError`` of one that could not be decoded) as a request of ``request_type``, or
+    as a failed output labelled by its ``request_id`` or, without one, by ``label``."""
     failed = RankOutput if issubclass(request_type, RankRequest) else GenerateOutput
-    parsed: list[GenerateRequest | RankOutput | GenerateOutput] = []
-    for label, row in _read_rows(Path(path)):
-        if isinstance(row, Exception):
-            parsed.append(failed(request_id=label, error=str(row)))
-            continue
-        try:
-            parsed.append(msgspec.convert(row, request_type))
-        except msgspec.ValidationError as exc:
-            fields = row if isinstance(row, dict) else {}
-            request_id = fields.get("request_id")
-            parsed.append(failed(
-                request_id=str(request_id) if request_id is not None else label,
-                user_id=output_user_id(fields.get("user_id")),
-                error=f"invalid request: {exc}",
-            ))
-    return parsed
+    if isinstance(row, Exception):
+        return failed(request_id=label, error=str(row))
+    try:
+        return msgspec.convert(row, request_type)
+    except msgspec.ValidationError as exc:
+        fields = row if isinstance(row, dict) else {}
+        request_id = fields.get("request_id")
+        return failed(request_id=str(request_id) if request_id is not None else label,
+                      user_id=output_user_id(fields.get("user_id")), error=f"invalid request: {exc}")
 
 
-def write_outputs(path: str | Path, outputs: Sequence[RankOutput | GenerateOutput]) -> None:
-    """Write outputs as JSONL (one object per line) or Parquet, by ``path``'s extension."""
-    path = Path(path)
-    rows = msgspec.to_builtins(outputs, enc_hook=array_as_lists)
-    if file_format(path) == "jsonl":
-        encoder = msgspec.json.Encoder()
-        with path.open("wb") as f:
-            for row in rows:
-                f.write(encoder.encode(row) + b"\n")
-        return
-    pa = _pyarrow()
-    if len({type(r["user_id"]) for r in rows if r["user_id"] is not None}) > 1:
-        for r in rows:  # a Parquet column has one type: mixed int/str user ids become strings
-            r["user_id"] = None if r["user_id"] is None else str(r["user_id"])
-    pa.parquet.write_table(pa.Table.from_pylist(rows), path)
-
-
-def array_as_lists(value: object) -> object:
-    """``msgspec.to_builtins`` hook: numpy arrays (ranking scores) as nested lists; any other type is an error."""
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    raise TypeError(f"write_outputs cannot write a {type(value).__name__}")
+def read_requests(path: str | Path, request_type: type[GenerateRequest] = RankRequest) -> list[Parsed]:
+    """Every row of a (small) request file at once, parsed as :class:`RequestReader` does."""
+    with RequestReader(path, request_type) as reader:
+        return [parsed for chunk in reader for parsed in chunk]

@@ -65,7 +65,8 @@ class RankOutput(_OutputBase, kw_only=True):
 
     Attributes:
         scores: float32 numpy ``[num_candidates, num_tasks]`` logits (sigmoid: probabilities), in candidate order;
-            ``[0, 0]`` on error. An array, as lists cost host time (:func:`~gr_engine.io.write_outputs` writes lists).
+            ``[0, 0]`` on error. An array, as lists cost host time (files and HTTP answers write it as nested
+            lists: :func:`~gr_engine.output_writer.array_as_lists`).
     """
 
     scores: np.ndarray = msgspec.field(default_factory=lambda: np.zeros((0, 0), dtype=np.float32))

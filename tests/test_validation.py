@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gr_engine import GenerateRequest, GREngine, RankRequest, RequestError
+from gr_engine import GenerateRequest, GREngine, RankOutput, RankRequest, RequestError
 from tests.conftest import tiny_config
 
 
@@ -178,10 +178,10 @@ def test_returning_users_new_and_changed_events_are_still_checked(mode):
 
 def test_scores_are_float32_arrays_per_candidate_and_task_and_are_written_as_lists(tmp_path):
     """``RankOutput.scores`` is float32 ``[num_candidates, num_tasks]`` (``[0, 0]`` when the request failed), and
-    ``write_outputs`` turns it into nested lists in JSONL."""
+    ``OutputWriter`` turns it into nested lists in JSONL."""
     import msgspec
 
-    from gr_engine.io import write_outputs
+    from gr_engine.output_writer import OutputWriter
 
     config = tiny_config()
     engine = GREngine(config)
@@ -190,6 +190,7 @@ def test_scores_are_float32_arrays_per_candidate_and_task_and_are_written_as_lis
     ok, bad = outputs
     assert ok.scores.dtype == np.float32 and ok.scores.shape == (3, config.model.num_tasks)
     assert bad.scores.shape == (0, 0)
-    write_outputs(tmp_path / "out.jsonl", outputs)
+    with OutputWriter(tmp_path / "out.jsonl", RankOutput) as writer:
+        writer.write(outputs)
     rows = [msgspec.json.decode(line) for line in (tmp_path / "out.jsonl").read_bytes().splitlines()]
     assert rows[0]["scores"] == ok.scores.tolist() and rows[1]["scores"] == []

@@ -22,7 +22,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..config import EngineConfig
-from ..io import array_as_lists
+from ..output_writer import array_as_lists
 from ..outputs import GenerateOutput, RankOutput, output_user_id
 from ..request import GenerateParams, GenerateRequest, RankRequest
 from .client import AsyncGREngine, EngineDead, EngineOverloaded

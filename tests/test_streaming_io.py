@@ -1,0 +1,251 @@
+"""``gr-engine rank`` / ``generate`` stream their files: a chunk is read, served and written before the next is read,
+and the output is the same as serving the whole file at once (and as ``GREngine.rank`` of its requests)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import msgspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import gr_engine.io as gio
+import gr_engine.output_writer as gow
+from gr_engine import GenerateParams, GenerateRequest, GREngine, RankOutput
+from gr_engine.cli import main
+from gr_engine.io import RequestReader
+from gr_engine.output_writer import OutputWriter
+from gr_engine.synthetic import synthetic_requests
+from tests.conftest import tiny_config, with_cache
+
+CHUNK = 4  # rows per chunk in these tests
+
+
+def read_rows(path):
+    if path.suffix == ".parquet":
+        return pq.read_table(path).to_pylist()
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def run_job(tmp_path, monkeypatch, command, source, out_name, chunk_rows, *extra):
+    """Run ``gr-engine command`` on ``source`` with ``chunk_rows`` rows per chunk; the output's rows."""
+    config = tmp_path / "engine.json"
+    config.write_text(msgspec.json.encode(tiny_config()).decode())
+    monkeypatch.setattr(gio, "CHUNK_ROWS", chunk_rows)
+    out = tmp_path / out_name
+    assert main([command, "--input", str(source), "--output", str(out), "--config", str(config),
+                 "--no-progress", *extra]) == 0
+    return read_rows(out)
+
+
+def stream_requests(generate=False):
+    """15 visits of 5 users, interleaved (retrieval requests: every history has an event)."""
+    requests = synthetic_requests(tiny_config().model, 5, 3, first_history=(1, 40), new_events=(0, 8),
+                                  num_candidates=(1, 6), seed=4)
+    if generate:
+        return [msgspec.convert(msgspec.to_builtins(r), GenerateRequest) for r in requests]
+    return requests
+
+
+def bad_rows(template, tag):
+    """Rows that fail: one while parsing (fields missing), one in the engine (items outside the vocabulary)."""
+    return [{"request_id": f"incomplete-{tag}", "user_id": 1, "item_ids": [1]},
+            {**template, "request_id": f"oov-{tag}", "item_ids": [10**6] * len(template["item_ids"])}]
+
+
+def write_input(tmp_path, fmt, requests):
+    """The requests with bad rows in several chunks; the file, and the request id or label of each of its rows."""
+    rows = msgspec.to_builtins(requests)
+    first, second = bad_rows(rows[0], 1), bad_rows(rows[5], 2)
+    if fmt == "jsonl":
+        lines = [json.dumps(r) for r in rows]
+        for at, line in ((1, "{not json"), (6, json.dumps(first[0])), (9, ""), (11, json.dumps(second[1])),
+                         (15, json.dumps(first[1])), (17, "[1, 2]")):
+            lines.insert(at, line)
+        (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+        labels = [json.loads(line)["request_id"] if line.startswith('{"') else f"line-{n}"
+                  for n, line in enumerate(lines, start=1) if line]
+        return tmp_path / "in.jsonl", labels
+    for at, row in ((2, first[0]), (7, second[1]), (10, {"user_id": 3}), (14, first[1])):
+        rows.insert(at, row)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet", row_group_size=5)
+    return tmp_path / "in.parquet", [r.get("request_id") or f"row-{n}" for n, r in enumerate(rows, start=1)]
+
+
+JOBS = {  # command, input format, output file
+    "rank-jsonl-to-parquet": ("rank", "jsonl", "out.parquet"),
+    "rank-parquet-to-jsonl": ("rank", "parquet", "out.jsonl"),
+    "generate-jsonl-to-parquet": ("generate", "jsonl", "out.parquet"),
+}
+
+
+@pytest.mark.parametrize("job", sorted(JOBS))
+def test_streamed_job_equals_the_whole_file_at_once_and_offline_serving(job, tmp_path, monkeypatch):
+    command, fmt, out_name = JOBS[job]
+    generate = command == "generate"
+    requests = stream_requests(generate)
+    source, labels = write_input(tmp_path, fmt, requests)
+    extra = ["--top-k", "5"] if generate else []
+    writes = []
+    monkeypatch.setattr(gow, "ROW_GROUP_ROWS", 6)  # several Parquet row groups
+    monkeypatch.setattr(OutputWriter, "write", lambda self, outputs, write=OutputWriter.write: (
+        writes.append(len(outputs)), write(self, outputs))[1])
+    streamed = run_job(tmp_path, monkeypatch, command, source, out_name, CHUNK, *extra)
+    assert len(writes) == -(-len(labels) // CHUNK) and max(writes) == CHUNK
+    if out_name.endswith(".parquet"):
+        assert pq.ParquetFile(tmp_path / out_name).metadata.num_row_groups > 1
+    whole = run_job(tmp_path, monkeypatch, command, source, "whole-" + out_name, 10**6, *extra)
+    assert [r["request_id"] for r in streamed] == [r["request_id"] for r in whole] == labels
+    for s, w in zip(streamed, whole):
+        assert (s["user_id"], s["error"], s["num_gpu_cached_tokens"]) == (w["user_id"], w["error"],
+                                                                           w["num_gpu_cached_tokens"])
+        np.testing.assert_allclose(np.array(s["scores"], dtype=np.float64), np.array(w["scores"]), atol=1e-5)
+    failed = [r["request_id"] for r in streamed if r["error"]]
+    assert sum(label.startswith(("line-", "row-", "incomplete")) for label in failed) >= 2
+    assert {"oov-1", "oov-2"} <= set(failed)
+    served = [r for r in streamed if r["error"] is None]
+    assert [r["request_id"] for r in served] == [r.request_id for r in requests]
+    for config in (tiny_config(), with_cache(tiny_config(), mode="recompute")):
+        engine = GREngine(config)
+        expected = (engine.generate(requests, GenerateParams(top_k=5), use_tqdm=False) if generate
+                    else engine.rank(requests, use_tqdm=False))
+        for row, exp in zip(served, expected):
+            assert row["user_id"] == exp.user_id
+            if generate:
+                assert row["item_ids"] == exp.item_ids
+            np.testing.assert_allclose(row["scores"], exp.scores, atol=1e-5)
+
+
+def test_a_users_visits_in_two_chunks_hit_the_cache(tmp_path, monkeypatch):
+    """Chunks are served in order by one engine: a visit in the next chunk finds the user's cached history."""
+    visits = {r.request_id: r for r in stream_requests()}
+    requests = [visits["u0-v0"], visits["u1-v0"], visits["u0-v1"]]  # chunks of 2 rows: user 0 returns in chunk 2
+    assert requests[2].item_ids[:len(requests[0].item_ids)] == requests[0].item_ids
+    (tmp_path / "in.jsonl").write_text("".join(msgspec.json.encode(r).decode() + "\n" for r in requests))
+    rows = run_job(tmp_path, monkeypatch, "rank", tmp_path / "in.jsonl", "out.jsonl", 2)
+    assert rows[2]["num_gpu_cached_tokens"] > 0
+    engine = GREngine(tiny_config())
+    for row, request in zip(rows, requests):
+        [expected] = engine.rank([request], use_tqdm=False)  # one visit at a time
+        assert row["num_gpu_cached_tokens"] == expected.num_gpu_cached_tokens
+        np.testing.assert_allclose(row["scores"], expected.scores, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_the_job_writes_each_chunk_before_parsing_the_next(fmt, tmp_path, monkeypatch):
+    source, labels = write_input(tmp_path, fmt, stream_requests())
+    events = []
+    parse = gio.parse_row
+    monkeypatch.setattr(gio, "parse_row", lambda *args: (events.append("parse"), parse(*args))[1])
+    monkeypatch.setattr(OutputWriter, "write", lambda self, outputs, write=OutputWriter.write: (
+        events.append(f"write {len(outputs)}"), write(self, outputs))[1])
+    run_job(tmp_path, monkeypatch, "rank", source, "out.jsonl", CHUNK)
+    sizes = [len(labels[start:start + CHUNK]) for start in range(0, len(labels), CHUNK)]
+    assert events == [e for n in sizes for e in ["parse"] * n + [f"write {n}"]]
+    assert len(sizes) >= 4  # bad rows in several chunks
+
+
+def test_the_parquet_reader_streams_a_large_row_group(tmp_path, monkeypatch):
+    """Reading a file of one 39 MB row group, chunk by chunk, never holds the row group in Arrow memory."""
+    n, events = 2400, 512
+    rng = np.random.default_rng(0)
+    offsets = pa.array(np.arange(0, (n + 1) * events, events, dtype=np.int32))
+    column = lambda: pa.ListArray.from_arrays(offsets, pa.array(rng.integers(0, 10**9, n * events)))  # noqa: E731
+    table = pa.table({"request_id": [f"r{i}" for i in range(n)], "user_id": np.arange(n), "item_ids": column(),
+                      "action_ids": column(), "timestamps": column(), "candidate_item_ids": column()})
+    size = table.nbytes
+    pq.write_table(table, tmp_path / "big.parquet", row_group_size=n)  # incompressible: the file is as large
+    del table
+    monkeypatch.setattr(gio, "CHUNK_ROWS", 16)
+    before, held, rows = pa.total_allocated_bytes(), 0, 0
+    with RequestReader(tmp_path / "big.parquet") as reader:
+        assert reader.num_rows == n
+        for chunk in reader:
+            held = max(held, pa.total_allocated_bytes() - before)
+            rows += len(chunk)
+            assert all(len(r.item_ids) == events for r in chunk)
+    assert rows == n
+    assert held < size / 2, (held, size)  # about 13 MB of read buffers and pages; 40 MB unbuffered
+
+
+def test_jsonl_row_count_is_unknown_and_parquet_one_is_read_from_metadata(tmp_path):
+    source, labels = write_input(tmp_path, "parquet", stream_requests())
+    with RequestReader(source) as reader:
+        assert reader.num_rows == len(labels)
+    source, _ = write_input(tmp_path, "jsonl", stream_requests())
+    with RequestReader(source) as reader:
+        assert reader.num_rows is None
+
+
+def outputs_for(user_ids, start=0):
+    return [RankOutput(request_id=f"r{start + i}", user_id=u, scores=np.full((1, 2), i, dtype=np.float32))
+            for i, u in enumerate(user_ids)]
+
+
+@pytest.mark.parametrize("row_group_rows", [2, 100])
+def test_a_string_user_id_in_a_later_chunk_turns_the_column_into_strings(row_group_rows, tmp_path, monkeypatch):
+    """Row groups already written (2) or still pending (100) are rewritten with their ids as strings."""
+    monkeypatch.setattr(gow, "ROW_GROUP_ROWS", row_group_rows)
+    chunks = [[1, 2], [None, 3], ["u-4", 5], [2**64]]
+    with OutputWriter(tmp_path / "out.parquet", RankOutput) as writer:
+        for n, ids in enumerate(chunks):
+            writer.write(outputs_for(ids, start=2 * n))
+    table = pq.read_table(tmp_path / "out.parquet")
+    assert table.schema.field("user_id").type == pa.string()
+    assert table["user_id"].to_pylist() == ["1", "2", None, "3", "u-4", "5", str(2**64)]
+    assert table["request_id"].to_pylist() == [f"r{i}" for i in range(7)]
+    assert [s[0][0] for s in table["scores"].to_pylist()] == [0, 1, 0, 1, 0, 1, 0]
+    assert table.schema.field("scores").type == pa.list_(pa.list_(pa.float32()))
+    assert [p.name for p in tmp_path.iterdir()] == ["out.parquet"]  # no copy left behind
+
+
+def test_integer_user_ids_stay_integers_and_an_empty_job_has_the_schema(tmp_path, monkeypatch):
+    monkeypatch.setattr(gow, "ROW_GROUP_ROWS", 2)
+    with OutputWriter(tmp_path / "out.parquet", RankOutput) as writer:
+        writer.write(outputs_for([1, None]))
+        writer.write(outputs_for([-(2**63), 2**63 - 1], start=2))
+    table = pq.read_table(tmp_path / "out.parquet")
+    assert table.schema.field("user_id").type == pa.int64()
+    assert table["user_id"].to_pylist() == [1, None, -(2**63), 2**63 - 1]
+    (tmp_path / "empty.parquet").write_bytes(b"stale")
+    with OutputWriter(tmp_path / "empty.parquet", RankOutput):
+        pass
+    empty = pq.read_table(tmp_path / "empty.parquet")
+    assert empty.num_rows == 0 and empty.schema.names == list(RankOutput.__struct_fields__)
+
+
+def test_mixed_user_ids_from_the_command_line(tmp_path, monkeypatch):
+    """Integer ids in the first chunks and a string id later: the Parquet output has every id as a string, as a
+    one-chunk job writes it; JSONL keeps each id's type."""
+    requests = stream_requests()[:9]
+    requests[7] = msgspec.structs.replace(requests[7], user_id="guest")
+    (tmp_path / "in.jsonl").write_text("".join(msgspec.json.encode(r).decode() + "\n" for r in requests))
+    monkeypatch.setattr(gow, "ROW_GROUP_ROWS", CHUNK)
+    streamed = run_job(tmp_path, monkeypatch, "rank", tmp_path / "in.jsonl", "out.parquet", CHUNK)
+    whole = run_job(tmp_path, monkeypatch, "rank", tmp_path / "in.jsonl", "whole.parquet", 10**6)
+    assert [r["user_id"] for r in streamed] == [r["user_id"] for r in whole] == [str(r.user_id) for r in requests]
+    assert all(r["error"] is None for r in streamed)
+    as_jsonl = run_job(tmp_path, monkeypatch, "rank", tmp_path / "in.jsonl", "out.jsonl", CHUNK)
+    assert [r["user_id"] for r in as_jsonl] == [r.user_id for r in requests]
+
+
+def test_one_progress_bar_counts_the_rows_of_the_whole_job(tmp_path, monkeypatch, capsys):
+    source, labels = write_input(tmp_path, "parquet", stream_requests())
+    run_job(tmp_path, monkeypatch, "rank", source, "out.jsonl", CHUNK)
+    capsys.readouterr()
+    assert main(["rank", "--input", str(source), "--output", str(tmp_path / "out.jsonl"),
+                 "--config", str(tmp_path / "engine.json")]) == 0
+    bars = [line for line in re.split(r"[\r\n]", capsys.readouterr().err) if "Ranking" in line]
+    assert bars and all(f"/{len(labels)} " in bar for bar in bars)  # one total, from the Parquet metadata
+    assert f"{len(labels)}/{len(labels)}" in bars[-1]
+
+
+def test_the_output_may_not_be_the_input(tmp_path, capsys):
+    source, _ = write_input(tmp_path, "jsonl", stream_requests())
+    before = source.read_bytes()
+    assert main(["rank", "--input", str(source), "--output", str(tmp_path / "." / source.name)]) == 2
+    assert "is the input file" in capsys.readouterr().err
+    assert source.read_bytes() == before

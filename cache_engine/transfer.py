@@ -122,18 +122,21 @@ class TransferEngine:
                 job.slot[:, : len(job.pages)] = data[0]
             return None
         # Index layout in pinned memory: each chunk's pool pages padded to a whole slot with -1 (pages the kernel
-        # skips), the slot ids, the token counts, the slot addresses.
+        # skips), the slot ids, the token counts, the slot addresses; each part starts 16-byte aligned (the kernel
+        # is specialised on its pointers' alignment: a part at an odd offset would compile another variant).
         num_jobs, slot = len(jobs), jobs[0].slot
         slot_pages = slot.shape[1]
         num_pages = num_jobs * slot_pages
-        index = self._offload_indices.take(num_pages + 3 * num_jobs)
+        pages_end, part = num_pages + (num_pages & 1), num_jobs + (num_jobs & 1)
+        index = self._offload_indices.take(pages_end + 3 * part)
         host = index.numpy()
         for row, job in zip(host[:num_pages].reshape(num_jobs, slot_pages), jobs, strict=True):  # per chunk
             row[:len(job.pages)] = job.pages
             row[len(job.pages):] = -1
-        host[num_pages:num_pages + num_jobs] = [job.slot_id for job in jobs]
-        host[num_pages + num_jobs:num_pages + 2 * num_jobs] = [job.tokens for job in jobs]
-        host[num_pages + 2 * num_jobs:] = job_slot_addresses(jobs, self.slot_addresses)
+        slot_ids, tokens, addresses = (index[pages_end + k * part: pages_end + k * part + num_jobs] for k in range(3))
+        slot_ids.numpy()[:] = [job.slot_id for job in jobs]
+        tokens.numpy()[:] = [job.tokens for job in jobs]
+        addresses.numpy()[:] = job_slot_addresses(jobs, self.slot_addresses)
         if self._packer is None:
             from .offload_kernel import ChunkPacker
 
@@ -141,9 +144,8 @@ class TransferEngine:
         compute = self.current_stream()
         with on_stream(self.offload_stream, compute):
             self._fence(self.offload_stream, compute)
-            self._packer(kv, index[:num_pages], index[num_pages + 2 * num_jobs:], slot.dtype, slot_pages,
-                         index[num_pages:num_pages + num_jobs], self.scales, self.offload_stream,
-                         tokens=index[num_pages + num_jobs:num_pages + 2 * num_jobs])
+            self._packer(kv, index[:num_pages], addresses, slot.dtype, slot_pages, slot_ids, self.scales,
+                         self.offload_stream, tokens=tokens)
             gathered = torch.cuda.Event()
             gathered.record(self.offload_stream)
         self._offload_indices.guard(gathered)

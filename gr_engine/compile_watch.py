@@ -9,6 +9,7 @@ launches (its own, and any other engine's in the same process).
 from __future__ import annotations
 
 import importlib.util
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,9 @@ class StallCounts:
     graph_captures: int
 
 
+NAMES_KEPT = 16
+
+
 class CompileWatch:
     """Counts this process's Triton compilations from its creation on.
 
@@ -39,11 +43,13 @@ class CompileWatch:
     Attributes:
         compilations: kernels compiled (Triton's disk cache missed).
         cache_loads: kernels loaded from Triton's disk cache.
+        last_names: the names of the latest :data:`NAMES_KEPT` kernels compiled or loaded (to tell which).
     """
 
     def __init__(self, listen: bool = True) -> None:
         self.compilations = 0
         self.cache_loads = 0
+        self.last_names: deque[str] = deque(maxlen=NAMES_KEPT)
         if not listen or importlib.util.find_spec("triton") is None:
             return
         from triton import knobs
@@ -51,6 +57,7 @@ class CompileWatch:
         previous: Callable[..., None] | None = knobs.compilation.listener
 
         def listener(*args: Any, cache_hit: bool, **kwargs: Any) -> None:
+            self.last_names.append(str(kwargs.get("metadata", {}).get("name")))
             if cache_hit:
                 self.cache_loads += 1
             else:

@@ -82,7 +82,10 @@ class GREngine:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.hasher = IncrementalHasher(config.cache.page_size)
         graphs = None
-        if self.device.type == "cuda" and config.cuda_graph_max_rows and StepGraphs.supported(self.backend):
+        # (A time-biased step reads its timestamps, which the graphs' static buffers do not hold: such models run
+        # every step eagerly.)
+        if (self.device.type == "cuda" and config.cuda_graph_max_rows and StepGraphs.supported(self.backend)
+                and not mc.time_bias_buckets):
             graphs = StepGraphs(self.backend, self.device, config.cache.page_size, config.cuda_graph_max_rows,
                                 config.scheduler.max_num_seqs, config.cache.num_gpu_pages)
         self.runner = ModelRunner(self.model, self.backend, self.kv, self.device, graphs)

@@ -137,8 +137,8 @@ class ModelRunner:
         item_ids, action_ids = np.concatenate(items), np.concatenate(actions)
         layout = meta.layout
         hist = layout["num_history_rows"]
-        if (self.graphs is not None and not self.model.config.time_bias_buckets
-                and self.graphs.fits(len(item_ids), len(chunks), int(hist.sum()), len(layout["kv_indices"]))):
+        if self.graphs is not None and self.graphs.fits(len(item_ids), len(chunks), int(hist.sum()),
+                                                        len(layout["kv_indices"])):
             return self.graphs.stage(layout, {"item_ids": item_ids, "action_ids": action_ids})
         times = self._timestamps(chunks) if self.model.config.time_bias_buckets else (None, None)
         return self._eager_step(layout, item_ids, action_ids, times)

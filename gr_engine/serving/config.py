@@ -17,7 +17,9 @@ class ServingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         max_body_bytes: largest HTTP request body accepted (HTTP 413 beyond it).
         heartbeat_s: the core reports its counters at least this often (s), stepping or idle.
         health_timeout_s: ``/health`` fails when the core has not reported for this long (s) after warm-up.
-        warmup: capture the step graphs (:meth:`~gr_engine.GREngine.warmup`) before reporting ready.
+        warmup: compile and capture everything (:meth:`~gr_engine.GREngine.warmup`) before reporting ready.
+        overlap_intake: take in and queue requests that arrive while a step's forward runs on the device (its
+            ``between`` hook); off, they wait for the step to finish.
     """
 
     max_batch_wait_ms: float = 0.0
@@ -27,6 +29,7 @@ class ServingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     heartbeat_s: float = 0.5
     health_timeout_s: float = 10.0
     warmup: bool = True
+    overlap_intake: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_batch_wait_ms", "heartbeat_s", "health_timeout_s"):

@@ -82,7 +82,7 @@ class EngineCore:
             self._expire()
             if self.engine.has_unfinished_requests():
                 t0 = time.perf_counter()
-                outputs = self.engine.step(between=lambda: self._receive(0))
+                outputs = self.engine.step(between=(lambda: self._receive(0)) if self.serving.overlap_intake else None)
                 self._step_seconds.append(time.perf_counter() - t0)
                 self._finish(outputs)
             if self._finished or time.monotonic() - self._last_report >= self.serving.heartbeat_s:

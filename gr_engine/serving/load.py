@@ -293,14 +293,29 @@ class Generators:
 
 
 # ---------------------------------------------------------------------------------------------- runs
-def onloaded_bytes_total(url: str) -> float:
-    """``gr_engine_onloaded_bytes_total`` of the server's ``/metrics`` (0 before the core's first report)."""
+#: The core's counters of stalls (:meth:`~gr_engine.GREngine.stalls`), by their names in :class:`.protocol.CoreStats`.
+STALL_COUNTERS = ("kernel_compilations", "kernel_cache_loads", "graph_captures")
+
+
+def core_counters(url: str) -> dict[str, float]:
+    """The core's ``onloaded_bytes`` and :data:`STALL_COUNTERS` from the server's ``/metrics`` (``*_total``; 0 before
+    the core's first report)."""
     import httpx
 
+    names = {f"gr_engine_{name}_total": name for name in ("onloaded_bytes", *STALL_COUNTERS)}
+    counters = dict.fromkeys(names.values(), 0.0)
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith("gr_engine_onloaded_bytes_total "):
-            return float(line.split()[1])
-    return 0.0
+        name, _, value = line.partition(" ")
+        if name in names:
+            counters[names[name]] = float(value)
+    return counters
+
+
+def stall_count(counters: dict[str, float] | object) -> int:
+    """Compilations, cache loads and captures in a :func:`core_counters` dict or a :class:`.protocol.CoreStats`."""
+    if isinstance(counters, dict):
+        return int(sum(counters[name] for name in STALL_COUNTERS))
+    return sum(getattr(counters, name) for name in STALL_COUNTERS)
 
 
 def run_http(trace: Trace, load: LoadSettings, echo: Callable[[str], None]) -> dict:
@@ -312,14 +327,16 @@ def run_http(trace: Trace, load: LoadSettings, echo: Callable[[str], None]) -> d
         echo(f"warm-up: {len(plan.warmup)} first visits, {load.concurrency} in flight")
         phases["warmup"] = {"parts": gens.closed(plan.warmup, load.concurrency)}
         echo(f"closed loop: {len(plan.closed)} requests from {BATCH} clients")
+        first = core_counters(load.url)
         phases["closed"] = {"parts": gens.closed(plan.closed, BATCH)}
         phases["rates"] = []
         for rate, offsets, indices in plan.rates:
             echo(f"rate {rate:g} requests/s: {len(indices)} requests over {load.duration_s:g} s")
-            before = onloaded_bytes_total(load.url)
+            before = core_counters(load.url)["onloaded_bytes"]
             parts = gens.open(indices, offsets)
             phases["rates"].append({"rate": rate, "parts": parts,
-                                    "onloaded_bytes": onloaded_bytes_total(load.url) - before})
+                                    "onloaded_bytes": core_counters(load.url)["onloaded_bytes"] - before})
+        phases["stalls"] = stall_count(core_counters(load.url)) - stall_count(first)
     finally:
         gens.close()
     return phases
@@ -339,6 +356,7 @@ def run_in_process(trace: Trace, load: LoadSettings, config: EngineConfig, echo:
             phases["warmup"] = {"parts": [await closed_loop(send, [trace.rank_request(i) for i in plan.warmup], 1,
                                                             BATCH)]}
             echo(f"closed loop: {len(plan.closed)} requests in batches of {BATCH}")
+            first = stall_count(engine.stats)
             phases["closed"] = {"parts": [await closed_loop(send, [trace.rank_request(i) for i in plan.closed], 1,
                                                             BATCH)]}
             for rate, offsets, indices in plan.rates:
@@ -349,6 +367,7 @@ def run_in_process(trace: Trace, load: LoadSettings, config: EngineConfig, echo:
                 phases["rates"].append({"rate": rate, "parts": [part],
                                         "onloaded_bytes": (engine.stats.onloaded_bytes if engine.stats else 0)
                                         - before})
+            phases["stalls"] = stall_count(engine.stats) - first
         return phases
 
     return asyncio.run(run())

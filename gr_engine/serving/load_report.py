@@ -61,7 +61,8 @@ def build_result(phases: dict, peak_GBps: float | None) -> dict:
     pcie = peak_GBps * 1e9 / per_request if peak_GBps and per_request else None
     summary = {"rps_at_p99_25ms": max(within) if within else None, "closed_loop_rps": closed["achieved_rps"],
                "pcie_bound_rps": pcie, "peak_h2d_GBps": peak_GBps, "onloaded_bytes_per_request": per_request,
-               "trace_exhausted": phases["exhausted"]}
+               "trace_exhausted": phases["exhausted"],
+               "stalls_after_warmup": phases.get("stalls")}  # core compilations and captures in closed loop and rates
     return {"warmup": warmup, "closed_loop": closed, "rates": rates, "summary": summary}
 
 
@@ -77,6 +78,8 @@ def markdown(result: dict) -> str:
              f"- closed loop (batches of 8 / 8 clients): {_num(s['closed_loop_rps'], 1)} requests/s",
              f"- PCIe bound: {_num(s['pcie_bound_rps'], 1)} requests/s ({_num(s['onloaded_bytes_per_request'], 0)} "
              f"onloaded bytes per request at {_num(s['peak_h2d_GBps'])} GB/s)",
+             f"- kernel compilations and graph captures in the engine core after warm-up (closed loop and rates): "
+             f"{'-' if s.get('stalls_after_warmup') is None else s['stalls_after_warmup']}",
              f"- warm-up: {result['warmup']['answered']} first visits at {_num(result['warmup']['achieved_rps'], 1)} "
              "requests/s (closed loop; not a capacity figure)", ""]
     if s["trace_exhausted"]:

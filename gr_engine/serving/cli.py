@@ -36,6 +36,8 @@ def add_commands(commands: argparse._SubParsersAction, add_config_args: Callable
     bench.add_argument("--duration", type=float, default=10.0, help="seconds per rate (default 10)")
     bench.add_argument("--processes", type=int, default=1, help="load-generator processes over HTTP (default 1)")
     bench.add_argument("--concurrency", type=int, default=8, help="warm-up requests in flight (default 8)")
+    bench.add_argument("--skip-steady", type=int, help="steady visits served in the warm-up, the trace's cold start "
+                                                       "(default 10000, --quick 0)")
     bench.add_argument("--closed-requests", type=int, help="requests of the closed-loop figure (default 240, "
                                                            "--quick 16)")
     bench.add_argument("--timeout-ms", type=float, help="per-request deadline sent with each request (ms)")
@@ -75,9 +77,12 @@ def add_commands(commands: argparse._SubParsersAction, add_config_args: Callable
         if min(rates) <= 0 or args.duration <= 0 or args.processes < 1 or args.concurrency < 1:
             raise ValueError("rates, --duration, --processes and --concurrency must be positive")
         closed = args.closed_requests if args.closed_requests is not None else (16 if args.quick else 240)
+        skip = args.skip_steady if args.skip_steady is not None else (0 if args.quick else 10_000)
+        if skip < 0:
+            raise ValueError("--skip-steady must not be negative")
         load = LoadSettings(rates=rates, duration_s=args.duration, url=None if args.in_process else args.url,
                             processes=args.processes, quick=args.quick, users=args.users, seed=args.seed,
-                            mode=args.mode, concurrency=args.concurrency, closed_requests=closed,
+                            mode=args.mode, concurrency=args.concurrency, closed_requests=closed, skip_steady=skip,
                             timeout_ms=args.timeout_ms)
         result = run_bench(load, config if args.in_process else None, lambda line: print(line, file=sys.stderr))
         result["command"] = "gr-engine " + " ".join(args.argv)

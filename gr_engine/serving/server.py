@@ -97,6 +97,7 @@ def build_app(config: EngineConfig) -> Starlette:
             return await answer(request, body_type, request_type, failed_type)
         finally:
             bodies["answered"] += 1
+            metrics.count_body()
 
     async def answer(request: Request, body_type: type, request_type: type, failed_type: type) -> Response:
         try:

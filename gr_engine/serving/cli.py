@@ -15,9 +15,18 @@ def add_commands(commands: argparse._SubParsersAction, add_config_args: Callable
     serve = commands.add_parser("serve", help="serve ranking and retrieval over HTTP (docs/serving.md)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--api-servers", type=int, default=1, metavar="N",
+                       help="API-server processes sharing the port and one engine core (default 1); each admits "
+                            "1/N of serving.max_pending_requests and max_pending_tokens")
     add_config_args(serve)
 
     def run_serve(args: argparse.Namespace) -> int:
+        if args.api_servers < 1:
+            raise ValueError(f"--api-servers must be at least 1, got {args.api_servers}")
+        if args.api_servers > 1:
+            from .launcher import serve_many
+
+            return serve_many(load(args), args.host, args.port, args.api_servers)
         from .server import serve as run
 
         run(load(args), args.host, args.port)

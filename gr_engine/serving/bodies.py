@@ -20,7 +20,7 @@ import msgspec
 from ..io import array_as_lists
 from ..outputs import GenerateOutput, RankOutput
 from ..request import GenerateParams, GenerateRequest, RankRequest
-from .protocol import FLOAT32, array_bytes, int64_array
+from .protocol import FLOAT32, INT64, array_bytes, int64_array
 
 MSGPACK_TYPES = frozenset({"application/msgpack", "application/x-msgpack"})
 JSON_TYPE = "application/json"
@@ -116,6 +116,15 @@ class _Msgpack(BodyFormat):
 
     def encode_outputs(self, outputs: list[RankOutput | GenerateOutput]) -> bytes:
         return self._encoder.encode({"outputs": [_packed_output(o) for o in outputs]})
+
+
+def packed_request(request: RankRequest | GenerateRequest) -> dict[str, Any]:
+    """A request's fields for a msgpack body, integer arrays as little-endian int64 raw bytes (what clients send)."""
+    fields = msgspec.structs.asdict(request)
+    for name in _ARRAYS:
+        if name in fields:
+            fields[name] = array_bytes(fields[name], INT64)
+    return fields
 
 
 def _packed_output(output: RankOutput | GenerateOutput) -> RankOutput | GenerateOutput | dict[str, Any]:

@@ -47,6 +47,8 @@ def add_commands(commands: argparse._SubParsersAction, add_config_args: Callable
     bench.add_argument("--concurrency", type=int, default=8, help="warm-up requests in flight (default 8)")
     bench.add_argument("--closed-requests", type=int, help="requests of the closed-loop figure (default 240, "
                                                            "--quick 16)")
+    bench.add_argument("--body", choices=["json", "msgpack"], default="json",
+                       help="HTTP bodies and answers (default json; msgpack: raw int64 arrays and float32 scores)")
     bench.add_argument("--timeout-ms", type=float, help="per-request deadline sent with each request (ms)")
     bench.add_argument("--quick", action="store_true", help="the bench's tiny CPU trace and model")
     bench.add_argument("--users", type=int, help="users in the generated trace")
@@ -87,7 +89,7 @@ def add_commands(commands: argparse._SubParsersAction, add_config_args: Callable
         load = LoadSettings(rates=rates, duration_s=args.duration, url=None if args.in_process else args.url,
                             processes=args.processes, quick=args.quick, users=args.users, seed=args.seed,
                             mode=args.mode, concurrency=args.concurrency, closed_requests=closed,
-                            timeout_ms=args.timeout_ms)
+                            timeout_ms=args.timeout_ms, body=args.body)
         result = run_bench(load, config if args.in_process else None, lambda line: print(line, file=sys.stderr))
         result["command"] = "gr-engine " + " ".join(args.argv)
         paths = write_report(result, Path(args.out))

@@ -1,10 +1,11 @@
 """``gr-engine serve --api-servers N``: one engine core and N API-server processes on one port (docs/serving.md).
 
-The launcher binds the listening socket, starts the engine core (:func:`~.core.start_core`, for N clients), then N
-API-server processes (``spawn``) that inherit the socket: each runs its own uvicorn and Starlette app
-(:func:`~.server.build_app`) whose :class:`~.client.AsyncGREngine` attaches to the core (:class:`~.client.CoreHandle`)
-and admits ``1/N`` of the pending bounds. The kernel hands each new connection to one of the servers; the core
-sends each server the outputs of its own requests. Metrics are in ``prometheus_client``'s multiprocess mode (a
+The launcher binds N listening sockets on the one address (``SO_REUSEPORT``), starts the engine core
+(:func:`~.core.start_core`, for N clients), then N API-server processes (``spawn``), each handed one socket: each runs
+its own uvicorn and Starlette app (:func:`~.server.build_app`) whose :class:`~.client.AsyncGREngine` attaches to the
+core (:class:`~.client.CoreHandle`) and admits ``1/N`` of the pending bounds. The kernel spreads new connections over
+the sockets (a connection stays with the server that accepted it); the core sends each server the outputs of its
+own requests. Metrics are in ``prometheus_client``'s multiprocess mode (a
 folder of the launcher's), so any server's ``/metrics`` reports the sums over all of them.
 
 SIGTERM (or Ctrl-C) to the launcher reaches every API server: each stops accepting, answers the bodies it has read,
@@ -45,11 +46,11 @@ def serve_many(config: EngineConfig, host: str, port: int, api_servers: int) -> 
     SIGTERM or Ctrl-C; the exit status (0: every process stopped cleanly)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     try:
-        listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                        backlog=_BACKLOG)
+        listeners = _listen(host, port, api_servers)
     except OSError as exc:
         logger.error("gr-engine: cannot listen on %s:%d: %s", host, port, exc)
         return 1
+    port = listeners[0].getsockname()[1]
     with tempfile.TemporaryDirectory(prefix="gr-engine-") as folder, _multiprocess_metrics(Path(folder, "metrics")):
         address = f"ipc://{folder}/core"
         core = start_core(config, address, clients=api_servers)
@@ -57,12 +58,29 @@ def serve_many(config: EngineConfig, host: str, port: int, api_servers: int) -> 
         context = multiprocessing.get_context("spawn")
         servers = [context.Process(target=_api_server, name=f"gr-engine-api-{i}", daemon=False,
                                    args=(msgspec.json.encode(config), handle, listener, i))
-                   for i in range(api_servers)]
+                   for i, listener in enumerate(listeners)]
         for server in servers:
             server.start()
-        listener.close()  # the servers hold it now: once they have all closed it, connections are refused
+        for listener in listeners:
+            listener.close()  # each server holds its own now: once it has closed it, it gets no more connections
         logger.info("gr-engine: %d API servers on %s:%d, engine core pid %d", api_servers, host, port, core.pid)
         return _supervise(core, servers)
+
+
+def _listen(host: str, port: int, count: int) -> list[socket.socket]:
+    """``count`` listening sockets on one address (``SO_REUSEPORT``: the kernel spreads new connections over them);
+    port 0 picks a free port for all of them."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listeners = [socket.create_server((host, port), family=family, backlog=_BACKLOG, reuse_port=True)]
+    port = listeners[0].getsockname()[1]
+    try:
+        listeners += [socket.create_server((host, port), family=family, backlog=_BACKLOG, reuse_port=True)
+                      for _ in range(count - 1)]
+    except OSError:
+        for listener in listeners:
+            listener.close()
+        raise
+    return listeners
 
 
 @contextlib.contextmanager

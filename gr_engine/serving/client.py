@@ -165,8 +165,9 @@ class AsyncGREngine:
         await asyncio.wait([ready, self._reader], return_when=asyncio.FIRST_COMPLETED)
         if not self._ready.is_set():
             ready.cancel()
+            status = self._exit_status()
             await self.close()
-            raise EngineDead(f"the engine core exited before it was ready ({self._exit_status()})")
+            raise EngineDead(f"the engine core exited before it was ready ({status})")
         return self
 
     async def close(self, timeout_s: float = 60.0) -> None:

@@ -3,9 +3,11 @@
 The client validates each request's types, lengths and candidates (:mod:`gr_engine.validation`) in its own
 process, sends it to the core as raw bytes, and resolves the caller's await when the core reports its output.
 Admission is bounded (``serving.max_pending_requests`` and ``max_pending_tokens`` of requests sent and not yet
-answered by the core): beyond it a call raises :class:`EngineOverloaded` at once. A call with ``timeout_ms`` returns,
-for each request that has not finished by then, an output whose ``error`` says so (never a late answer), and the
-core drops it if it has not started; a cancelled call's requests are dropped the same way.
+answered by the core, split evenly among the clients of a shared core): beyond it a call raises
+:class:`EngineOverloaded` at once. A client starts a core of its own, or attaches to a running one
+(:class:`CoreHandle`, as each API server of ``gr-engine serve --api-servers N`` does). A call with ``timeout_ms``
+returns, for each request that has not finished by then, an output whose ``error`` says so (never a late answer),
+and the core drops it if it has not started; a cancelled call's requests are dropped the same way.
 """
 
 from __future__ import annotations

@@ -81,24 +81,29 @@ def server(tmp_path_factory) -> Iterator[str]:
         srv.stop()
 
 
-def test_http_with_two_generator_processes(server: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("body", ["json", "msgpack"])
+def test_http_with_two_generator_processes(server: str, tmp_path: Path, body: str) -> None:
     out = tmp_path / "out"
     assert main(["bench-serve", "--quick", "--url", server, "--rates", RATES, "--duration", "1",
-                 "--processes", "2", "--closed-requests", "8", "--out", str(out)]) == 0
+                 "--processes", "2", "--closed-requests", "8", "--out", str(out), "--body", body]) == 0
     result = check_result(out, in_process=False)
     assert all(len(r["generators"]) == 2 for r in result["rates"])
-    assert result["settings"]["processes"] == 2
+    assert result["settings"]["processes"] == 2 and result["settings"]["body"] == body
 
 
-def test_served_scores_equal_offline_recompute(server: str) -> None:
-    """The load's own requests and bodies (:func:`~gr_engine.serving.load.rank_body`) get offline scores."""
+@pytest.mark.parametrize("body", ["json", "msgpack"])
+def test_served_scores_equal_offline_recompute(server: str, body: str) -> None:
+    """The load's own requests and bodies (:func:`~gr_engine.serving.load_http.rank_body`) get offline scores."""
     from gr_engine.bench.trace import generate_trace
-    from gr_engine.serving.load import bench_engine_config, bench_settings, rank_body
+    from gr_engine.serving.load import bench_engine_config, bench_settings
+    from gr_engine.serving.load_http import rank_body
 
     settings = bench_settings(quick=True)
     trace = generate_trace(settings.trace)
     requests = [trace.rank_request(i) for i in trace.steady[-6:]]  # late visits: long, partly cached histories
-    response = httpx.post(f"{server}/v1/rank", content=rank_body(requests), timeout=60)
+    content_type = {"json": "application/json", "msgpack": "application/msgpack"}[body]
+    response = httpx.post(f"{server}/v1/rank", content=rank_body(requests, body=body), timeout=60,
+                          headers={"content-type": content_type, "accept": "application/json"})
     assert response.status_code == 200, response.text
     served = response.json()["outputs"]
     with GREngine(bench_engine_config(settings, "recompute")) as engine:

@@ -63,19 +63,20 @@ def free_port() -> int:
 
 
 class Server:
-    """``gr-engine serve`` in a subprocess."""
+    """``gr-engine serve`` in a subprocess (``args``: more command-line arguments, e.g. ``--api-servers``)."""
 
-    def __init__(self, tmp: Path, *overrides: str, config: EngineConfig | None = None) -> None:
+    def __init__(self, tmp: Path, *overrides: str, config: EngineConfig | None = None,
+                 args: tuple[str, ...] = ()) -> None:
         path = tmp / "config.json"
         path.write_bytes(msgspec.json.encode(config or tiny_config(num_gpu_pages=96)))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        args = [sys.executable, "-m", "gr_engine", "serve", "--config", str(path), "--host", "127.0.0.1",
-                "--port", str(self.port), "--set", "serving.warmup=false"]
+        command = [sys.executable, "-m", "gr_engine", "serve", "--config", str(path), "--host", "127.0.0.1",
+                   "--port", str(self.port), "--set", "serving.warmup=false", *args]
         for override in overrides:
-            args += ["--set", override]
+            command += ["--set", override]
         self.log = (tmp / "server.log").open("w")
-        self.process = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
                                         env={**os.environ, "OMP_NUM_THREADS": "1"})
         deadline = time.monotonic() + 120
         while True:

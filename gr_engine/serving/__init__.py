@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_EXPORTS = {"AsyncGREngine": "client", "EngineDead": "client", "EngineOverloaded": "client",
-            "ServingConfig": "config", "build_app": "server"}
+_EXPORTS = {"AsyncGREngine": "client", "CoreHandle": "client", "EngineDead": "client", "EngineOverloaded": "client",
+            "ServingConfig": "config", "build_app": "server", "start_core": "core"}
 
 __all__ = list(_EXPORTS)
 

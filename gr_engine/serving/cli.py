@@ -15,9 +15,18 @@ def add_commands(commands: argparse._SubParsersAction, add_config_args: Callable
     serve = commands.add_parser("serve", help="serve ranking and retrieval over HTTP (docs/serving.md)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--api-servers", type=int, default=1, metavar="N",
+                       help="API-server processes sharing the port and one engine core (default 1); each admits "
+                            "1/N of serving.max_pending_requests and max_pending_tokens")
     add_config_args(serve)
 
     def run_serve(args: argparse.Namespace) -> int:
+        if args.api_servers < 1:
+            raise ValueError(f"--api-servers must be at least 1, got {args.api_servers}")
+        if args.api_servers > 1:
+            from .launcher import serve_many
+
+            return serve_many(load(args), args.host, args.port, args.api_servers)
         from .server import serve as run
 
         run(load(args), args.host, args.port)
@@ -40,6 +49,8 @@ def add_commands(commands: argparse._SubParsersAction, add_config_args: Callable
                                                        "(default 10000, --quick 0)")
     bench.add_argument("--closed-requests", type=int, help="requests of the closed-loop figure (default 240, "
                                                            "--quick 16)")
+    bench.add_argument("--body", choices=["json", "msgpack"], default="json",
+                       help="HTTP bodies and answers (default json; msgpack: raw int64 arrays and float32 scores)")
     bench.add_argument("--timeout-ms", type=float, help="per-request deadline sent with each request (ms)")
     bench.add_argument("--quick", action="store_true", help="the bench's tiny CPU trace and model")
     bench.add_argument("--users", type=int, help="users in the generated trace")
@@ -83,7 +94,7 @@ def add_commands(commands: argparse._SubParsersAction, add_config_args: Callable
         load = LoadSettings(rates=rates, duration_s=args.duration, url=None if args.in_process else args.url,
                             processes=args.processes, quick=args.quick, users=args.users, seed=args.seed,
                             mode=args.mode, concurrency=args.concurrency, closed_requests=closed, skip_steady=skip,
-                            timeout_ms=args.timeout_ms)
+                            timeout_ms=args.timeout_ms, body=args.body)
         result = run_bench(load, config if args.in_process else None, lambda line: print(line, file=sys.stderr))
         result["command"] = "gr-engine " + " ".join(args.argv)
         paths = write_report(result, Path(args.out))

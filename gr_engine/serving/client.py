@@ -3,18 +3,21 @@
 The client validates each request's types, lengths and candidates (:mod:`gr_engine.validation`) in its own
 process, sends it to the core as raw bytes, and resolves the caller's await when the core reports its output.
 Admission is bounded (``serving.max_pending_requests`` and ``max_pending_tokens`` of requests sent and not yet
-answered by the core): beyond it a call raises :class:`EngineOverloaded` at once. A call with ``timeout_ms`` returns,
-for each request that has not finished by then, an output whose ``error`` says so (never a late answer), and the
-core drops it if it has not started; a cancelled call's requests are dropped the same way.
+answered by the core, split evenly among the clients of a shared core): beyond it a call raises
+:class:`EngineOverloaded` at once. A client starts a core of its own, or attaches to a running one
+(:class:`CoreHandle`, as each API server of ``gr-engine serve --api-servers N`` does). A call with ``timeout_ms``
+returns, for each request that has not finished by then, an output whose ``error`` says so (never a late answer),
+and the core drops it if it has not started; a cancelled call's requests are dropped the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import multiprocessing
+import os
+import select
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -28,8 +31,8 @@ from ..config import EngineConfig
 from ..outputs import GenerateOutput, RankOutput, output_user_id
 from ..request import GenerateParams, GenerateRequest, RankRequest
 from ..validation import RequestError, check_candidates, parse_fields
-from .core import run_core_process
-from .protocol import Abort, CoreOutput, CoreReport, CoreRequest, CoreStats, Shutdown, engine_output, to_core
+from .core import start_core
+from .protocol import Abort, CoreOutput, CoreReport, CoreRequest, CoreStats, Hello, Shutdown, engine_output, to_core
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +48,48 @@ class EngineDead(RuntimeError):
 #: Called with each answered request's output, its error kind (``None`` on success) and the core's queue seconds;
 #: requests refused by validation in the client are answered too (kind ``"invalid"``).
 OutputObserver = Callable[[RankOutput | GenerateOutput, str | None, float], None]
-#: Called with each report's counters.
-StatsObserver = Callable[[CoreStats], None]
+
+
+@dataclass(frozen=True)
+class CoreHandle:
+    """A running engine core for an :class:`AsyncGREngine` to attach to (``gr-engine serve --api-servers N``
+    starts one for N API-server processes: :mod:`.launcher`).
+
+    Attributes:
+        address: the core's input socket (``ipc://...``, :func:`~.core.start_core`'s ``address``).
+        pid: the core's process id: the client watches it, and a core that exits fails every pending call.
+        clients: how many clients share the core (its ``clients``); each admits ``1/clients`` of
+            ``serving.max_pending_requests`` and ``serving.max_pending_tokens`` (rounded down, at least 1).
+    """
+
+    address: str
+    pid: int
+    clients: int = 1
+
+
+class _ProcessWatch:
+    """Whether a process that need not be this one's child is alive. On Linux a pidfd, which turns readable when
+    the process exits (a zombie counts as exited); elsewhere ``kill(pid, 0)``."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        try:
+            self._fd = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else None
+        except ProcessLookupError:
+            raise EngineDead(f"no engine core runs as process {pid}") from None
+
+    def alive(self) -> bool:
+        if self._fd is not None:
+            return not select.select([self._fd], [], [], 0)[0]
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
 
 
 @dataclass
@@ -64,87 +107,99 @@ class AsyncGREngine:
     Args:
         config: the engine's configuration (the core builds its engine from it; ``config.serving`` sets batching
             and admission).
+        core: attach to this running core (shared with other clients) instead of starting one of its own.
 
     Use ``async with AsyncGREngine(config) as engine:`` (or :meth:`start` and :meth:`close`); :meth:`start` returns
-    once the core has warmed up.
+    once the core has warmed up. Without ``core``, :meth:`start` starts a core process for this client alone and
+    :meth:`close` stops it; with ``core``, :meth:`close` only leaves it (the core stops once all its clients have).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, core: CoreHandle | None = None) -> None:
         self.config = config
         self.serving = config.serving
         self.state = "stopped"  # "starting", "warming", "ready", "stopping", "stopped" or "dead"
         self.stats: CoreStats | None = None  # the core's latest counters
         self.observers: list[OutputObserver] = []
-        self.stats_observers: list[StatsObserver] = []
         self.last_report_s = 0.0  # time.monotonic() of the core's latest report
+        share = core.clients if core is not None else 1
+        self.max_pending_requests = max(1, self.serving.max_pending_requests // share)  # this client's admission
+        self.max_pending_tokens = max(1, self.serving.max_pending_tokens // share)
+        self._handle = core
         self._ids = itertools.count()
         self._pending: dict[int, _Pending] = {}
         self._pending_tokens = 0
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreReport)
-        self._process: multiprocessing.process.BaseProcess | None = None
+        self._process: multiprocessing.process.BaseProcess | None = None  # the core, when this client started it
+        self._watch: _ProcessWatch | None = None  # the core, when attached
+        self._to_core: zmq.Socket | None = None
         self._reader: asyncio.Task | None = None
         self._ready = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> AsyncGREngine:
-        """Start the core process and wait until it has warmed up.
+        """Start the core process (or attach to ``core``) and wait until it has warmed up.
 
         Raises:
             EngineDead: the core exited before it was ready (its log says why).
         """
+        if self._handle is not None:
+            self._watch = _ProcessWatch(self._handle.pid)
         self._dir = tempfile.TemporaryDirectory(prefix="gr-engine-")
-        # Sends never wait (a plain socket, NOBLOCK; no high-water mark: admission bounds what is queued), so that a
-        # dead core cannot stall a caller; receives are awaited.
+        if self._handle is None:
+            address = f"ipc://{self._dir.name}/core"
+            self._process = start_core(self.config, address)
+        else:
+            address = self._handle.address
+        # Sends never wait (a plain socket, NOBLOCK; no high-water mark: admission bounds what is queued, and a core
+        # that has exited fails every call once noticed); receives are awaited.
         self._send_context, self._context = zmq.Context(), zmq.asyncio.Context()
-        self._to_core = self._send_context.socket(zmq.PUSH)
+        self._to_core = self._send_context.socket(zmq.DEALER)
         self._to_core.setsockopt(zmq.SNDHWM, 0)
+        self._to_core.connect(address)
         self._from_core = self._context.socket(zmq.PULL)
-        to_address, from_address = f"ipc://{self._dir.name}/in", f"ipc://{self._dir.name}/out"
-        self._to_core.bind(to_address)
-        self._from_core.bind(from_address)
-        self._process = multiprocessing.get_context("spawn").Process(
-            target=run_core_process, name="gr-engine-core", daemon=True,
-            args=(msgspec.json.encode(self.config), to_address, from_address))
+        reports = f"ipc://{self._dir.name}/reports"
+        self._from_core.bind(reports)
         self.state = "starting"
-        self._process.start()
+        self._send(Hello(address=reports))
         self._reader = asyncio.create_task(self._read_reports())
         ready = asyncio.create_task(self._ready.wait())
         await asyncio.wait([ready, self._reader], return_when=asyncio.FIRST_COMPLETED)
         if not self._ready.is_set():
             ready.cancel()
-            code = self._process.exitcode
+            status = self._exit_status()
             await self.close()
-            raise EngineDead(f"the engine core exited before it was ready (exit code {code})")
+            raise EngineDead(f"the engine core exited before it was ready ({status})")
         return self
 
     async def close(self, timeout_s: float = 60.0) -> None:
-        """Let the core finish every accepted request and its pending offloads, then stop it (a core that takes
-        longer than ``timeout_s`` is killed)."""
-        if self._process is None:
+        """Let the core answer every accepted request, then leave it; a core this client started then completes its
+        pending offloads and stops (one that takes longer than ``timeout_s`` is killed)."""
+        if self._to_core is None:
             return
-        if self._process.is_alive() and self.state not in ("dead", "stopped"):
+        if self._core_alive() and self.state not in ("dead", "stopped"):
             self.state = "stopping"
-            with contextlib.suppress(EngineDead):
-                self._send(Shutdown())
-            if self._reader is not None:
-                try:
-                    await asyncio.wait_for(asyncio.shield(self._reader), timeout_s)
-                except asyncio.TimeoutError:
-                    logger.error("the engine core did not stop within %.0f s: killing it", timeout_s)
-        if self._reader is not None:
-            self._reader.cancel()
-        await asyncio.to_thread(self._process.join, 5)
-        if self._process.is_alive():
-            self._process.kill()
-            await asyncio.to_thread(self._process.join)
+            self._send(Shutdown())
+            try:
+                await asyncio.wait_for(asyncio.shield(self._reader), timeout_s)
+            except asyncio.TimeoutError:
+                logger.error("the engine core did not answer within %.0f s", timeout_s)
+        self._reader.cancel()
+        if self._process is not None:
+            await asyncio.to_thread(self._process.join, 5)
+            if self._process.is_alive():
+                logger.error("killing the engine core")
+                self._process.kill()
+                await asyncio.to_thread(self._process.join)
         self._fail_all(EngineDead("the engine was closed"))
         self._to_core.close(linger=0)
         self._from_core.close(linger=0)
         self._context.term()
         self._send_context.term()
+        if self._watch is not None:
+            self._watch.close()
         self._dir.cleanup()
-        self._process = None
+        self._to_core = self._process = self._watch = None
         if self.state != "dead":
             self.state = "stopped"
 
@@ -157,11 +212,23 @@ class AsyncGREngine:
     @property
     def core_pid(self) -> int | None:
         """The engine-core process's id (``None`` when not started)."""
-        return self._process.pid if self._process is not None else None
+        if self._process is not None:
+            return self._process.pid
+        return self._watch.pid if self._watch is not None else None
+
+    def _core_alive(self) -> bool:
+        if self._process is not None:
+            return self._process.is_alive()
+        return self._watch is not None and self._watch.alive()
+
+    def _exit_status(self) -> str:
+        if self._process is not None:
+            return f"exit code {self._process.exitcode}"
+        return f"pid {self.core_pid}"
 
     def is_healthy(self) -> bool:
         """Whether the core process is alive and, once ready, has reported within ``serving.health_timeout_s``."""
-        if self._process is None or not self._process.is_alive() or self.state in ("dead", "stopped"):
+        if not self._core_alive() or self.state in ("dead", "stopped"):
             return False
         return self.state != "ready" or time.monotonic() - self.last_report_s < self.serving.health_timeout_s
 
@@ -200,7 +267,7 @@ class AsyncGREngine:
 
     async def _submit(self, requests: Sequence[RankRequest | GenerateRequest], params: GenerateParams | None,
                       timeout_ms: float | None) -> list:
-        if self.state == "ready" and not self._process.is_alive():
+        if self.state == "ready" and not self._core_alive():
             self._core_died()
         if self.state != "ready":
             raise EngineDead(f"the engine is {self.state}, not serving")
@@ -226,10 +293,11 @@ class AsyncGREngine:
             messages.append((core_id, to_core(core_id, request, arrays, params, deadline), request, size))
             tokens += size
             waits[core_id] = i
-        if messages and (len(self._pending) + len(messages) > self.serving.max_pending_requests
-                         or self._pending_tokens + tokens > self.serving.max_pending_tokens):
-            raise EngineOverloaded(f"{len(self._pending)} requests ({self._pending_tokens} tokens) pending: "
-                                   "over serving.max_pending_requests / max_pending_tokens")
+        if messages and (len(self._pending) + len(messages) > self.max_pending_requests
+                         or self._pending_tokens + tokens > self.max_pending_tokens):
+            raise EngineOverloaded(f"{len(self._pending)} requests ({self._pending_tokens} tokens) pending: over "
+                                   f"this client's {self.max_pending_requests} requests / {self.max_pending_tokens} "
+                                   "tokens (serving.max_pending_requests / max_pending_tokens)")
         loop = asyncio.get_running_loop()
         futures = {}
         for core_id, message, request, size in messages:
@@ -262,24 +330,19 @@ class AsyncGREngine:
             pending = self._pending.get(core_id)
             if pending is not None and not pending.future.done():
                 pending.future.cancel()
-        if core_ids and self._process is not None and self.state != "dead":
-            with contextlib.suppress(EngineDead):  # then nothing is pending any more
-                self._send(Abort(core_ids=core_ids, reason=reason, kind=kind))
+        if core_ids and self._to_core is not None and self.state != "dead":
+            self._send(Abort(core_ids=core_ids, reason=reason, kind=kind))
 
-    def _send(self, message: CoreRequest | Abort | Shutdown) -> None:
-        """Queue a message for the core; with no core connected (it died), fail every pending call instead."""
-        try:
-            self._to_core.send(self._encoder.encode(message), zmq.NOBLOCK)
-        except zmq.Again:
-            self._core_died()
-            raise EngineDead("the engine core is not running") from None
+    def _send(self, message: Hello | CoreRequest | Abort | Shutdown) -> None:
+        """Queue a message for the core (never waits: the socket's queue has no bound)."""
+        self._to_core.send(self._encoder.encode(message), zmq.NOBLOCK)
 
     # ------------------------------------------------------------------ reports
     async def _read_reports(self) -> None:
         """Deliver the core's outputs; notice when the core dies (every pending call then fails)."""
         while True:
             if not await self._from_core.poll(500):
-                if not self._process.is_alive():
+                if not self._core_alive():
                     self._core_died()
                     return
                 continue
@@ -287,8 +350,6 @@ class AsyncGREngine:
             self.last_report_s = time.monotonic()
             if report.stats is not None:
                 self.stats = report.stats
-                for observe_stats in self.stats_observers:
-                    observe_stats(report.stats)
             for message in report.outputs:
                 self._deliver(message)
             if report.state == "stopped":
@@ -311,10 +372,10 @@ class AsyncGREngine:
             pending.future.set_result(output)
 
     def _core_died(self) -> None:
-        code = self._process.exitcode if self._process is not None else None
-        logger.error("the engine core exited (exit code %s); failing %d pending requests", code, len(self._pending))
+        status = self._exit_status()
+        logger.error("the engine core exited (%s); failing %d pending requests", status, len(self._pending))
         self.state = "dead"
-        self._fail_all(EngineDead(f"the engine core exited (exit code {code})"))
+        self._fail_all(EngineDead(f"the engine core exited ({status})"))
 
     def _fail_all(self, error: Exception) -> None:
         for pending in self._pending.values():

@@ -1,8 +1,10 @@
 """``EngineCore``: the engine in its own process, stepping while work is queued (docs/serving.md).
 
-The core owns a :class:`~gr_engine.GREngine`. It receives :mod:`.protocol` messages on a ZeroMQ PULL socket and
-sends a :class:`~.protocol.CoreReport` on a PUSH socket after every step that finished requests, and at least every
-``serving.heartbeat_s`` otherwise. Each step batches whatever has arrived; while a step's forward runs on the
+The core owns a :class:`~gr_engine.GREngine`. It binds a ZeroMQ ROUTER socket that any number of clients (one per
+API-server process) connect to; each says :class:`~.protocol.Hello` with the address of its own PULL socket, and the
+core connects a PUSH socket there. After every step that finished requests, and at least every
+``serving.heartbeat_s`` otherwise, every client gets a :class:`~.protocol.CoreReport`: its own outputs and the
+core's counters. Each step batches whatever has arrived; while a step's forward runs on the
 device (after its requests are committed, before scoring waits for the device), the core takes in, validates and
 queues the requests that arrived meanwhile, so that their host work overlaps the device's
 (:meth:`~gr_engine.GREngine.step`'s ``between``). A request past its deadline, or aborted by the client, is dropped
@@ -11,11 +13,13 @@ if it has not started; one that has started finishes (the client discards a late
 
 from __future__ import annotations
 
+import itertools
 import logging
+import multiprocessing
 import os
 import signal
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 
 import msgspec
 import zmq
@@ -24,12 +28,14 @@ from ..config import EngineConfig
 from ..engine import GREngine, Output
 from ..outputs import StepTimings
 from .protocol import (
+    STEP_BUCKETS,
     Abort,
     CoreInput,
     CoreOutput,
     CoreReport,
     CoreRequest,
     CoreStats,
+    Hello,
     Shutdown,
     from_core,
     output_message,
@@ -38,81 +44,124 @@ from .protocol import (
 logger = logging.getLogger(__name__)
 
 _STEP_FAILED = "engine step failed"  # how GREngine's errors for failed steps begin
+_CONNECT_TIMEOUT_MS = 10_000  # a client whose report socket cannot be reached this long after its Hello is gone
+
+
+@dataclass(eq=False)
+class _Client:
+    """One connected client: its report socket, its outputs not yet sent, its requests in the engine."""
+
+    identity: bytes  # its input connection's ZeroMQ identity
+    number: int  # the core's name for it: its requests are "<number>.<core_id>" in the engine
+    socket: zmq.Socket  # PUSH, connected to the client's PULL
+    outputs: list[CoreOutput] = field(default_factory=list)
+    in_engine: int = 0  # requests queued or running
+    leaving: bool = False  # it sent Shutdown
+    reached: bool = False  # a report has been delivered (the first one waits for the connection)
 
 
 class EngineCore:
-    """The stepping loop over one engine and its two sockets.
+    """The stepping loop over one engine, its input socket and one report socket per client.
 
     Args:
         engine: the engine (its requests come only through this core; ``engine.config.serving`` sets batching and
             reporting).
-        inputs: a PULL socket delivering :data:`~.protocol.CoreInput` messages.
-        outputs: a PUSH socket for :class:`~.protocol.CoreReport` messages.
+        inputs: a ROUTER socket delivering ``[client identity, CoreInput]`` messages (:data:`~.protocol.CoreInput`).
+        context: the ZeroMQ context for the clients' report sockets.
+        clients: how many clients the core serves; it stops once that many have left (or are gone).
     """
 
-    def __init__(self, engine: GREngine, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
+    def __init__(self, engine: GREngine, inputs: zmq.Socket, context: zmq.Context, clients: int = 1) -> None:
         self.engine = engine
         self.serving = engine.config.serving
-        self._inputs, self._outputs = inputs, outputs
+        self._inputs, self._context, self._expected = inputs, context, clients
         self._decoder = msgspec.msgpack.Decoder(CoreInput)
         self._encoder = msgspec.msgpack.Encoder()
-        self._deadlines: dict[int, float] = {}  # core_id -> deadline of queued requests that have one
-        self._finished: list[CoreOutput] = []  # since the last report
-        self._step_seconds: list[float] = []
-        self._stopping = False  # a Shutdown arrived: finish what is queued, then exit
-        self._client_gone = False  # nobody reads the outputs: exit now
+        self._clients: dict[bytes, _Client] = {}  # by ZeroMQ identity
+        self._owners: dict[str, tuple[_Client, int]] = {}  # engine request id -> (client, its core_id)
+        self._deadlines: dict[str, float] = {}  # engine request id -> deadline of queued requests that have one
+        self._departed = 0  # clients that left or are gone
+        self._numbers = itertools.count()
+        self._state = "warming"  # then "ready", then "stopped"
+        self._steps, self._step_seconds = 0, 0.0
+        self._step_buckets = [0] * len(STEP_BUCKETS)
         self._last_report = 0.0
         self._batch_opened = 0.0  # when the first request of an idle engine arrived
 
     def run(self) -> None:
-        """Warm up, then step until a :class:`~.protocol.Shutdown` has arrived and every request is answered;
-        then let pending transfers finish and report ``"stopped"``."""
-        self._report("warming")
+        """Warm up, then step until every client has left and every request is answered; then let pending
+        transfers finish and report ``"stopped"``."""
+        self._receive(0)
+        self._report()  # "warming", to the clients that said hello already
         if self.serving.warmup:
             self.engine.warmup(use_tqdm=False)
-        self._report("ready")
+        self._state = "ready"
+        self._report()
         parent = os.getppid()
-        while not (self._stopping and not self.engine.has_unfinished_requests()):
+        while not (self._finishing() and not self.engine.has_unfinished_requests()):
             busy = self.engine.has_unfinished_requests()
             self._receive(0 if busy else self.serving.heartbeat_s)
-            if self._client_gone or os.getppid() != parent:
-                logger.error("engine core: the client process is gone; stopping")
+            if self._departed >= self._expected or os.getppid() != parent:
+                logger.error("engine core: the client processes are gone; stopping")
                 break
             self._wait_for_batch()
             self._expire()
             if self.engine.has_unfinished_requests():
                 t0 = time.perf_counter()
                 outputs = self.engine.step(between=(lambda: self._receive(0)) if self.serving.overlap_intake else None)
-                self._step_seconds.append(time.perf_counter() - t0)
+                self._count_step(time.perf_counter() - t0)
                 self._finish(outputs)
-            if self._finished or time.monotonic() - self._last_report >= self.serving.heartbeat_s:
-                self._report("ready")
+            self._release()
+            if any(c.outputs for c in self._clients.values()) or \
+                    time.monotonic() - self._last_report >= self.serving.heartbeat_s:
+                self._report()
         self.engine.close()
-        self._report("stopped")
+        self._state = "stopped"
+        self._report()
+
+    def _finishing(self) -> bool:
+        """Whether every client the core serves has left or is leaving."""
+        return self._departed + sum(c.leaving for c in self._clients.values()) >= self._expected
 
     # ------------------------------------------------------------------ intake
     def _receive(self, timeout_s: float) -> None:
         """Take in every message that has arrived, waiting up to ``timeout_s`` for the first one."""
         if not self._inputs.poll(int(timeout_s * 1000)):
             return
-        requests: list[CoreRequest] = []
+        requests: list[tuple[_Client, CoreRequest]] = []
         while True:
             try:
-                frame = self._inputs.recv(zmq.NOBLOCK, copy=False)
+                identity, frame = self._inputs.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
             message = self._decoder.decode(frame.buffer)
+            if isinstance(message, Hello):
+                self._join(identity.bytes, message.address)
+                continue
+            client = self._clients.get(identity.bytes)
+            if client is None:  # a client that has been dropped: nobody to answer
+                continue
             if isinstance(message, CoreRequest):
-                requests.append(message)
+                requests.append((client, message))
             elif isinstance(message, Abort):
                 self._add(requests)
                 requests = []
-                self._abort(message.core_ids, message.reason, message.kind)
+                self._abort([f"{client.number}.{c}" for c in message.core_ids], message.reason, message.kind)
             elif isinstance(message, Shutdown):
-                self._stopping = True
+                client.leaving = True
         self._add(requests)
 
-    def _add(self, messages: list[CoreRequest]) -> None:
+    def _join(self, identity: bytes, address: str) -> None:
+        """A new client: connect to its report socket and tell it the core's state."""
+        socket = self._context.socket(zmq.PUSH)
+        socket.setsockopt(zmq.SNDHWM, 0)  # admission in the client bounds what is queued
+        socket.setsockopt(zmq.IMMEDIATE, 1)  # a client that is gone refuses sends instead of queueing them
+        socket.connect(address)
+        client = _Client(identity, next(self._numbers), socket)
+        self._clients[identity] = client
+        self._send(client, CoreReport(outputs=[], stats=self._stats(), state=self._state))
+
+    def _add(self, messages: list[tuple[_Client, CoreRequest]]) -> None:
         """Validate and queue requests, runs of the same kind and parameters together (one intake pass each)."""
         if not messages:
             return
@@ -120,16 +169,19 @@ class EngineCore:
             self._batch_opened = time.monotonic()
         start = 0
         for end in range(1, len(messages) + 1):
-            if end < len(messages) and _kind(messages[end]) == _kind(messages[start]):
+            if end < len(messages) and _kind(messages[end][1]) == _kind(messages[start][1]):
                 continue
             run = messages[start:end]
-            params = run[0].params
-            added = self.engine.add_requests([from_core(m) for m in run], params)
-            for message, result in zip(run, added, strict=True):
+            names = [f"{client.number}.{message.core_id}" for client, message in run]
+            added = self.engine.add_requests([from_core(m, n) for (_, m), n in zip(run, names)], run[0][1].params)
+            for (client, message), name, result in zip(run, names, added, strict=True):
                 if isinstance(result, Exception):
-                    self._finished.append(_failed(message.core_id, str(result), "invalid"))
-                elif message.deadline is not None:
-                    self._deadlines[message.core_id] = message.deadline
+                    client.outputs.append(_failed(message.core_id, str(result), "invalid"))
+                    continue
+                self._owners[name] = (client, message.core_id)
+                client.in_engine += 1
+                if message.deadline is not None:
+                    self._deadlines[name] = message.deadline
             start = end
 
     def _wait_for_batch(self) -> None:
@@ -138,7 +190,7 @@ class EngineCore:
         if wait_s <= 0 or self.engine.scheduler.running:
             return
         full = self.engine.config.scheduler.max_num_seqs
-        while self.engine.scheduler.num_unfinished < full and not self._stopping:
+        while self.engine.scheduler.num_unfinished < full and not self._finishing():
             remaining = self._batch_opened + wait_s - time.monotonic()
             if remaining <= 0:
                 return
@@ -149,34 +201,70 @@ class EngineCore:
         if not self._deadlines:
             return
         now = time.monotonic()
-        late = [core_id for core_id, deadline in self._deadlines.items() if deadline <= now]
+        late = [name for name, deadline in self._deadlines.items() if deadline <= now]
         if late:
             self._abort(late, "deadline exceeded before the request started", "timeout")
 
-    def _abort(self, core_ids: list[int], reason: str, kind: str) -> None:
-        for output in self.engine.abort_waiting([str(c) for c in core_ids], reason):
-            self._finished.append(output_message(int(output.request_id), output, kind))
-            self._deadlines.pop(int(output.request_id), None)
+    def _abort(self, names: list[str], reason: str, kind: str) -> None:
+        for output in self.engine.abort_waiting(names, reason):
+            self._answer(output, kind)
 
     # ------------------------------------------------------------------ outputs
     def _finish(self, outputs: list[Output]) -> None:
         for output in outputs:
-            core_id = int(output.request_id)
-            self._deadlines.pop(core_id, None)
             kind = None
             if output.error is not None:
                 kind = "engine" if output.error.startswith(_STEP_FAILED) else "unservable"
-            self._finished.append(output_message(core_id, output, kind))
+            self._answer(output, kind)
 
-    def _report(self, state: str) -> None:
-        report = CoreReport(outputs=self._finished, stats=self._stats(), state=state)
-        try:  # the first report waits for the connection; later ones never wait
-            self._outputs.send(self._encoder.encode(report), 0 if state == "warming" else zmq.NOBLOCK, copy=False)
-        except zmq.Again:  # no client connected (no high-water mark: nothing else refuses a send)
-            logger.error("engine core: the client is gone; stopping")
-            self._client_gone = True
-        self._finished, self._step_seconds = [], []
+    def _answer(self, output: Output, kind: str | None) -> None:
+        """File a finished request's output for its client (dropped if the client is gone)."""
+        self._deadlines.pop(output.request_id, None)
+        client, core_id = self._owners.pop(output.request_id)
+        client.in_engine -= 1
+        client.outputs.append(output_message(core_id, output, kind))
+
+    def _count_step(self, seconds: float) -> None:
+        self._steps += 1
+        self._step_seconds += seconds
+        for i, bound in enumerate(STEP_BUCKETS):
+            self._step_buckets[i] += seconds <= bound
+
+    def _release(self) -> None:
+        """Report ``"stopped"`` to each leaving client whose requests are all answered, except the last client
+        (it hears after the engine has closed)."""
+        for client in [c for c in self._clients.values() if c.leaving and not c.in_engine]:
+            if self._departed + 1 >= self._expected:
+                return
+            if self._send(client, CoreReport(outputs=client.outputs, stats=self._stats(), state="stopped")):
+                self._drop(client, linger_ms=2000)
+
+    def _report(self) -> None:
+        """Send every client its finished outputs and the counters."""
+        stats = self._stats()
+        for client in list(self._clients.values()):
+            self._send(client, CoreReport(outputs=client.outputs, stats=stats, state=self._state))
+            client.outputs = []
         self._last_report = time.monotonic()
+
+    def _send(self, client: _Client, report: CoreReport) -> bool:
+        """Send one report (the first to a client waits up to ``_CONNECT_TIMEOUT_MS`` for the connection; later ones
+        never wait); a client that cannot be reached is gone (dropped: ``False``)."""
+        if not client.reached:
+            client.socket.setsockopt(zmq.SNDTIMEO, _CONNECT_TIMEOUT_MS)
+        try:
+            client.socket.send(self._encoder.encode(report), 0 if not client.reached else zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            logger.error("engine core: client %d is gone", client.number)
+            self._drop(client, linger_ms=0)
+            return False
+        client.reached = True
+        return True
+
+    def _drop(self, client: _Client, linger_ms: int) -> None:
+        del self._clients[client.identity]
+        client.socket.close(linger=linger_ms)
+        self._departed += 1
 
     def _stats(self) -> CoreStats:
         engine, kv = self.engine, self.engine.kv
@@ -187,7 +275,8 @@ class EngineCore:
             store = kv.host.store
             host_used = (store.num_allocated - store.num_free) * store.slot_bytes
         return CoreStats(
-            running=running, waiting=engine.scheduler.num_unfinished - running, step_seconds=self._step_seconds,
+            running=running, waiting=engine.scheduler.num_unfinished - running, steps=self._steps,
+            step_seconds=self._step_seconds, step_buckets=list(self._step_buckets),
             computed_tokens=engine.stats.num_computed_step_tokens, gpu_hit_tokens=engine.stats.gpu_hit_tokens,
             host_hit_tokens=engine.stats.host_hit_tokens, gpu_pages_used=kv.pool.num_pages - kv.pool.num_free,
             gpu_pages_free=kv.pool.num_free, host_bytes_used=host_used, onloaded_bytes=onloaded,
@@ -207,24 +296,30 @@ def _failed(core_id: int, error: str, kind: str) -> CoreOutput:
                       timings=StepTimings(), latency_s=0.0, queue_s=0.0)
 
 
-def run_core_process(config_json: bytes, input_address: str, output_address: str) -> None:
-    """The core process's entry point: build the engine, connect to the client's sockets, run the loop.
+def run_core_process(config_json: bytes, address: str, clients: int) -> None:
+    """The core process's entry point: bind the input socket at ``address``, build the engine, run the loop for
+    ``clients`` clients.
 
     Ctrl-C in a terminal reaches the whole process group: the core ignores SIGINT and SIGTERM and stops when its
-    client sends :class:`~.protocol.Shutdown` (or exits)."""
+    clients have sent :class:`~.protocol.Shutdown` (or exited)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
     config = msgspec.json.decode(config_json, type=EngineConfig)
     context = zmq.Context()
-    inputs, outputs = context.socket(zmq.PULL), context.socket(zmq.PUSH)
-    inputs.connect(input_address)
-    outputs.setsockopt(zmq.SNDHWM, 0)
-    outputs.connect(output_address)
+    inputs = context.socket(zmq.ROUTER)
+    inputs.bind(address)  # first, so that clients connect while the engine is built
     try:
-        EngineCore(GREngine(config), inputs, outputs).run()
+        EngineCore(GREngine(config), inputs, context, clients).run()
     finally:
-        outputs.close(linger=2000)
         inputs.close(linger=0)
-        context.term()
+        context.destroy(linger=2000)  # reports still queued (the last "stopped") get this long to leave
 
+
+def start_core(config: EngineConfig, address: str, clients: int = 1) -> multiprocessing.process.BaseProcess:
+    """Start an engine-core process (``spawn``) serving ``clients`` clients on ``address`` (``ipc://...``)."""
+    process = multiprocessing.get_context("spawn").Process(
+        target=run_core_process, name="gr-engine-core", daemon=True,
+        args=(msgspec.json.encode(config), address, clients))
+    process.start()
+    return process

@@ -14,18 +14,19 @@ or an in-process :class:`~.client.AsyncGREngine`, one request per trace visit:
 
 Over HTTP the load is spread over ``processes`` generator processes (each an asyncio loop with one
 ``httpx.AsyncClient``); a user always goes to the same one, and a user's next visit is sent only once the previous
-one was answered (so visits stay in order). Each generator reports its own CPU seconds and its lag (how late, in ms,
-it fired requests against their schedule). Results: :mod:`.load_report`.
+one was answered (so visits stay in order). Bodies are JSON or msgpack (``body``), encoded before each phase starts,
+and only each output's ``error`` is decoded from the answers. Each generator reports its own CPU seconds and its lag
+(how late, in ms, it fired requests against their schedule). The HTTP side is :mod:`.load_http`; results:
+:mod:`.load_report`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import multiprocessing
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -56,6 +57,7 @@ class LoadSettings:
     closed_requests: int = 240
     timeout_ms: float | None = None
     arrival_seed: int = 0
+    body: str = "json"  # HTTP bodies and answers: "json" or "msgpack" (raw int64 arrays, raw float32 scores)
 
 
 def bench_settings(quick: bool, users: int | None = None, seed: int = 0) -> BenchSettings:
@@ -70,20 +72,6 @@ def bench_engine_config(settings: BenchSettings, mode: str, trace: Trace | None 
     changes = {"num_gpu_pages": unlimited_pages(settings, trace or generate_trace(settings.trace))} \
         if mode == "unlimited" else {}
     return engine_config(settings, cache_config(settings, mode, **changes), BATCH)
-
-
-def _as_list(value: object) -> object:
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    raise TypeError(f"cannot encode a {type(value).__name__}")
-
-
-_ENCODER = msgspec.json.Encoder(enc_hook=_as_list)
-
-
-def rank_body(requests: Sequence[RankRequest], timeout_ms: float | None = None) -> bytes:
-    """The JSON body of ``POST /v1/rank`` for ``requests``."""
-    return _ENCODER.encode({"requests": list(requests), "timeout_ms": timeout_ms})
 
 
 def error_kind(message: str) -> str:
@@ -204,18 +192,6 @@ async def open_loop(send: Send, requests: list[RankRequest], offsets: np.ndarray
     return rec.result()
 
 
-def http_sender(client: object, url: str, timeout_ms: float | None) -> Send:
-    """POST requests to ``url``/v1/rank with an ``httpx.AsyncClient``: non-200 is ``http_<status>``."""
-    async def send(batch: list[RankRequest]) -> list[str | None]:
-        response = await client.post(f"{url}/v1/rank", content=rank_body(batch, timeout_ms),
-                                     headers={"content-type": "application/json"})
-        if response.status_code != 200:
-            return [f"http_{response.status_code}"] * len(batch)
-        outputs = msgspec.json.decode(response.content)["outputs"]
-        return [None if o.get("error") is None else error_kind(o["error"]) for o in outputs]
-    return send
-
-
 def engine_sender(engine: object, timeout_ms: float | None) -> Send:
     """Send requests through an :class:`~.client.AsyncGREngine` (``rank_many``)."""
     from .client import EngineDead, EngineOverloaded
@@ -231,121 +207,17 @@ def engine_sender(engine: object, timeout_ms: float | None) -> Send:
     return send
 
 
-# ---------------------------------------------------------------------------------------------- generators
-def _generator_main(conn: object, trace_config: object, url: str, timeout_ms: float | None) -> None:
-    """A generator process: builds the trace once, then runs the phases it is sent until told to stop, on one
-    event loop and one ``httpx.AsyncClient`` (its connections stay open between phases)."""
-    import httpx
-
-    trace = generate_trace(trace_config)
-
-    async def main() -> None:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-            send = http_sender(client, url, timeout_ms)
-            conn.send("ready")
-            while (command := await asyncio.to_thread(conn.recv))[0] != "stop":
-                requests = [trace.rank_request(i) for i in command[1]]
-                if command[0] == "closed":
-                    conn.send(await closed_loop(send, requests, command[2]))
-                else:
-                    conn.send(await open_loop(send, requests, command[2], command[3]))
-
-    asyncio.run(main())
-
-
-class Generators:
-    """``processes`` generator processes; user ``u`` always goes to process ``u % processes``."""
-
-    def __init__(self, trace: Trace, url: str, processes: int, timeout_ms: float | None) -> None:
-        context = multiprocessing.get_context("spawn")
-        self.trace, self.pipes, self.procs = trace, [], []
-        for k in range(processes):
-            mine, theirs = context.Pipe()
-            proc = context.Process(target=_generator_main, name=f"bench-serve-{k}", daemon=True,
-                                   args=(theirs, trace.config, url, timeout_ms))
-            proc.start()
-            self.pipes.append(mine)
-            self.procs.append(proc)
-        for pipe in self.pipes:
-            pipe.recv()
-
-    def _of(self, indices: list[int]) -> list[np.ndarray]:
-        users = np.array([self.trace.requests[i].user for i in indices], dtype=np.int64)
-        return [np.flatnonzero(users % len(self.pipes) == k) for k in range(len(self.pipes))]
-
-    def closed(self, indices: list[int], clients: int) -> list[dict]:
-        """Closed loop with ``clients`` senders in all (spread over the processes)."""
-        n = len(self.pipes)
-        for k, (pipe, mine) in enumerate(zip(self.pipes, self._of(indices), strict=True)):
-            pipe.send(("closed", [indices[i] for i in mine], clients // n + (k < clients % n)))
-        return [pipe.recv() for pipe in self.pipes]
-
-    def open(self, indices: list[int], offsets: np.ndarray, lead_s: float = 0.5) -> list[dict]:
-        """Open loop: every process's share of the arrivals, from ``lead_s`` seconds from now."""
-        start = time.monotonic() + lead_s
-        for pipe, mine in zip(self.pipes, self._of(indices), strict=True):
-            pipe.send(("open", [indices[i] for i in mine], offsets[mine], start))
-        return [pipe.recv() for pipe in self.pipes]
-
-    def close(self) -> None:
-        for pipe in self.pipes:
-            pipe.send(("stop",))
-        for proc in self.procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-
-
 # ---------------------------------------------------------------------------------------------- runs
 #: The core's counters of stalls (:meth:`~gr_engine.GREngine.stalls`), by their names in :class:`.protocol.CoreStats`.
 STALL_COUNTERS = ("kernel_compilations", "kernel_cache_loads", "graph_captures")
 
 
-def core_counters(url: str) -> dict[str, float]:
-    """The core's ``onloaded_bytes`` and :data:`STALL_COUNTERS` from the server's ``/metrics`` (``*_total``; 0 before
-    the core's first report)."""
-    import httpx
-
-    names = {f"gr_engine_{name}_total": name for name in ("onloaded_bytes", *STALL_COUNTERS)}
-    counters = dict.fromkeys(names.values(), 0.0)
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in names:
-            counters[names[name]] = float(value)
-    return counters
-
-
 def stall_count(counters: dict[str, float] | object) -> int:
-    """Compilations, cache loads and captures in a :func:`core_counters` dict or a :class:`.protocol.CoreStats`."""
+    """Compilations, cache loads and captures in a :func:`.load_http.core_counters` dict or a
+    :class:`.protocol.CoreStats`."""
     if isinstance(counters, dict):
         return int(sum(counters[name] for name in STALL_COUNTERS))
     return sum(getattr(counters, name) for name in STALL_COUNTERS)
-
-
-def run_http(trace: Trace, load: LoadSettings, echo: Callable[[str], None]) -> dict:
-    """Every phase against the server at ``load.url``; each phase's per-generator results and onloaded bytes."""
-    plan = plan_run(trace, load)
-    gens = Generators(trace, load.url, load.processes, load.timeout_ms)
-    phases: dict = {"exhausted": plan.exhausted}
-    try:
-        echo(f"warm-up: {len(plan.warmup)} visits (first visits, then the trace's cold start), "
-             f"{load.concurrency} in flight")
-        phases["warmup"] = {"parts": gens.closed(plan.warmup, load.concurrency)}
-        echo(f"closed loop: {len(plan.closed)} requests from {BATCH} clients")
-        first = core_counters(load.url)
-        phases["closed"] = {"parts": gens.closed(plan.closed, BATCH)}
-        phases["rates"] = []
-        for rate, offsets, indices in plan.rates:
-            echo(f"rate {rate:g} requests/s: {len(indices)} requests over {load.duration_s:g} s")
-            before = core_counters(load.url)["onloaded_bytes"]
-            parts = gens.open(indices, offsets)
-            phases["rates"].append({"rate": rate, "parts": parts,
-                                    "onloaded_bytes": core_counters(load.url)["onloaded_bytes"] - before})
-        phases["stalls"] = stall_count(core_counters(load.url)) - stall_count(first)
-    finally:
-        gens.close()
-    return phases
 
 
 def run_in_process(trace: Trace, load: LoadSettings, config: EngineConfig, echo: Callable[[str], None]) -> dict:
@@ -409,6 +281,8 @@ def run_bench(load: LoadSettings, config: EngineConfig | None, echo: Callable[[s
         if httpx.get(f"{load.url}/ready", timeout=30).status_code != 200:
             raise ValueError(f"{load.url} is not ready (GET /ready)")
         device = httpx.get(f"{load.url}/v1/config", timeout=30).json().get("device", "cpu")
+        from .load_http import run_http
+
         phases = run_http(trace, load, echo)
     result = build_result(phases, pcie_peak_GBps(device))
     result["settings"] = {**msgspec.to_builtins(dataclasses.asdict(load)), "in_process": config is not None,

@@ -1,54 +1,68 @@
 """Prometheus metrics of a served engine (``GET /metrics``), all named ``gr_engine_*``.
 
-Request counters and histograms are observed by the client as outputs arrive; the engine's own counters and gauges
-are the core's latest report (:class:`~.protocol.CoreStats`), read when scraped. Each :class:`ServingMetrics` has
-its own registry.
+Request counters and histograms are observed by each API server's client as outputs arrive; the engine's own
+counters, gauges and step histogram are the core's latest report (:class:`~.protocol.CoreStats`), read when scraped.
+With several API-server processes (``PROMETHEUS_MULTIPROC_DIR`` set before ``prometheus_client`` is imported, as
+``gr-engine serve --api-servers N`` does), the request figures live in that folder and every scrape, whichever
+server answers it, reports their sums over all servers; the core's figures are not summed (there is one core).
 """
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from ..outputs import GenerateOutput, RankOutput
 from .client import AsyncGREngine
-from .protocol import CoreStats
+from .protocol import STEP_BUCKETS
 
 _LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5,
                     5.0, 10.0)
-_STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class ServingMetrics:
-    """The metrics of one :class:`~.client.AsyncGREngine` (it registers itself as the engine's observer).
+    """The metrics of one API server's :class:`~.client.AsyncGREngine` (it registers itself as the engine's
+    observer).
+
+    Args:
+        engine: the client whose outputs and core reports are counted.
+        server: the API server's index (``0`` .. ``N - 1``), the ``server`` label of ``http_bodies_total``.
 
     Metrics: ``requests_total`` (finished, by ``outcome``: ``ok`` or an error kind), ``request_errors_total``
     (by ``kind``, including ``overloaded`` and ``bad_request``, which never reach the engine),
-    ``request_latency_seconds`` and ``request_queue_seconds`` (histograms), ``step_seconds`` (histogram),
-    ``requests_running`` and ``requests_waiting`` (gauges), ``computed_tokens_total``, ``gpu_hit_tokens_total``,
-    ``host_hit_tokens_total``, ``gpu_pages_used``, ``gpu_pages_free``, ``host_bytes_used``,
-    ``onloaded_bytes_total``, ``offloaded_bytes_total``, ``kernel_compilations_total``,
-    ``kernel_cache_loads_total``, ``graph_captures_total``.
+    ``request_latency_seconds`` and ``request_queue_seconds`` (histograms), ``http_bodies_total`` (request bodies
+    answered, by ``server``); from the core: ``step_seconds`` (histogram), ``requests_running`` and
+    ``requests_waiting`` (gauges), ``computed_tokens_total``, ``gpu_hit_tokens_total``, ``host_hit_tokens_total``,
+    ``gpu_pages_used``, ``gpu_pages_free``, ``host_bytes_used``, ``onloaded_bytes_total``, ``offloaded_bytes_total``,
+    ``kernel_compilations_total``, ``kernel_cache_loads_total``, ``graph_captures_total``.
     """
 
-    def __init__(self, engine: AsyncGREngine) -> None:
-        self.engine = engine
-        self.registry = CollectorRegistry(auto_describe=True)
+    def __init__(self, engine: AsyncGREngine, server: int = 0) -> None:
+        self.engine, self.server = engine, server
+        own = CollectorRegistry(auto_describe=True)
         self.requests = Counter("gr_engine_requests", "Requests answered, by outcome (ok or the error kind).",
-                                ["outcome"], registry=self.registry)
+                                ["outcome"], registry=own)
         self.errors = Counter("gr_engine_request_errors", "Requests refused or failed, by kind.", ["kind"],
-                              registry=self.registry)
+                              registry=own)
         self.latency = Histogram("gr_engine_request_latency_seconds", "Seconds from submission to answer.",
-                                 buckets=_LATENCY_BUCKETS, registry=self.registry)
+                                 buckets=_LATENCY_BUCKETS, registry=own)
         self.queue = Histogram("gr_engine_request_queue_seconds",
                                "Seconds a request spent in the engine core outside the steps that served it.",
-                               buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.steps = Histogram("gr_engine_step_seconds", "Wall seconds of each engine step.",
-                               buckets=_STEP_BUCKETS, registry=self.registry)
+                               buckets=_LATENCY_BUCKETS, registry=own)
+        self.bodies = Counter("gr_engine_http_bodies", "HTTP request bodies answered (any status), by API server.",
+                              ["server"], registry=own)
+        directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if directory:  # every server's figures from the shared folder (this server's own are written there too)
+            self.registry = CollectorRegistry()
+            MultiProcessCollector(self.registry, path=directory)
+        else:
+            self.registry = own
         self.registry.register(_CoreCollector(engine))
         engine.observers.append(self.observe_output)
-        engine.stats_observers.append(self.observe_stats)
 
     def observe_output(self, output: RankOutput | GenerateOutput, error_kind: str | None, queue_s: float) -> None:
         """Count one answered request."""
@@ -59,14 +73,13 @@ class ServingMetrics:
         self.latency.observe(output.latency_s)
         self.queue.observe(queue_s)
 
-    def observe_stats(self, stats: CoreStats) -> None:
-        """Record the steps of one core report."""
-        for seconds in stats.step_seconds:
-            self.steps.observe(seconds)
-
     def count_refused(self, kind: str, requests: int = 1) -> None:
         """Count requests refused before reaching the engine (``overloaded``, ``bad_request``, ``unavailable``)."""
         self.errors.labels(kind).inc(requests)
+
+    def count_body(self) -> None:
+        """Count one answered HTTP request body."""
+        self.bodies.labels(str(self.server)).inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
@@ -74,7 +87,7 @@ class ServingMetrics:
 
 
 class _CoreCollector:
-    """The core's latest counters and gauges, read at scrape time."""
+    """The core's latest counters, gauges and step histogram, read at scrape time."""
 
     def __init__(self, engine: AsyncGREngine) -> None:
         self.engine = engine
@@ -106,3 +119,6 @@ class _CoreCollector:
         ]
         for family, name, value, text in figures:
             yield family(f"gr_engine_{name}", text, value=value)
+        buckets = [(repr(bound), count) for bound, count in zip(STEP_BUCKETS, stats.step_buckets, strict=True)]
+        yield HistogramMetricFamily("gr_engine_step_seconds", "Wall seconds of each engine step.",
+                                    buckets=[*buckets, ("+Inf", stats.steps)], sum_value=stats.step_seconds)

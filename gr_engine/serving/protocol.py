@@ -1,8 +1,11 @@
 """The messages between the engine-core process and its clients (msgpack, via msgspec).
 
-Arrays cross as raw native-endian bytes (``np.frombuffer`` on arrival, no per-element work): histories and
-candidates int64, ranking scores float32 ``[num_candidates, num_tasks]`` row-major. Requests carry the client's own
-id (``core_id``, unique among the client's requests), so that callers may reuse their ``request_id``s.
+A client connects to the core's input socket, says :class:`Hello` with the address of its own output socket, then
+sends requests; the core sends each client its own outputs, and every client the counters. Arrays cross as raw
+little-endian bytes (:func:`array_bytes` on the way out, :func:`int64_array` / ``np.frombuffer`` on arrival: no
+per-element work): histories and candidates int64, ranking scores float32 ``[num_candidates, num_tasks]``
+row-major. Requests carry the client's own id (``core_id``, unique among that client's requests), so that callers
+may reuse their ``request_id``s. The HTTP server's msgpack bodies (:mod:`.bodies`) use the same byte layouts.
 """
 
 from __future__ import annotations
@@ -12,7 +15,36 @@ import numpy as np
 
 from ..outputs import GenerateOutput, RankOutput, StepTimings
 from ..request import GenerateParams, GenerateRequest, RankRequest
-from ..validation import RequestArrays
+from ..validation import RequestArrays, RequestError
+
+INT64 = np.dtype("<i8")  # history fields and candidates as bytes
+FLOAT32 = np.dtype("<f4")  # scores as bytes
+#: Upper bounds (s) of the engine-step histogram the core keeps (:attr:`CoreStats.step_buckets`).
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1.0)
+
+
+def array_bytes(array: object, dtype: np.dtype) -> bytes:
+    """The raw bytes of ``array`` (any array-like) as a C-ordered array of ``dtype`` (:data:`INT64` or
+    :data:`FLOAT32`)."""
+    return np.ascontiguousarray(array, dtype=dtype).tobytes()
+
+
+def int64_array(name: str, buffer: bytes | memoryview) -> np.ndarray:
+    """A read-only int64 ``[len(buffer) // 8]`` array over ``buffer`` (little-endian int64 raw bytes), no copy.
+
+    Raises:
+        RequestError: ``buffer``'s size is not a multiple of 8 bytes.
+    """
+    if len(buffer) % INT64.itemsize:
+        raise RequestError(f"{name} holds {len(buffer)} bytes, not a whole number of little-endian int64 values "
+                           f"({INT64.itemsize} bytes each)")
+    return np.frombuffer(buffer, dtype=INT64)
+
+
+class Hello(msgspec.Struct, array_like=True, tag="hello"):
+    """A client's first message: ``address`` is its PULL socket's, where the core then connects to send it reports."""
+
+    address: str
 
 
 class CoreRequest(msgspec.Struct, array_like=True, tag="request"):
@@ -47,7 +79,9 @@ class Abort(msgspec.Struct, array_like=True, tag="abort"):
 
 
 class Shutdown(msgspec.Struct, array_like=True, tag="shutdown"):
-    """Finish every accepted request, complete pending offloads, exit."""
+    """The client leaves: the core answers its accepted requests, then reports ``"stopped"`` to it. Once every
+    client the core was started for has left, the core completes pending offloads and exits (the last client's
+    ``"stopped"`` comes after that)."""
 
 
 class CoreOutput(msgspec.Struct, array_like=True):
@@ -82,7 +116,8 @@ class CoreStats(msgspec.Struct, array_like=True):
 
     Attributes:
         running, waiting: requests in the engine (running: admitted to a step; waiting: queued).
-        step_seconds: wall seconds of each engine step since the last report.
+        steps, step_seconds: engine steps, and their wall seconds, since start.
+        step_buckets: steps since start that took at most each of :data:`STEP_BUCKETS` (cumulative counts).
         computed_tokens, gpu_hit_tokens, host_hit_tokens: totals (tokens computed; history tokens reused).
         gpu_pages_used, gpu_pages_free: the GPU page pool now.
         host_bytes_used: bytes of host chunk slots holding history now.
@@ -93,7 +128,9 @@ class CoreStats(msgspec.Struct, array_like=True):
 
     running: int
     waiting: int
-    step_seconds: list[float]
+    steps: int
+    step_seconds: float
+    step_buckets: list[int]
     computed_tokens: int
     gpu_hit_tokens: int
     host_hit_tokens: int
@@ -116,7 +153,7 @@ class CoreReport(msgspec.Struct, array_like=True):
     state: str
 
 
-CoreInput = CoreRequest | Abort | Shutdown
+CoreInput = Hello | CoreRequest | Abort | Shutdown
 
 
 def to_core(core_id: int, request: RankRequest | GenerateRequest, arrays: RequestArrays,
@@ -124,35 +161,34 @@ def to_core(core_id: int, request: RankRequest | GenerateRequest, arrays: Reques
     """The message of a request whose fields :func:`~gr_engine.validation.parse_fields` turned into ``arrays``."""
     return CoreRequest(
         core_id=core_id, user_id=request.user_id,
-        item_ids=arrays.item_ids.tobytes(), action_ids=arrays.action_ids.tobytes(),
-        timestamps=arrays.timestamps.tobytes(),
-        candidate_item_ids=None if params is not None else arrays.candidate_item_ids.tobytes(),
+        item_ids=array_bytes(arrays.item_ids, INT64), action_ids=array_bytes(arrays.action_ids, INT64),
+        timestamps=array_bytes(arrays.timestamps, INT64),
+        candidate_item_ids=None if params is not None else array_bytes(arrays.candidate_item_ids, INT64),
         params=params, deadline=deadline,
     )
 
 
-def from_core(message: CoreRequest) -> RankRequest | GenerateRequest:
-    """The engine's request of a message: ``request_id`` is the ``core_id``, history fields are read-only int64
-    arrays over the message's bytes."""
-    fields = dict(request_id=str(message.core_id), user_id=message.user_id,
-                  item_ids=np.frombuffer(message.item_ids, dtype=np.int64),
-                  action_ids=np.frombuffer(message.action_ids, dtype=np.int64),
-                  timestamps=np.frombuffer(message.timestamps, dtype=np.int64))
+def from_core(message: CoreRequest, request_id: str) -> RankRequest | GenerateRequest:
+    """The engine's request of a message, named ``request_id``; history fields are read-only int64 arrays over the
+    message's bytes."""
+    fields = dict(request_id=request_id, user_id=message.user_id,
+                  item_ids=int64_array("item_ids", message.item_ids),
+                  action_ids=int64_array("action_ids", message.action_ids),
+                  timestamps=int64_array("timestamps", message.timestamps))
     if message.candidate_item_ids is None:
         return GenerateRequest(**fields)
-    return RankRequest(candidate_item_ids=np.frombuffer(message.candidate_item_ids, dtype=np.int64), **fields)
+    return RankRequest(candidate_item_ids=int64_array("candidate_item_ids", message.candidate_item_ids), **fields)
 
 
 def output_message(core_id: int, output: RankOutput | GenerateOutput, error_kind: str | None) -> CoreOutput:
     """The message of an engine output."""
     if isinstance(output, RankOutput):
-        scores, items, num_tasks = np.ascontiguousarray(output.scores, dtype=np.float32), b"", output.scores.shape[1]
+        items, num_tasks = b"", output.scores.shape[1]
     else:
-        scores = np.asarray(output.scores, dtype=np.float32)
-        items, num_tasks = np.asarray(output.item_ids, dtype=np.int64).tobytes(), 0
+        items, num_tasks = array_bytes(output.item_ids, INT64), 0
     return CoreOutput(
         core_id=core_id, error=output.error, error_kind=error_kind if output.error is not None else None,
-        scores=scores.tobytes(), item_ids=items, num_tasks=num_tasks,
+        scores=array_bytes(output.scores, FLOAT32), item_ids=items, num_tasks=num_tasks,
         num_gpu_cached_tokens=output.num_gpu_cached_tokens, num_host_cached_tokens=output.num_host_cached_tokens,
         num_computed_tokens=output.num_computed_tokens, timings=output.timings, latency_s=output.latency_s,
         queue_s=max(output.latency_s - output.timings.total + output.timings.intake, 0.0),
@@ -168,10 +204,10 @@ def engine_output(message: CoreOutput, request: RankRequest | GenerateRequest, r
                   num_host_cached_tokens=message.num_host_cached_tokens,
                   num_computed_tokens=message.num_computed_tokens, timings=message.timings,
                   latency_s=latency_s, error=message.error)
-    scores = np.frombuffer(message.scores, dtype=np.float32).copy()
+    scores = np.frombuffer(message.scores, dtype=FLOAT32).astype(np.float32)
     if ranking:
         if message.error is None:
             fields["scores"] = scores.reshape(-1, message.num_tasks)
         return RankOutput(**fields)
-    return GenerateOutput(item_ids=np.frombuffer(message.item_ids, dtype=np.int64).tolist(),
+    return GenerateOutput(item_ids=int64_array("item_ids", message.item_ids).tolist(),
                           scores=scores.tolist(), **fields)

@@ -1,11 +1,11 @@
 """The HTTP server (Starlette on uvicorn) in front of an :class:`~.client.AsyncGREngine` (docs/serving.md).
 
 Endpoints: ``POST /v1/rank``, ``POST /v1/generate``, ``GET /health``, ``GET /ready``, ``GET /v1/config``,
-``GET /metrics``. Bodies are JSON decoded by msgspec; each request of a body is decoded on its own, so a malformed
-one gets its ``error`` in its output while its batch-mates are served. A body that is not JSON, or has no
-``requests`` list, is a 400; one over ``serving.max_body_bytes`` a 413; work beyond the admission bounds a 503 with
-``Retry-After``. SIGTERM stops accepting connections, finishes what was accepted, lets the core complete its pending
-offloads, and exits 0.
+``GET /metrics``. Bodies are JSON or msgpack (:mod:`.bodies`), decoded by msgspec; each request of a body is decoded
+on its own, so a malformed one gets its ``error`` in its output while its batch-mates are served. A body that cannot
+be decoded, or has no ``requests`` list, is a 400; one over ``serving.max_body_bytes`` a 413; work beyond the
+admission bounds a 503 with ``Retry-After``. SIGTERM stops accepting connections, finishes what was accepted, lets
+the core complete its pending offloads, and exits 0. Several API-server processes over one core: :mod:`.launcher`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import socket
+import sys
 from typing import Any
 
 import msgspec
@@ -22,29 +24,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..config import EngineConfig
-from ..output_writer import array_as_lists
 from ..outputs import GenerateOutput, RankOutput, output_user_id
-from ..request import GenerateParams, GenerateRequest, RankRequest
-from .client import AsyncGREngine, EngineDead, EngineOverloaded
+from ..validation import RequestError
+from .bodies import JSON, BodyFormat, GenerateBody, RankBody, answer_format, request_format
+from .client import AsyncGREngine, CoreHandle, EngineDead, EngineOverloaded
 from .metrics import CONTENT_TYPE, ServingMetrics
 
 logger = logging.getLogger(__name__)
-
-
-class RankBody(msgspec.Struct, forbid_unknown_fields=True):
-    """``POST /v1/rank``: ``requests`` (each a :class:`~gr_engine.RankRequest`) and an optional deadline (ms)."""
-
-    requests: list[msgspec.Raw]
-    timeout_ms: float | None = None
-
-
-class GenerateBody(msgspec.Struct, forbid_unknown_fields=True):
-    """``POST /v1/generate``: ``requests`` (each a :class:`~gr_engine.GenerateRequest`), retrieval ``params`` and
-    an optional deadline (ms)."""
-
-    requests: list[msgspec.Raw]
-    params: GenerateParams = msgspec.field(default_factory=GenerateParams)
-    timeout_ms: float | None = None
 
 
 class _BodyTooLarge(Exception):
@@ -52,32 +38,41 @@ class _BodyTooLarge(Exception):
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(_ENCODER.encode(data), status_code=status, media_type="application/json", headers=headers)
+    return _answer(JSON, JSON.encode(data), status, headers)
 
 
-_ENCODER = msgspec.json.Encoder(enc_hook=array_as_lists)  # ranking scores (numpy) as nested lists
+def _answer(form: BodyFormat, content: bytes, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(content, status_code=status, media_type=form.media_type, headers=headers)
 
 
-def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-    return _json({"error": message}, status, headers)
+def _error(form: BodyFormat, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    return _answer(form, form.encode({"error": message}), status, headers)
 
 
-def build_app(config: EngineConfig) -> Starlette:
-    """The ASGI application; its lifespan starts the engine core (ready once warmed up) and stops it."""
+def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int = 0) -> Starlette:
+    """The ASGI application; its lifespan starts the engine core (or, given ``core``, attaches to that running
+    one) and is ready once it has warmed up; at shutdown it stops the core (or leaves it).
+
+    Args:
+        config: the engine's configuration.
+        core: a running core shared with other API servers (``gr-engine serve --api-servers N``).
+        server: this API server's index among them (log lines, the ``server`` label of ``http_bodies_total``).
+    """
     serving = config.serving
-    engine = AsyncGREngine(config)
-    metrics = ServingMetrics(engine)
+    engine = AsyncGREngine(config, core)
+    metrics = ServingMetrics(engine, server)
     bodies = {"accepted": 0, "answered": 0}  # request bodies read, and answered (any status)
+    name = "gr-engine" if core is None else f"gr-engine API server {server}"
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         await engine.start()
-        logger.info("gr-engine: the engine core is ready")
+        logger.info("%s: the engine core is ready", name)
         try:
             yield
         finally:
             await engine.close()
-            logger.info("gr-engine: stopped; answered %d of %d request bodies accepted", bodies["answered"],
+            logger.info("%s: stopped; answered %d of %d request bodies accepted", name, bodies["answered"],
                         bodies["accepted"])
 
     async def read_body(request: Request) -> bytes:
@@ -91,60 +86,63 @@ def build_app(config: EngineConfig) -> Starlette:
                 raise _BodyTooLarge
         return bytes(body)
 
-    async def serve(request: Request, body_type: type, request_type: type, failed_type: type) -> Response:
+    async def serve(request: Request, body_type: type, ranking: bool, failed_type: type) -> Response:
         bodies["accepted"] += 1
         try:
-            return await answer(request, body_type, request_type, failed_type)
+            return await answer(request, body_type, ranking, failed_type)
         finally:
             bodies["answered"] += 1
+            metrics.count_body()
 
-    async def answer(request: Request, body_type: type, request_type: type, failed_type: type) -> Response:
+    async def answer(request: Request, body_type: type, ranking: bool, failed_type: type) -> Response:
+        content_type = request.headers.get("content-type")
+        decoding = request_format(content_type)
+        answering = answer_format(request.headers.get("accept"), content_type)
         try:
-            raw = await read_body(request)
-            body = msgspec.json.decode(raw, type=body_type)
+            body = decoding.decode_body(await read_body(request), body_type)
         except _BodyTooLarge:
             metrics.count_refused("bad_request")
-            return _error(413, f"request body over serving.max_body_bytes ({serving.max_body_bytes})")
+            return _error(answering, 413, f"request body over serving.max_body_bytes ({serving.max_body_bytes})")
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             metrics.count_refused("bad_request")
-            return _error(400, f"invalid body: {exc}")
+            return _error(answering, 400, f"invalid body: {exc}")
         outputs: list[Any] = [None] * len(body.requests)
         parsed, where = [], []
         for i, item in enumerate(body.requests):
             try:
-                parsed.append(msgspec.json.decode(item, type=request_type))
+                parsed.append(decoding.decode_request(item, ranking))
                 where.append(i)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                fields = _lenient_fields(item)
+            except (msgspec.DecodeError, msgspec.ValidationError, RequestError) as exc:
+                fields = decoding.fields(item)
                 outputs[i] = failed_type(request_id=str(fields.get("request_id", f"request-{i}")),
                                          user_id=output_user_id(fields.get("user_id")),
                                          error=f"invalid request: {exc}")
                 metrics.observe_output(outputs[i], "invalid", 0.0)
         try:
-            if request_type is RankRequest:
+            if ranking:
                 served = await engine.rank_many(parsed, body.timeout_ms)
             else:
                 served = await engine.generate_many(parsed, body.params, body.timeout_ms)
         except EngineOverloaded as exc:
             metrics.count_refused("overloaded", len(parsed))
-            return _error(503, str(exc), {"Retry-After": "1"})
+            return _error(answering, 503, str(exc), {"Retry-After": "1"})
         except EngineDead as exc:
             metrics.count_refused("unavailable", len(parsed))
-            return _error(503, str(exc))
+            return _error(answering, 503, str(exc))
         for i, output in zip(where, served, strict=True):
             outputs[i] = output
-        return _json({"outputs": outputs})
+        return _answer(answering, answering.encode_outputs(outputs))
 
     async def rank(request: Request) -> Response:
-        return await serve(request, RankBody, RankRequest, RankOutput)
+        return await serve(request, RankBody, True, RankOutput)
 
     async def generate(request: Request) -> Response:
-        return await serve(request, GenerateBody, GenerateRequest, GenerateOutput)
+        return await serve(request, GenerateBody, False, GenerateOutput)
 
     async def health(request: Request) -> Response:
         healthy = engine.is_healthy()
-        return _json({"status": "ok" if healthy else engine.state, "core_pid": engine.core_pid},
-                     200 if healthy else 503)
+        return _json({"status": "ok" if healthy else engine.state, "core_pid": engine.core_pid,
+                      "server": server}, 200 if healthy else 503)
 
     async def ready(request: Request) -> Response:
         is_ready = engine.state == "ready" and engine.is_healthy()
@@ -168,24 +166,23 @@ def build_app(config: EngineConfig) -> Starlette:
     return app
 
 
-def _lenient_fields(item: msgspec.Raw) -> dict[str, Any]:
-    """A malformed request's fields where they can be read (to label its error output)."""
-    with contextlib.suppress(msgspec.DecodeError):
-        fields = msgspec.json.decode(item)
-        if isinstance(fields, dict):
-            return fields
-    return {}
-
-
 def serve(config: EngineConfig, host: str, port: int) -> None:
-    """Run the server until SIGTERM or Ctrl-C (uvicorn's graceful shutdown: accepted requests are answered), then
-    return. (uvicorn raises the signal it caught again once it has shut down, to the handler that was installed
-    before it: a no-op here, so that a graceful stop exits 0.)"""
+    """Run one API server, with a core of its own, on ``host``:``port`` until SIGTERM or Ctrl-C (:func:`run_app`)."""
+    run_app(build_app(config), host=host, port=port)
+
+
+def run_app(app: Starlette, sockets: list[socket.socket] | None = None, **where: Any) -> None:
+    """Run ``app`` on uvicorn, listening on ``sockets`` (already bound) or at ``where`` (``host``, ``port``), until
+    SIGTERM or Ctrl-C (uvicorn's graceful shutdown: accepted requests are answered), then return; exit 3 if the
+    application failed to start. (uvicorn raises the signal it caught again once it has shut down, to the handler
+    that was installed before it: a no-op here, so that a graceful stop exits 0.)"""
     import uvicorn
 
     for stop in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop, lambda *_: None)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
-    uvicorn.run(build_app(config), host=host, port=port, log_level="info", access_log=False,
-                timeout_graceful_shutdown=None)
-
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=False, timeout_graceful_shutdown=None,
+                                           **where))
+    server.run(sockets=sockets)
+    if not server.started:
+        sys.exit(3)  # uvicorn's exit status for a failed startup (its log says why)

@@ -20,7 +20,7 @@ import pytest
 from gr_engine import GREngine, RankRequest
 
 from .conftest import tiny_config
-from .test_serving import TOL, Server, body, make_stream, metric_samples, recompute_scores, total
+from .test_serving import TOL, Server, body, make_stream, metric_samples, recompute_scores, sigterm_under_load, total
 from .test_serving_msgpack import post_by_user
 
 httpx = pytest.importorskip("httpx")
@@ -108,44 +108,12 @@ def test_killing_the_core_makes_every_health_503(tmp_path: Path) -> None:
 
 def test_sigterm_under_load_loses_nothing(tmp_path: Path) -> None:
     server = Server(tmp_path, args=("--api-servers", "3"))
-    stream = make_stream(400, seed=71)
-    answered: dict[int, list] = {}
-    failures: list[BaseException] = []
-
-    async def client(indices: list[int]) -> None:
-        async with httpx.AsyncClient(timeout=60) as http:
-            for i in indices:
-                try:
-                    response = await http.post(f"{server.url}/v1/rank", content=body([stream[i]]))
-                except httpx.TransportError as exc:  # refused or cut off: expected only after SIGTERM
-                    failures.append(exc)
-                    return
-                assert response.status_code == 200, response.text
-                answered[i] = response.json()["outputs"][0]["scores"]
-
-    async def run() -> None:
-        tasks = [asyncio.create_task(client(list(range(k, len(stream), 16)))) for k in range(16)]
-        deadline = time.monotonic() + 120
-        while len(answered) < 60 and not failures:
-            assert time.monotonic() < deadline, "the load did not get 60 answers"
-            await asyncio.sleep(0.01)
-        server.process.send_signal(signal.SIGTERM)
-        await asyncio.gather(*tasks)
-
-    try:
-        asyncio.run(run())
-        assert server.process.wait(60) == 0
-    finally:
-        server.stop()
+    answered = sigterm_under_load(server, make_stream(400, seed=71))
     log = server.log_text()
     counts = {int(m[0]): (int(m[1]), int(m[2])) for m in ANSWERED.findall(log)}
     assert set(counts) == {0, 1, 2}, log
     assert all(a == b for a, b in counts.values()), counts  # each answered every body it accepted
-    assert sum(a for a, _ in counts.values()) == len(answered), (counts, len(answered), failures)
-    assert 60 <= len(answered) < len(stream)
-    served = sorted(answered)
-    for i, reference in zip(served, recompute_scores([stream[i] for i in served])):
-        np.testing.assert_allclose(np.array(answered[i], dtype=np.float32), reference, atol=TOL, rtol=0)
+    assert sum(a for a, _ in counts.values()) == len(answered), (counts, len(answered))
 
 
 def test_clients_attached_to_one_core_get_their_own_outputs() -> None:

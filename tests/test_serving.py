@@ -271,9 +271,9 @@ def test_health_turns_503_when_the_core_dies(tmp_path: Path) -> None:
         server.stop()
 
 
-def test_sigterm_under_load_loses_no_accepted_request(tmp_path: Path) -> None:
-    server = Server(tmp_path)
-    stream = make_stream(400, seed=13)
+def sigterm_under_load(server: Server, stream: list) -> dict[int, list]:
+    """16 clients post ``stream`` one request at a time; SIGTERM once 60 are answered. Asserts the server exits 0,
+    every answer equals recompute, and that the stop cut the stream short; returns the answered scores by index."""
     answered: dict[int, list] = {}
     failures: list[BaseException] = []
 
@@ -302,12 +302,18 @@ def test_sigterm_under_load_loses_no_accepted_request(tmp_path: Path) -> None:
         assert server.process.wait(60) == 0
     finally:
         server.stop()
-    # Requests cut off by the shutdown were never read by the server: it answered every body it accepted.
-    assert f"answered {len(answered)} of {len(answered)} request bodies accepted" in server.log_text(), failures
-    assert 60 <= len(answered) < len(stream)
+    assert 60 <= len(answered) < len(stream), failures
     served = sorted(answered)
     for i, reference in zip(served, recompute_scores([stream[i] for i in served])):
         np.testing.assert_allclose(np.array(answered[i], dtype=np.float32), reference, atol=TOL, rtol=0)
+    return answered
+
+
+def test_sigterm_under_load_loses_no_accepted_request(tmp_path: Path) -> None:
+    server = Server(tmp_path)
+    answered = sigterm_under_load(server, make_stream(400, seed=13))
+    # Requests cut off by the shutdown were never read by the server: it answered every body it accepted.
+    assert f"answered {len(answered)} of {len(answered)} request bodies accepted" in server.log_text()
 
 
 def test_cancelled_requests_that_have_not_started_are_dropped() -> None:

@@ -1,0 +1,193 @@
+"""User-affinity replicas (docs/scale_out.md): ``ReplicaRouter`` over CPU engine cores in process, and
+``gr-engine serve --replicas 2`` as a subprocess on 127.0.0.1. Every served score is checked against offline
+``GREngine.rank`` of the same stream and against ``recompute`` (float32: 1e-5)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import msgspec
+import numpy as np
+import pytest
+
+from gr_engine import EngineConfig, GREngine, RankRequest
+
+from .conftest import tiny_config
+from .test_serving import TOL, make_stream, recompute_scores
+
+pytest.importorskip("zmq")
+from gr_engine.serving.router import ReplicaRouter, replica_devices
+
+
+def replica_config() -> EngineConfig:
+    config = tiny_config(num_gpu_pages=96)
+    return msgspec.structs.replace(config, serving=msgspec.structs.replace(config.serving, warmup=False))
+
+
+class Served:
+    """A started router on an event loop of its own, and which replica answered each request id."""
+
+    def __init__(self, replicas: int) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.router = ReplicaRouter(replica_config(), replicas)
+        self.answered: dict[str, list[int]] = {}  # request id -> replicas whose core answered it
+        for replica, engine in self.router.engines.items():
+            engine.observers.append(lambda output, kind, queue_s, replica=replica:
+                                    self.answered.setdefault(output.request_id, []).append(replica))
+        self.run(self.router.start())
+
+    def run(self, awaitable):
+        return self.loop.run_until_complete(asyncio.wait_for(awaitable, 120))
+
+    def close(self) -> None:
+        self.run(self.router.close())
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    served = Served(3)
+    yield served
+    served.close()
+
+
+async def by_user(router: ReplicaRouter, requests: list[RankRequest], clients: int) -> list:
+    """Each request alone through ``router`` from ``clients`` concurrent clients, each user's requests in stream
+    order by one client; outputs in request order."""
+    outputs: list = [None] * len(requests)
+    users = sorted({r.user_id for r in requests}, key=str)
+
+    async def client(mine: set) -> None:
+        for i, request in enumerate(requests):
+            if request.user_id in mine:
+                outputs[i] = await router.rank(request)
+
+    await asyncio.gather(*(client(set(users[k::clients])) for k in range(clients)))
+    return outputs
+
+
+def assert_exact(outputs: list, requests: list[RankRequest], offline: bool = True) -> None:
+    references = recompute_scores(requests)
+    cached = GREngine(tiny_config(num_gpu_pages=96)).rank(requests, use_tqdm=False) if offline else references
+    for output, request, reference, other in zip(outputs, requests, references, cached):
+        assert output.error is None and output.request_id == request.request_id, output.error
+        np.testing.assert_allclose(output.scores, reference, atol=TOL, rtol=0)
+        np.testing.assert_allclose(output.scores, getattr(other, "scores", other), atol=TOL, rtol=0)
+
+
+def test_replica_devices() -> None:
+    assert replica_devices("cpu", 3, cuda_devices=0) == ["cpu"] * 3
+    assert replica_devices("cuda", 2, cuda_devices=4) == ["cuda:0", "cuda:1"]
+    assert replica_devices("auto", 2, cuda_devices=0) == ["cpu", "cpu"]
+    assert replica_devices("cuda:3", 1, cuda_devices=4) == ["cuda:3"]
+    with pytest.raises(ValueError, match=r"2 replicas need 2 CUDA devices.*has 1"):
+        replica_devices("cuda", 2, cuda_devices=1)
+    with pytest.raises(ValueError, match="names one device"):
+        replica_devices("cuda:1", 2, cuda_devices=4)
+    with pytest.raises(ValueError, match="at least 1"):
+        replica_devices("cpu", 0)
+
+
+def test_users_stay_on_their_replica_and_scores_are_exact(served: Served) -> None:
+    router, stream = served.router, make_stream(240, num_users=24, seed=71)
+    served.answered.clear()
+    before = sum(router.counts.requests.values())
+    outputs = served.run(by_user(router, stream[:160], clients=12))
+    for start in range(160, 240, 8):  # bodies spanning users: split by replica, merged back in order
+        outputs += served.run(router.rank_many(stream[start:start + 8]))
+    assert_exact(outputs, stream)
+    homes: dict[object, set[int]] = {}
+    for request in stream:
+        homes.setdefault(request.user_id, set()).update(served.answered[request.request_id])
+    assert all(replicas == {router.ring.route(user)} for user, replicas in homes.items()), homes
+    assert len({r for replicas in homes.values() for r in replicas}) == 3
+    assert sum(router.counts.requests.values()) - before == 240
+    assert router.counts.reroutes == router.counts.retries == 0
+
+
+def visits(user: str, seed: int) -> list[RankRequest]:
+    """Five visits of one user: a history of 30 events growing by 10 a visit, then the fourth visit's history
+    with one early event rewritten."""
+    rng = np.random.default_rng(seed)
+    items, actions = rng.integers(200, size=60).tolist(), rng.integers(8, size=60).tolist()
+    out = [RankRequest(request_id=f"{user}-{k}", user_id=user, item_ids=items[:n], action_ids=actions[:n],
+                       timestamps=list(range(n)), candidate_item_ids=rng.integers(200, size=6).tolist())
+           for k, n in enumerate((30, 40, 50, 60))]
+    rewritten = msgspec.structs.replace(out[3], request_id=f"{user}-4", item_ids=[(items[0] + 1) % 200] + items[1:])
+    return [*out, rewritten]
+
+
+def test_a_user_returning_to_an_older_copy_of_its_kv_is_served_exactly(served: Served) -> None:
+    router, user = served.router, "returning"
+    stream, home = visits(user, seed=3), router.ring.route(user)
+    [first] = served.run(router.rank_many(stream[:1]))
+    router.suspend(home)  # visits 2-3 on the user's next replica, while the home keeps visit 1's KV
+    try:
+        nxt = router.ring.route(user)
+        assert nxt == router.home_ring.preference(user, 2)[1] != home
+        middle = [served.run(router.rank(r)) for r in stream[1:3]]
+    finally:
+        router.resume(home)
+    assert router.counts.reroutes >= 2
+    back = [served.run(router.rank(r)) for r in stream[3:]]  # home again: its KV is of visit 1, two visits old
+    assert_exact([first, *middle, *back], stream, offline=False)
+    assert [served.answered[r.request_id] for r in stream] == [[home], [nxt], [nxt], [home], [home]]
+    assert 0 < back[0].num_gpu_cached_tokens <= 30  # visit 1's pages were reused, and only those
+    assert back[1].num_gpu_cached_tokens == 0  # its first event differs from every cached history
+
+
+def test_suspending_the_last_replica_is_refused(served: Served) -> None:
+    router = served.router
+    with pytest.raises(ValueError, match="not a live replica off the ring"):
+        router.resume(0)
+    router.suspend(0)
+    router.suspend(1)
+    try:
+        with pytest.raises(ValueError, match="last one"):
+            router.suspend(2)
+    finally:
+        router.resume(0)
+        router.resume(1)
+    assert sorted(router.ring.replicas) == [0, 1, 2]
+
+
+def test_a_killed_replica_loses_no_request_and_its_users_move_on() -> None:
+    served = Served(3)
+    router, stream = served.router, make_stream(200, num_users=24, seed=73)
+    victim = router.ring.route(stream[0].user_id)
+    engine = router.engines[victim]
+
+    async def run() -> list:
+        load = asyncio.create_task(by_user(router, stream, clients=12))
+        deadline = time.monotonic() + 60
+        while len(served.answered) < 40:
+            assert time.monotonic() < deadline and not load.done(), "the load did not get 40 answers"
+            await asyncio.sleep(0.01)
+        os.kill(engine.core_pid, signal.SIGSTOP)  # frozen: it accepts nothing more and answers nothing
+        while not engine.num_pending:
+            assert time.monotonic() < deadline and not load.done(), "no request reached the frozen replica"
+            await asyncio.sleep(0.01)
+        os.kill(engine.core_pid, signal.SIGKILL)  # its accepted requests are now retried elsewhere
+        return await load
+
+    try:
+        outputs = served.run(run())
+    finally:
+        served.close()
+    assert_exact(outputs, stream)  # every request answered, exactly, the lost ones by their retry
+    assert router.dead == {victim} and victim not in router.ring
+    assert router.counts.retries >= 1 and router.counts.reroutes >= router.counts.retries
+    moved = 0
+    for request in stream:
+        where = served.answered[request.request_id]
+        order = router.home_ring.preference(request.user_id, 2)
+        if order[0] == victim:
+            assert where in ([victim], [order[1]]), (request.request_id, where)
+            moved += where == [order[1]]
+        else:
+            assert where == [order[0]]
+    assert moved >= router.counts.retries

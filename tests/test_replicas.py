@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -17,10 +20,12 @@ import pytest
 from gr_engine import EngineConfig, GREngine, RankRequest
 
 from .conftest import tiny_config
-from .test_serving import TOL, make_stream, recompute_scores
+from .test_serving import TOL, Server, body, make_stream, metric_samples, recompute_scores, total
 
+httpx = pytest.importorskip("httpx")
 pytest.importorskip("zmq")
-from gr_engine.serving.router import ReplicaRouter, replica_devices
+router_module = pytest.importorskip("gr_engine.serving.router")
+ReplicaRouter, replica_devices = router_module.ReplicaRouter, router_module.replica_devices
 
 
 def replica_config() -> EngineConfig:
@@ -55,7 +60,7 @@ def served() -> Iterator[Served]:
     served.close()
 
 
-async def by_user(router: ReplicaRouter, requests: list[RankRequest], clients: int) -> list:
+async def by_user(router: router_module.ReplicaRouter, requests: list[RankRequest], clients: int) -> list:
     """Each request alone through ``router`` from ``clients`` concurrent clients, each user's requests in stream
     order by one client; outputs in request order."""
     outputs: list = [None] * len(requests)
@@ -191,3 +196,49 @@ def test_a_killed_replica_loses_no_request_and_its_users_move_on() -> None:
         else:
             assert where == [order[0]]
     assert moved >= router.counts.retries
+
+
+def test_serve_with_two_replicas_gives_offline_scores_and_metrics_add_up(tmp_path: Path) -> None:
+    from .test_serving_msgpack import post_by_user
+
+    server = Server(tmp_path, args=("--replicas", "2"))
+    try:
+        health = httpx.get(f"{server.url}/health", timeout=10).json()
+        assert health["status"] == "ok" and [r["state"] for r in health["replicas"]] == ["ready", "ready"]
+        stream = make_stream(300, num_users=24, seed=79)
+        before = metric_samples(server.url)
+        responses = asyncio.run(post_by_user(f"{server.url}/v1/rank", stream[:240], lambda r: body([r]),
+                                             {"content-type": "application/json"}, clients=12))
+        responses += [httpx.post(f"{server.url}/v1/rank", content=body(stream[i:i + 10]), timeout=30)
+                      for i in range(240, 300, 10)]  # bodies spanning users and replicas
+        assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+        outputs = [o for r in responses for o in r.json()["outputs"]]
+        offline = GREngine(tiny_config(num_gpu_pages=96)).rank(stream, use_tqdm=False)
+        for request, output, reference, cached in zip(stream, outputs, recompute_scores(stream), offline,
+                                                      strict=True):
+            assert output["error"] is None and output["request_id"] == request.request_id
+            scores = np.array(output["scores"], dtype=np.float32)
+            np.testing.assert_allclose(scores, reference, atol=TOL, rtol=0)
+            np.testing.assert_allclose(scores, cached.scores, atol=TOL, rtol=0)
+        after = metric_samples(server.url)
+
+        def delta(name: str, **labels: str) -> float:
+            return total(after, name, **labels) - total(before, name, **labels)
+
+        routed = [delta("gr_engine_router_requests_total", replica=r) for r in ("0", "1")]
+        assert min(routed) > 0 and sum(routed) == 300, routed
+        assert delta("gr_engine_router_reroutes_total") == delta("gr_engine_router_retries_total") == 0
+        assert delta("gr_engine_requests_total", outcome="ok") == 300
+        for replica in ("0", "1"):  # each replica's core figures, under its own label
+            assert delta("gr_engine_step_seconds_count", replica=replica) > 0
+            assert delta("gr_engine_computed_tokens_total", replica=replica) > 0
+        assert delta("gr_engine_step_seconds_count") == sum(delta("gr_engine_step_seconds_count", replica=r)
+                                                            for r in ("0", "1"))
+    finally:
+        assert server.stop() == 0
+
+
+def test_replicas_with_several_api_servers_is_refused() -> None:
+    result = subprocess.run([sys.executable, "-m", "gr_engine", "serve", "--replicas", "2", "--api-servers", "2"],
+                            capture_output=True, text=True, timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 2 and "cannot be combined with --api-servers" in result.stderr, result.stderr

@@ -30,7 +30,8 @@ ReplicaRouter, replica_devices = router_module.ReplicaRouter, router_module.repl
 
 def replica_config() -> EngineConfig:
     config = tiny_config(num_gpu_pages=96)
-    return msgspec.structs.replace(config, serving=msgspec.structs.replace(config.serving, warmup=False))
+    return msgspec.structs.replace(config, serving=msgspec.structs.replace(config.serving, warmup=False,
+                                                                           max_pending_requests=64))
 
 
 class Served:
@@ -145,6 +146,30 @@ def test_a_user_returning_to_an_older_copy_of_its_kv_is_served_exactly(served: S
     assert back[1].num_gpu_cached_tokens == 0  # its first event differs from every cached history
 
 
+def test_retrieval_deadlines_and_overload_through_the_router(served: Served) -> None:
+    from gr_engine import GenerateParams, GenerateRequest
+
+    router, stream = served.router, make_stream(48, num_users=16, seed=83)
+    asks = [GenerateRequest(request_id=r.request_id, user_id=r.user_id, item_ids=r.item_ids,
+                            action_ids=r.action_ids, timestamps=r.timestamps) for r in stream[:16]]
+    params = GenerateParams(top_k=5, exclude_history=True)
+    got = served.run(router.generate_many(asks, params))
+    want = GREngine(tiny_config(mode="recompute")).generate(asks, params, use_tqdm=False)
+    for output, reference in zip(got, want, strict=True):
+        assert output.error is None and output.item_ids == reference.item_ids
+        np.testing.assert_allclose(output.scores, reference.scores, atol=TOL, rtol=0)
+    late = served.run(router.rank_many(stream, timeout_ms=1))  # 48 requests cannot all finish within 1 ms
+    errors = [o.error for o in late if o.error is not None]
+    assert errors and all(e == "deadline exceeded (1 ms)" for e in errors), errors
+    with pytest.raises(router_module.EngineOverloaded):  # 200 requests over 3 replicas: a part over 64 pending
+        served.run(router.rank_many(make_stream(200, num_users=30, seed=89)))
+    deadline = time.monotonic() + 30  # the withdrawn parts hold their admission until their cores answer them
+    while any(e.num_pending for e in router.engines.values()):
+        assert time.monotonic() < deadline, "withdrawn requests were never answered by their cores"
+        served.run(asyncio.sleep(0.05))
+    assert_exact(served.run(router.rank_many(stream)), stream, offline=False)  # served again, exactly
+
+
 def test_suspending_the_last_replica_is_refused(served: Served) -> None:
     router = served.router
     with pytest.raises(ValueError, match="not a live replica off the ring"):
@@ -198,14 +223,14 @@ def test_a_killed_replica_loses_no_request_and_its_users_move_on() -> None:
     assert moved >= router.counts.retries
 
 
-def test_serve_with_two_replicas_gives_offline_scores_and_metrics_add_up(tmp_path: Path) -> None:
+def test_serve_with_two_replicas_gives_offline_scores_metrics_and_survives_one(tmp_path: Path) -> None:
     from .test_serving_msgpack import post_by_user
 
     server = Server(tmp_path, args=("--replicas", "2"))
     try:
         health = httpx.get(f"{server.url}/health", timeout=10).json()
         assert health["status"] == "ok" and [r["state"] for r in health["replicas"]] == ["ready", "ready"]
-        stream = make_stream(300, num_users=24, seed=79)
+        stream = make_stream(340, num_users=24, seed=79)
         before = metric_samples(server.url)
         responses = asyncio.run(post_by_user(f"{server.url}/v1/rank", stream[:240], lambda r: body([r]),
                                              {"content-type": "application/json"}, clients=12))
@@ -213,9 +238,9 @@ def test_serve_with_two_replicas_gives_offline_scores_and_metrics_add_up(tmp_pat
                       for i in range(240, 300, 10)]  # bodies spanning users and replicas
         assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
         outputs = [o for r in responses for o in r.json()["outputs"]]
-        offline = GREngine(tiny_config(num_gpu_pages=96)).rank(stream, use_tqdm=False)
-        for request, output, reference, cached in zip(stream, outputs, recompute_scores(stream), offline,
-                                                      strict=True):
+        offline = GREngine(tiny_config(num_gpu_pages=96)).rank(stream[:300], use_tqdm=False)
+        references = recompute_scores(stream)
+        for request, output, reference, cached in zip(stream[:300], outputs, references[:300], offline, strict=True):
             assert output["error"] is None and output["request_id"] == request.request_id
             scores = np.array(output["scores"], dtype=np.float32)
             np.testing.assert_allclose(scores, reference, atol=TOL, rtol=0)
@@ -234,6 +259,21 @@ def test_serve_with_two_replicas_gives_offline_scores_and_metrics_add_up(tmp_pat
             assert delta("gr_engine_computed_tokens_total", replica=replica) > 0
         assert delta("gr_engine_step_seconds_count") == sum(delta("gr_engine_step_seconds_count", replica=r)
                                                             for r in ("0", "1"))
+
+        os.kill(health["replicas"][0]["core_pid"], signal.SIGKILL)  # one replica dies: the other serves all
+        health = httpx.get(f"{server.url}/health", timeout=10)
+        assert health.status_code == 200 and [r["state"] for r in health.json()["replicas"]][1] == "ready"
+        responses = [httpx.post(f"{server.url}/v1/rank", content=body(stream[i:i + 10]), timeout=30)
+                     for i in range(300, 340, 10)]
+        outputs = [o for r in responses for o in r.json()["outputs"]]
+        for output, reference in zip(outputs, references[300:], strict=True):
+            assert output["error"] is None, output["error"]
+            np.testing.assert_allclose(np.array(output["scores"], dtype=np.float32), reference, atol=TOL, rtol=0)
+        final = metric_samples(server.url)
+        assert total(final, "gr_engine_router_reroutes_total") > 0
+        retries = total(final, "gr_engine_router_retries_total")
+        assert total(final, "gr_engine_router_requests_total", replica="1") - total(
+            after, "gr_engine_router_requests_total", replica="1") == 40 + retries
     finally:
         assert server.stop() == 0
 

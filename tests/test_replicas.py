@@ -282,3 +282,33 @@ def test_replicas_with_several_api_servers_is_refused() -> None:
     result = subprocess.run([sys.executable, "-m", "gr_engine", "serve", "--replicas", "2", "--api-servers", "2"],
                             capture_output=True, text=True, timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 2 and "cannot be combined with --api-servers" in result.stderr, result.stderr
+
+
+def test_a_request_whose_retry_fails_too_gets_a_clear_error() -> None:
+    served = Served(2)
+    router, [request] = served.router, make_stream(1, seed=97)
+    home, nxt = router.home_ring.preference(request.user_id, 2)
+    for engine in router.engines.values():
+        os.kill(engine.core_pid, signal.SIGSTOP)
+
+    async def run():
+        call = asyncio.create_task(router.rank(request))
+        deadline = time.monotonic() + 30
+        for replica in (home, nxt):  # each accepts the request, then dies without answering
+            while not router.engines[replica].num_pending:
+                assert time.monotonic() < deadline and not call.done(), f"replica {replica} never got the request"
+                await asyncio.sleep(0.01)
+            os.kill(router.engines[replica].core_pid, signal.SIGKILL)
+        return await call
+
+    try:
+        output = served.run(run())
+        assert output.request_id == request.request_id and output.scores.shape == (0, 0)
+        assert f"replica {home} died before answering" in output.error
+        assert f"the retry on replica {nxt} failed too" in output.error
+        assert router.counts.retries == 1 and router.dead == {home, nxt}
+        assert router.state == "dead" and not router.is_healthy()
+        with pytest.raises(router_module.EngineDead, match="no replica is alive"):
+            served.run(router.rank(request))
+    finally:
+        served.close()

@@ -262,7 +262,8 @@ def test_serve_with_two_replicas_gives_offline_scores_metrics_and_survives_one(t
 
         os.kill(health["replicas"][0]["core_pid"], signal.SIGKILL)  # one replica dies: the other serves all
         health = httpx.get(f"{server.url}/health", timeout=10)
-        assert health.status_code == 200 and [r["state"] for r in health.json()["replicas"]][1] == "ready"
+        assert health.status_code == 200
+        assert [(r["state"], r["on_ring"]) for r in health.json()["replicas"]] == [("dead", False), ("ready", True)]
         responses = [httpx.post(f"{server.url}/v1/rank", content=body(stream[i:i + 10]), timeout=30)
                      for i in range(300, 340, 10)]
         outputs = [o for r in responses for o in r.json()["outputs"]]

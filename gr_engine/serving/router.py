@@ -161,10 +161,11 @@ class ReplicaRouter:
         return any(self.engines[r].is_healthy() for r in self.ring.replicas)
 
     def replica_states(self) -> list[dict[str, Any]]:
-        """Each replica: ``replica`` (index), ``device``, ``state`` (its client's), ``core_pid``, ``on_ring``."""
+        """Each replica: ``replica`` (index), ``device``, ``state`` (its client's, or ``"dead"``), ``core_pid``,
+        ``on_ring``."""
         self._prune()
-        return [{"replica": i, "device": self.devices[i], "state": e.state, "core_pid": e.core_pid,
-                 "on_ring": i in self.ring} for i, e in self.engines.items()]
+        return [{"replica": i, "device": self.devices[i], "state": "dead" if i in self.dead else e.state,
+                 "core_pid": e.core_pid, "on_ring": i in self.ring} for i, e in self.engines.items()]
 
     def suspend(self, replica: int) -> None:
         """Take a live replica off the ring (drain it): its users go on to their next replica; its KV stays."""

@@ -11,7 +11,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {"AsyncGREngine": "client", "CoreHandle": "client", "EngineDead": "client", "EngineOverloaded": "client",
-            "ServingConfig": "config", "build_app": "server", "start_core": "core"}
+            "ReplicaRouter": "router", "ServingConfig": "config", "build_app": "server", "start_core": "core"}
 
 __all__ = list(_EXPORTS)
 

@@ -18,18 +18,25 @@ def add_commands(commands: argparse._SubParsersAction, add_config_args: Callable
     serve.add_argument("--api-servers", type=int, default=1, metavar="N",
                        help="API-server processes sharing the port and one engine core (default 1); each admits "
                             "1/N of serving.max_pending_requests and max_pending_tokens")
+    serve.add_argument("--replicas", type=int, default=1, metavar="N",
+                       help="engine-core replicas, each user served by one (consistent hashing of user_id); device "
+                            "cuda puts replica i on cuda:i (default 1; docs/scale_out.md)")
     add_config_args(serve)
 
     def run_serve(args: argparse.Namespace) -> int:
-        if args.api_servers < 1:
-            raise ValueError(f"--api-servers must be at least 1, got {args.api_servers}")
+        if args.api_servers < 1 or args.replicas < 1:
+            raise ValueError(f"--api-servers and --replicas must be at least 1, got {args.api_servers} and "
+                             f"{args.replicas}")
+        if args.api_servers > 1 and args.replicas > 1:
+            raise ValueError("--replicas N runs one API server in front of its replicas: it cannot be combined "
+                             "with --api-servers")
         if args.api_servers > 1:
             from .launcher import serve_many
 
             return serve_many(load(args), args.host, args.port, args.api_servers)
         from .server import serve as run
 
-        run(load(args), args.host, args.port)
+        run(load(args), args.host, args.port, args.replicas)
         return 0
 
     serve.set_defaults(run=run_serve)

@@ -226,6 +226,10 @@ class AsyncGREngine:
             return f"exit code {self._process.exitcode}"
         return f"pid {self.core_pid}"
 
+    def is_alive(self) -> bool:
+        """Whether the core process runs and has not been found dead or stopped (a stalled core counts as alive)."""
+        return self._core_alive() and self.state not in ("dead", "stopped")
+
     def is_healthy(self) -> bool:
         """Whether the core process is alive and, once ready, has reported within ``serving.health_timeout_s``."""
         if not self._core_alive() or self.state in ("dead", "stopped"):

@@ -129,15 +129,16 @@ class Generators:
 
 def core_counters(url: str) -> dict[str, float]:
     """The core's ``onloaded_bytes`` and :data:`~.load.STALL_COUNTERS` from the server's ``/metrics`` (``*_total``; 0
-    before the core's first report)."""
+    before the core's first report), summed over the ``replica`` labels of a ``--replicas N`` server."""
     import httpx
 
     names = {f"gr_engine_{name}_total": name for name in ("onloaded_bytes", *STALL_COUNTERS)}
     counters = dict.fromkeys(names.values(), 0.0)
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        name, _, value = line.partition(" ")
+        sample, _, value = line.rpartition(" ")
+        name = sample.partition("{")[0]
         if name in names:
-            counters[names[name]] = float(value)
+            counters[names[name]] += float(value)
     return counters
 
 

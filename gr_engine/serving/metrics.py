@@ -5,6 +5,8 @@ counters, gauges and step histogram are the core's latest report (:class:`~.prot
 With several API-server processes (``PROMETHEUS_MULTIPROC_DIR`` set before ``prometheus_client`` is imported, as
 ``gr-engine serve --api-servers N`` does), the request figures live in that folder and every scrape, whichever
 server answers it, reports their sums over all servers; the core's figures are not summed (there is one core).
+Behind a :class:`~.router.ReplicaRouter` (``gr-engine serve --replicas N``) each replica's core figures carry a
+``replica`` label, and the router's own counters are added.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from ..outputs import GenerateOutput, RankOutput
 from .client import AsyncGREngine
-from .protocol import STEP_BUCKETS
+from .protocol import STEP_BUCKETS, CoreStats
+from .router import ReplicaRouter
 
 _LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5,
                     5.0, 10.0)
@@ -25,11 +28,11 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class ServingMetrics:
-    """The metrics of one API server's :class:`~.client.AsyncGREngine` (it registers itself as the engine's
-    observer).
+    """The metrics of one API server's :class:`~.client.AsyncGREngine` or :class:`~.router.ReplicaRouter` (it
+    registers itself as its observer).
 
     Args:
-        engine: the client whose outputs and core reports are counted.
+        engine: the client (or router) whose outputs and core reports are counted.
         server: the API server's index (``0`` .. ``N - 1``), the ``server`` label of ``http_bodies_total``.
 
     Metrics: ``requests_total`` (finished, by ``outcome``: ``ok`` or an error kind), ``request_errors_total``
@@ -38,10 +41,12 @@ class ServingMetrics:
     answered, by ``server``); from the core: ``step_seconds`` (histogram), ``requests_running`` and
     ``requests_waiting`` (gauges), ``computed_tokens_total``, ``gpu_hit_tokens_total``, ``host_hit_tokens_total``,
     ``gpu_pages_used``, ``gpu_pages_free``, ``host_bytes_used``, ``onloaded_bytes_total``, ``offloaded_bytes_total``,
-    ``kernel_compilations_total``, ``kernel_cache_loads_total``, ``graph_captures_total``.
+    ``kernel_compilations_total``, ``kernel_cache_loads_total``, ``graph_captures_total`` (behind a router: each
+    replica's, labelled ``replica``, plus ``router_requests_total{replica}``, ``router_reroutes_total`` and
+    ``router_retries_total``).
     """
 
-    def __init__(self, engine: AsyncGREngine, server: int = 0) -> None:
+    def __init__(self, engine: AsyncGREngine | ReplicaRouter, server: int = 0) -> None:
         self.engine, self.server = engine, server
         own = CollectorRegistry(auto_describe=True)
         self.requests = Counter("gr_engine_requests", "Requests answered, by outcome (ok or the error kind).",
@@ -62,6 +67,8 @@ class ServingMetrics:
         else:
             self.registry = own
         self.registry.register(_CoreCollector(engine))
+        if isinstance(engine, ReplicaRouter):
+            self.registry.register(_RouterCollector(engine))
         engine.observers.append(self.observe_output)
 
     def observe_output(self, output: RankOutput | GenerateOutput, error_kind: str | None, queue_s: float) -> None:
@@ -86,39 +93,76 @@ class ServingMetrics:
         return generate_latest(self.registry)
 
 
-class _CoreCollector:
-    """The core's latest counters, gauges and step histogram, read at scrape time."""
+#: The core's figures: (metric family, name after ``gr_engine_``, :class:`~.protocol.CoreStats` field, help text).
+_CORE_FIGURES = [
+    (GaugeMetricFamily, "requests_running", "running", "Requests admitted to engine steps."),
+    (GaugeMetricFamily, "requests_waiting", "waiting", "Requests queued in the engine core."),
+    (GaugeMetricFamily, "gpu_pages_used", "gpu_pages_used", "KV pages of the GPU pool in use."),
+    (GaugeMetricFamily, "gpu_pages_free", "gpu_pages_free", "KV pages of the GPU pool free."),
+    (GaugeMetricFamily, "host_bytes_used", "host_bytes_used", "Bytes of host chunk slots holding history."),
+    (CounterMetricFamily, "computed_tokens", "computed_tokens", "Tokens computed (history, candidates)."),
+    (CounterMetricFamily, "gpu_hit_tokens", "gpu_hit_tokens", "History tokens reused from GPU pages."),
+    (CounterMetricFamily, "host_hit_tokens", "host_hit_tokens", "History tokens loaded from host chunks."),
+    (CounterMetricFamily, "onloaded_bytes", "onloaded_bytes", "Bytes copied from host to GPU."),
+    (CounterMetricFamily, "offloaded_bytes", "offloaded_bytes", "Bytes copied from GPU to host."),
+    (CounterMetricFamily, "kernel_compilations", "kernel_compilations",
+     "Triton kernels compiled by the engine core (none after warm-up)."),
+    (CounterMetricFamily, "kernel_cache_loads", "kernel_cache_loads",
+     "Triton kernels loaded from the disk cache by the engine core (none after warm-up)."),
+    (CounterMetricFamily, "graph_captures", "graph_captures",
+     "CUDA graphs captured by the engine core (none after warm-up)."),
+]
 
-    def __init__(self, engine: AsyncGREngine) -> None:
+
+class _CoreCollector:
+    """The latest counters, gauges and step histogram of the core, read at scrape time; behind a
+    :class:`~.router.ReplicaRouter`, those of each replica's core, labelled ``replica``."""
+
+    def __init__(self, engine: AsyncGREngine | ReplicaRouter) -> None:
         self.engine = engine
 
     def describe(self) -> list:
         return []
 
+    def _sources(self) -> tuple[list[str], list[tuple[list[str], CoreStats]]]:
+        """The label names, and each core's label values and latest stats (cores not yet reporting left out)."""
+        if isinstance(self.engine, ReplicaRouter):
+            return ["replica"], [([str(i)], e.stats) for i, e in self.engine.engines.items() if e.stats is not None]
+        return [], [([], self.engine.stats)] if self.engine.stats is not None else []
+
     def collect(self):
-        stats = self.engine.stats
-        if stats is None:
+        labels, sources = self._sources()
+        if not sources:
             return
-        figures = [
-            (GaugeMetricFamily, "requests_running", stats.running, "Requests admitted to engine steps."),
-            (GaugeMetricFamily, "requests_waiting", stats.waiting, "Requests queued in the engine core."),
-            (GaugeMetricFamily, "gpu_pages_used", stats.gpu_pages_used, "KV pages of the GPU pool in use."),
-            (GaugeMetricFamily, "gpu_pages_free", stats.gpu_pages_free, "KV pages of the GPU pool free."),
-            (GaugeMetricFamily, "host_bytes_used", stats.host_bytes_used, "Bytes of host chunk slots holding history."),
-            (CounterMetricFamily, "computed_tokens", stats.computed_tokens, "Tokens computed (history, candidates)."),
-            (CounterMetricFamily, "gpu_hit_tokens", stats.gpu_hit_tokens, "History tokens reused from GPU pages."),
-            (CounterMetricFamily, "host_hit_tokens", stats.host_hit_tokens, "History tokens loaded from host chunks."),
-            (CounterMetricFamily, "onloaded_bytes", stats.onloaded_bytes, "Bytes copied from host to GPU."),
-            (CounterMetricFamily, "offloaded_bytes", stats.offloaded_bytes, "Bytes copied from GPU to host."),
-            (CounterMetricFamily, "kernel_compilations", stats.kernel_compilations,
-             "Triton kernels compiled by the engine core (none after warm-up)."),
-            (CounterMetricFamily, "kernel_cache_loads", stats.kernel_cache_loads,
-             "Triton kernels loaded from the disk cache by the engine core (none after warm-up)."),
-            (CounterMetricFamily, "graph_captures", stats.graph_captures,
-             "CUDA graphs captured by the engine core (none after warm-up)."),
-        ]
-        for family, name, value, text in figures:
-            yield family(f"gr_engine_{name}", text, value=value)
-        buckets = [(repr(bound), count) for bound, count in zip(STEP_BUCKETS, stats.step_buckets, strict=True)]
-        yield HistogramMetricFamily("gr_engine_step_seconds", "Wall seconds of each engine step.",
-                                    buckets=[*buckets, ("+Inf", stats.steps)], sum_value=stats.step_seconds)
+        for family, name, field, text in _CORE_FIGURES:
+            metric = family(f"gr_engine_{name}", text, labels=labels)
+            for values, stats in sources:
+                metric.add_metric(values, getattr(stats, field))
+            yield metric
+        steps = HistogramMetricFamily("gr_engine_step_seconds", "Wall seconds of each engine step.", labels=labels)
+        for values, stats in sources:
+            buckets = [(repr(bound), count) for bound, count in zip(STEP_BUCKETS, stats.step_buckets, strict=True)]
+            steps.add_metric(values, [*buckets, ("+Inf", stats.steps)], sum_value=stats.step_seconds)
+        yield steps
+
+
+class _RouterCollector:
+    """A :class:`~.router.ReplicaRouter`'s own counters (:class:`~.router.RouterCounts`), read at scrape time."""
+
+    def __init__(self, router: ReplicaRouter) -> None:
+        self.router = router
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        counts = self.router.counts
+        requests = CounterMetricFamily("gr_engine_router_requests", "Requests the router sent to each replica "
+                                       "(first sends and retries).", labels=["replica"])
+        for replica, count in counts.requests.items():
+            requests.add_metric([str(replica)], count)
+        yield requests
+        yield CounterMetricFamily("gr_engine_router_reroutes", "Requests sent to a replica other than their "
+                                  "user's home (it was dead or off the ring).", value=counts.reroutes)
+        yield CounterMetricFamily("gr_engine_router_retries", "Requests whose replica died before answering, sent "
+                                  "again to their user's next replica.", value=counts.retries)

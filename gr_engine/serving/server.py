@@ -5,7 +5,8 @@ Endpoints: ``POST /v1/rank``, ``POST /v1/generate``, ``GET /health``, ``GET /rea
 on its own, so a malformed one gets its ``error`` in its output while its batch-mates are served. A body that cannot
 be decoded, or has no ``requests`` list, is a 400; one over ``serving.max_body_bytes`` a 413; work beyond the
 admission bounds a 503 with ``Retry-After``. SIGTERM stops accepting connections, finishes what was accepted, lets
-the core complete its pending offloads, and exits 0. Several API-server processes over one core: :mod:`.launcher`.
+the core complete its pending offloads, and exits 0. Several API-server processes over one core: :mod:`.launcher`;
+one API server over several engine-core replicas (``--replicas N``): :mod:`.router`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ..validation import RequestError
 from .bodies import JSON, BodyFormat, GenerateBody, RankBody, answer_format, request_format
 from .client import AsyncGREngine, CoreHandle, EngineDead, EngineOverloaded
 from .metrics import CONTENT_TYPE, ServingMetrics
+from .router import ReplicaRouter
 
 logger = logging.getLogger(__name__)
 
@@ -49,17 +51,24 @@ def _error(form: BodyFormat, status: int, message: str, headers: dict[str, str] 
     return _answer(form, form.encode({"error": message}), status, headers)
 
 
-def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int = 0) -> Starlette:
+def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int = 0, replicas: int = 1) -> Starlette:
     """The ASGI application; its lifespan starts the engine core (or, given ``core``, attaches to that running
-    one) and is ready once it has warmed up; at shutdown it stops the core (or leaves it).
+    one; or, with ``replicas > 1``, starts that many cores behind a :class:`~.router.ReplicaRouter`) and is ready
+    once it has warmed up; at shutdown it stops the core (or leaves it).
 
     Args:
         config: the engine's configuration.
         core: a running core shared with other API servers (``gr-engine serve --api-servers N``).
         server: this API server's index among them (log lines, the ``server`` label of ``http_bodies_total``).
+        replicas: engine cores to start, each user served by one of them (``gr-engine serve --replicas N``).
+
+    Raises:
+        ValueError: ``replicas`` below 1, or above 1 with ``core``; a device that cannot hold the replicas.
     """
     serving = config.serving
-    engine = AsyncGREngine(config, core)
+    if replicas < 1 or (replicas > 1 and core is not None):
+        raise ValueError(f"replicas must be 1 with a shared core, at least 1 otherwise; got {replicas}")
+    engine = ReplicaRouter(config, replicas) if replicas > 1 else AsyncGREngine(config, core)
     metrics = ServingMetrics(engine, server)
     bodies = {"accepted": 0, "answered": 0}  # request bodies read, and answered (any status)
     name = "gr-engine" if core is None else f"gr-engine API server {server}"
@@ -141,8 +150,9 @@ def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int 
 
     async def health(request: Request) -> Response:
         healthy = engine.is_healthy()
-        return _json({"status": "ok" if healthy else engine.state, "core_pid": engine.core_pid,
-                      "server": server}, 200 if healthy else 503)
+        where = {"replicas": engine.replica_states()} if isinstance(engine, ReplicaRouter) else \
+            {"core_pid": engine.core_pid}
+        return _json({"status": "ok" if healthy else engine.state, **where, "server": server}, 200 if healthy else 503)
 
     async def ready(request: Request) -> Response:
         is_ready = engine.state == "ready" and engine.is_healthy()
@@ -166,9 +176,10 @@ def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int 
     return app
 
 
-def serve(config: EngineConfig, host: str, port: int) -> None:
-    """Run one API server, with a core of its own, on ``host``:``port`` until SIGTERM or Ctrl-C (:func:`run_app`)."""
-    run_app(build_app(config), host=host, port=port)
+def serve(config: EngineConfig, host: str, port: int, replicas: int = 1) -> None:
+    """Run one API server, with a core of its own (or ``replicas`` of them), on ``host``:``port`` until SIGTERM or
+    Ctrl-C (:func:`run_app`)."""
+    run_app(build_app(config, replicas=replicas), host=host, port=port)
 
 
 def run_app(app: Starlette, sockets: list[socket.socket] | None = None, **where: Any) -> None:

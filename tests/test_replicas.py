@@ -1,0 +1,315 @@
+"""User-affinity replicas (docs/scale_out.md): ``ReplicaRouter`` over CPU engine cores in process, and
+``gr-engine serve --replicas 2`` as a subprocess on 127.0.0.1. Every served score is checked against offline
+``GREngine.rank`` of the same stream and against ``recompute`` (float32: 1e-5)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from gr_engine import EngineConfig, GREngine, RankRequest
+
+from .conftest import tiny_config
+from .test_serving import TOL, Server, body, make_stream, metric_samples, recompute_scores, total
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("zmq")
+router_module = pytest.importorskip("gr_engine.serving.router")
+ReplicaRouter, replica_devices = router_module.ReplicaRouter, router_module.replica_devices
+
+
+def replica_config() -> EngineConfig:
+    config = tiny_config(num_gpu_pages=96)
+    return msgspec.structs.replace(config, serving=msgspec.structs.replace(config.serving, warmup=False,
+                                                                           max_pending_requests=64))
+
+
+class Served:
+    """A started router on an event loop of its own, and which replica answered each request id."""
+
+    def __init__(self, replicas: int) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.router = ReplicaRouter(replica_config(), replicas)
+        self.answered: dict[str, list[int]] = {}  # request id -> replicas whose core answered it
+        for replica, engine in self.router.engines.items():
+            engine.observers.append(lambda output, kind, queue_s, replica=replica:
+                                    self.answered.setdefault(output.request_id, []).append(replica))
+        self.run(self.router.start())
+
+    def run(self, awaitable):
+        return self.loop.run_until_complete(asyncio.wait_for(awaitable, 120))
+
+    def close(self) -> None:
+        self.run(self.router.close())
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    served = Served(3)
+    yield served
+    served.close()
+
+
+async def by_user(router: router_module.ReplicaRouter, requests: list[RankRequest], clients: int) -> list:
+    """Each request alone through ``router`` from ``clients`` concurrent clients, each user's requests in stream
+    order by one client; outputs in request order."""
+    outputs: list = [None] * len(requests)
+    users = sorted({r.user_id for r in requests}, key=str)
+
+    async def client(mine: set) -> None:
+        for i, request in enumerate(requests):
+            if request.user_id in mine:
+                outputs[i] = await router.rank(request)
+
+    await asyncio.gather(*(client(set(users[k::clients])) for k in range(clients)))
+    return outputs
+
+
+def assert_exact(outputs: list, requests: list[RankRequest], offline: bool = True) -> None:
+    references = recompute_scores(requests)
+    cached = GREngine(tiny_config(num_gpu_pages=96)).rank(requests, use_tqdm=False) if offline else references
+    for output, request, reference, other in zip(outputs, requests, references, cached):
+        assert output.error is None and output.request_id == request.request_id, output.error
+        np.testing.assert_allclose(output.scores, reference, atol=TOL, rtol=0)
+        np.testing.assert_allclose(output.scores, getattr(other, "scores", other), atol=TOL, rtol=0)
+
+
+def test_replica_devices() -> None:
+    assert replica_devices("cpu", 3, cuda_devices=0) == ["cpu"] * 3
+    assert replica_devices("cuda", 2, cuda_devices=4) == ["cuda:0", "cuda:1"]
+    assert replica_devices("auto", 2, cuda_devices=0) == ["cpu", "cpu"]
+    assert replica_devices("cuda:3", 1, cuda_devices=4) == ["cuda:3"]
+    with pytest.raises(ValueError, match=r"2 replicas need 2 CUDA devices.*has 1"):
+        replica_devices("cuda", 2, cuda_devices=1)
+    with pytest.raises(ValueError, match="names one device"):
+        replica_devices("cuda:1", 2, cuda_devices=4)
+    with pytest.raises(ValueError, match="at least 1"):
+        replica_devices("cpu", 0)
+
+
+def test_users_stay_on_their_replica_and_scores_are_exact(served: Served) -> None:
+    router, stream = served.router, make_stream(240, num_users=24, seed=71)
+    served.answered.clear()
+    before = sum(router.counts.requests.values())
+    outputs = served.run(by_user(router, stream[:160], clients=12))
+    for start in range(160, 240, 8):  # bodies spanning users: split by replica, merged back in order
+        outputs += served.run(router.rank_many(stream[start:start + 8]))
+    assert_exact(outputs, stream)
+    homes: dict[object, set[int]] = {}
+    for request in stream:
+        homes.setdefault(request.user_id, set()).update(served.answered[request.request_id])
+    assert all(replicas == {router.ring.route(user)} for user, replicas in homes.items()), homes
+    assert len({r for replicas in homes.values() for r in replicas}) == 3
+    assert sum(router.counts.requests.values()) - before == 240
+    assert router.counts.reroutes == router.counts.retries == 0
+
+
+def visits(user: str, seed: int) -> list[RankRequest]:
+    """Five visits of one user: a history of 30 events growing by 10 a visit, then the fourth visit's history
+    with one early event rewritten."""
+    rng = np.random.default_rng(seed)
+    items, actions = rng.integers(200, size=60).tolist(), rng.integers(8, size=60).tolist()
+    out = [RankRequest(request_id=f"{user}-{k}", user_id=user, item_ids=items[:n], action_ids=actions[:n],
+                       timestamps=list(range(n)), candidate_item_ids=rng.integers(200, size=6).tolist())
+           for k, n in enumerate((30, 40, 50, 60))]
+    rewritten = msgspec.structs.replace(out[3], request_id=f"{user}-4", item_ids=[(items[0] + 1) % 200] + items[1:])
+    return [*out, rewritten]
+
+
+def test_a_user_returning_to_an_older_copy_of_its_kv_is_served_exactly(served: Served) -> None:
+    router, user = served.router, "returning"
+    stream, home = visits(user, seed=3), router.ring.route(user)
+    [first] = served.run(router.rank_many(stream[:1]))
+    router.suspend(home)  # visits 2-3 on the user's next replica, while the home keeps visit 1's KV
+    try:
+        nxt = router.ring.route(user)
+        assert nxt == router.home_ring.preference(user, 2)[1] != home
+        middle = [served.run(router.rank(r)) for r in stream[1:3]]
+    finally:
+        router.resume(home)
+    assert router.counts.reroutes >= 2
+    back = [served.run(router.rank(r)) for r in stream[3:]]  # home again: its KV is of visit 1, two visits old
+    assert_exact([first, *middle, *back], stream, offline=False)
+    assert [served.answered[r.request_id] for r in stream] == [[home], [nxt], [nxt], [home], [home]]
+    assert 0 < back[0].num_gpu_cached_tokens <= 30  # visit 1's pages were reused, and only those
+    assert back[1].num_gpu_cached_tokens == 0  # its first event differs from every cached history
+
+
+def test_retrieval_deadlines_and_overload_through_the_router(served: Served) -> None:
+    from gr_engine import GenerateParams, GenerateRequest
+
+    router, stream = served.router, make_stream(48, num_users=16, seed=83)
+    asks = [GenerateRequest(request_id=r.request_id, user_id=r.user_id, item_ids=r.item_ids,
+                            action_ids=r.action_ids, timestamps=r.timestamps) for r in stream[:16]]
+    params = GenerateParams(top_k=5, exclude_history=True)
+    got = served.run(router.generate_many(asks, params))
+    want = GREngine(tiny_config(mode="recompute")).generate(asks, params, use_tqdm=False)
+    for output, reference in zip(got, want, strict=True):
+        assert output.error is None and output.item_ids == reference.item_ids
+        np.testing.assert_allclose(output.scores, reference.scores, atol=TOL, rtol=0)
+    late = served.run(router.rank_many(stream, timeout_ms=1))  # 48 requests cannot all finish within 1 ms
+    errors = [o.error for o in late if o.error is not None]
+    assert errors and all(e == "deadline exceeded (1 ms)" for e in errors), errors
+    with pytest.raises(router_module.EngineOverloaded):  # 200 requests over 3 replicas: a part over 64 pending
+        served.run(router.rank_many(make_stream(200, num_users=30, seed=89)))
+    deadline = time.monotonic() + 30  # the withdrawn parts hold their admission until their cores answer them
+    while any(e.num_pending for e in router.engines.values()):
+        assert time.monotonic() < deadline, "withdrawn requests were never answered by their cores"
+        served.run(asyncio.sleep(0.05))
+    assert_exact(served.run(router.rank_many(stream)), stream, offline=False)  # served again, exactly
+
+
+def test_suspending_the_last_replica_is_refused(served: Served) -> None:
+    router = served.router
+    with pytest.raises(ValueError, match="not a live replica off the ring"):
+        router.resume(0)
+    router.suspend(0)
+    router.suspend(1)
+    try:
+        with pytest.raises(ValueError, match="last one"):
+            router.suspend(2)
+    finally:
+        router.resume(0)
+        router.resume(1)
+    assert sorted(router.ring.replicas) == [0, 1, 2]
+
+
+def test_a_killed_replica_loses_no_request_and_its_users_move_on() -> None:
+    served = Served(3)
+    router, stream = served.router, make_stream(200, num_users=24, seed=73)
+    victim = router.ring.route(stream[0].user_id)
+    engine = router.engines[victim]
+
+    async def run() -> list:
+        load = asyncio.create_task(by_user(router, stream, clients=12))
+        deadline = time.monotonic() + 60
+        while len(served.answered) < 40:
+            assert time.monotonic() < deadline and not load.done(), "the load did not get 40 answers"
+            await asyncio.sleep(0.01)
+        os.kill(engine.core_pid, signal.SIGSTOP)  # frozen: it accepts nothing more and answers nothing
+        while not engine.num_pending:
+            assert time.monotonic() < deadline and not load.done(), "no request reached the frozen replica"
+            await asyncio.sleep(0.01)
+        os.kill(engine.core_pid, signal.SIGKILL)  # its accepted requests are now retried elsewhere
+        return await load
+
+    try:
+        outputs = served.run(run())
+    finally:
+        served.close()
+    assert_exact(outputs, stream)  # every request answered, exactly, the lost ones by their retry
+    assert router.dead == {victim} and victim not in router.ring
+    assert router.counts.retries >= 1 and router.counts.reroutes >= router.counts.retries
+    moved = 0
+    for request in stream:
+        where = served.answered[request.request_id]
+        order = router.home_ring.preference(request.user_id, 2)
+        if order[0] == victim:
+            assert where in ([victim], [order[1]]), (request.request_id, where)
+            moved += where == [order[1]]
+        else:
+            assert where == [order[0]]
+    assert moved >= router.counts.retries
+
+
+def test_serve_with_two_replicas_gives_offline_scores_metrics_and_survives_one(tmp_path: Path) -> None:
+    from .test_serving_msgpack import post_by_user
+
+    server = Server(tmp_path, args=("--replicas", "2"))
+    try:
+        health = httpx.get(f"{server.url}/health", timeout=10).json()
+        assert health["status"] == "ok" and [r["state"] for r in health["replicas"]] == ["ready", "ready"]
+        stream = make_stream(340, num_users=24, seed=79)
+        before = metric_samples(server.url)
+        responses = asyncio.run(post_by_user(f"{server.url}/v1/rank", stream[:240], lambda r: body([r]),
+                                             {"content-type": "application/json"}, clients=12))
+        responses += [httpx.post(f"{server.url}/v1/rank", content=body(stream[i:i + 10]), timeout=30)
+                      for i in range(240, 300, 10)]  # bodies spanning users and replicas
+        assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+        outputs = [o for r in responses for o in r.json()["outputs"]]
+        offline = GREngine(tiny_config(num_gpu_pages=96)).rank(stream[:300], use_tqdm=False)
+        references = recompute_scores(stream)
+        for request, output, reference, cached in zip(stream[:300], outputs, references[:300], offline, strict=True):
+            assert output["error"] is None and output["request_id"] == request.request_id
+            scores = np.array(output["scores"], dtype=np.float32)
+            np.testing.assert_allclose(scores, reference, atol=TOL, rtol=0)
+            np.testing.assert_allclose(scores, cached.scores, atol=TOL, rtol=0)
+        after = metric_samples(server.url)
+
+        def delta(name: str, **labels: str) -> float:
+            return total(after, name, **labels) - total(before, name, **labels)
+
+        routed = [delta("gr_engine_router_requests_total", replica=r) for r in ("0", "1")]
+        assert min(routed) > 0 and sum(routed) == 300, routed
+        assert delta("gr_engine_router_reroutes_total") == delta("gr_engine_router_retries_total") == 0
+        assert delta("gr_engine_requests_total", outcome="ok") == 300
+        for replica in ("0", "1"):  # each replica's core figures, under its own label
+            assert delta("gr_engine_step_seconds_count", replica=replica) > 0
+            assert delta("gr_engine_computed_tokens_total", replica=replica) > 0
+        assert delta("gr_engine_step_seconds_count") == sum(delta("gr_engine_step_seconds_count", replica=r)
+                                                            for r in ("0", "1"))
+
+        os.kill(health["replicas"][0]["core_pid"], signal.SIGKILL)  # one replica dies: the other serves all
+        health = httpx.get(f"{server.url}/health", timeout=10)
+        assert health.status_code == 200
+        assert [(r["state"], r["on_ring"]) for r in health.json()["replicas"]] == [("dead", False), ("ready", True)]
+        responses = [httpx.post(f"{server.url}/v1/rank", content=body(stream[i:i + 10]), timeout=30)
+                     for i in range(300, 340, 10)]
+        outputs = [o for r in responses for o in r.json()["outputs"]]
+        for output, reference in zip(outputs, references[300:], strict=True):
+            assert output["error"] is None, output["error"]
+            np.testing.assert_allclose(np.array(output["scores"], dtype=np.float32), reference, atol=TOL, rtol=0)
+        final = metric_samples(server.url)
+        assert total(final, "gr_engine_router_reroutes_total") > 0
+        retries = total(final, "gr_engine_router_retries_total")
+        assert total(final, "gr_engine_router_requests_total", replica="1") - total(
+            after, "gr_engine_router_requests_total", replica="1") == 40 + retries
+    finally:
+        assert server.stop() == 0
+
+
+def test_replicas_with_several_api_servers_is_refused() -> None:
+    result = subprocess.run([sys.executable, "-m", "gr_engine", "serve", "--replicas", "2", "--api-servers", "2"],
+                            capture_output=True, text=True, timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 2 and "cannot be combined with --api-servers" in result.stderr, result.stderr
+
+
+def test_a_request_whose_retry_fails_too_gets_a_clear_error() -> None:
+    served = Served(2)
+    router, [request] = served.router, make_stream(1, seed=97)
+    home, nxt = router.home_ring.preference(request.user_id, 2)
+    for engine in router.engines.values():
+        os.kill(engine.core_pid, signal.SIGSTOP)
+
+    async def run():
+        call = asyncio.create_task(router.rank(request))
+        deadline = time.monotonic() + 30
+        for replica in (home, nxt):  # each accepts the request, then dies without answering
+            while not router.engines[replica].num_pending:
+                assert time.monotonic() < deadline and not call.done(), f"replica {replica} never got the request"
+                await asyncio.sleep(0.01)
+            os.kill(router.engines[replica].core_pid, signal.SIGKILL)
+        return await call
+
+    try:
+        output = served.run(run())
+        assert output.request_id == request.request_id and output.scores.shape == (0, 0)
+        assert f"replica {home} died before answering" in output.error
+        assert f"the retry on replica {nxt} failed too" in output.error
+        assert router.counts.retries == 1 and router.dead == {home, nxt}
+        assert router.state == "dead" and not router.is_healthy()
+        with pytest.raises(router_module.EngineDead, match="no replica is alive"):
+            served.run(router.rank(request))
+    finally:
+        served.close()

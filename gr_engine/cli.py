@@ -26,8 +26,17 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_file_job_args(parser: argparse.ArgumentParser) -> None:
     """The arguments ``rank`` and ``generate`` share."""
-    parser.add_argument("--input", required=True, help="requests (.jsonl or .parquet)")
-    parser.add_argument("--output", required=True, help="outputs (.jsonl or .parquet)")
+    parser.add_argument("--input", required=True, nargs="+",
+                        help="requests (.jsonl or .parquet); with --workers: files or folders of them")
+    parser.add_argument("--output", required=True,
+                        help="outputs (.jsonl or .parquet); with --workers: a new or empty folder")
+    parser.add_argument("--workers", type=int, help="run on Ray Data with this many engines (pip install "
+                                                    "'gr-engine[ray]'); default: one engine in this process")
+    parser.add_argument("--output-format", choices=["parquet", "jsonl"],
+                        help="with --workers: the output files' format (default parquet)")
+    parser.add_argument("--partitions", type=int,
+                        help="with --workers: user partitions, each served whole by one engine call, so each must "
+                             "fit in a node's object store (default: --workers)")
     parser.add_argument("--weights", help="model weights (.safetensors); default: random init from model.seed")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     _add_config_args(parser)
@@ -42,9 +51,22 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _serve_file(args: argparse.Namespace, generate: bool) -> int:
-    """``rank`` / ``generate``: serve ``--input`` a chunk at a time (:class:`~gr_engine.io.RequestReader`), writing
+    """``rank`` / ``generate``: with ``--workers``, on Ray Data (:mod:`gr_engine.ray_job`). Else serve ``--input``
+    a chunk at a time (:class:`~gr_engine.io.RequestReader`), writing
     each chunk's outputs, one per row (unparsable rows: error rows), to ``--output`` before reading the next. Exit
     status 1 when every request failed, else 0."""
+    if args.workers is not None:
+        if args.workers < 1:
+            raise ValueError(f"--workers must be at least 1, got {args.workers}")
+        from .ray_job import serve_files_on_ray
+
+        args.output_format = args.output_format or "parquet"
+        return serve_files_on_ray(args, generate)
+    if args.output_format is not None or args.partitions is not None:
+        raise ValueError("--output-format and --partitions are for --workers")
+    if len(args.input) != 1:
+        raise ValueError(f"one --input file without --workers, got {len(args.input)}")
+    [args.input] = args.input
     from tqdm.auto import tqdm
 
     from .engine import GREngine
@@ -181,6 +203,7 @@ EPILOG = """examples:
   gr-engine demo
   gr-engine rank --input requests.jsonl --output scores.parquet
   gr-engine generate --input requests.jsonl --output items.jsonl --top-k 20
+  gr-engine rank --input requests/ --output scores/ --workers 4
   gr-engine config --config engine.toml --set cache.mode=recompute
 
 demo, rank, generate and config take --config FILE (.json or .toml) and repeated --set section.key=value.

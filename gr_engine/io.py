@@ -108,12 +108,8 @@ class RequestReader:
 
     def _jsonl_rows(self) -> Iterator[tuple[str, Any]]:
         for number, line in enumerate(self._jsonl, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield f"line-{number}", msgspec.json.decode(line)
-            except msgspec.DecodeError as exc:
-                yield f"line-{number}", ValueError(f"line {number} is not valid JSON: {exc}")
+            if line.strip():
+                yield f"line-{number}", decode_line(number, line)
 
     def close(self) -> None:
         """Close the file."""
@@ -124,6 +120,15 @@ class RequestReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def decode_line(number: int, line: bytes) -> Any:
+    """JSONL line ``number`` (1-based) decoded, or a ``ValueError`` saying it is not valid JSON (for
+    :func:`parse_row`)."""
+    try:
+        return msgspec.json.decode(line)
+    except msgspec.DecodeError as exc:
+        return ValueError(f"line {number} is not valid JSON: {exc}")
 
 
 def parse_row(label: str, row: Any, request_type: type[GenerateRequest]) -> Parsed:

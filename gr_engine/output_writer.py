@@ -88,15 +88,7 @@ class OutputWriter:
         self.close()
 
     def _schema(self) -> Any:
-        pa = self._pa
-        types = {
-            "request_id": pa.string(), "user_id": self._user_ids, "num_gpu_cached_tokens": pa.int64(),
-            "num_host_cached_tokens": pa.int64(), "num_computed_tokens": pa.int64(),
-            "timings": pa.struct([(name, pa.float64()) for name in StepTimings.__struct_fields__]),
-            "latency_s": pa.float64(), "error": pa.string(), "item_ids": pa.list_(pa.int64()),
-            "scores": pa.list_(pa.list_(pa.float32()) if issubclass(self.output_type, RankOutput) else pa.float32()),
-        }
-        return pa.schema([(name, types[name]) for name in self.output_type.__struct_fields__])
+        return output_schema(self.output_type, self._user_ids)
 
     def _flush(self) -> None:
         if self._pending:
@@ -122,6 +114,20 @@ class OutputWriter:
             for group in range(source.num_row_groups):
                 self._write_group(source.read_row_group(group).cast(self._schema()))
         written.unlink()  # only once copied: should the copy fail, the rows are still there
+
+
+def output_schema(output_type: type[Output], user_ids: Any) -> Any:
+    """The ``pyarrow`` schema of ``output_type``'s fields (scores float32, ``item_ids`` int64), with ``user_ids``
+    (``pyarrow.int64()`` or ``pyarrow.string()``) as the ``user_id`` column's type."""
+    pa = import_pyarrow()
+    types = {
+        "request_id": pa.string(), "user_id": user_ids, "num_gpu_cached_tokens": pa.int64(),
+        "num_host_cached_tokens": pa.int64(), "num_computed_tokens": pa.int64(),
+        "timings": pa.struct([(name, pa.float64()) for name in StepTimings.__struct_fields__]),
+        "latency_s": pa.float64(), "error": pa.string(), "item_ids": pa.list_(pa.int64()),
+        "scores": pa.list_(pa.list_(pa.float32()) if issubclass(output_type, RankOutput) else pa.float32()),
+    }
+    return pa.schema([(name, types[name]) for name in output_type.__struct_fields__])
 
 
 def _not_int64(user_id: object) -> bool:

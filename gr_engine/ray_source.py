@@ -1,0 +1,135 @@
+"""Request files (JSONL and Parquet) as a Ray Data dataset of *wire rows*, the rows that
+:func:`~gr_engine.ray_ranking.rank_dataset` partitions by user and serves (``gr-engine rank --workers``).
+
+A wire row holds one input row, undecoded into request fields, so that one Arrow schema fits every row, malformed
+ones included (a column of Arrow has one type; a bad row's ``user_id`` may be a list):
+
+=============  ==========  ================================================================================
+column         type        meaning
+=============  ==========  ================================================================================
+``row_order``  int64       the row's place in the input: ``file_index << ROW_BITS | row_number`` (files in
+                           sorted path order, rows 1-based in each file, JSONL blank lines counted)
+``label``      string      the failed output's ``request_id`` when the row has none: ``line-N`` / ``row-N``
+                           as in single-process jobs, prefixed by ``file name:`` when there are several files
+``user_hash``  uint64      :func:`~gr_engine.routing.stable_hash` of the row's ``user_id``; null without a
+                           valid one (such a row fails to parse anyway)
+``request``    binary      the decoded row as msgpack (null when it could not be decoded)
+``error``      string      why the row could not be decoded (JSON syntax, a type msgpack cannot hold)
+=============  ==========  ================================================================================
+
+Ray's ``read_json`` fails the whole read on one bad line and neither it nor ``read_parquet`` numbers rows, so the
+files are read here, each by one read task, in file order, a chunk of :data:`~gr_engine.io.CHUNK_ROWS` rows at a
+time (bounded memory per task, as in single-process jobs). Parsing into requests (:func:`~gr_engine.io.parse_row`)
+happens in the engine workers, exactly as single-process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import PurePath
+from typing import Any
+
+import msgspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+from ray.data.datasource import FileBasedDatasource
+
+from .io import CHUNK_ROWS, FORMATS, PARQUET_READ_BUFFER, decode_line
+from .outputs import output_user_id
+from .routing import stable_hash
+
+#: Bits of ``row_order`` that number the rows of one file (up to 2**40 rows a file, 2**23 files).
+ROW_BITS = 40
+
+WIRE_SCHEMA = pa.schema([("row_order", pa.int64()), ("label", pa.string()), ("user_hash", pa.uint64()),
+                         ("request", pa.binary()), ("error", pa.string())])
+
+#: Bytes of a JSONL file read at a time.
+_READ_BYTES = 1 << 20
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def wire_table(rows: Iterable[tuple[int, str, Any]]) -> pa.Table:
+    """Wire rows (:data:`WIRE_SCHEMA`) of ``(row_order, label, decoded row or the ValueError of an undecodable
+    one)`` triples."""
+    columns: dict[str, list[Any]] = {name: [] for name in WIRE_SCHEMA.names}
+    for order, label, row in rows:
+        request = error = user_hash = None
+        if isinstance(row, Exception):
+            error = str(row)
+        else:
+            try:
+                request = _encoder.encode(row)
+            except (TypeError, OverflowError) as exc:  # e.g. a Parquet column of a type msgpack has no form for
+                error = f"invalid request: {exc}"
+            user_id = output_user_id(row.get("user_id")) if isinstance(row, dict) else None
+            user_hash = None if user_id is None else stable_hash(user_id)
+        for name, value in zip(WIRE_SCHEMA.names, (order, label, user_hash, request, error)):
+            columns[name].append(value)
+    return pa.Table.from_pydict(columns, schema=WIRE_SCHEMA)
+
+
+class RequestFilesDatasource(FileBasedDatasource):
+    """The request files under ``paths`` (files or folders; only ``.jsonl``/``.json``/``.ndjson`` and
+    ``.parquet``/``.pq`` names are read, names starting with ``_`` or ``.`` are skipped, as Ray lists folders) as
+    wire rows. Use it with ``ray.data.read_datasource``; keyword arguments go to Ray's ``FileBasedDatasource``
+    (e.g. ``filesystem``)."""
+
+    def __init__(self, paths: str | list[str], **file_args: Any) -> None:
+        super().__init__(paths, file_extensions=[ext.lstrip(".") for ext in FORMATS], **file_args)
+        files = sorted(self._paths())
+        if len(files) >= 1 << (63 - ROW_BITS):
+            raise ValueError(f"{len(files)} input files: at most {(1 << (63 - ROW_BITS)) - 1} can be ranked at once")
+        self._file_index = {path: index for index, path in enumerate(files)}
+        self._named = len(files) > 1
+
+    def _open_input_source(self, filesystem: Any, path: str, **open_args: Any) -> Any:
+        if _format(path) == "parquet":  # Parquet needs random access (its footer first), not a stream
+            return filesystem.open_input_file(path)
+        return super()._open_input_source(filesystem, path, **open_args)
+
+    def _read_stream(self, f: Any, path: str) -> Iterator[pa.Table]:
+        base = self._file_index[path] << ROW_BITS
+        prefix = f"{PurePath(path).name}:" if self._named else ""
+        if _format(path) == "parquet":
+            kind, rows = "row", _parquet_rows(f)
+        else:
+            kind, rows = "line", ((number, decode_line(number, line)) for number, line in _lines(f) if line.strip())
+        chunk: list[tuple[int, str, Any]] = []
+        for number, row in rows:
+            if number >= 1 << ROW_BITS:
+                raise ValueError(f"{path} has more than {(1 << ROW_BITS) - 1} rows")
+            chunk.append((base | number, f"{prefix}{kind}-{number}", row))
+            if len(chunk) == CHUNK_ROWS:
+                yield wire_table(chunk)
+                chunk = []
+        if chunk:
+            yield wire_table(chunk)
+
+
+def _format(path: str) -> str:
+    return FORMATS[PurePath(path).suffix.lower()]
+
+
+def _parquet_rows(f: Any) -> Iterator[tuple[int, Any]]:
+    """``(1-based row number, row as a dict)`` of a Parquet file, a buffer of columns at a time."""
+    number = 0
+    with pq.ParquetFile(f, buffer_size=PARQUET_READ_BUFFER, pre_buffer=False) as source:
+        for batch in source.iter_batches(batch_size=CHUNK_ROWS):
+            for row in batch.to_pylist():
+                number += 1
+                yield number, row
+
+
+def _lines(f: Any) -> Iterator[tuple[int, bytes]]:
+    """``(1-based line number, line)`` of a byte stream, split at ``\\n`` as Python's binary files split lines."""
+    number, rest = 0, b""
+    while block := f.read(_READ_BYTES):
+        lines = (rest + block).split(b"\n")
+        rest = lines.pop()
+        for line in lines:
+            number += 1
+            yield number, line
+    if rest:
+        yield number + 1, rest

@@ -1,0 +1,188 @@
+"""Offline ranking on Ray Data (``gr-engine rank --workers``, :func:`gr_engine.ray_ranking.rank_dataset`) gives the
+single-process outputs: the same request ids and error rows, scores within 1e-5, and the same cached-token counts,
+which holds only if every user's visits were served by one engine, in input order (the cache mode never evicts, so
+a visit's hits are its previous visit's history whatever the batch-mates)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import msgspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from gr_engine import GenerateParams, GenerateRequest, GREngine, RankRequest
+from gr_engine.cli import main
+from gr_engine.output_writer import array_as_lists
+from gr_engine.synthetic import synthetic_requests
+from tests.conftest import tiny_config
+
+#: Never evicts, and holds every user of the streams below.
+CONFIG = tiny_config(mode="unlimited", num_gpu_pages=8192)
+COUNTERS = ("num_gpu_cached_tokens", "num_host_cached_tokens", "num_computed_tokens")
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """One local Ray for the module: 2 CPUs for the 2 engine actors, 1 for the read and shuffle tasks."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield ray
+    ray.shutdown()
+
+
+def stream(num_users, visits, seed):
+    """Returning users' visits, interleaved; every seventh user has a string id."""
+    requests = synthetic_requests(CONFIG.model, num_users, visits, first_history=(1, 30), new_events=(0, 6),
+                                  num_candidates=(1, 6), seed=seed)
+    rows = msgspec.to_builtins(requests)
+    for row in rows:
+        if row["user_id"] % 7 == 0:
+            row["user_id"] = f"s{row['user_id']}"
+    return rows
+
+
+def malformed_lines(template):
+    """JSONL lines that fail: in parsing (JSON syntax, wrong types, missing fields) or in the engine (too many
+    candidates, items outside the vocabulary); None marks a blank line."""
+    return [
+        "{not json", None, json.dumps([1, 2]), json.dumps({**template, "request_id": "bad-user", "user_id": [1]}),
+        json.dumps({**template, "request_id": "bad-items", "item_ids": "abc"}),
+        json.dumps({"user_id": 3, "item_ids": [1]}),
+        json.dumps({**template, "request_id": "too-many",
+                    "candidate_item_ids": list(range(CONFIG.model.max_candidates + 1))}),
+        json.dumps({**template, "request_id": "oov", "item_ids": [10**6] * len(template["item_ids"])}),
+    ]
+
+
+def write_jsonl(path, rows, seed):
+    """``rows`` as JSONL with :func:`malformed_lines` spread among them."""
+    lines = [json.dumps(row) for row in rows]
+    rng = np.random.default_rng(seed)
+    for line in malformed_lines(rows[0]):
+        lines.insert(int(rng.integers(0, len(lines))), "" if line is None else line)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def run_cli(*args):
+    return main([*args, "--no-progress"])
+
+
+def by_id(rows):
+    index = {row["request_id"]: row for row in rows}
+    assert len(index) == len(rows)
+    return index
+
+
+def assert_same_outputs(distributed, single):
+    """Same ids, errors, user ids (as strings), cached-token counts, scores (1e-5) and item ids."""
+    got, want = by_id(distributed), by_id(single)
+    assert got.keys() == want.keys()
+    for request_id, expected in want.items():
+        row = got[request_id]
+        assert row["error"] == expected["error"], request_id
+        assert row["user_id"] == (None if expected["user_id"] is None else str(expected["user_id"])), request_id
+        assert [row[name] for name in COUNTERS] == [expected[name] for name in COUNTERS], request_id
+        assert row.get("item_ids") == expected.get("item_ids"), request_id
+        got_scores, want_scores = np.asarray(row["scores"], np.float32), np.asarray(expected["scores"], np.float32)
+        assert got_scores.shape == want_scores.shape, request_id
+        np.testing.assert_allclose(got_scores, want_scores, atol=1e-5, rtol=0, err_msg=request_id)
+
+
+def test_rank_on_two_workers_equals_single_process(ray_session, tmp_path):
+    config = tmp_path / "engine.json"
+    config.write_text(msgspec.json.encode(CONFIG).decode())
+    write_jsonl(tmp_path / "in.jsonl", stream(400, 6, seed=3), seed=3)
+    assert run_cli("rank", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "single.parquet"),
+                   "--config", str(config)) == 0
+    assert run_cli("rank", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out"),
+                   "--config", str(config), "--workers", "2") == 0
+    single = pq.read_table(tmp_path / "single.parquet").to_pylist()
+    distributed = pq.read_table(tmp_path / "out").to_pylist()
+    assert len(single) > 2000 and sum(row["error"] is not None for row in single) == 7
+    assert sum(row["num_gpu_cached_tokens"] > 0 for row in single) > 1000  # returning users hit their caches
+    assert_same_outputs(distributed, single)
+    # row_order is the line number of the (only) file: sorting by it gives the input order back
+    in_order = sorted(distributed, key=lambda row: row["row_order"])
+    assert [row["request_id"] for row in in_order] == [row["request_id"] for row in single]
+    lines = (tmp_path / "in.jsonl").read_text().splitlines()
+    for row in in_order:
+        if row["request_id"].startswith("line-"):
+            assert row["request_id"] == f"line-{row['row_order']}"
+        else:
+            assert json.loads(lines[row["row_order"] - 1])["request_id"] == row["request_id"]
+
+
+def test_generate_over_a_folder_of_parquet_files(ray_session, tmp_path):
+    """Two Parquet files, one user's visits spread over both: files in name order, rows in file order."""
+    rows = [{**row, "user_id": str(row["user_id"])} for row in stream(60, 4, seed=5)]  # one type per column
+    folder = tmp_path / "in"
+    folder.mkdir()
+    half = len(rows) // 2
+    pq.write_table(pa.Table.from_pylist(rows[:half] + [{"user_id": "9"}]), folder / "a.parquet", row_group_size=50)
+    pq.write_table(pa.Table.from_pylist(rows[half:]), folder / "b.parquet", row_group_size=50)
+    (folder / "_SUCCESS").write_text("")  # skipped, as Ray skips such names
+    config = tmp_path / "engine.json"
+    config.write_text(msgspec.json.encode(CONFIG).decode())
+    assert run_cli("generate", "--input", str(folder), "--output", str(tmp_path / "out"), "--config", str(config),
+                   "--workers", "2", "--partitions", "5", "--output-format", "jsonl", "--top-k", "4") == 0
+    distributed = [json.loads(line) for path in sorted((tmp_path / "out").iterdir())
+                   for line in path.read_text().splitlines()]
+    requests = [msgspec.convert(row, GenerateRequest) for row in rows]
+    outputs = GREngine(CONFIG).generate(requests, GenerateParams(top_k=4), use_tqdm=False)
+    single = msgspec.to_builtins(outputs)
+    [failed] = [row for row in distributed if row["error"] is not None]
+    assert failed["request_id"] == f"a.parquet:row-{half + 1}" and failed["user_id"] == "9"
+    distributed.remove(failed)
+    assert_same_outputs(distributed, single)
+
+
+def test_rank_dataset_of_request_columns(ray_session):
+    """A dataset of request fields (as ``ray.data.read_parquet`` gives) plus ``row_order``."""
+    from gr_engine.ray_ranking import rank_dataset
+
+    rows = stream(40, 4, seed=7)
+    ds = ray_session.data.from_items([{**row, "row_order": order} for order, row in enumerate(rows)])
+    distributed = rank_dataset(ds, CONFIG, 2).take_all()
+    outputs = GREngine(CONFIG).rank([msgspec.convert(row, RankRequest) for row in rows], use_tqdm=False)
+    single = msgspec.to_builtins(outputs, enc_hook=array_as_lists)
+    assert_same_outputs(distributed, single)
+    assert sorted(row["row_order"] for row in distributed) == list(range(len(rows)))
+
+
+def test_workers_without_ray_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    (tmp_path / "in.jsonl").write_text("")
+    assert run_cli("rank", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out"),
+                   "--workers", "2") == 2
+    assert "pip install 'gr-engine[ray]'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--workers", "0"], "--workers must be at least 1"),
+    (["--partitions", "3"], "are for --workers"),
+    (["--output-format", "jsonl"], "are for --workers"),
+])
+def test_bad_worker_arguments(tmp_path, capsys, extra, message):
+    (tmp_path / "in.jsonl").write_text("")
+    assert run_cli("rank", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o.jsonl"), *extra) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_output_folder_must_be_empty(ray_session, tmp_path, capsys):
+    (tmp_path / "in.jsonl").write_text("")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "old.parquet").write_text("")
+    assert run_cli("rank", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out"),
+                   "--workers", "2") == 2
+    assert "must be a new or empty folder" in capsys.readouterr().err
+
+
+def test_the_package_does_not_import_ray():
+    code = "import sys, gr_engine, gr_engine.cli; sys.exit('ray' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -17,10 +17,13 @@ Ray is an optional dependency (``pip install 'gr-engine[ray]'``): ``import gr_en
 
 from __future__ import annotations
 
+import signal
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+import ray
 from ray import serve
 from ray.exceptions import RayError, RayTaskError
 from starlette.applications import Starlette
@@ -173,3 +176,23 @@ def build_app(config: EngineConfig, num_replicas: int) -> Any:
                                 ray_actor_options={"num_gpus": 1 if on_gpu else 0}).bind(replica_config)
                for i in range(num_replicas)]
     return serve.deployment(Ingress, name="ingress", max_ongoing_requests=limit).bind(config, *engines)
+
+
+def serve_until_stopped(config: EngineConfig, host: str, port: int, num_replicas: int,
+                        app_name: str = "gr-engine") -> None:
+    """``gr-engine serve --ray``: join the Ray cluster that ``RAY_ADDRESS`` names (else start a local one), run
+    :func:`build_app` as ``app_name`` with Ray Serve's HTTP proxy on ``host``:``port`` (a Serve instance already
+    running on the cluster keeps its own address), and block until SIGTERM or Ctrl-C; then delete the application
+    and disconnect (a local cluster stops with it)."""
+    ray.init()
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs handlers of its own
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_app(config, num_replicas), name=app_name, route_prefix="/")
+        while not stop.wait(1.0):
+            pass
+        serve.delete(app_name)
+    finally:
+        ray.shutdown()

@@ -31,7 +31,8 @@ ray_serve = pytest.importorskip("gr_engine.serving.ray_serve")
 
 #: Never evicts, and holds every user of the stream below.
 CONFIG = msgspec.structs.replace(tiny_config(mode="unlimited", num_gpu_pages=8192),
-                                 serving=msgspec.structs.replace(tiny_config().serving, warmup=False))
+                                 serving=msgspec.structs.replace(tiny_config().serving, warmup=False,
+                                                                 max_pending_requests=64))
 COUNTERS = ("num_gpu_cached_tokens", "num_host_cached_tokens", "num_computed_tokens")
 
 
@@ -101,6 +102,9 @@ def test_bad_input_is_answered_per_request(url: str) -> None:
     first, second = response.json()["outputs"]
     assert first["error"] is None and second["error"].startswith("invalid request")
     assert httpx.post(f"{url}/v1/rank", content=b"{not json", timeout=60).status_code == 400
+    overloading = httpx.post(f"{url}/v1/rank", content=body(make_stream(140, seed=2)), timeout=60)
+    assert overloading.status_code == 503 and overloading.headers["retry-after"] == "1", overloading.text
+    assert "pending" in overloading.json()["error"]
     health = httpx.get(f"{url}/health", timeout=60).json()
     assert health["status"] == "ok" and [r["on_ring"] for r in health["replicas"]] == [True, True]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import msgspec
@@ -52,6 +52,7 @@ class EngineReplica:
     async def __init__(self, config: EngineConfig) -> None:
         self.engine = AsyncGREngine(config)
         self._observed: dict[int, tuple[str | None, float]] = {}  # id(output) -> (error kind, queue s), in flight
+        self._calls = 0  # calls in flight: once none is, no observation is still waited for
         self.engine.observers.append(self._observe)
         await self.engine.start()
 
@@ -62,12 +63,12 @@ class EngineReplica:
             EngineOverloaded: the requests would exceed the engine's pending bounds (none is served).
             EngineDead: the engine core has died.
         """
-        return self._answers(await self.engine.rank_many(requests, timeout_ms))
+        return await self._answers(self.engine.rank_many(requests, timeout_ms))
 
     async def generate_many(self, requests: Sequence[GenerateRequest], params: GenerateParams | None = None,
                             timeout_ms: float | None = None) -> list[Answer]:
         """Retrieve items for ``requests`` (:meth:`AsyncGREngine.generate_many`); as :meth:`rank_many`."""
-        return self._answers(await self.engine.generate_many(requests, params, timeout_ms))
+        return await self._answers(self.engine.generate_many(requests, params, timeout_ms))
 
     def check_health(self) -> None:
         """Ray Serve's health check: raises ``RuntimeError`` once the engine core has died (Serve then replaces
@@ -81,8 +82,18 @@ class EngineReplica:
     def _observe(self, output: Output, kind: str | None, queue_s: float) -> None:
         self._observed[id(output)] = (kind, queue_s)
 
-    def _answers(self, outputs: list[Output]) -> list[Answer]:
-        return [(output, *self._observed.pop(id(output), (None, 0.0))) for output in outputs]
+    async def _answers(self, call: Awaitable[list[Output]]) -> list[Answer]:
+        """``call``'s outputs with their observations. A call that raises (overloaded, cancelled) may leave
+        observations of outputs nobody will ask for (requests refused as invalid): dropped once no call is in
+        flight."""
+        self._calls += 1
+        try:
+            outputs = await call
+            return [(output, *self._observed.pop(id(output), (None, 0.0))) for output in outputs]
+        finally:
+            self._calls -= 1
+            if not self._calls:
+                self._observed.clear()
 
 
 class _HandleReplica:

@@ -21,6 +21,9 @@ def add_commands(commands: argparse._SubParsersAction, add_config_args: Callable
     serve.add_argument("--replicas", type=int, default=1, metavar="N",
                        help="engine-core replicas, each user served by one (consistent hashing of user_id); device "
                             "cuda puts replica i on cuda:i (default 1; docs/scale_out.md)")
+    serve.add_argument("--ray", action="store_true",
+                       help="run the replicas as a Ray Serve application on a Ray cluster (RAY_ADDRESS, else a "
+                            "local one), one GPU each with device cuda (docs/scale_out.md, 'On Ray Serve')")
     add_config_args(serve)
 
     def run_serve(args: argparse.Namespace) -> int:
@@ -30,6 +33,14 @@ def add_commands(commands: argparse._SubParsersAction, add_config_args: Callable
         if args.api_servers > 1 and args.replicas > 1:
             raise ValueError("--replicas N runs one API server in front of its replicas: it cannot be combined "
                              "with --api-servers")
+        if args.ray:
+            if args.api_servers > 1:
+                raise ValueError("--ray serves through Ray Serve's HTTP proxy: it cannot be combined with "
+                                 "--api-servers")
+            from .ray_serve import serve_until_stopped
+
+            serve_until_stopped(load(args), args.host, args.port, args.replicas)
+            return 0
         if args.api_servers > 1:
             from .launcher import serve_many
 

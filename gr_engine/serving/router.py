@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +90,10 @@ class ReplicaRouter:
             ``config.serving``'s admission bounds hold per replica).
         replicas: how many engine cores to run (replica indices ``0 .. replicas - 1``).
         virtual_nodes: points of each replica on the ring (:class:`~gr_engine.routing.HashRing`).
+        engines: the replicas to route over, by index ``0 .. replicas - 1``, instead of starting engine cores here:
+            objects with :class:`~.client.AsyncGREngine`'s ``start``, ``close``, ``rank_many``, ``generate_many``,
+            ``is_alive``, ``is_healthy``, ``state``, ``core_pid``, ``stats``, ``config`` and ``observers``
+            (e.g. Ray Serve deployment handles, :mod:`.ray_serve`).
 
     Use ``async with ReplicaRouter(config, 3) as router:`` (or :meth:`start` and :meth:`close`); :meth:`rank_many`
     and :meth:`generate_many` behave as :class:`~.client.AsyncGREngine`'s. ``observers`` are called with every
@@ -106,11 +110,18 @@ class ReplicaRouter:
         dead: the replicas whose core has died.
     """
 
-    def __init__(self, config: EngineConfig, replicas: int, virtual_nodes: int = DEFAULT_VIRTUAL_NODES) -> None:
+    def __init__(self, config: EngineConfig, replicas: int, virtual_nodes: int = DEFAULT_VIRTUAL_NODES,
+                 engines: Mapping[int, Any] | None = None) -> None:
         self.config = config
-        self.devices = replica_devices(config.device, replicas)
-        self.engines = {i: AsyncGREngine(msgspec.structs.replace(config, device=d))
-                        for i, d in enumerate(self.devices)}
+        if engines is None:
+            self.devices = replica_devices(config.device, replicas)
+            self.engines = {i: AsyncGREngine(msgspec.structs.replace(config, device=d))
+                            for i, d in enumerate(self.devices)}
+        else:
+            if sorted(engines) != list(range(replicas)):
+                raise ValueError(f"engines must be keyed by replica index 0 .. {replicas - 1}, got {sorted(engines)}")
+            self.engines = dict(sorted(engines.items()))
+            self.devices = [engine.config.device for engine in self.engines.values()]
         self.ring = HashRing(self.engines, virtual_nodes)  # the live replicas that take users
         self.home_ring = HashRing(self.engines, virtual_nodes)  # every replica, never changed: each user's home
         self.counts = RouterCounts(requests=dict.fromkeys(self.engines, 0))

@@ -51,7 +51,8 @@ def _error(form: BodyFormat, status: int, message: str, headers: dict[str, str] 
     return _answer(form, form.encode({"error": message}), status, headers)
 
 
-def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int = 0, replicas: int = 1) -> Starlette:
+def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int = 0, replicas: int = 1,
+              router: ReplicaRouter | None = None) -> Starlette:
     """The ASGI application; its lifespan starts the engine core (or, given ``core``, attaches to that running
     one; or, with ``replicas > 1``, starts that many cores behind a :class:`~.router.ReplicaRouter`) and is ready
     once it has warmed up; at shutdown it stops the core (or leaves it).
@@ -61,6 +62,8 @@ def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int 
         core: a running core shared with other API servers (``gr-engine serve --api-servers N``).
         server: this API server's index among them (log lines, the ``server`` label of ``http_bodies_total``).
         replicas: engine cores to start, each user served by one of them (``gr-engine serve --replicas N``).
+        router: serve through this router, over replicas started elsewhere (``replicas`` and ``core`` unused; the
+            Ray Serve ingress, :mod:`.ray_serve`).
 
     Raises:
         ValueError: ``replicas`` below 1, or above 1 with ``core``; a device that cannot hold the replicas.
@@ -68,7 +71,8 @@ def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int 
     serving = config.serving
     if replicas < 1 or (replicas > 1 and core is not None):
         raise ValueError(f"replicas must be 1 with a shared core, at least 1 otherwise; got {replicas}")
-    engine = ReplicaRouter(config, replicas) if replicas > 1 else AsyncGREngine(config, core)
+    engine = router if router is not None else \
+        ReplicaRouter(config, replicas) if replicas > 1 else AsyncGREngine(config, core)
     metrics = ServingMetrics(engine, server)
     bodies = {"accepted": 0, "answered": 0}  # request bodies read, and answered (any status)
     name = "gr-engine" if core is None else f"gr-engine API server {server}"

@@ -1,0 +1,209 @@
+"""The replica router on Ray Serve (docs/scale_out.md, "On Ray Serve").
+
+:func:`build_app` gives a Ray Serve application of ``N + 1`` deployments:
+
+- ``engine-0 .. engine-{N-1}``: one engine replica each (:class:`EngineReplica`, one Ray Serve replica), an
+  :class:`~.client.AsyncGREngine` with an engine-core process of its own, on a GPU of its own when the configured
+  device is CUDA (``ray_actor_options={"num_gpus": 1}``), else on the CPU;
+- ``ingress``: the HTTP server of :mod:`.server` (same endpoints, bodies, errors and metrics) over a
+  :class:`~.router.ReplicaRouter` whose replicas are the engine deployments' handles: each user's requests go to
+  one deployment (a :class:`~gr_engine.routing.HashRing` of ``user_id``), a body is split by replica and the
+  outputs merged in input order. A handle call that fails because its replica's actor died takes that replica off
+  the ring, and its requests are sent once more, to their users' next replica (else each output carries the
+  error), as the router does for a dead engine core.
+
+Ray is an optional dependency (``pip install 'gr-engine[ray]'``): ``import gr_engine`` never imports this module.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Awaitable, Sequence
+from typing import Any
+
+import msgspec
+import ray
+from ray import serve
+from ray.exceptions import RayError, RayTaskError
+from starlette.applications import Starlette
+
+from ..config import EngineConfig
+from ..outputs import GenerateOutput, RankOutput
+from ..request import GenerateParams, GenerateRequest, RankRequest
+from .client import AsyncGREngine, EngineDead, EngineOverloaded, OutputObserver
+from .router import ReplicaRouter
+from .server import build_app as build_starlette_app
+
+Output = RankOutput | GenerateOutput
+#: What an engine replica answers for each request: its output, its error kind (``None`` when served; as
+#: :data:`~.client.OutputObserver` is given) and the seconds it spent queued in the core.
+Answer = tuple[Output, str | None, float]
+
+
+class EngineReplica:
+    """One engine replica (a Ray Serve deployment of one replica): an :class:`~.client.AsyncGREngine` whose engine
+    core is started, and warmed up, in the constructor and stopped when Ray Serve stops the replica.
+
+    Args:
+        config: the engine's configuration (its device as seen inside this replica's actor).
+    """
+
+    async def __init__(self, config: EngineConfig) -> None:
+        self.engine = AsyncGREngine(config)
+        self._observed: dict[int, tuple[str | None, float]] = {}  # id(output) -> (error kind, queue s), in flight
+        self._calls = 0  # calls in flight: once none is, no observation is still waited for
+        self.engine.observers.append(self._observe)
+        await self.engine.start()
+
+    async def rank_many(self, requests: Sequence[RankRequest], timeout_ms: float | None = None) -> list[Answer]:
+        """Score ``requests`` (:meth:`AsyncGREngine.rank_many`): an :data:`Answer` per request, in input order.
+
+        Raises:
+            EngineOverloaded: the requests would exceed the engine's pending bounds (none is served).
+            EngineDead: the engine core has died.
+        """
+        return await self._answers(self.engine.rank_many(requests, timeout_ms))
+
+    async def generate_many(self, requests: Sequence[GenerateRequest], params: GenerateParams | None = None,
+                            timeout_ms: float | None = None) -> list[Answer]:
+        """Retrieve items for ``requests`` (:meth:`AsyncGREngine.generate_many`); as :meth:`rank_many`."""
+        return await self._answers(self.engine.generate_many(requests, params, timeout_ms))
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: raises ``RuntimeError`` once the engine core has died (Serve then replaces
+        this replica; the ingress has taken it off its ring at its first failed call)."""
+        if not self.engine.is_alive():
+            raise RuntimeError(f"the engine core is {self.engine.state}")
+
+    async def __del__(self) -> None:
+        await self.engine.close()
+
+    def _observe(self, output: Output, kind: str | None, queue_s: float) -> None:
+        self._observed[id(output)] = (kind, queue_s)
+
+    async def _answers(self, call: Awaitable[list[Output]]) -> list[Answer]:
+        """``call``'s outputs with their observations. A call that raises (overloaded, cancelled) may leave
+        observations of outputs nobody will ask for (requests refused as invalid): dropped once no call is in
+        flight."""
+        self._calls += 1
+        try:
+            outputs = await call
+            return [(output, *self._observed.pop(id(output), (None, 0.0))) for output in outputs]
+        finally:
+            self._calls -= 1
+            if not self._calls:
+                self._observed.clear()
+
+
+class _HandleReplica:
+    """An engine deployment's handle as one of :class:`~.router.ReplicaRouter`'s replicas (the interface of
+    :class:`~.client.AsyncGREngine` that the router uses). Its engine's :class:`EngineOverloaded` and
+    :class:`EngineDead` come through as themselves; a call that Ray could not complete (the replica's actor died
+    or is unreachable) raises :class:`EngineDead`, and the replica counts as dead from then on."""
+
+    core_pid = None  # the core runs in another actor, perhaps on another node
+    stats = None  # its core's counters stay with it (Ray Serve's own metrics cover the deployments)
+
+    def __init__(self, handle: Any, config: EngineConfig) -> None:
+        self.handle, self.config = handle, config
+        self.observers: list[OutputObserver] = []
+        self.alive = True
+
+    async def start(self) -> _HandleReplica:
+        return self
+
+    async def close(self, timeout_s: float = 60.0) -> None:
+        """Nothing to stop here: Ray Serve stops the engine deployments."""
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def is_healthy(self) -> bool:
+        return self.alive
+
+    @property
+    def state(self) -> str:
+        return "ready" if self.alive else "dead"
+
+    async def rank_many(self, requests: Sequence[RankRequest], timeout_ms: float | None = None) -> list[RankOutput]:
+        return await self._call(self.handle.rank_many.remote(list(requests), timeout_ms))
+
+    async def generate_many(self, requests: Sequence[GenerateRequest], params: GenerateParams | None = None,
+                            timeout_ms: float | None = None) -> list[GenerateOutput]:
+        return await self._call(self.handle.generate_many.remote(list(requests), params, timeout_ms))
+
+    async def _call(self, response: Any) -> list:
+        try:
+            answers: list[Answer] = await response
+        except RayTaskError as exc:
+            cause = exc.cause
+            if isinstance(cause, EngineDead):
+                self.alive = False
+            if isinstance(cause, (EngineDead, EngineOverloaded)):
+                raise type(cause)(str(cause)) from exc
+            raise
+        except RayError as exc:
+            self.alive = False
+            raise EngineDead(f"{type(exc).__name__}: {exc}") from exc
+        for output, kind, queue_s in answers:
+            for observe in self.observers:
+                observe(output, kind, queue_s)
+        return [output for output, _, _ in answers]
+
+
+@serve.ingress()
+class Ingress:
+    """The HTTP ingress: :mod:`.server`'s Starlette app over a :class:`~.router.ReplicaRouter` of the engine
+    deployments' handles (``engines[i]`` is replica ``i``)."""
+
+    def __init__(self, config: EngineConfig, *engines: Any) -> None:
+        replicas = {i: _HandleReplica(handle, config) for i, handle in enumerate(engines)}
+        self.router = ReplicaRouter(config, len(replicas), engines=replicas)
+        self.config = config
+
+    def __serve_build_asgi_app__(self) -> Starlette:
+        return build_starlette_app(self.config, router=self.router)
+
+
+def build_app(config: EngineConfig, num_replicas: int) -> Any:
+    """The Ray Serve application (a ``ray.serve.Application``) of ``num_replicas`` engine deployments behind one
+    HTTP ingress; run it with ``serve.run(build_app(config, n))``.
+
+    Each engine deployment is one Ray Serve replica (a user's KV cache lives in one place), with one GPU when
+    ``config.device`` is ``"cuda"`` or ``"cuda:N"`` (its engine then uses the GPU Ray gives it), else none.
+    Ray Serve's queue limit per replica (``max_ongoing_requests``) is ``serving.max_pending_requests``, so that the
+    engine's own admission bounds (503 with ``Retry-After``) decide.
+
+    Raises:
+        ValueError: ``num_replicas`` below 1.
+    """
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
+    on_gpu = config.device.startswith("cuda")
+    replica_config = msgspec.structs.replace(config, device="cuda") if on_gpu else config
+    limit = config.serving.max_pending_requests
+    engines = [serve.deployment(EngineReplica, name=f"engine-{i}", num_replicas=1, max_ongoing_requests=limit,
+                                ray_actor_options={"num_gpus": 1 if on_gpu else 0}).bind(replica_config)
+               for i in range(num_replicas)]
+    return serve.deployment(Ingress, name="ingress", max_ongoing_requests=limit).bind(config, *engines)
+
+
+def serve_until_stopped(config: EngineConfig, host: str, port: int, num_replicas: int,
+                        app_name: str = "gr-engine") -> None:
+    """``gr-engine serve --ray``: join the Ray cluster that ``RAY_ADDRESS`` names (else start a local one), run
+    :func:`build_app` as ``app_name`` with Ray Serve's HTTP proxy on ``host``:``port`` (a Serve instance already
+    running on the cluster keeps its own address), and block until SIGTERM or Ctrl-C; then delete the application
+    and disconnect (a local cluster stops with it)."""
+    ray.init()
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs handlers of its own
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_app(config, num_replicas), name=app_name, route_prefix="/")
+        while not stop.wait(1.0):
+            pass
+        serve.delete(app_name)
+    finally:
+        ray.shutdown()

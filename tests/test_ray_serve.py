@@ -1,0 +1,200 @@
+"""The replica router on Ray Serve (:func:`gr_engine.serving.ray_serve.build_app`): two CPU engine deployments
+behind the HTTP ingress, on a local Ray. Served scores equal ``recompute`` (float32: 1e-5), and every request's
+cached-token count equals offline ``GREngine.rank`` of the same stream, which holds only if each user's visits
+were all served by one replica, in order (the cache mode never evicts, so a visit's hits are its previous visit's
+history whatever the batch-mates)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import msgspec
+import numpy as np
+import pytest
+
+from gr_engine import GREngine, RankRequest
+from gr_engine.routing import HashRing
+
+from .conftest import tiny_config
+from .test_serving import TOL, body, free_port, make_stream, metric_samples, recompute_scores, total
+
+serve = pytest.importorskip("ray.serve")
+ray = pytest.importorskip("ray")
+ray_serve = pytest.importorskip("gr_engine.serving.ray_serve")
+
+#: Never evicts, and holds every user of the stream below.
+CONFIG = msgspec.structs.replace(tiny_config(mode="unlimited", num_gpu_pages=8192),
+                                 serving=msgspec.structs.replace(tiny_config().serving, warmup=False,
+                                                                 max_pending_requests=64))
+COUNTERS = ("num_gpu_cached_tokens", "num_host_cached_tokens", "num_computed_tokens")
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    """One local Ray and Ray Serve on 127.0.0.1 for the module, running two engine replicas; its base URL."""
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(ray_serve.build_app(CONFIG, 2), name="gr-engine", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+async def by_user(url: str, requests: list[RankRequest], clients: int) -> list[httpx.Response]:
+    """Each request alone in a body, from ``clients`` concurrent clients, each user's requests in stream order by
+    one client; responses in request order."""
+    responses: list = [None] * len(requests)
+    users = sorted({r.user_id for r in requests}, key=str)
+
+    async def client(mine: set) -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            for i, request in enumerate(requests):
+                if request.user_id in mine:
+                    responses[i] = await http.post(f"{url}/v1/rank", content=body([request]),
+                                                   headers={"content-type": "application/json"})
+
+    await asyncio.gather(*(client(set(users[k::clients])) for k in range(clients)))
+    return responses
+
+
+def test_users_stay_on_their_replica_and_scores_are_exact(url: str) -> None:
+    stream = make_stream(100, num_users=12, seed=5)
+    served = [r.json()["outputs"] for r in asyncio.run(by_user(url, stream[:80], clients=4))]
+    with httpx.Client(timeout=60) as http:  # bodies spanning users: split by replica, merged back in order
+        for start in range(80, 100, 5):
+            response = http.post(f"{url}/v1/rank", content=body(stream[start:start + 5]),
+                                 headers={"content-type": "application/json"})
+            assert response.status_code == 200, response.text
+            served += [[output] for output in response.json()["outputs"]]
+    outputs = [output for [output] in served]
+    offline = GREngine(CONFIG).rank(stream, use_tqdm=False)
+    for request, output, reference, alone in zip(stream, outputs, recompute_scores(stream), offline):
+        assert output["error"] is None and output["request_id"] == request.request_id, output
+        np.testing.assert_allclose(np.array(output["scores"], dtype=np.float32), reference, atol=TOL, rtol=0)
+        np.testing.assert_allclose(np.array(output["scores"], dtype=np.float32), alone.scores, atol=TOL, rtol=0)
+    for output, alone in zip(outputs[:80], offline[:80]):  # one user at a time: the same hits as offline
+        assert {c: output[c] for c in COUNTERS} == {c: getattr(alone, c) for c in COUNTERS}, output["request_id"]
+    homes = HashRing(range(2))
+    samples = metric_samples(url)
+    for replica in range(2):
+        expected = sum(homes.route(r.user_id) == replica for r in stream)
+        assert expected > 0
+        assert total(samples, "gr_engine_router_requests_total", replica=str(replica)) == expected
+    assert total(samples, "gr_engine_requests_total", outcome="ok") == 100
+
+
+def test_bad_input_is_answered_per_request(url: str) -> None:
+    good = make_stream(1, seed=9)[0]
+    content = msgspec.json.encode({"requests": [good, {"user_id": 1, "item_ids": "x"}]})
+    response = httpx.post(f"{url}/v1/rank", content=content, headers={"content-type": "application/json"},
+                          timeout=60)
+    assert response.status_code == 200, response.text
+    first, second = response.json()["outputs"]
+    assert first["error"] is None and second["error"].startswith("invalid request")
+    assert httpx.post(f"{url}/v1/rank", content=b"{not json", timeout=60).status_code == 400
+    overloading = httpx.post(f"{url}/v1/rank", content=body(make_stream(140, seed=2)), timeout=60)
+    assert overloading.status_code == 503 and overloading.headers["retry-after"] == "1", overloading.text
+    assert "pending" in overloading.json()["error"]
+    health = httpx.get(f"{url}/health", timeout=60).json()
+    assert health["status"] == "ok" and [r["on_ring"] for r in health["replicas"]] == [True, True]
+
+
+
+class FakeHandle:
+    """A deployment handle whose ``rank_many`` answers with offline ``GREngine.rank`` (``engine``), or raises
+    ``error`` as Ray does when the replica's actor has died."""
+
+    def __init__(self, engine: GREngine | None, error: Exception | None = None) -> None:
+        self.engine, self.error, self.calls = engine, error, 0
+        self.rank_many = self
+
+    def remote(self, requests: list[RankRequest], timeout_ms: float | None) -> object:
+        self.calls += 1
+
+        async def answer() -> list:
+            if self.error is not None:
+                raise self.error
+            return [(output, None, 0.0) for output in self.engine.rank(requests, use_tqdm=False)]
+        return answer()
+
+
+def test_a_dead_replica_is_taken_off_the_ring_and_its_requests_retried_once() -> None:
+    router_module = pytest.importorskip("gr_engine.serving.router")
+    live, dead = FakeHandle(GREngine(CONFIG)), FakeHandle(None, ray.exceptions.ActorDiedError())
+    replicas = {0: ray_serve._HandleReplica(live, CONFIG), 1: ray_serve._HandleReplica(dead, CONFIG)}
+    router = router_module.ReplicaRouter(CONFIG, 2, engines=replicas)
+    stream = make_stream(40, num_users=12, seed=11)
+    moved = sum(router.home_ring.route(r.user_id) == 1 for r in stream)
+
+    async def serve_all() -> list:
+        async with router:
+            return await router.rank_many(stream)
+
+    outputs = asyncio.run(serve_all())
+    for request, output, reference in zip(stream, outputs, recompute_scores(stream)):
+        assert output.error is None and output.request_id == request.request_id, output.error
+        np.testing.assert_allclose(output.scores, reference, atol=TOL, rtol=0)
+    assert moved > 0 and dead.calls == 1 and router.counts.retries == moved
+    assert list(router.ring.replicas) == [0] and router.dead == {1}
+    dead_again = FakeHandle(None, ray.exceptions.ActorDiedError())
+    router = router_module.ReplicaRouter(CONFIG, 1, engines={0: ray_serve._HandleReplica(dead_again, CONFIG)})
+
+    async def serve_twice() -> list:
+        async with router:
+            first = await router.rank_many(stream[:3])
+            with pytest.raises(router_module.EngineDead, match="no replica is alive"):
+                await router.rank_many(stream[:3])
+            return first
+
+    assert all("no replica is left" in output.error for output in asyncio.run(serve_twice()))
+
+
+def test_serve_ray_refuses_api_servers(capsys) -> None:
+    from gr_engine.cli import main
+
+    assert main(["serve", "--ray", "--api-servers", "2"]) != 0
+    assert "--ray serves through Ray Serve's HTTP proxy" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_serve_command_on_ray(tmp_path) -> None:
+    """``gr-engine serve --ray`` in a subprocess with a Ray of its own (one replica: this host may have 2 CPUs, one
+    for the ingress): answers, then stops on SIGTERM with status 0."""
+    path = tmp_path / "config.json"
+    path.write_bytes(msgspec.json.encode(CONFIG))
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_ADDRESS": "local"}
+    with (tmp_path / "log").open("w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "gr_engine", "serve", "--ray", "--replicas", "1",
+                                    "--config", str(path), "--host", "127.0.0.1", "--port", str(port)],
+                                   stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.5)
+            [request] = make_stream(1, seed=3)
+            response = httpx.post(f"http://127.0.0.1:{port}/v1/rank", content=body([request]), timeout=60)
+            np.testing.assert_allclose(np.array(response.json()["outputs"][0]["scores"], dtype=np.float32),
+                                       recompute_scores([request])[0], atol=TOL, rtol=0)
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(60) == 0, (tmp_path / "log").read_text()
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()

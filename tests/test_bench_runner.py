@@ -77,6 +77,11 @@ def test_quick_bench_writes_reports(tmp_path, capsys):
     assert "x recompute by mean batch latency" in text and "| median ms | mean ms | p99 ms |" in text
     assert "Batch latency in ms: median / mean / p99 / max." in text  # the history length table
     assert "speedup_bs8" in capsys.readouterr().out
+    # Model FLOPs count only computed tokens: the cached modes compute far less than recompute, every batch size.
+    for b, e in result["modes"]["recompute"]["batch_sizes"].items():
+        cached = result["modes"]["unlimited"]["batch_sizes"][b]["model_tflop_per_batch"]
+        assert 0 < 2 * cached < e["model_tflop_per_batch"]
+    assert "recompute_mfu_bs8" not in summary  # no GEMM peak on CPU
 
 
 def test_bench_sets_cache_fields_for_every_engine(tmp_path, capsys, monkeypatch):
@@ -246,8 +251,12 @@ def test_bound_sections_with_a_copy_peak(tmp_path, capsys, monkeypatch):
     """With a pinned copy peak (a stand-in on CPU), the summary has the bound ratios, the pooled default-configuration
     windows (Table 1's and the two sweeps': three windows) and bench.md their lines and the table by onloaded bytes."""
     monkeypatch.setattr("gr_engine.bench.experiments.peak_h2d_GBps", lambda device: 0.5)
+    monkeypatch.setattr("gr_engine.bench.experiments.gemm_peak_tflops", lambda device: 0.01)
     assert main(["bench", "--quick", "--out", str(tmp_path), "--commit", "test"]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["recompute_mfu_bs8"] > 0 and set(summary["recompute_mfu_batch"]) == set(summary["latency_ms"][
+        "recompute"])
+    assert "Recompute's model FLOP utilisation" in (tmp_path / "bench.md").read_text()
     pooled = summary["hier_all_windows_bs8"]
     assert summary["hier_over_bound_bs8"] > 0 and pooled["windows"] == 3 and pooled["over_bound"] > 0
     result = json.loads((tmp_path / "bench.json").read_text())

@@ -16,6 +16,7 @@ from cache_engine import CacheConfig
 from ..engine import GREngine, resolve_device
 from ..models import GRModel
 from ..outputs import RankOutput
+from .flops import gemm_peak_tflops
 from .runner import BenchRun, BenchSettings, cache_config, engine_config, unlimited_pages
 from .simulate import Simulations
 from .trace import Trace, fixed_length_trace, generate_trace
@@ -65,6 +66,7 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print,
     checkpoint(result)
     result["score_drift"] = _score_drift(settings, model)
     result["peak_pinned_h2d_GBps"] = peak_h2d_GBps(settings.device)
+    result["gemm_peak_tflops"] = gemm_peak_tflops(settings.device)  # what model FLOP utilisation is measured against
     result.update(host_probes(device))
     # After the measurements: the simulations' workers must not share the CPU with a measured engine.
     echo("simulating the cache policies over the whole trace")

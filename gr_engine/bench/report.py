@@ -89,6 +89,15 @@ def summarize(result: dict, bs: int = 8) -> dict:
     if "score_drift" in result:
         summary["fp8_score_drift_max_rel"] = result["score_drift"].get("float8_e4m3fn", {}).get("max_rel")
     summary["simulated_total_hit_ratio"] = result["simulated"].get("hierarchical", {}).get("total_hit_ratio")
+    peak = result.get("gemm_peak_tflops")
+    if peak and "recompute" in modes:  # recompute's model FLOP utilisation: over its batches, and its forward alone
+        rec = modes["recompute"]
+        summary["recompute_mfu_batch"] = {b: e["model_tflop_per_batch"] / (e["mean_ms"] / 1e3) / peak
+                                          for b, e in rec["batch_sizes"].items() if "model_tflop_per_batch" in e}
+        breakdown = rec.get("breakdown_bs8", {})
+        forward_ms = breakdown.get("phase_ms_per_batch", {}).get("forward")
+        if forward_ms and "model_tflop_per_batch" in breakdown:
+            summary[f"recompute_mfu_bs{bs}"] = breakdown["model_tflop_per_batch"] / (forward_ms / 1e3) / peak
     stalls = [e["stalls"] for m in modes.values() for e in m["batch_sizes"].values() if "stalls" in e]
     if stalls:  # kernel compilations, cache loads and graph captures inside Table 1's measured batches
         summary["stalls_in_windows"] = int(sum(stalls))
@@ -226,6 +235,13 @@ def markdown(result: dict) -> str:
     lines += ["", "## Table 2: per-step breakdown at the largest batch (ms per step, device-synchronised)", ""]
     lines += _table(["mode", *PHASES], [[name, *_phase_cells(entry["breakdown_bs8"]["phase_ms_per_step"])]
                                         for name, entry in modes.items()])
+    if "recompute_mfu_batch" in summary:
+        per_batch = ", ".join(f"BS={b} {v:.1%}" for b, v in summary["recompute_mfu_batch"].items())
+        forward = summary.get(f"recompute_mfu_bs{bs}")
+        lines += ["", f"Recompute's model FLOP utilisation (layers' linear and causal attention FLOPs, "
+                  f"gemm_peak_tflops {result['gemm_peak_tflops']:.0f} TFLOP/s measured in this run): over the mean "
+                  f"batch latency {per_batch}"
+                  + (f"; over the synchronised forward at BS={bs} {forward:.1%}." if forward is not None else ".")]
     lines += ["", f"Host time per batch at BS={bs} (not synchronised: forward and score include waiting for the "
               "device; gc: the collector's pauses; steps 1-7: schedule to commit without forward and score):", ""]
     rows = []

@@ -25,6 +25,7 @@ from ..engine import GREngine
 from ..metrics import HOST_PHASES
 from ..models import GRModel
 from ..request import RankRequest
+from .flops import step_flops
 from .trace import Trace, TraceConfig
 
 PAPER_MODEL = ModelConfig(num_items=1_000_000, num_actions=256, d_model=512, num_layers=8, num_heads=4, head_dim=128,
@@ -166,6 +167,7 @@ class Phase:
     steps: int = 0
     gc_seconds: float = 0.0
     stalls: int = 0  # kernel compilations and cache loads, graph captures (GREngine.stalls): 0 after warm-up
+    flops: float = 0.0  # model FLOPs of the computed tokens (flops.step_flops)
 
     def report(self) -> dict:
         lat = np.asarray(self.latencies) * 1e3
@@ -175,7 +177,7 @@ class Phase:
                 "gpu_hit_ratio": self.gpu_hits / tokens, "total_hit_ratio": (self.gpu_hits + self.host_hits) / tokens,
                 "onloaded_bytes_per_batch": sum(self.onloaded_bytes) / batches,
                 "steps_per_batch": self.steps / batches, "gc_ms_per_batch": self.gc_seconds / batches * 1e3,
-                "stalls": self.stalls,
+                "stalls": self.stalls, "model_tflop_per_batch": self.flops / batches / 1e12,
                 "phase_ms_per_step": {k: v / steps * 1e3 for k, v in self.phase_seconds.items()},
                 "phase_ms_per_batch": {k: v / batches * 1e3 for k, v in self.phase_seconds.items()},
                 "host_ms_per_batch": _spread(np.asarray(self.host_seconds) * 1e3),
@@ -283,6 +285,9 @@ class BenchRun:
                 if failed:
                     raise RuntimeError(f"benchmark request failed: {failed[0]}")
                 phase.history_tokens += sum(len(r.item_ids) for r in batch)
+                phase.flops += step_flops(engine.config.model,
+                                          [o.num_gpu_cached_tokens + o.num_host_cached_tokens for o in outputs],
+                                          [len(r.item_ids) for r in batch], [len(r.candidate_item_ids) for r in batch])
                 phase.gpu_hits += sum(o.num_gpu_cached_tokens for o in outputs)
                 phase.host_hits += sum(o.num_host_cached_tokens for o in outputs)
                 phase.onloaded_bytes.append(engine.kv.stats.onloaded_bytes - onloaded)

@@ -99,12 +99,20 @@ def _serve_file(args: argparse.Namespace, generate: bool) -> int:
                 rows += len(outputs)
                 failed += sum(o.error is not None for o in outputs)
                 bar.update(len(outputs))
+    return finish_file_job(args.command, generate, rows, failed, engine.stats.total_hit_ratio,
+                           time.perf_counter() - t0, args.output)
+
+
+def finish_file_job(command: str, generate: bool, rows: int, failed: int, hit_ratio: float, seconds: float,
+                    written: object, where: str = "") -> int:
+    """Print a file job's summary line (``where``: e.g. " on 4 workers"); exit status 1 when every request failed
+    (pointing at the error fields of ``written``), else 0."""
     verb = "retrieved items for" if generate else "ranked"
-    print(f"{verb} {rows - failed} requests ({failed} failed) in {time.perf_counter() - t0:.2f} s; "
-          f"history token hit ratio {engine.stats.total_hit_ratio:.1%}; wrote {args.output}", file=sys.stderr)
+    print(f"{verb} {rows - failed} requests ({failed} failed){where} in {seconds:.2f} s; history token hit ratio "
+          f"{hit_ratio:.1%}; wrote {written}", file=sys.stderr)
     if rows and failed == rows:
-        print(f"gr-engine {args.command}: error: all {failed} requests failed (see the error field of "
-              f"{args.output})", file=sys.stderr)
+        print(f"gr-engine {command}: error: all {failed} requests failed (see the error field of {written})",
+              file=sys.stderr)
         return 1
     return 0
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from .cli import finish_file_job
 from .config import EngineConfig, load_config
 from .request import GenerateParams
 
@@ -60,15 +60,8 @@ def serve_files_on_ray(args: argparse.Namespace, generate: bool) -> int:
         written = ray.data.read_parquet(str(out)) if parquet else ray.data.read_json(str(out))
         counts = written.select_columns(_TALLY_COLUMNS).map_batches(_tally, batch_format="pyarrow").take_all()
         rows, failed, hits, history = (sum(c[name] for c in counts) for name in ("rows", "failed", "hits", "history"))
-    hit_ratio = hits / history if history else 0.0
-    verb = "retrieved items for" if generate else "ranked"
-    print(f"{verb} {rows - failed} requests ({failed} failed) on {args.workers} workers in "
-          f"{time.perf_counter() - t0:.2f} s; history token hit ratio {hit_ratio:.1%}; wrote {out}", file=sys.stderr)
-    if rows and failed == rows:
-        print(f"gr-engine {args.command}: error: all {failed} requests failed (see the error field of the files in "
-              f"{out})", file=sys.stderr)
-        return 1
-    return 0
+    return finish_file_job(args.command, generate, rows, failed, hits / history if history else 0.0,
+                           time.perf_counter() - t0, out, f" on {args.workers} workers")
 
 
 def _start_ray(ray: Any, config: EngineConfig, workers: int) -> None:

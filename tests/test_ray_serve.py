@@ -7,11 +7,6 @@ history whatever the batch-mates)."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -23,7 +18,7 @@ from gr_engine import GREngine, RankRequest
 from gr_engine.routing import HashRing
 
 from .conftest import tiny_config
-from .test_serving import TOL, body, free_port, make_stream, metric_samples, recompute_scores, total
+from .test_serving import TOL, Server, body, free_port, make_stream, metric_samples, recompute_scores, total
 
 serve = pytest.importorskip("ray.serve")
 ray = pytest.importorskip("ray")
@@ -170,31 +165,11 @@ def test_serve_ray_refuses_api_servers(capsys) -> None:
 def test_the_serve_command_on_ray(tmp_path) -> None:
     """``gr-engine serve --ray`` in a subprocess with a Ray of its own (one replica: this host may have 2 CPUs, one
     for the ingress): answers, then stops on SIGTERM with status 0."""
-    path = tmp_path / "config.json"
-    path.write_bytes(msgspec.json.encode(CONFIG))
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_ADDRESS": "local"}
-    with (tmp_path / "log").open("w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "gr_engine", "serve", "--ray", "--replicas", "1",
-                                    "--config", str(path), "--host", "127.0.0.1", "--port", str(port)],
-                                   stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            deadline = time.monotonic() + 120
-            while True:
-                assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.5)
-            [request] = make_stream(1, seed=3)
-            response = httpx.post(f"http://127.0.0.1:{port}/v1/rank", content=body([request]), timeout=60)
-            np.testing.assert_allclose(np.array(response.json()["outputs"][0]["scores"], dtype=np.float32),
-                                       recompute_scores([request])[0], atol=TOL, rtol=0)
-            process.send_signal(signal.SIGTERM)
-            assert process.wait(60) == 0, (tmp_path / "log").read_text()
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+    server = Server(tmp_path, config=CONFIG, args=("--ray", "--replicas", "1"), env={"RAY_ADDRESS": "local"})
+    try:
+        [request] = make_stream(1, seed=3)
+        response = httpx.post(f"{server.url}/v1/rank", content=body([request]), timeout=60)
+        np.testing.assert_allclose(np.array(response.json()["outputs"][0]["scores"], dtype=np.float32),
+                                   recompute_scores([request])[0], atol=TOL, rtol=0)
+    finally:
+        assert server.stop() == 0, server.log_text()

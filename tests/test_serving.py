@@ -63,10 +63,11 @@ def free_port() -> int:
 
 
 class Server:
-    """``gr-engine serve`` in a subprocess (``args``: more command-line arguments, e.g. ``--api-servers``)."""
+    """``gr-engine serve`` in a subprocess (``args``: more command-line arguments, e.g. ``--api-servers``; ``env``:
+    more environment variables)."""
 
     def __init__(self, tmp: Path, *overrides: str, config: EngineConfig | None = None,
-                 args: tuple[str, ...] = ()) -> None:
+                 args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
         path = tmp / "config.json"
         path.write_bytes(msgspec.json.encode(config or tiny_config(num_gpu_pages=96)))
         self.port = free_port()
@@ -77,7 +78,7 @@ class Server:
             command += ["--set", override]
         self.log = (tmp / "server.log").open("w")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
         deadline = time.monotonic() + 120
         while True:
             assert self.process.poll() is None, (tmp / "server.log").read_text()

@@ -1,25 +1,55 @@
 #!/usr/bin/env bash
-# The online-serving results of benchmarks/results/serve/ on one GPU machine (docs/serving.md, "Load benchmark"):
-# bench-serve in process and over HTTP (several API-server processes, msgpack bodies) on the bench's hierarchical
-# engine, at the same offered rates. Usage: bash benchmarks/serve_gpu.sh OUT_DIR [RATES]
+# The online-serving results of benchmarks/results/serve/ on one GPU machine (docs/serving.md, "Load benchmark").
+# Every run replays the same stretch of the bench's trace (after SKIP steady visits served in its warm-up) with the
+# same arrivals, so runs compare at each rate. Usage: bash benchmarks/serve_gpu.sh OUT_DIR PART
+#   in-process: bench-serve in process, the bench's hierarchical engine, then each serving variant
+#               (serving.overlap_intake=false, scheduler.max_num_seqs=16, serving.max_batch_wait_ms=1)
+#   http:       gr-engine serve --api-servers 6 (step log on) loaded by 8 generator processes with msgpack bodies
+#   recompute:  bench-serve in process in recompute mode, at lower rates
+# Environment: RATES (default 1000,1200,1400,1600,1800,2000), SKIP (20000), DURATION (s per rate, 5).
 set -u
-out=${1:?usage: serve_gpu.sh OUT_DIR [RATES]}
-rates=${2:-1200,1600,2000}
+out=${1:?usage: serve_gpu.sh OUT_DIR in-process|http|recompute}
+part=${2:?usage: serve_gpu.sh OUT_DIR in-process|http|recompute}
+rates=${RATES:-1000,1200,1400,1600,1800,2000}
+skip=${SKIP:-20000}
+duration=${DURATION:-5}
 mkdir -p "$out"
-python -m gr_engine bench-serve --in-process --mode hierarchical --rates "$rates" --duration 8 \
-  --out "$out/in_process_hierarchical" > "$out/in_process_hierarchical.log" 2>&1
-echo "in process: exit $?"
-python -m gr_engine bench-serve --write-config "$out/hierarchical.json" --mode hierarchical
-python -m gr_engine serve --config "$out/hierarchical.json" --api-servers 6 --host 127.0.0.1 --port 8000 \
-  > "$out/server.log" 2>&1 &
-server=$!
-for _ in $(seq 300); do
-  curl -sf http://127.0.0.1:8000/ready > /dev/null && break
-  sleep 1
-done
-python -m gr_engine bench-serve --url http://127.0.0.1:8000 --processes 4 --concurrency 32 --body msgpack \
-  --rates "$rates" --duration 8 --out "$out/http_hierarchical" > "$out/http_hierarchical.log" 2>&1
-echo "http: exit $?"
-kill -TERM $server
-wait $server
-echo "server: exit $?"
+start=$SECONDS
+sweep() {  # name, then --set overrides
+  local name=$1
+  shift
+  timeout 200 python -m gr_engine bench-serve --in-process --mode hierarchical --skip-steady "$skip" --rates "$rates" \
+    --duration "$duration" --out "$out/$name" "$@" > "$out/$name.log" 2>&1
+  echo "$name: exit $? at $((SECONDS - start)) s"
+}
+case $part in
+  in-process)
+    sweep in_process_hierarchical
+    sweep in_process_no_overlap --set serving.overlap_intake=false
+    sweep in_process_seqs16 --set scheduler.max_num_seqs=16
+    if (( SECONDS - start < 390 )); then sweep in_process_wait1ms --set serving.max_batch_wait_ms=1; fi
+    ;;
+  http)
+    python -m gr_engine bench-serve --write-config "$out/hierarchical.json" --mode hierarchical
+    python -m gr_engine serve --config "$out/hierarchical.json" --set "serving.step_log=$out/http_core_steps.jsonl" \
+      --api-servers 6 --host 127.0.0.1 --port 8000 > "$out/server.log" 2>&1 &
+    server=$!
+    for _ in $(seq 300); do
+      curl -sf http://127.0.0.1:8000/ready > /dev/null && break
+      sleep 1
+    done
+    timeout 300 python -m gr_engine bench-serve --url http://127.0.0.1:8000 --processes 8 --concurrency 32 \
+      --body msgpack --skip-steady "$skip" --rates "$rates" --duration "$duration" \
+      --core-steps "$out/http_core_steps.jsonl" --out "$out/http_hierarchical" > "$out/http_hierarchical.log" 2>&1
+    echo "http: exit $? at $((SECONDS - start)) s"
+    kill -TERM $server
+    wait $server
+    echo "server: exit $?"
+    ;;
+  recompute)
+    timeout 200 python -m gr_engine bench-serve --in-process --mode recompute --skip-steady 0 --rates "${RATES:-50,100,150,200}" \
+      --duration "$duration" --out "$out/in_process_recompute" > "$out/in_process_recompute.log" 2>&1
+    echo "recompute: exit $? at $((SECONDS - start)) s"
+    ;;
+  *) echo "unknown part $part"; exit 2 ;;
+esac

@@ -32,6 +32,7 @@ def check_result(out: Path, in_process: bool) -> dict:
         assert phase["sent"] > 0 and phase["answered"] == phase["sent"], phase
         assert phase["errors"] == {}
         assert 0 < phase["p50_ms"] <= phase["p90_ms"] <= phase["p99_ms"] <= phase["max_ms"]
+        assert phase["p99_ms"] <= phase["p99_from_schedule_ms"] and phase["max_ms"] <= phase["max_from_schedule_ms"]
         assert phase["achieved_rps"] > 0
         assert all(g["cpu_s"] >= 0 for g in phase["generators"])
     for r in result["rates"]:
@@ -56,6 +57,22 @@ def test_in_process_two_rates(tmp_path: Path) -> None:
     result = check_result(out, in_process=True)
     assert result["engine_config"]["cache"]["mode"] == "hierarchical"
     assert result["engine_config"]["scheduler"]["max_num_seqs"] == 8
+    # The core's step log (written to OUT by default) holds every step after its warm-up: each request of the run
+    # took one step here (no chunking at this size), and each rate's profile covers that rate's steps.
+    from gr_engine.serving.step_log import read_step_log
+
+    assert result["engine_config"]["serving"]["step_log"] == str(out / "core_steps.jsonl")
+    header, steps = read_step_log(out / "core_steps.jsonl")
+    assert header.frozen_objects > 0 and header.full_collection_s > 0
+    phases = [result["warmup"], result["closed_loop"], *result["rates"]]
+    assert sum(s.requests for s in steps) == sum(p["answered"] for p in phases)
+    assert all(s.tokens > 0 and s.seconds > 0 for s in steps)
+    for r in result["rates"]:
+        core = r["core"]
+        assert 1 <= core["steps"] <= r["answered"] and 0 < core["busy_fraction"] < 1
+        assert core["requests"]["max"] <= 8 and core["step_ms"]["max"] >= core["step_ms"]["p50"] > 0
+    assert result["summary"]["core_heap"]["frozen_objects"] == header.frozen_objects
+    assert "The engine core per rate" in (out / "bench_serve.md").read_text()
 
 
 def test_write_config_is_the_bench_engine(tmp_path: Path) -> None:

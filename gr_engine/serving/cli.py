@@ -79,6 +79,9 @@ def add_commands(commands: argparse._SubParsersAction, add_config_args: Callable
     bench.add_argument("--write-config", metavar="FILE",
                        help="only write the bench's engine config for --mode (JSON, for gr-engine serve --config)")
     bench.add_argument("--out", default="bench-serve-out", help="folder for the results (default ./bench-serve-out)")
+    bench.add_argument("--core-steps", metavar="FILE",
+                       help="the server's step log (its serving.step_log) to profile each rate from; in process the "
+                            "core always writes one, to OUT/core_steps.jsonl unless serving.step_log says where")
     add_config_args(bench)
 
     def run_bench_serve(args: argparse.Namespace) -> int:
@@ -109,10 +112,19 @@ def add_commands(commands: argparse._SubParsersAction, add_config_args: Callable
         skip = args.skip_steady if args.skip_steady is not None else (0 if args.quick else 10_000)
         if skip < 0:
             raise ValueError("--skip-steady must not be negative")
+        step_log = args.core_steps
+        if args.in_process:
+            if args.core_steps:
+                raise ValueError("--core-steps is for --url; in process set serving.step_log")
+            if config.serving.step_log is None:
+                Path(args.out).mkdir(parents=True, exist_ok=True)
+                serving = msgspec.structs.replace(config.serving, step_log=str(Path(args.out) / "core_steps.jsonl"))
+                config = msgspec.structs.replace(config, serving=serving)
+            step_log = config.serving.step_log
         load = LoadSettings(rates=rates, duration_s=args.duration, url=None if args.in_process else args.url,
                             processes=args.processes, quick=args.quick, users=args.users, seed=args.seed,
                             mode=args.mode, concurrency=args.concurrency, closed_requests=closed, skip_steady=skip,
-                            timeout_ms=args.timeout_ms, body=args.body)
+                            timeout_ms=args.timeout_ms, body=args.body, step_log=step_log)
         result = run_bench(load, config if args.in_process else None, lambda line: print(line, file=sys.stderr))
         result["command"] = "gr-engine " + " ".join(args.argv)
         paths = write_report(result, Path(args.out))

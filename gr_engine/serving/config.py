@@ -20,6 +20,9 @@ class ServingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         warmup: compile and capture everything (:meth:`~gr_engine.GREngine.warmup`) before reporting ready.
         overlap_intake: take in and queue requests that arrive while a step's forward runs on the device (its
             ``between`` hook); off, they wait for the step to finish.
+        step_log: a file the core writes one JSON line per step to from warm-up's end (:mod:`.step_log`: step and
+            idle time, requests, tokens, onloaded bytes, queue length, phase and garbage-collection seconds), the
+            profile of the core under load; ``None`` writes none.
     """
 
     max_batch_wait_ms: float = 0.0
@@ -30,6 +33,7 @@ class ServingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     health_timeout_s: float = 10.0
     warmup: bool = True
     overlap_intake: bool = True
+    step_log: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch_wait_ms", "heartbeat_s", "health_timeout_s"):

@@ -27,6 +27,7 @@ import zmq
 from ..config import EngineConfig
 from ..engine import GREngine, Output
 from ..outputs import StepTimings
+from .heap import freeze_heap
 from .protocol import (
     STEP_BUCKETS,
     Abort,
@@ -40,6 +41,7 @@ from .protocol import (
     from_core,
     output_message,
 )
+from .step_log import StepLog
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +89,8 @@ class EngineCore:
         self._step_buckets = [0] * len(STEP_BUCKETS)
         self._last_report = 0.0
         self._batch_opened = 0.0  # when the first request of an idle engine arrived
+        self._log: StepLog | None = None  # the step log (serving.step_log), open from warm-up's end
+        self._intake_s = 0.0  # this step's time taking in arrivals during its forward
 
     def run(self) -> None:
         """Warm up, then step until every client has left and every request is answered; then let pending
@@ -95,8 +99,24 @@ class EngineCore:
         self._report()  # "warming", to the clients that said hello already
         if self.serving.warmup:
             self.engine.warmup(use_tqdm=False)
+        frozen, full_s = freeze_heap()
+        logger.info("engine core: %d objects frozen out of garbage collection (a full collection took %.1f ms)",
+                    frozen, full_s * 1e3)
+        if self.serving.step_log:
+            self._log = StepLog(self.serving.step_log)
+            self._log.header(frozen, full_s)
         self._state = "ready"
         self._report()
+        try:
+            self._serve()
+        finally:
+            if self._log is not None:
+                self._log.close()
+        self.engine.close()
+        self._state = "stopped"
+        self._report()
+
+    def _serve(self) -> None:
         parent = os.getppid()
         while not (self._finishing() and not self.engine.has_unfinished_requests()):
             busy = self.engine.has_unfinished_requests()
@@ -107,17 +127,30 @@ class EngineCore:
             self._wait_for_batch()
             self._expire()
             if self.engine.has_unfinished_requests():
-                t0 = time.perf_counter()
-                outputs = self.engine.step(between=(lambda: self._receive(0)) if self.serving.overlap_intake else None)
-                self._count_step(time.perf_counter() - t0)
-                self._finish(outputs)
+                self._step()
             self._release()
             if any(c.outputs for c in self._clients.values()) or \
                     time.monotonic() - self._last_report >= self.serving.heartbeat_s:
                 self._report()
-        self.engine.close()
-        self._state = "stopped"
-        self._report()
+
+    def _step(self) -> None:
+        """One engine step (taking in arrivals during its forward with ``overlap_intake``), counted and logged."""
+        start, t0, steps = time.monotonic(), time.perf_counter(), self.engine.stats.num_steps
+        self._intake_s = 0.0
+        outputs = self.engine.step(between=self._intake_during_forward if self.serving.overlap_intake else None)
+        seconds = time.perf_counter() - t0
+        self._count_step(seconds)
+        if self._log is not None:
+            stats = self.engine.stats
+            waiting = self.engine.scheduler.num_unfinished - len(self.engine.scheduler.running)
+            self._log.step(start, seconds, self._intake_s, stats.recent_steps[-1] if stats.num_steps > steps else None,
+                           waiting)
+        self._finish(outputs)
+
+    def _intake_during_forward(self) -> None:
+        t0 = time.perf_counter()
+        self._receive(0)
+        self._intake_s += time.perf_counter() - t0
 
     def _finishing(self) -> bool:
         """Whether every client the core serves has left or is leaving."""

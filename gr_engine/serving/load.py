@@ -10,7 +10,10 @@ or an in-process :class:`~.client.AsyncGREngine`, one request per trace visit:
 2. closed loop: the next ``closed_requests`` visits as batches of 8 back to back (in process: ``rank_many``; over
    HTTP: 8 concurrent clients), its throughput is ``closed_loop_rps``;
 3. per offered rate (requests/s): the next visits of the trace, in trace order, as open-loop Poisson arrivals for
-   ``duration_s`` seconds. Latency runs from each request's *scheduled* send time, so a late send counts against it.
+   ``duration_s`` seconds. A user's visit is sent only once the user's previous one was answered (the replay
+   compresses the trace's minute-long gaps between a user's visits to milliseconds); latency runs from the time a
+   request could be sent (its scheduled time, or that answer if later), so a late send by the generator counts
+   against it, and is also reported from the scheduled time alone (counting the wait for the previous answer).
 
 Over HTTP the load is spread over ``processes`` generator processes (each an asyncio loop with one
 ``httpx.AsyncClient``); a user always goes to the same one, and a user's next visit is sent only once the previous
@@ -36,6 +39,7 @@ from ..bench.runner import BenchSettings, cache_config, engine_config, quick_set
 from ..bench.trace import Trace, generate_trace
 from ..config import EngineConfig
 from ..request import RankRequest
+from .heap import freeze_heap
 
 BATCH = 8  # the bench's batch size: the engine's max_num_seqs and the closed-loop batch
 
@@ -58,6 +62,7 @@ class LoadSettings:
     timeout_ms: float | None = None
     arrival_seed: int = 0
     body: str = "json"  # HTTP bodies and answers: "json" or "msgpack" (raw int64 arrays, raw float32 scores)
+    step_log: str | None = None  # the core's step log to profile each rate from (serving.step_log), if any
 
 
 def bench_settings(quick: bool, users: int | None = None, seed: int = 0) -> BenchSettings:
@@ -114,25 +119,34 @@ Send = Callable[[list[RankRequest]], Awaitable[list[str | None]]]
 
 
 class Recorder:
-    """Per-request latency (ms, from the scheduled time), outcome and lag (ms) of one phase in one process."""
+    """Per-request latency (ms), outcome and lag (ms) of one phase in one process.
+
+    Two latencies are kept: from the time a request could be sent (its scheduled time, or its user's previous
+    answer when that came later: a user's app waits for one feed before it asks for the next) and from its
+    scheduled time (which also counts the wait for the user's previous answer)."""
 
     def __init__(self, start: float = float("inf")) -> None:
         self.latency_ms: list[float] = []
+        self.schedule_latency_ms: list[float] = []
         self.outcomes: list[str | None] = []
         self.lag_ms: list[float] = []
         self.user_waits = 0  # requests whose user's previous visit was still unanswered when they were due
         self.cpu0, self.first, self.last = time.process_time(), start, 0.0
 
-    def done(self, scheduled: float, outcomes: list[str | None]) -> None:
+    def done(self, scheduled: float, outcomes: list[str | None], released: float | None = None) -> float:
+        """Record answers to requests scheduled at ``scheduled`` and sendable from ``released`` (monotonic s;
+        default ``scheduled``); returns now."""
         now = time.monotonic()
         self.first, self.last = min(self.first, scheduled), max(self.last, now)
-        self.latency_ms += [(now - scheduled) * 1e3] * len(outcomes)
+        self.latency_ms += [(now - max(scheduled, released or scheduled)) * 1e3] * len(outcomes)
+        self.schedule_latency_ms += [(now - scheduled) * 1e3] * len(outcomes)
         self.outcomes += outcomes
+        return now
 
     def result(self) -> dict:
-        return {"latency_ms": self.latency_ms, "outcomes": self.outcomes, "lag_ms": self.lag_ms,
-                "user_waits": self.user_waits, "cpu_s": time.process_time() - self.cpu0, "first_s": self.first,
-                "last_s": self.last}
+        return {"latency_ms": self.latency_ms, "schedule_latency_ms": self.schedule_latency_ms,
+                "outcomes": self.outcomes, "lag_ms": self.lag_ms, "user_waits": self.user_waits,
+                "cpu_s": time.process_time() - self.cpu0, "first_s": self.first, "last_s": self.last}
 
 
 async def _guarded(send: Send, batch: list[RankRequest]) -> list[str | None]:
@@ -166,15 +180,14 @@ async def closed_loop(send: Send, requests: list[RankRequest], clients: int, bat
 
 
 async def open_loop(send: Send, requests: list[RankRequest], offsets: np.ndarray, start: float) -> dict:
-    """Send each request at ``start + offset`` (``time.monotonic()`` s); a user's visit waits for its previous one.
-    Lag is how late the sender fired a request against its schedule (ms)."""
+    """Send each request at ``start + offset`` (``time.monotonic()`` s), or once its user's previous visit is
+    answered if that is later. Lag is how late the sender fired a request against its schedule (ms)."""
     rec = Recorder(start)  # the phase's span starts at its start, not at its first arrival
     last: dict[object, asyncio.Task] = {}
 
-    async def one(request: RankRequest, scheduled: float, previous: asyncio.Task | None) -> None:
-        if previous is not None:
-            await asyncio.wait([previous])
-        rec.done(scheduled, await _guarded(send, [request]))
+    async def one(request: RankRequest, scheduled: float, previous: asyncio.Task | None) -> float:
+        released = None if previous is None else await previous  # when the user's previous visit was answered
+        return rec.done(scheduled, await _guarded(send, [request]), released)
 
     tasks = []
     for request, offset in zip(requests, offsets.tolist(), strict=True):
@@ -265,6 +278,19 @@ def pcie_peak_GBps(device: str) -> float | None:
     return peak_h2d_GBps(str(device))
 
 
+def attach_profile(phases: dict, step_log: str) -> None:
+    """Add the core's profile (:func:`.step_log.summarize`) over each rate's span (from its start to its last
+    answer) and over the closed loop's to ``phases``, and the log's header."""
+    from .step_log import read_step_log, summarize
+
+    header, steps = read_step_log(step_log)
+    phases["heap"] = None if header is None else msgspec.to_builtins(header)
+    for entry in [phases["closed"], *phases["rates"]]:
+        busy = [p for p in entry["parts"] if p["outcomes"]]
+        if busy:
+            entry["core"] = summarize(steps, min(p["first_s"] for p in busy), max(p["last_s"] for p in busy))
+
+
 def run_bench(load: LoadSettings, config: EngineConfig | None, echo: Callable[[str], None] = print) -> dict:
     """One whole run (``config``: the in-process engine; ``None``: against ``load.url``); the JSON-able result
     of :func:`~.load_report.build_result` plus the settings and the trace's summary."""
@@ -273,6 +299,7 @@ def run_bench(load: LoadSettings, config: EngineConfig | None, echo: Callable[[s
     settings = bench_settings(load.quick, load.users, load.seed)
     trace = generate_trace(settings.trace)
     echo(f"trace: {trace.summary()}")
+    freeze_heap()  # this process's generator (and, in process, client) runs alongside the trace's objects
     if config is not None:
         phases, device = run_in_process(trace, load, config, echo), config.device
     else:
@@ -284,6 +311,8 @@ def run_bench(load: LoadSettings, config: EngineConfig | None, echo: Callable[[s
         from .load_http import run_http
 
         phases = run_http(trace, load, echo)
+    if load.step_log:
+        attach_profile(phases, load.step_log)
     result = build_result(phases, pcie_peak_GBps(device))
     result["settings"] = {**msgspec.to_builtins(dataclasses.asdict(load)), "in_process": config is not None,
                           "device": device}

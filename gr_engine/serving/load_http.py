@@ -20,6 +20,7 @@ import numpy as np
 from ..bench.trace import Trace, generate_trace
 from ..request import RankRequest
 from .bodies import JSON, packed_request
+from .heap import freeze_heap
 from .load import BATCH, STALL_COUNTERS, LoadSettings, Send, closed_loop, error_kind, open_loop, plan_run, stall_count
 
 
@@ -66,6 +67,7 @@ def _generator_main(conn: object, trace_config: object, url: str, timeout_ms: fl
     import httpx
 
     trace = generate_trace(trace_config)
+    freeze_heap()
 
     async def main() -> None:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)

@@ -29,6 +29,7 @@ from ..outputs import GenerateOutput, RankOutput, output_user_id
 from ..validation import RequestError
 from .bodies import JSON, BodyFormat, GenerateBody, RankBody, answer_format, request_format
 from .client import AsyncGREngine, CoreHandle, EngineDead, EngineOverloaded
+from .heap import freeze_heap
 from .metrics import CONTENT_TYPE, ServingMetrics
 from .router import ReplicaRouter
 
@@ -80,6 +81,7 @@ def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         await engine.start()
+        freeze_heap()
         logger.info("%s: the engine core is ready", name)
         try:
             yield

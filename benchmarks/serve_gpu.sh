@@ -21,6 +21,7 @@ sweep() {  # name, then --set overrides
   timeout 200 python -m gr_engine bench-serve --in-process --mode hierarchical --skip-steady "$skip" --rates "$rates" \
     --duration "$duration" --out "$out/$name" "$@" > "$out/$name.log" 2>&1
   echo "$name: exit $? at $((SECONDS - start)) s"
+  gzip -f "$out/$name/core_steps.jsonl"  # the profile is in bench_serve.json; the whole log, compressed
 }
 case $part in
   in-process)
@@ -45,11 +46,13 @@ case $part in
     kill -TERM $server
     wait $server
     echo "server: exit $?"
+    gzip -f "$out/http_core_steps.jsonl"
     ;;
   recompute)
     timeout 200 python -m gr_engine bench-serve --in-process --mode recompute --skip-steady 0 --rates "${RATES:-50,100,150,200}" \
       --duration "$duration" --out "$out/in_process_recompute" > "$out/in_process_recompute.log" 2>&1
     echo "recompute: exit $? at $((SECONDS - start)) s"
+    gzip -f "$out/in_process_recompute/core_steps.jsonl"
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

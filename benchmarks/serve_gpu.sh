@@ -2,11 +2,13 @@
 # The online-serving results of benchmarks/results/serve/ on one GPU machine (docs/serving.md, "Load benchmark").
 # Every run replays the same stretch of the bench's trace (after SKIP steady visits served in its warm-up) with the
 # same arrivals, so runs compare at each rate. Usage: bash benchmarks/serve_gpu.sh OUT_DIR PART
-#   in-process: bench-serve in process, the bench's hierarchical engine, then each serving variant
-#               (serving.overlap_intake=false, scheduler.max_num_seqs=16, serving.max_batch_wait_ms=1)
+#   in-process: bench-serve in process, the bench's hierarchical engine (default), then each serving variant
+#               (no_overlap: serving.overlap_intake=false, seqs16: scheduler.max_num_seqs=16, wait1ms:
+#               serving.max_batch_wait_ms=1); VARIANTS picks some
 #   http:       gr-engine serve --api-servers 6 (step log on) loaded by 8 generator processes with msgpack bodies
 #   recompute:  bench-serve in process in recompute mode, at lower rates
-# Environment: RATES (default 1000,1200,1400,1600,1800,2000), SKIP (20000), DURATION (s per rate, 5).
+# Environment: RATES (default 1000,1200,1400,1600,1800,2000), SKIP (20000), DURATION (s per rate, 5), TIMEOUT (s per
+# run, 250). Everything under OUT_DIR is also packed into OUT_DIR.tar.
 set -u
 out=${1:?usage: serve_gpu.sh OUT_DIR in-process|http|recompute}
 part=${2:?usage: serve_gpu.sh OUT_DIR in-process|http|recompute}
@@ -18,17 +20,21 @@ start=$SECONDS
 sweep() {  # name, then --set overrides
   local name=$1
   shift
-  timeout 200 python -m gr_engine bench-serve --in-process --mode hierarchical --skip-steady "$skip" --rates "$rates" \
+  timeout "${TIMEOUT:-250}" python -m gr_engine bench-serve --in-process --mode hierarchical --skip-steady "$skip" --rates "$rates" \
     --duration "$duration" --out "$out/$name" "$@" > "$out/$name.log" 2>&1
   echo "$name: exit $? at $((SECONDS - start)) s"
   gzip -f "$out/$name/core_steps.jsonl"  # the profile is in bench_serve.json; the whole log, compressed
 }
 case $part in
   in-process)
-    sweep in_process_hierarchical
-    sweep in_process_no_overlap --set serving.overlap_intake=false
-    sweep in_process_seqs16 --set scheduler.max_num_seqs=16
-    if (( SECONDS - start < 390 )); then sweep in_process_wait1ms --set serving.max_batch_wait_ms=1; fi
+    for variant in ${VARIANTS:-default no_overlap seqs16 wait1ms}; do
+      case $variant in
+        default) sweep in_process_hierarchical ;;
+        no_overlap) sweep in_process_no_overlap --set serving.overlap_intake=false ;;
+        seqs16) sweep in_process_seqs16 --set scheduler.max_num_seqs=16 ;;
+        wait1ms) sweep in_process_wait1ms --set serving.max_batch_wait_ms=1 ;;
+      esac
+    done
     ;;
   http)
     python -m gr_engine bench-serve --write-config "$out/hierarchical.json" --mode hierarchical
@@ -56,3 +62,4 @@ case $part in
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
+tar -cf "$out.tar" -C "$(dirname "$out")" "$(basename "$out")"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -95,7 +95,6 @@ class GREngine:
         self._seq = itertools.count()
         self._in_flight: set[str] = set()
         self._undelivered: list[Output] = []
-        self._in_step = False  # a step's ``between`` hook is running: its forward may still read freed pages
 
     # ------------------------------------------------------------------ streaming API
     def add_request(self, request: RankRequest | GenerateRequest, params: GenerateParams | None = None) -> int:
@@ -110,14 +109,9 @@ class GREngine:
         """Whether requests added with :meth:`add_request` are still waiting or running."""
         return self.scheduler.num_unfinished > 0
 
-    def step(self, between: Callable[[], None] | None = None) -> list[Output]:
-        """Run one engine step; return the outputs of requests that finished (or failed) in it.
-
-        Args:
-            between: called once the forward is queued and the requests committed, before scoring waits for the
-                device, so host work there (e.g. :meth:`add_requests`) overlaps the forward; must not call :meth:`step`.
-        """
-        outputs = self._undelivered + [out for _, out in self._step(between)]
+    def step(self) -> list[Output]:
+        """Run one engine step; return the outputs of requests that finished (or failed) in it."""
+        outputs = self._undelivered + [out for _, out in self._step()]
         self._undelivered = []
         return outputs
 
@@ -218,8 +212,7 @@ class GREngine:
         """Intake (docs/design.md section 3, step 2's request side): validate, hash the new parts of all valid
         histories in one pass, queue; returns each request's sequence number or error. Values are checked for the
         whole batch at once (:func:`values_valid`), request by request only when that finds a problem."""
-        if (self.config.cache.prefetch and self.kv.host is not None and not self.scheduler.num_unfinished
-                and not self._in_step):  # a prefetch inside a step could onload into pages its forward reads
+        if self.config.cache.prefetch and self.kv.host is not None and not self.scheduler.num_unfinished:
             # The coming step's users, before validation: their onloads run while the host validates and schedules.
             t, before = time.perf_counter(), self.kv.transferred_bytes
             users = [getattr(request, "user_id", None) for request in requests]
@@ -295,7 +288,7 @@ class GREngine:
             budget -= max(rows, 1)
         return count
 
-    def _step(self, between: Callable[[], None] | None = None) -> list[tuple[RequestState, Output]]:
+    def _step(self) -> list[tuple[RequestState, Output]]:
         """One engine step (docs/design.md section 3): onloads launch before the metadata is built (PCIe copies
         overlap host work), requests commit before scoring (while the device computes the forward)."""
         timer = PhaseTimer(self.device if self.config.sync_phases and self.device.type == "cuda" else None)
@@ -327,12 +320,6 @@ class GREngine:
         with timer("commit"):  # 7: bookkeeping while the device computes (offloads wait for the compute stream)
             finished = {id(state) for state in self.scheduler.complete(chunks)}
             self.kv.end_step()
-        if between is not None:
-            self._in_step = True
-            try:
-                between()
-            finally:
-                self._in_step = False
         try:
             with timer("score"):  # 6
                 results, error = self.runner.score(chunks, meta, out), None

@@ -103,15 +103,16 @@ def test_onload_fallbacks_score_exactly_as_the_staged_path(monkeypatch, host_dty
                                                (False, 4096, False, True)):
         monkeypatch.setattr(DmaStaging, "copy", slow_copy if slow else copy)
         monkeypatch.setattr(BatchedCopier, "load", classmethod(lambda cls, index: None) if no_batches else load)
-        monkeypatch.setattr(BatchedCopier, "_call", failing_call if failing else call)
+        monkeypatch.setattr(BatchedCopier, "_call", call)
         engine = GREngine(cuda_config("bfloat16", 5, mode="hierarchical", num_gpu_pages=200, host_dtype=host_dtype,
                                       staging_pages=staging))
         engine.kv.host.store.wait_until_allocated()
-        engine.kv.warm_transfers()
+        engine.kv.warm_transfers()  # (warm-up runs a batched copy: the failing driver's calls start after it)
         transfer = engine.kv.host.transfer
         assert (transfer._staging is None) == no_batches  # else a driver of CUDA 12.8 or later
         if not no_batches:
             assert transfer._staging.capacity == min(staging, 200)
+        monkeypatch.setattr(BatchedCopier, "_call", failing_call if failing else call)
         outputs.append(closed_loop_scores(engine, stream(engine.config, num_users=30, visits=12, seed=7)))
         assert engine.kv.stats.onloaded_bytes > 0
         assert (transfer._staging is None) == (no_batches or failing)

@@ -344,15 +344,13 @@ def test_cancelled_requests_that_have_not_started_are_dropped() -> None:
     asyncio.run(run())
 
 
-def test_abort_waiting_and_work_between_steps() -> None:
-    """The engine-side hooks of the core: requests added while a step's forward runs, and waiting ones dropped."""
+def test_abort_waiting_between_steps() -> None:
+    """The engine-side hook of the core: waiting requests dropped between steps; the rest are served exactly."""
     engine = GREngine(tiny_config(num_gpu_pages=96))
     stream = make_stream(40, seed=23)
-    first, second = stream[:20], stream[20:]
-    engine.add_requests(first)
-    added: list = []
-    outputs = engine.step(between=lambda: added.extend(engine.add_requests(second)))
-    assert len(added) == 20 and all(isinstance(a, int) for a in added)
+    engine.add_requests(stream[:20])
+    outputs = engine.step()
+    engine.add_requests(stream[20:])
     dropped = engine.abort_waiting([r.request_id for r in stream[10:30:2]], "cancelled")
     assert dropped and all(o.error == "cancelled" for o in dropped)
     while engine.has_unfinished_requests():
@@ -363,28 +361,3 @@ def test_abort_waiting_and_work_between_steps() -> None:
     for request, reference in zip(served, recompute_scores(served)):
         np.testing.assert_allclose(by_id[request.request_id].scores, reference, atol=TOL, rtol=0)
     engine.kv.check_invariants()
-
-
-def test_requests_added_between_a_steps_forward_and_its_scoring_are_not_prefetched(monkeypatch) -> None:
-    """A prefetch onloads into free pages, which may be those the running step's forward still reads: requests added
-    through ``step(between=...)`` wait for the next step instead."""
-    from .conftest import with_cache
-
-    engine = GREngine(with_cache(tiny_config(mode="hierarchical", num_gpu_pages=96), prefetch=True))
-    calls: list[int] = []
-    prefetch = engine.kv.prefetch
-    monkeypatch.setattr(engine.kv, "prefetch", lambda users, count=None: (calls.append(len(users)),
-                                                                           prefetch(users, count))[1])
-    stream = make_stream(8, seed=31)
-    engine.add_requests(stream[:1])  # nothing in flight: prefetched
-    assert calls == [1]
-    outputs = engine.step(between=lambda: engine.add_requests(stream[1:]))  # the step finishes its only request
-    assert calls == [1]  # added inside the step: not prefetched
-    while engine.has_unfinished_requests():
-        outputs += engine.step()
-    engine.add_requests(make_stream(1, seed=37))  # between calls again: prefetched
-    assert calls == [1, 1]
-    by_id = {o.request_id: o for o in outputs}
-    assert len(by_id) == len(stream)
-    for request, reference in zip(stream, recompute_scores(stream)):
-        np.testing.assert_allclose(by_id[request.request_id].scores, reference, atol=TOL, rtol=0)

@@ -25,9 +25,9 @@ def metrics(requests: int, tokens: int, onloaded: int) -> StepMetrics:
 def test_log_round_trip_idle_time_and_collections(tmp_path: Path) -> None:
     log = StepLog(tmp_path / "steps.jsonl")
     log.header(frozen_objects=12, full_collection_s=0.5)
-    log.step(100.0, 0.010, 0.001, metrics(4, 400, 2_000_000), waiting=3)
+    log.step(100.0, 0.010, metrics(4, 400, 2_000_000), waiting=3)
     gc.collect()  # timed into the next record
-    log.step(100.030, 0.005, 0.0, None, waiting=0)
+    log.step(100.030, 0.005, None, waiting=0)
     log.close()
     (tmp_path / "steps.jsonl").open("ab").write(b'{"type":"step","start":')  # a line cut short is skipped
     header, steps = read_step_log(tmp_path / "steps.jsonl")
@@ -43,7 +43,7 @@ def test_log_round_trip_idle_time_and_collections(tmp_path: Path) -> None:
 
 
 def record(start: float, seconds: float, requests: int, tokens: int, onloaded: int, waiting: int) -> StepRecord:
-    return StepRecord(start=start, seconds=seconds, idle_s=0.001, intake_s=0.0002, gc_s=0.0, requests=requests,
+    return StepRecord(start=start, seconds=seconds, idle_s=0.001, gc_s=0.0, requests=requests,
                       tokens=tokens, history_tokens=0, gpu_hit_tokens=0, host_hit_tokens=0, onloaded_bytes=onloaded,
                       waiting=waiting, phases={"forward": seconds / 2})
 

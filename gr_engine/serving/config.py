@@ -18,8 +18,6 @@ class ServingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         heartbeat_s: the core reports its counters at least this often (s), stepping or idle.
         health_timeout_s: ``/health`` fails when the core has not reported for this long (s) after warm-up.
         warmup: compile and capture everything (:meth:`~gr_engine.GREngine.warmup`) before reporting ready.
-        overlap_intake: take in and queue requests that arrive while a step's forward runs on the device (its
-            ``between`` hook); off, they wait for the step to finish.
         step_log: a file the core writes one JSON line per step to from warm-up's end (:mod:`.step_log`: step and
             idle time, requests, tokens, onloaded bytes, queue length, phase and garbage-collection seconds), the
             profile of the core under load; ``None`` writes none.
@@ -32,7 +30,6 @@ class ServingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     heartbeat_s: float = 0.5
     health_timeout_s: float = 10.0
     warmup: bool = True
-    overlap_intake: bool = True
     step_log: str | None = None
 
     def __post_init__(self) -> None:

@@ -4,11 +4,8 @@ The core owns a :class:`~gr_engine.GREngine`. It binds a ZeroMQ ROUTER socket th
 API-server process) connect to; each says :class:`~.protocol.Hello` with the address of its own PULL socket, and the
 core connects a PUSH socket there. After every step that finished requests, and at least every
 ``serving.heartbeat_s`` otherwise, every client gets a :class:`~.protocol.CoreReport`: its own outputs and the
-core's counters. Each step batches whatever has arrived; while a step's forward runs on the
-device (after its requests are committed, before scoring waits for the device), the core takes in, validates and
-queues the requests that arrived meanwhile, so that their host work overlaps the device's
-(:meth:`~gr_engine.GREngine.step`'s ``between``). A request past its deadline, or aborted by the client, is dropped
-if it has not started; one that has started finishes (the client discards a late answer).
+core's counters. Each step batches whatever has arrived before it began. A request past its deadline, or aborted by
+the client, is dropped if it has not started; one that has started finishes (the client discards a late answer).
 """
 
 from __future__ import annotations
@@ -90,7 +87,6 @@ class EngineCore:
         self._last_report = 0.0
         self._batch_opened = 0.0  # when the first request of an idle engine arrived
         self._log: StepLog | None = None  # the step log (serving.step_log), open from warm-up's end
-        self._intake_s = 0.0  # this step's time taking in arrivals during its forward
 
     def run(self) -> None:
         """Warm up, then step until every client has left and every request is answered; then let pending
@@ -134,23 +130,16 @@ class EngineCore:
                 self._report()
 
     def _step(self) -> None:
-        """One engine step (taking in arrivals during its forward with ``overlap_intake``), counted and logged."""
+        """One engine step, counted and logged."""
         start, t0, steps = time.monotonic(), time.perf_counter(), self.engine.stats.num_steps
-        self._intake_s = 0.0
-        outputs = self.engine.step(between=self._intake_during_forward if self.serving.overlap_intake else None)
+        outputs = self.engine.step()
         seconds = time.perf_counter() - t0
         self._count_step(seconds)
         if self._log is not None:
             stats = self.engine.stats
             waiting = self.engine.scheduler.num_unfinished - len(self.engine.scheduler.running)
-            self._log.step(start, seconds, self._intake_s, stats.recent_steps[-1] if stats.num_steps > steps else None,
-                           waiting)
+            self._log.step(start, seconds, stats.recent_steps[-1] if stats.num_steps > steps else None, waiting)
         self._finish(outputs)
-
-    def _intake_during_forward(self) -> None:
-        t0 = time.perf_counter()
-        self._receive(0)
-        self._intake_s += time.perf_counter() - t0
 
     def _finishing(self) -> bool:
         """Whether every client the core serves has left or is leaving."""

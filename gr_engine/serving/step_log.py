@@ -35,9 +35,8 @@ class StepRecord(msgspec.Struct, kw_only=True, tag="step"):
 
     Attributes:
         start: when the step began (monotonic s).
-        seconds: its wall time, intake of arrivals during its forward included.
+        seconds: its wall time.
         idle_s: time from the previous step's end to this one's start (receiving, reporting, waiting for work).
-        intake_s: of ``seconds``, time taking in requests that arrived during the forward (``overlap_intake``).
         gc_s: time in garbage collection since the previous record.
         requests, tokens: requests in the step and tokens it computed (uncached history plus candidates).
         history_tokens, gpu_hit_tokens, host_hit_tokens: history of the requests admitted in it and how much of it
@@ -50,7 +49,6 @@ class StepRecord(msgspec.Struct, kw_only=True, tag="step"):
     start: float
     seconds: float
     idle_s: float
-    intake_s: float
     gc_s: float
     requests: int
     tokens: int
@@ -84,14 +82,14 @@ class StepLog:
     def header(self, frozen_objects: int, full_collection_s: float) -> None:
         self._write(StepLogHeader(frozen_objects=frozen_objects, full_collection_s=full_collection_s))
 
-    def step(self, start: float, seconds: float, intake_s: float, metrics: StepMetrics | None, waiting: int) -> None:
+    def step(self, start: float, seconds: float, metrics: StepMetrics | None, waiting: int) -> None:
         """Log a step that began at ``start`` (monotonic s) and took ``seconds``; ``metrics``: the engine's record
         of it (``None``: the step ran no model, e.g. every admitted request failed)."""
         idle = 0.0 if self._last_end is None else max(start - self._last_end, 0.0)
         self._last_end = start + seconds
         m = metrics
         self._write(StepRecord(
-            start=start, seconds=seconds, idle_s=idle, intake_s=intake_s, gc_s=self._gc_s,
+            start=start, seconds=seconds, idle_s=idle, gc_s=self._gc_s,
             requests=m.num_requests if m else 0, tokens=m.num_tokens if m else 0,
             history_tokens=m.history_tokens if m else 0, gpu_hit_tokens=m.gpu_hit_tokens if m else 0,
             host_hit_tokens=m.host_hit_tokens if m else 0, onloaded_bytes=m.onloaded_bytes if m else 0,
@@ -134,13 +132,13 @@ def _spread(values: np.ndarray, scale: float = 1.0) -> dict[str, float | None]:
 def summarize(steps: list[StepRecord], start: float, end: float, longest: int = 5) -> dict:
     """The steps that began in ``[start, end]`` (monotonic s): how busy the core was (step seconds over the span),
     the spread (p50, p99, max, mean) of step and idle time (ms), requests, computed tokens and onloaded MB per step
-    and queued requests; mean ms per step of each phase and of intake; garbage-collection seconds; and the
+    and queued requests; mean ms per step of each phase; garbage-collection seconds; and the
     ``longest`` steps whole."""
     window = [s for s in steps if start <= s.start <= end]
     if not window:
         return {"steps": 0}
     column = {name: np.array([getattr(s, name) for s in window], dtype=np.float64)
-              for name in ("seconds", "idle_s", "intake_s", "gc_s", "requests", "tokens", "onloaded_bytes",
+              for name in ("seconds", "idle_s", "gc_s", "requests", "tokens", "onloaded_bytes",
                            "waiting")}
     phases = sorted({name for s in window for name in s.phases})
     span = max(end - start, 1e-9)
@@ -149,8 +147,7 @@ def summarize(steps: list[StepRecord], start: float, end: float, longest: int = 
         "step_ms": _spread(column["seconds"], 1e3), "idle_ms": _spread(column["idle_s"], 1e3),
         "requests": _spread(column["requests"]), "tokens": _spread(column["tokens"]),
         "onloaded_MB": _spread(column["onloaded_bytes"], 1e-6), "waiting": _spread(column["waiting"]),
-        "phase_ms_mean": {name: float(np.mean([s.phases.get(name, 0.0) for s in window]) * 1e3) for name in phases}
-        | {"intake_during_forward": float(column["intake_s"].mean() * 1e3)},
+        "phase_ms_mean": {name: float(np.mean([s.phases.get(name, 0.0) for s in window]) * 1e3) for name in phases},
         "gc_s": float(column["gc_s"].sum()), "gc_max_ms": float(column["gc_s"].max() * 1e3),
         "longest": [msgspec.to_builtins(s) for s in sorted(window, key=lambda s: -s.seconds)[:longest]],
     }

@@ -56,7 +56,7 @@ def test_in_process_two_rates(tmp_path: Path) -> None:
                  "--set", "serving.warmup=false"]) == 0
     result = check_result(out, in_process=True)
     assert result["engine_config"]["cache"]["mode"] == "hierarchical"
-    assert result["engine_config"]["scheduler"]["max_num_seqs"] == 8
+    assert result["engine_config"]["scheduler"]["max_num_seqs"] == 16
     # The core's step log (written to OUT by default) holds every step after its warm-up: each request of the run
     # took one step here (no chunking at this size), and each rate's profile covers that rate's steps.
     from gr_engine.serving.step_log import read_step_log
@@ -70,7 +70,7 @@ def test_in_process_two_rates(tmp_path: Path) -> None:
     for r in result["rates"]:
         core = r["core"]
         assert 1 <= core["steps"] <= r["answered"] and 0 < core["busy_fraction"] < 1
-        assert core["requests"]["max"] <= 8 and core["step_ms"]["max"] >= core["step_ms"]["p50"] > 0
+        assert core["requests"]["max"] <= 16 and core["step_ms"]["max"] >= core["step_ms"]["p50"] > 0
     assert result["summary"]["core_heap"]["frozen_objects"] == header.frozen_objects
     assert "The engine core per rate" in (out / "bench_serve.md").read_text()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ import numpy as np
 P99_TARGET_MS = 25.0
 
 
-def _percentiles(values: list[float], suffix: str = "_ms") -> dict[str, float | None]:
+def percentiles(values: Sequence[float], suffix: str = "_ms") -> dict[str, float | None]:
     v = np.asarray(values, dtype=np.float64)
     if not len(v):
         return {f"{k}{suffix}": None for k in ("p50", "p90", "p99", "mean", "max")}
@@ -34,7 +35,7 @@ def phase_stats(parts: list[dict]) -> dict:
     latency = [lat for p in parts for lat, o in zip(p["latency_ms"], p["outcomes"], strict=True) if o is None]
     scheduled = [lat for p in parts for lat, o in zip(p["schedule_latency_ms"], p["outcomes"], strict=True)
                  if o is None]
-    from_schedule = {f"{k}_from_schedule_ms": v for k, v in _percentiles(scheduled, "").items()
+    from_schedule = {f"{k}_from_schedule_ms": v for k, v in percentiles(scheduled, "").items()
                      if k in ("p50", "p99", "max")}
     errors = Counter(o for p in parts for o in p["outcomes"] if o is not None)
     sent = sum(len(p["outcomes"]) for p in parts)
@@ -42,10 +43,10 @@ def phase_stats(parts: list[dict]) -> dict:
     span = max(p["last_s"] for p in busy) - min(p["first_s"] for p in busy) if busy else 0.0
     return {"sent": sent, "answered": len(latency), "span_s": span,
             "user_waits": sum(p.get("user_waits", 0) for p in parts),
-            "achieved_rps": len(latency) / span if span > 0 else None, **_percentiles(latency), **from_schedule,
+            "achieved_rps": len(latency) / span if span > 0 else None, **percentiles(latency), **from_schedule,
             "errors": dict(sorted(errors.items())),
             "generators": [{"sent": len(p["outcomes"]), "cpu_s": p["cpu_s"],
-                            **{k.replace("_ms", "_lag_ms"): v for k, v in _percentiles(p["lag_ms"]).items()
+                            **{k.replace("_ms", "_lag_ms"): v for k, v in percentiles(p["lag_ms"]).items()
                                if k.startswith(("p99", "max"))}} for p in parts]}
 
 

@@ -15,6 +15,7 @@ import msgspec
 import numpy as np
 
 from ..metrics import StepMetrics
+from .load_report import percentiles
 
 
 class StepLogHeader(msgspec.Struct, kw_only=True, tag="header"):
@@ -121,17 +122,9 @@ def read_step_log(path: str | Path) -> tuple[StepLogHeader | None, list[StepReco
     return header, steps
 
 
-def _spread(values: np.ndarray, scale: float = 1.0) -> dict[str, float | None]:
-    if not len(values):
-        return dict.fromkeys(("p50", "p99", "max", "mean"), None)
-    v = values * scale
-    return {"p50": float(np.percentile(v, 50)), "p99": float(np.percentile(v, 99)), "max": float(v.max()),
-            "mean": float(v.mean())}
-
-
 def summarize(steps: list[StepRecord], start: float, end: float, longest: int = 5) -> dict:
     """The steps that began in ``[start, end]`` (monotonic s): how busy the core was (step seconds over the span),
-    the spread (p50, p99, max, mean) of step and idle time (ms), requests, computed tokens and onloaded MB per step
+    the spread (p50, p90, p99, mean, max) of step and idle time (ms), requests, computed tokens and onloaded MB per step
     and queued requests; mean ms per step of each phase; garbage-collection seconds; and the
     ``longest`` steps whole."""
     window = [s for s in steps if start <= s.start <= end]
@@ -144,9 +137,9 @@ def summarize(steps: list[StepRecord], start: float, end: float, longest: int = 
     span = max(end - start, 1e-9)
     return {
         "steps": len(window), "busy_fraction": float(column["seconds"].sum() / span),
-        "step_ms": _spread(column["seconds"], 1e3), "idle_ms": _spread(column["idle_s"], 1e3),
-        "requests": _spread(column["requests"]), "tokens": _spread(column["tokens"]),
-        "onloaded_MB": _spread(column["onloaded_bytes"], 1e-6), "waiting": _spread(column["waiting"]),
+        "step_ms": percentiles(column["seconds"] * 1e3, ""), "idle_ms": percentiles(column["idle_s"] * 1e3, ""),
+        "requests": percentiles(column["requests"], ""), "tokens": percentiles(column["tokens"], ""),
+        "onloaded_MB": percentiles(column["onloaded_bytes"] * 1e-6, ""), "waiting": percentiles(column["waiting"], ""),
         "phase_ms_mean": {name: float(np.mean([s.phases.get(name, 0.0) for s in window]) * 1e3) for name in phases},
         "gc_s": float(column["gc_s"].sum()), "gc_max_ms": float(column["gc_s"].max() * 1e3),
         "longest": [msgspec.to_builtins(s) for s in sorted(window, key=lambda s: -s.seconds)[:longest]],

@@ -26,6 +26,7 @@ from .test_serving_msgpack import post_by_user
 httpx = pytest.importorskip("httpx")
 
 ANSWERED = re.compile(r"API server (\d+): stopped; answered (\d+) of (\d+) request bodies accepted")
+FROZEN = re.compile(r"API server (\d+): the engine core is ready; (\d+) objects frozen out of garbage collection")
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +64,12 @@ def test_two_api_servers_give_offline_scores_and_metrics_add_up(server: Server) 
         assert total(after, name, **labels) - total(before, name, **labels) == 300, name
     assert total(after, "gr_engine_step_seconds_count") > total(before, "gr_engine_step_seconds_count")
     assert total(after, "gr_engine_gpu_hit_tokens_total") > total(before, "gr_engine_gpu_hit_tokens_total")
+
+
+def test_each_api_server_freezes_its_start_up_heap(server: Server) -> None:
+    """Each API server process froze its start-up heap (imports, app, client) once the core was ready."""
+    frozen = {int(m[0]): int(m[1]) for m in FROZEN.findall(server.log_text())}
+    assert set(frozen) == {0, 1} and min(frozen.values()) > 10_000, server.log_text()
 
 
 def test_each_api_server_admits_its_share(server: Server) -> None:

@@ -361,3 +361,71 @@ def test_abort_waiting_between_steps() -> None:
     for request, reference in zip(served, recompute_scores(served)):
         np.testing.assert_allclose(by_id[request.request_id].scores, reference, atol=TOL, rtol=0)
     engine.kv.check_invariants()
+
+
+@pytest.mark.parametrize("max_queue_ms", [1.0, 0.0])
+def test_admission_refuses_while_the_queue_wait_is_over_max_queue_ms(max_queue_ms: float) -> None:
+    """A burst of 200 requests queues in the core; while the core's reported queue wait is over
+    ``serving.max_queue_ms`` a new call is refused as overloaded (0: admitted); afterwards calls are admitted again.
+    Every answer equals offline recompute."""
+    from gr_engine.serving import AsyncGREngine, EngineOverloaded, ServingConfig
+
+    config = msgspec.structs.replace(tiny_config(num_gpu_pages=96), serving=ServingConfig(max_queue_ms=max_queue_ms))
+    stream = make_stream(200, seed=29)
+    lone = make_stream(2, num_users=1, seed=31)
+    lone = [msgspec.structs.replace(r, user_id=999, request_id=f"lone{i}") for i, r in enumerate(lone)]
+
+    async def run() -> None:
+        async with AsyncGREngine(config) as engine:
+            burst = asyncio.create_task(engine.rank_many(stream))
+            deadline = time.monotonic() + 60
+            while engine.stats is None or engine.stats.waiting < 20 or engine.stats.queue_wait_s <= 0.001:
+                assert time.monotonic() < deadline and not burst.done(), "the queue never built up"
+                await asyncio.sleep(0.002)
+            assert engine.stats.queue_wait_s < 60
+            if max_queue_ms:
+                with pytest.raises(EngineOverloaded, match="max_queue_ms"):
+                    await engine.rank_many(lone[:1])
+                served = []
+            else:
+                served = await engine.rank_many(lone[:1])
+            outputs = await burst
+            while engine.stats.waiting:  # the report after the last step says the queue is empty
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            served += await engine.rank_many(lone[len(served):])
+            assert all(o.error is None for o in outputs + served)
+            for output, reference in zip(outputs + served, recompute_scores(stream + lone)):
+                np.testing.assert_allclose(output.scores, reference, atol=TOL, rtol=0)
+
+    asyncio.run(run())
+
+
+def test_an_idle_core_waits_max_batch_wait_ms_for_a_fuller_batch() -> None:
+    """With ``serving.max_batch_wait_ms=2000`` and steps of 4, four requests sent 50 ms apart (users 2, 3, 2, 0) wait
+    for one another: the first step starts once the fourth has arrived (not after the whole wait) and runs three
+    (a user's second visit waits for its first), the second runs the leftover at once. Scores equal recompute."""
+    from gr_engine.serving import AsyncGREngine, ServingConfig
+
+    config = msgspec.structs.replace(tiny_config(num_gpu_pages=96, max_num_seqs=4, max_num_batched_tokens=2048),
+                                     serving=ServingConfig(max_batch_wait_ms=2000, max_queue_ms=0))
+    requests = make_stream(4, num_users=4, seed=37)
+
+    async def run() -> None:
+        async with AsyncGREngine(config) as engine:
+            await engine.rank(requests[0])  # a first step, so that the core's idle wait starts afresh
+            steps = engine.stats.steps
+            again = [msgspec.structs.replace(r, request_id=f"again{i}") for i, r in enumerate(make_stream(4, 4, 41))]
+            tasks = []
+            for request in again:
+                tasks.append(asyncio.create_task(engine.rank(request)))
+                await asyncio.sleep(0.05)
+            last_sent = time.monotonic()
+            outputs = await asyncio.gather(*tasks)
+            assert [r.user_id for r in again] == [2, 3, 2, 0]
+            assert time.monotonic() - last_sent < 1.5, "the core waited out max_batch_wait_ms"
+            assert engine.stats.steps == steps + 2, "the first three requests did not share one step"
+            for output, reference in zip(outputs, recompute_scores(again)):
+                np.testing.assert_allclose(output.scores, reference, atol=TOL, rtol=0)
+
+    asyncio.run(run())

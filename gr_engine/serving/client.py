@@ -3,7 +3,8 @@
 The client validates each request's types, lengths and candidates (:mod:`gr_engine.validation`) in its own
 process, sends it to the core as raw bytes, and resolves the caller's await when the core reports its output.
 Admission is bounded (``serving.max_pending_requests`` and ``max_pending_tokens`` of requests sent and not yet
-answered by the core, split evenly among the clients of a shared core): beyond it a call raises
+answered by the core, split evenly among the clients of a shared core), and so is the core's queue
+(``serving.max_queue_ms`` of estimated wait, from the core's latest report): beyond either a call raises
 :class:`EngineOverloaded` at once. A client starts a core of its own, or attaches to a running one
 (:class:`CoreHandle`, as each API server of ``gr-engine serve --api-servers N`` does). A call with ``timeout_ms``
 returns, for each request that has not finished by then, an output whose ``error`` says so (never a late answer),
@@ -38,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 
 class EngineOverloaded(RuntimeError):
-    """More work is pending than ``serving.max_pending_requests`` / ``max_pending_tokens`` allow: retry later."""
+    """More work is pending than ``serving.max_pending_requests`` / ``max_pending_tokens`` allow, or the core's queue
+    would hold a request longer than ``serving.max_queue_ms``: retry later."""
 
 
 class EngineDead(RuntimeError):
@@ -124,6 +126,7 @@ class AsyncGREngine:
         share = core.clients if core is not None else 1
         self.max_pending_requests = max(1, self.serving.max_pending_requests // share)  # this client's admission
         self.max_pending_tokens = max(1, self.serving.max_pending_tokens // share)
+        self.max_queue_s = self.serving.max_queue_ms / 1000  # refuse while the core's queue-wait estimate is above
         self._handle = core
         self._ids = itertools.count()
         self._pending: dict[int, _Pending] = {}
@@ -302,6 +305,10 @@ class AsyncGREngine:
             raise EngineOverloaded(f"{len(self._pending)} requests ({self._pending_tokens} tokens) pending: over "
                                    f"this client's {self.max_pending_requests} requests / {self.max_pending_tokens} "
                                    "tokens (serving.max_pending_requests / max_pending_tokens)")
+        if messages and self.max_queue_s and self.stats is not None and self.stats.queue_wait_s > self.max_queue_s:
+            wait_ms = self.stats.queue_wait_s * 1e3
+            raise EngineOverloaded(f"the engine core's queue would hold a request ~{wait_ms:.0f} ms before a step "
+                                   f"takes it: over serving.max_queue_ms ({self.serving.max_queue_ms:g})")
         loop = asyncio.get_running_loop()
         futures = {}
         for core_id, message, request, size in messages:

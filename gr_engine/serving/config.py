@@ -10,10 +10,16 @@ class ServingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     Attributes:
         max_batch_wait_ms: when the core is idle and fewer than ``scheduler.max_num_seqs`` requests are queued,
-            wait at most this long (ms) for more before stepping; 0 steps at once.
+            wait at most this long (ms) for more before stepping; 0 steps at once. A request that arrives alone
+            waits this long (docs/serving.md says what 1 ms measured).
         max_pending_requests: most requests accepted and not yet answered; beyond it a request is refused as
             overloaded (HTTP 503) instead of queued.
         max_pending_tokens: most history events plus candidates of those requests (bounds their memory).
+        max_queue_ms: refuse new requests as overloaded (HTTP 503) while the core estimates that one arriving now
+            would wait longer than this (ms) before a step takes it (:attr:`~.protocol.CoreStats.queue_wait_s`):
+            a queue much deeper than a step keeps a user's visits apart by more users than the GPU tier holds, so
+            cached history turns into onloads and throughput falls as the queue grows; 0 admits up to the two
+            bounds above.
         max_body_bytes: largest HTTP request body accepted (HTTP 413 beyond it).
         heartbeat_s: the core reports its counters at least this often (s), stepping or idle.
         health_timeout_s: ``/health`` fails when the core has not reported for this long (s) after warm-up.
@@ -23,9 +29,10 @@ class ServingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             profile of the core under load; ``None`` writes none.
     """
 
-    max_batch_wait_ms: float = 0.0
+    max_batch_wait_ms: float = 1.0
     max_pending_requests: int = 4096
     max_pending_tokens: int = 64_000_000
+    max_queue_ms: float = 50.0
     max_body_bytes: int = 64 * 2**20
     heartbeat_s: float = 0.5
     health_timeout_s: float = 10.0
@@ -33,7 +40,7 @@ class ServingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     step_log: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_wait_ms", "heartbeat_s", "health_timeout_s"):
+        for name in ("max_batch_wait_ms", "max_queue_ms", "heartbeat_s", "health_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"serving.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("max_pending_requests", "max_pending_tokens", "max_body_bytes"):

@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 _STEP_FAILED = "engine step failed"  # how GREngine's errors for failed steps begin
 _CONNECT_TIMEOUT_MS = 10_000  # a client whose report socket cannot be reached this long after its Hello is gone
+#: The queue-wait estimate (:attr:`~.protocol.CoreStats.queue_wait_s`) weighs about this many recent answering steps:
+#: enough to smooth one slow step, few enough to follow a change of load within a fraction of a second.
+SERVICE_STEPS = 32
 
 
 @dataclass(eq=False)
@@ -85,7 +88,9 @@ class EngineCore:
         self._steps, self._step_seconds = 0, 0.0
         self._step_buckets = [0] * len(STEP_BUCKETS)
         self._last_report = 0.0
-        self._batch_opened = 0.0  # when the first request of an idle engine arrived
+        self._batch_opened = 0.0  # when the first request of an idle engine arrived (0 once a step has run)
+        self._busy_from = 0.0  # since when the wall time of the next answering step's requests counts
+        self._served_s, self._served = 0.0, 0.0  # decayed sums: busy wall seconds, requests answered
         self._log: StepLog | None = None  # the step log (serving.step_log), open from warm-up's end
 
     def run(self) -> None:
@@ -135,6 +140,8 @@ class EngineCore:
         outputs = self.engine.step()
         seconds = time.perf_counter() - t0
         self._count_step(seconds)
+        self._count_service(len(outputs))
+        self._batch_opened = 0.0  # what a step left queued runs next without waiting for a fuller batch
         if self._log is not None:
             stats = self.engine.stats
             waiting = self.engine.scheduler.num_unfinished - len(self.engine.scheduler.running)
@@ -188,7 +195,7 @@ class EngineCore:
         if not messages:
             return
         if not self.engine.has_unfinished_requests():
-            self._batch_opened = time.monotonic()
+            self._batch_opened = self._busy_from = time.monotonic()
         start = 0
         for end in range(1, len(messages) + 1):
             if end < len(messages) and _kind(messages[end][1]) == _kind(messages[start][1]):
@@ -207,7 +214,8 @@ class EngineCore:
             start = end
 
     def _wait_for_batch(self) -> None:
-        """With ``max_batch_wait_ms``, let a batch that is not full gather arrivals before an idle engine steps."""
+        """With ``max_batch_wait_ms``, let a batch that is not full gather arrivals before an idle engine's first step
+        (the requests a step leaves queued, e.g. a user's second, run at once)."""
         wait_s = self.serving.max_batch_wait_ms / 1000
         if wait_s <= 0 or self.engine.scheduler.running:
             return
@@ -252,6 +260,16 @@ class EngineCore:
         for i, bound in enumerate(STEP_BUCKETS):
             self._step_buckets[i] += seconds <= bound
 
+    def _count_service(self, answered: int) -> None:
+        """Add the busy wall time since the last answering step (or since an idle engine took requests) to the
+        queue-wait estimate, with the ``answered`` requests it served."""
+        if not answered:
+            return  # a step that answered nothing (a long history's first chunks): its time counts with the next
+        now, decay = time.monotonic(), 1 - 1 / SERVICE_STEPS
+        self._served_s = self._served_s * decay + (now - self._busy_from)
+        self._served = self._served * decay + answered
+        self._busy_from = now
+
     def _release(self) -> None:
         """Report ``"stopped"`` to each leaving client whose requests are all answered, except the last client
         (it hears after the engine has closed)."""
@@ -291,18 +309,20 @@ class EngineCore:
     def _stats(self) -> CoreStats:
         engine, kv = self.engine, self.engine.kv
         running = len(engine.scheduler.running)
+        waiting = engine.scheduler.num_unfinished - running
         onloaded, offloaded = kv.transferred_bytes
         host_used = 0
         if kv.host is not None:
             store = kv.host.store
             host_used = (store.num_allocated - store.num_free) * store.slot_bytes
         return CoreStats(
-            running=running, waiting=engine.scheduler.num_unfinished - running, steps=self._steps,
+            running=running, waiting=waiting, steps=self._steps,
             step_seconds=self._step_seconds, step_buckets=list(self._step_buckets),
             computed_tokens=engine.stats.num_computed_step_tokens, gpu_hit_tokens=engine.stats.gpu_hit_tokens,
             host_hit_tokens=engine.stats.host_hit_tokens, gpu_pages_used=kv.pool.num_pages - kv.pool.num_free,
             gpu_pages_free=kv.pool.num_free, host_bytes_used=host_used, onloaded_bytes=onloaded,
             offloaded_bytes=offloaded, **asdict(engine.stalls()),
+            queue_wait_s=waiting * self._served_s / self._served if self._served else 0.0,
         )
 
 

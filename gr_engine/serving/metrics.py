@@ -97,6 +97,8 @@ class ServingMetrics:
 _CORE_FIGURES = [
     (GaugeMetricFamily, "requests_running", "running", "Requests admitted to engine steps."),
     (GaugeMetricFamily, "requests_waiting", "waiting", "Requests queued in the engine core."),
+    (GaugeMetricFamily, "queue_wait_seconds", "queue_wait_s",
+     "The engine core's estimate of how long a request arriving now waits before a step takes it."),
     (GaugeMetricFamily, "gpu_pages_used", "gpu_pages_used", "KV pages of the GPU pool in use."),
     (GaugeMetricFamily, "gpu_pages_free", "gpu_pages_free", "KV pages of the GPU pool free."),
     (GaugeMetricFamily, "host_bytes_used", "host_bytes_used", "Bytes of host chunk slots holding history."),

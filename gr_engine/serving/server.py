@@ -81,8 +81,8 @@ def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         await engine.start()
-        freeze_heap()
-        logger.info("%s: the engine core is ready", name)
+        frozen, _ = freeze_heap()
+        logger.info("%s: the engine core is ready; %d objects frozen out of garbage collection", name, frozen)
         try:
             yield
         finally:

@@ -53,18 +53,19 @@ class CoreRequest(msgspec.Struct, array_like=True, tag="request"):
     Attributes:
         core_id: the client's id for it (the engine's ``request_id`` in the core).
         user_id: the caller's.
-        item_ids, action_ids, timestamps: int64 ``[n]`` history events, as bytes.
-        candidate_item_ids: int64 ``[c]`` candidates as bytes; ``None`` for retrieval.
+        item_ids, action_ids, timestamps: int64 ``[n]`` history events, as raw little-endian bytes (decoded as
+            views of the received message, not copies).
+        candidate_item_ids: int64 ``[c]`` candidates, the same way; ``None`` for retrieval.
         params: retrieval settings (``None`` for ranking).
         deadline: ``time.monotonic()`` after which the request must not start (``None``: no deadline).
     """
 
     core_id: int
     user_id: int | str
-    item_ids: bytes
-    action_ids: bytes
-    timestamps: bytes
-    candidate_item_ids: bytes | None
+    item_ids: memoryview
+    action_ids: memoryview
+    timestamps: memoryview
+    candidate_item_ids: memoryview | None
     params: GenerateParams | None
     deadline: float | None
 
@@ -165,16 +166,21 @@ def to_core(core_id: int, request: RankRequest | GenerateRequest, arrays: Reques
     """The message of a request whose fields :func:`~gr_engine.validation.parse_fields` turned into ``arrays``."""
     return CoreRequest(
         core_id=core_id, user_id=request.user_id,
-        item_ids=array_bytes(arrays.item_ids, INT64), action_ids=array_bytes(arrays.action_ids, INT64),
-        timestamps=array_bytes(arrays.timestamps, INT64),
-        candidate_item_ids=None if params is not None else array_bytes(arrays.candidate_item_ids, INT64),
+        item_ids=_array_view(arrays.item_ids), action_ids=_array_view(arrays.action_ids),
+        timestamps=_array_view(arrays.timestamps),
+        candidate_item_ids=None if params is not None else _array_view(arrays.candidate_item_ids),
         params=params, deadline=deadline,
     )
 
 
+def _array_view(array: np.ndarray) -> memoryview:
+    """The bytes of an int64 array for encoding, without a copy when it is C-contiguous and little-endian."""
+    return memoryview(np.ascontiguousarray(array, dtype=INT64))
+
+
 def from_core(message: CoreRequest, request_id: str) -> RankRequest | GenerateRequest:
     """The engine's request of a message, named ``request_id``; history fields are read-only int64 arrays over the
-    message's bytes."""
+    message's buffer (which they keep alive)."""
     fields = dict(request_id=request_id, user_id=message.user_id,
                   item_ids=int64_array("item_ids", message.item_ids),
                   action_ids=int64_array("action_ids", message.action_ids),

@@ -52,7 +52,8 @@ def long_stream():
 
 
 @pytest.mark.parametrize("mode,pages,host_chunks", [
-    ("gpu_only", 160, 0), ("gpu_only", 400, 0), ("hierarchical", 160, 24), ("hierarchical", 160, 800),
+    ("gpu_only", 160, 0), pytest.param("gpu_only", 400, 0, marks=pytest.mark.slow), ("hierarchical", 160, 24),
+    ("hierarchical", 160, 800),
     ("unlimited", 4000, 0),
 ])
 def test_cached_modes_equal_recompute_over_thousands_of_requests(long_stream, mode, pages, host_chunks):

@@ -5,6 +5,7 @@
 # Writes OUT_DIR/core.pyspy.txt (collapsed stacks, idle samples included), the run's results and log, OUT_DIR.tar.
 set -u
 out=${1:?usage: profile_core_gpu.sh OUT_DIR}
+command -v py-spy > /dev/null || { echo "py-spy is not on the PATH (bring its wheel in the run's carry)"; exit 2; }
 mkdir -p "$out"
 python -m gr_engine bench-serve --in-process --mode hierarchical --skip-steady "${SKIP:-20000}" \
   --rates "${RATE:-2000}" --duration "${DURATION:-12}" --out "$out/run" > "$out/run.log" 2>&1 &

@@ -32,6 +32,7 @@ class HostChunkStore:
         self._segments: list[torch.Tensor] = []
         self._slots: list[torch.Tensor] = []  # per slot id, a view into its segment
         self._free: list[int] = []
+        self._num_allocated = 0  # slots in the adopted segments
         self._ready: queue.Queue[torch.Tensor] = queue.Queue()
         self._stop = threading.Event()
         self._thread = None
@@ -58,7 +59,7 @@ class HostChunkStore:
     @property
     def num_allocated(self) -> int:
         """Slots whose memory exists (grows while the background allocation runs)."""
-        return sum(len(s) for s in self._segments)
+        return self._num_allocated
 
     @property
     def num_free(self) -> int:
@@ -74,7 +75,8 @@ class HostChunkStore:
             except queue.Empty:
                 return added
             self._coming -= 1
-            base = self.num_allocated
+            base = self._num_allocated
+            self._num_allocated += len(segment)
             self._segments.append(segment)
             self._slots.extend(segment.unbind(0))  # one view per slot, made once (slicing per use costs µs)
             self.addresses[base:base + len(segment)] = (segment.data_ptr()

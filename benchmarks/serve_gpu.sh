@@ -3,7 +3,8 @@
 # Every run replays the same stretch of the bench's trace (after SKIP steady visits served in its warm-up) with the
 # same arrivals, so runs compare at each rate. Usage: bash benchmarks/serve_gpu.sh OUT_DIR PART
 #   in-process: bench-serve in process, the bench's hierarchical engine (default), then each serving variant
-#               (seqs8: scheduler.max_num_seqs=8 instead of bench-serve's 16, wait0: serving.max_batch_wait_ms=0
+#               (sync: serving.async_scheduling=false, each step waited for before the next is launched;
+#               seqs8: scheduler.max_num_seqs=8 instead of bench-serve's 16, wait0: serving.max_batch_wait_ms=0
 #               instead of 1, queue0: serving.max_queue_ms=0, admission by pending requests alone); VARIANTS picks some
 #   http:       gr-engine serve --api-servers 6 (step log on) loaded by 8 generator processes with msgpack bodies
 #   recompute:  bench-serve in process in recompute mode, at lower rates
@@ -27,9 +28,10 @@ sweep() {  # name, then --set overrides
 }
 case $part in
   in-process)
-    for variant in ${VARIANTS:-default seqs8 wait0 queue0}; do
+    for variant in ${VARIANTS:-default sync seqs8 wait0 queue0}; do
       case $variant in
         default) sweep in_process_hierarchical ;;
+        sync) sweep in_process_sync --set serving.async_scheduling=false ;;
         seqs8) sweep in_process_seqs8 --set scheduler.max_num_seqs=8 ;;
         wait0) sweep in_process_wait0 --set serving.max_batch_wait_ms=0 ;;
         queue0) sweep in_process_queue0 --set serving.max_queue_ms=0 ;;

@@ -8,7 +8,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -17,12 +19,12 @@ from tqdm.auto import tqdm
 
 from attention_backends import AttentionSpec, BackendRegistry
 from cache_engine import IncrementalHasher, KVCacheManager
-from scheduler import RequestState, ScheduledChunk, Scheduler
+from scheduler import RequestState, ScheduledChunk, Scheduler, SchedulerOutput
 
 from .compile_watch import CompileWatch, StallCounts
 from .config import EngineConfig
 from .metrics import EngineStats, PhaseTimer, StepMetrics
-from .model_runner import ChunkResult, ModelRunner, RequestPayload
+from .model_runner import ChunkResult, ModelRunner, RequestPayload, ScoreFetch
 from .models import GRModel
 from .outputs import GenerateOutput, RankOutput, StepTimings, output_user_id
 from .request import GenerateParams, GenerateRequest, RankRequest
@@ -33,6 +35,22 @@ logger = logging.getLogger(__name__)
 
 Output = RankOutput | GenerateOutput
 _INTAKE_BATCH = 64  # requests validated and hashed together by rank/generate (bounds the hashing buffers)
+
+
+@dataclass(eq=False)
+class LaunchedStep:
+    """A step :meth:`GREngine.launch_step` queued on the device, for :meth:`GREngine.finish_step`: the requests that
+    failed before it ran (``done``), its chunks and plan, which of them finish (``id`` of their states), its phase
+    timer, the bytes it moved (onloaded, offloaded), its queued scores and a scoring error."""
+
+    done: list[tuple[RequestState, Output]]
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    plan: SchedulerOutput | None = None
+    finished: set[int] = field(default_factory=set)
+    timer: PhaseTimer | None = None
+    transferred: tuple[int, int] = (0, 0)
+    scores: ScoreFetch | None = None
+    error: str | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -95,6 +113,7 @@ class GREngine:
         self._seq = itertools.count()
         self._in_flight: set[str] = set()
         self._undelivered: list[Output] = []
+        self._launched: deque[LaunchedStep] = deque()  # launched steps not yet finished, oldest first
 
     # ------------------------------------------------------------------ streaming API
     def add_request(self, request: RankRequest | GenerateRequest, params: GenerateParams | None = None) -> int:
@@ -106,12 +125,34 @@ class GREngine:
         return result
 
     def has_unfinished_requests(self) -> bool:
-        """Whether requests added with :meth:`add_request` are still waiting or running."""
-        return self.scheduler.num_unfinished > 0
+        """Whether requests added with :meth:`add_request` are still waiting or running (a launched step not yet
+        finished counts)."""
+        return self.scheduler.num_unfinished > 0 or bool(self._launched)
+
+    @property
+    def num_running(self) -> int:
+        """Requests admitted to a step and not yet answered (in launched steps that have not finished too)."""
+        return len(self.scheduler.running) + sum(len(step.finished) for step in self._launched)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests added and not yet admitted to a step."""
+        return self.scheduler.num_unfinished - len(self.scheduler.running)
 
     def step(self) -> list[Output]:
         """Run one engine step; return the outputs of requests that finished (or failed) in it."""
-        outputs = self._undelivered + [out for _, out in self._step()]
+        return self.finish_step(self.launch_step())
+
+    def launch_step(self) -> LaunchedStep:
+        """Schedule one step and queue it on the device without waiting for it (async scheduling): while the device
+        computes it, the host may add requests and launch the next step, whose requests (a user's next visit too)
+        read what this one writes in device order. :meth:`finish_step` returns its outputs."""
+        return self._launch()
+
+    def finish_step(self, step: LaunchedStep) -> list[Output]:
+        """Wait for a step of :meth:`launch_step` (finish steps once each, in launch order); return the outputs of
+        the requests that finished (or failed) in it."""
+        outputs = self._undelivered + [out for _, out in self._collect(step)]
         self._undelivered = []
         return outputs
 
@@ -156,17 +197,26 @@ class GREngine:
                     index[added] = i
         # No bar object at all without tqdm: even a disabled one costs host time per call.
         bar = tqdm(total=len(requests), desc=desc, unit="req", initial=len(requests) - len(index)) if use_tqdm else None
+        pending: LaunchedStep | None = None  # launched, not yet collected: the next launch overlaps its device work
         try:
             while index:
-                for state, output in self._step():
-                    slot = index.pop(state.seq_id, None)
-                    if slot is None:
-                        self._undelivered.append(output)  # added earlier through add_request
-                    else:
-                        results[slot] = output
-                        if bar is not None:
-                            bar.update(1)
+                launched = self._launch() if self.scheduler.num_unfinished else None
+                if pending is None and launched is None:
+                    raise RuntimeError("requests in flight but none queued or launched")
+                if pending is not None:
+                    collecting, pending = pending, None
+                    for state, output in self._collect(collecting):
+                        slot = index.pop(state.seq_id, None)
+                        if slot is None:
+                            self._undelivered.append(output)  # added earlier through add_request
+                        else:
+                            results[slot] = output
+                            if bar is not None:
+                                bar.update(1)
+                pending = launched
         finally:
+            if pending is not None:  # (only when something raised: every request was answered otherwise)
+                self._collect(pending)
             if bar is not None:
                 bar.close()
         return results
@@ -177,7 +227,7 @@ class GREngine:
         one eager step of each launch shape (:meth:`ModelRunner.warm_eager`) and capture every step graph
         (:meth:`ModelRunner.capture_graphs`), writing only free pages. Returns how many (bucket, launch shape)
         forwards were captured (0 without step graphs)."""
-        if self.scheduler.num_unfinished:
+        if self.has_unfinished_requests():
             raise RuntimeError("warmup() runs between calls, not while requests are in flight")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # free pages may still be read by gathers in flight
@@ -288,9 +338,10 @@ class GREngine:
             budget -= max(rows, 1)
         return count
 
-    def _step(self) -> list[tuple[RequestState, Output]]:
-        """One engine step (docs/design.md section 3): onloads launch before the metadata is built (PCIe copies
-        overlap host work), requests commit before scoring (while the device computes the forward)."""
+    def _launch(self) -> LaunchedStep:
+        """Schedule one step and queue it on the device (docs/design.md section 3): onloads launch before the
+        metadata is built (PCIe copies overlap host work), requests commit and the scores' copy to the host is queued
+        before anything waits for the device."""
         timer = PhaseTimer(self.device if self.config.sync_phases and self.device.type == "cuda" else None)
         # Bytes this step moves: from here on (acquires plan onloads and persist evicted tails), plus its prefetches'.
         onloaded, offloaded = self.kv.transferred_bytes
@@ -298,11 +349,13 @@ class GREngine:
         with timer("schedule"):  # 1 (and 2's cache side: admitted requests acquire their pages)
             self.kv.begin_step()
             plan = self.scheduler.schedule()
-        done = [(state, self._output(state, None, error=reason)) for state, reason in plan.failed]
-        chunks = plan.chunks
-        if not chunks:
+        step = LaunchedStep([(state, self._output(state, None, error=reason)) for state, reason in plan.failed])
+        self._launched.append(step)
+        if not plan.chunks:
             self.kv.hand_back_prefetched()  # their pages may be what the waiting requests need
-            return done
+            return step
+        chunks = step.chunks = plan.chunks
+        step.plan, step.timer = plan, timer
         timer.add("onload", self._prefetch_s)
         self._prefetch_s, self._prefetch_bytes = 0.0, (0, 0)  # counted in this step's metrics
         try:
@@ -313,33 +366,59 @@ class GREngine:
             with timer("strip"):  # 4
                 inputs = self.runner.strip(chunks, meta)
             with timer("forward"):  # 5
+                started = self.runner.mark_forward()
                 out = self.runner.forward(inputs, layer_ready)
         except Exception as exc:  # never crash the caller: retry batch-mates alone, fail the culprit
             logger.exception("engine step failed")
-            return done + self._fail_step(chunks, exc)
+            step.chunks = []
+            step.done += self._fail_step(chunks, exc)
+            return step
         with timer("commit"):  # 7: bookkeeping while the device computes (offloads wait for the compute stream)
-            finished = {id(state) for state in self.scheduler.complete(chunks)}
+            step.finished = {id(state) for state in self.scheduler.complete(chunks)}
             self.kv.end_step()
         try:
-            with timer("score"):  # 6
-                results, error = self.runner.score(chunks, meta, out), None
+            with timer("score"):  # 6, its device side: the heads and the copies to the host
+                step.scores = self.runner.fetch(chunks, meta, out, started)
         except Exception as exc:  # the requests are committed: fail the finishing ones, keep their cached K/V
             logger.exception("engine step failed while scoring")
-            results, error = [None] * len(chunks), f"engine step failed: {exc!r}"
+            step.error = f"engine step failed: {exc!r}"
         onloaded, offloaded = self.kv.transferred_bytes
+        step.transferred = (onloaded - moved[0], offloaded - moved[1])
+        return step
+
+    def _collect(self, step: LaunchedStep) -> list[tuple[RequestState, Output]]:
+        """Wait for a launched step's scores (steps are collected in launch order); its outputs."""
+        if not self._launched or self._launched[0] is not step:
+            raise RuntimeError("launched steps must be finished once each, in launch order")
+        self._launched.popleft()
+        done, chunks, timer = step.done, step.chunks, step.timer
+        if not chunks:
+            return done
+        results: list[ChunkResult | None] = [None] * len(chunks)
+        device_s = None
+        if step.scores is not None:
+            try:
+                with timer("score"):  # 6, waiting for the device
+                    results = self.runner.results(step.scores)
+                device_s = step.scores.device_seconds()
+            except Exception as exc:
+                logger.exception("engine step failed while scoring")
+                step.error = f"engine step failed: {exc!r}"
+        plan = step.plan
         self.stats.record_step(StepMetrics(
             num_requests=len(chunks), num_tokens=sum(c.num_tokens for c in chunks),
             gpu_hit_tokens=sum(r.num_gpu_hits for r in plan.admitted),
             host_hit_tokens=sum(r.num_host_hits for r in plan.admitted),
             history_tokens=sum(r.num_history for r in plan.admitted),
-            onloaded_bytes=onloaded - moved[0], offloaded_bytes=offloaded - moved[1], phases=timer.seconds,
+            onloaded_bytes=step.transferred[0], offloaded_bytes=step.transferred[1], phases=timer.seconds,
+            device_s=device_s,
         ))
         for chunk, result in zip(chunks, results, strict=True):
             state = chunk.request
             for name, seconds in timer.seconds.items():
                 state.timings[name] = state.timings.get(name, 0.0) + seconds
-            if id(state) in finished:
-                done.append((state, self._output(state, result, error=error)))
+            if id(state) in step.finished:
+                done.append((state, self._output(state, result, error=step.error)))
         return done
 
     def _fail_step(self, chunks: list[ScheduledChunk], exc: Exception) -> list[tuple[RequestState, Output]]:

@@ -83,6 +83,8 @@ class StepMetrics(_HitRatios):
         onloaded_bytes: bytes copied host -> GPU for this step.
         offloaded_bytes: bytes whose GPU -> host copy started in this step.
         phases: seconds per phase (:data:`PHASES`) on the host's clock.
+        device_s: the compute stream's seconds from the step's forward to its results on the host (CUDA; ``None``
+            on CPU): its device time, onload waits included.
     """
 
     num_requests: int
@@ -93,6 +95,7 @@ class StepMetrics(_HitRatios):
     onloaded_bytes: int
     offloaded_bytes: int
     phases: dict[str, float]
+    device_s: float | None = None
 
 
 @dataclass

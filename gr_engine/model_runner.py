@@ -3,7 +3,8 @@
 :meth:`~ModelRunner.prepare` builds page tables and row layout on the host; :meth:`~ModelRunner.strip` the model
 input (uncached history suffix plus candidates), an :class:`EagerStep` or, when it fits the step graphs, a
 :class:`~.step_graphs.StagedStep`; :meth:`~ModelRunner.forward` runs the layers (each appends its new history K/V,
-then attends) and the ranking head; :meth:`~ModelRunner.score` copies the scores to the host.
+then attends) and the ranking head; :meth:`~ModelRunner.fetch` queues the copy of the scores to the host and
+:meth:`~ModelRunner.results` waits for it.
 """
 
 from __future__ import annotations
@@ -280,24 +281,56 @@ class ModelRunner:
 
         return [segment(i) for i in range(last + 1)]
 
+    def mark_forward(self) -> torch.cuda.Event | None:
+        """On CUDA, an event recorded on the compute stream before a step's forward is queued (its device time is
+        measured from it, :meth:`ScoreFetch.device_seconds`); ``None`` on CPU."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
     @torch.no_grad()
-    def score(self, chunks: list[ScheduledChunk], meta: StepMetadata,
-              out: tuple[torch.Tensor, torch.Tensor]) -> list[ChunkResult]:
-        """Results of the requests that finish this step, from what :meth:`forward` returned (the ranking logits
-        copied to the host, the retrieval head's top items); one :class:`ChunkResult` per chunk."""
+    def fetch(self, chunks: list[ScheduledChunk], meta: StepMetadata, out: tuple[torch.Tensor, torch.Tensor],
+              started: torch.cuda.Event | None = None) -> ScoreFetch:
+        """Queue the copies of a step's results to the host right after its :meth:`forward` (before a later step's
+        forward overwrites the step graphs' outputs): the ranking logits, and the retrieval head's top items; nothing
+        waits for the device. :meth:`results` waits for them. ``started``: :meth:`mark_forward`'s event."""
         states, logits = out
-        results = [ChunkResult() for _ in chunks]
         counts = [c.num_candidate_rows for c in chunks]
+        fetch = ScoreFetch(counts=counts, started=started)
         if sum(counts):
-            host = logits.cpu().numpy()
-            for result, end, count in zip(results, itertools.accumulate(counts), counts, strict=True):
-                result.logits = host[end - count:end]
+            fetch.logits = _to_host(logits)
         if meta.retrieval_chunks:
-            self._retrieve(chunks, meta, states, results)
+            fetch.retrieval = self._retrieve(chunks, meta, states)
+        if self.device.type == "cuda":
+            fetch.copied = torch.cuda.Event(enable_timing=started is not None)
+            fetch.copied.record()
+        return fetch
+
+    @staticmethod
+    def results(fetch: ScoreFetch) -> list[ChunkResult]:
+        """Wait for :meth:`fetch`'s copies; one :class:`ChunkResult` per chunk of the step."""
+        if fetch.copied is not None:
+            fetch.copied.synchronize()
+        results = [ChunkResult() for _ in fetch.counts]
+        if fetch.logits is not None:
+            host = fetch.logits.numpy().copy()  # off the pinned block, which the next step's copy reuses
+            for result, end, count in zip(results, itertools.accumulate(fetch.counts), fetch.counts, strict=True):
+                result.logits = host[end - count:end]
+        if fetch.retrieval is not None:
+            chunk_ids, top_ks, top_scores, top_items = fetch.retrieval
+            for b, (i, top_k) in enumerate(zip(chunk_ids, top_ks, strict=True)):
+                keep = top_scores[b, :top_k]
+                finite = torch.isfinite(keep)
+                results[i].item_ids = top_items[b, :top_k][finite].tolist()
+                results[i].scores = keep[finite].tolist()
         return results
 
-    def _retrieve(self, chunks: list[ScheduledChunk], meta: StepMetadata, states: torch.Tensor,
-                  results: list[ChunkResult]) -> None:
+    def _retrieve(self, chunks: list[ScheduledChunk], meta: StepMetadata,
+                  states: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
+        """Queue the retrieval head over the step's finishing retrieval requests and the copy of its top items:
+        their chunk indices, ``top_k`` each, and float32 scores and int64 item ids ``[R, k]`` (host)."""
         scores = self.model.retrieval_scores(states[meta.retrieval_rows]).float()
         payloads = [chunks[i].request.payload for i in meta.retrieval_chunks]
         excluded = [(b, p.arrays.item_ids) for b, p in enumerate(payloads) if p.params.exclude_history]
@@ -305,13 +338,47 @@ class ModelRunner:
             rows = np.concatenate([np.full(len(ids), b) for b, ids in excluded])
             cols = np.concatenate([ids for _, ids in excluded])
             scores[upload(rows, scores.device), upload(cols, scores.device)] = float("-inf")
-        k = min(max(p.params.top_k for p in payloads), scores.shape[1])
-        top_scores, top_items = (t.cpu() for t in scores.topk(k, dim=1))
-        for b, (i, p) in enumerate(zip(meta.retrieval_chunks, payloads, strict=True)):
-            keep = top_scores[b, : p.params.top_k]
-            finite = torch.isfinite(keep)
-            results[i].item_ids = top_items[b, : p.params.top_k][finite].tolist()
-            results[i].scores = keep[finite].tolist()
+        top_ks = [p.params.top_k for p in payloads]
+        top_scores, top_items = scores.topk(min(max(top_ks), scores.shape[1]), dim=1)
+        return meta.retrieval_chunks, top_ks, _to_host(top_scores), _to_host(top_items)
+
+
+@dataclass(eq=False)
+class ScoreFetch:
+    """A step's results on their way to the host (:meth:`ModelRunner.fetch`).
+
+    Attributes:
+        counts: candidate rows of each chunk of the step.
+        logits: float32 ``[sum(counts), num_tasks]`` ranking logits (host; pinned on CUDA), ``None`` without
+            candidates.
+        retrieval: the finishing retrieval chunks' indices, their ``top_k``, and float32 scores and int64 item ids
+            ``[R, k]`` (host), or ``None``.
+        started: CUDA event recorded before the step's forward (:meth:`ModelRunner.mark_forward`), or ``None``.
+        copied: CUDA event recorded after the copies (``None`` on CPU: they are done).
+    """
+
+    counts: list[int]
+    logits: torch.Tensor | None = None
+    retrieval: tuple[list[int], list[int], torch.Tensor, torch.Tensor] | None = None
+    started: torch.cuda.Event | None = None
+    copied: torch.cuda.Event | None = None
+
+    def device_seconds(self) -> float | None:
+        """Once :meth:`ModelRunner.results` returned: the compute stream's time from the step's forward to its
+        results on the host (its forward and heads, and waits for its onloads), in seconds; ``None`` on CPU."""
+        if self.started is None or self.copied is None:
+            return None
+        return self.started.elapsed_time(self.copied) / 1e3
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """Queue ``tensor``'s copy into a pinned block (torch's caching host allocator: reused once the copy is done);
+    a CPU tensor is returned as it is."""
+    if tensor.device.type == "cpu":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
 
 
 def _synthetic_step(rows: int, longest: int, pages: np.ndarray,

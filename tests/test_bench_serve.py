@@ -45,6 +45,7 @@ def check_result(out: Path, in_process: bool) -> dict:
     assert result["warmup"]["sent"] == result["trace"]["users"]
     summary = result["summary"]
     assert summary["closed_loop_rps"] > 0 and summary["pcie_bound_rps"] is None  # CPU: no copy peak
+    assert summary["device_bound_rps"] is None  # CPU: no device time
     assert summary["rps_at_p99_25ms"] is None or summary["rps_at_p99_25ms"] > 0
     assert summary["stalls_after_warmup"] == 0  # the core's counters reach the report (CPU: nothing compiles)
     table = (out / "bench_serve.md").read_text()
@@ -73,6 +74,7 @@ def test_in_process_two_rates(tmp_path: Path) -> None:
     for r in result["rates"]:
         core = r["core"]
         assert 1 <= core["steps"] <= r["answered"] and 0 < core["busy_fraction"] < 1
+        assert core["device_busy_fraction"] == 0 and 0 <= core["overlapped_fraction"] <= 1
         assert core["requests"]["max"] <= 16 and core["step_ms"]["max"] >= core["step_ms"]["p50"] > 0
     assert result["summary"]["core_heap"]["frozen_objects"] == header.frozen_objects
     assert "The engine core per rate" in (out / "bench_serve.md").read_text()

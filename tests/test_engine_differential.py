@@ -226,6 +226,47 @@ def test_streaming_api_matches_batch_api():
     assert max_diff([outputs[r.request_id] for r in requests], expected) <= 1e-5
 
 
+def rank_launching_ahead(engine, requests, seed=3):
+    """Serve ``requests`` through ``launch_step`` / ``finish_step`` as an async core would, with random arrivals
+    between launches and up to 3 steps launched and unfinished; returns the outputs in request order and how many
+    steps were launched while another was unfinished."""
+    rng = np.random.default_rng(seed)
+    outputs, launched, sent, overlapped = {}, [], 0, 0
+    while sent < len(requests) or engine.has_unfinished_requests():
+        for r in requests[sent: sent + int(rng.integers(0, 4))]:
+            engine.add_request(r)
+            sent += 1
+        if engine.scheduler.num_unfinished:
+            launched.append(engine.launch_step())
+            overlapped += len(launched) > 1
+        while launched and (len(launched) > int(rng.integers(1, 4)) or not engine.scheduler.num_unfinished):
+            for out in engine.finish_step(launched.pop(0)):
+                outputs[out.request_id] = out
+    return [outputs[r.request_id] for r in requests], overlapped
+
+
+def test_launched_steps_overlap_and_equal_recompute():
+    """Async scheduling: steps launched while earlier ones are unfinished (a user's next visit among them, its
+    history read from what the unfinished step writes) score as under recompute, under eviction and host traffic;
+    steps finish only once each and in launch order."""
+    config = with_cache(tiny_config(max_num_seqs=3, host_chunks=200), mode="hierarchical", num_gpu_pages=100)
+    requests = stream(config, num_users=10, visits=8, seed=12)
+    expected = GREngine(with_cache(config, mode="recompute")).rank(requests, use_tqdm=False)
+    engine = GREngine(config)
+    outputs, overlapped = rank_launching_ahead(engine, requests)
+    assert overlapped > 10 and engine.stats.host_hit_tokens > 0 and engine.kv.stats.evicted_users > 0
+    assert max_diff(outputs, expected) <= 1e-5
+    engine.kv.check_invariants()
+    for r in stream(config, 2, 1, seed=5):
+        engine.add_request(r)
+    steps = [engine.launch_step(), engine.launch_step()]
+    with pytest.raises(RuntimeError, match="launch order"):
+        engine.finish_step(steps[1])
+    engine.finish_step(steps[0])
+    with pytest.raises(RuntimeError, match="launch order"):
+        engine.finish_step(steps[0])
+
+
 def test_fp8_host_tier_drift_is_small():
     """FP8 host chunks are an approximation: scores drift a little from recompute, never wildly."""
     config = with_cache(tiny_config(max_num_seqs=4, host_chunks=400), mode="hierarchical", num_gpu_pages=120,
@@ -263,23 +304,24 @@ def test_time_bias_model_equal_to_recompute_with_caching():
         assert engine.stats.total_hit_ratio > 0.1
 
 
-@pytest.mark.parametrize("mode", ["gpu_only", "hierarchical"])
-def test_a_failed_scoring_fails_only_that_steps_requests_and_loses_no_cache(monkeypatch, mode):
-    """Step 7's bookkeeping runs before scoring: when scoring fails, the step's finishing requests get an error,
-    the K/V they appended stays committed, and every later request scores as under recompute."""
+@pytest.mark.parametrize(("mode", "phase"), [("gpu_only", "fetch"), ("hierarchical", "results")])
+def test_a_failed_scoring_fails_only_that_steps_requests_and_loses_no_cache(monkeypatch, mode, phase):
+    """Step 7's bookkeeping runs before scoring: when scoring fails (queuing the results' copy at launch, or waiting
+    for it at collection), the step's finishing requests get an error, the K/V they appended stays committed, and
+    every later request scores as under recompute."""
     config = with_cache(tiny_config(max_num_seqs=4, max_num_batched_tokens=200), mode=mode, num_gpu_pages=60)
     requests = stream(config, num_users=8, visits=6, seed=11)
     expected = {r.request_id: r for r in GREngine(with_cache(config, mode="recompute")).rank(requests, use_tqdm=False)}
     engine = GREngine(config)
-    score, calls = engine.runner.score, []
+    scoring, calls = getattr(engine.runner, phase), []
 
-    def failing_score(chunks, meta, states):
+    def failing(*args):
         calls.append(len(calls))
         if len(calls) == 3:
             raise RuntimeError("injected scoring failure")
-        return score(chunks, meta, states)
+        return scoring(*args)
 
-    monkeypatch.setattr(engine.runner, "score", failing_score)
+    monkeypatch.setattr(engine.runner, phase, failing)
     outputs = engine.rank(requests, use_tqdm=False)
     failed = [o for o in outputs if o.error]
     assert 1 <= len(failed) <= 4 and all("injected scoring failure" in o.error for o in failed)

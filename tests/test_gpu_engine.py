@@ -10,7 +10,7 @@ import torch
 
 from gr_engine import GREngine
 from tests.conftest import requires_cuda, tiny_config, with_cache
-from tests.test_engine_differential import stream
+from tests.test_engine_differential import rank_launching_ahead, stream
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -46,6 +46,31 @@ def test_cuda_pipeline_equals_recompute(mode, dtype, tol):
     assert worst <= tol, worst
     if mode == "hierarchical":
         assert engine.stats.host_hit_tokens > 0 and engine.kv.stats.offloaded_bytes > 0
+    engine.close()
+    engine.kv.check_invariants()
+
+
+@pytest.mark.parametrize("mode,backend", [("gpu_only", "torch_ref"), ("hierarchical", "hstu_triton")])
+def test_steps_launched_ahead_equal_recompute_on_cuda(mode, backend):
+    """Async scheduling on the device: with up to 3 steps launched and unfinished (eager steps, or step graphs, with
+    onloads and offloads in flight across them), each step's scores are copied before a later step overwrites the
+    graphs' outputs and each step reads the pages its predecessors wrote: scores equal recompute."""
+    config = tiny_config(mode=mode, num_gpu_pages=50, page_size=16, max_num_seqs=8, max_num_batched_tokens=256,
+                         host_chunks=400, d_model=64, num_heads=2, head_dim=32)
+    config = msgspec.structs.replace(config, device="cuda", attention_backend=backend)
+    requests = stream(config, num_users=20, visits=12, seed=21)
+    expected = scores(GREngine(with_cache(config, mode="recompute")).rank(requests, use_tqdm=False))
+    engine = GREngine(config)
+    if engine.kv.host is not None:
+        engine.kv.host.store.wait_until_allocated()
+    outputs, overlapped = rank_launching_ahead(engine, requests)
+    worst = max(float(np.abs(a - b).max()) for a, b in zip(scores(outputs), expected))
+    assert worst <= 1e-4 and overlapped > 20, (worst, overlapped)
+    assert all(step.device_s is not None and step.device_s > 0 for step in engine.stats.recent_steps)
+    assert engine.kv.stats.evicted_users > 0
+    if backend == "hstu_triton":
+        assert engine.runner.graphs.num_replays > engine.stats.num_steps // 2
+        assert engine.stats.host_hit_tokens > 0
     engine.close()
     engine.kv.check_invariants()
 

@@ -430,3 +430,29 @@ def test_an_idle_core_waits_max_batch_wait_ms_for_a_fuller_batch() -> None:
                 np.testing.assert_allclose(output.scores, reference, atol=TOL, rtol=0)
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_async_scheduling_launches_the_next_step_before_waiting(tmp_path: Path, async_scheduling: bool) -> None:
+    """Under a burst, the core with ``serving.async_scheduling`` launches steps while the one ahead is unfinished (the
+    step log says which), and without it never does; every answer equals offline recompute either way."""
+    from gr_engine.serving import AsyncGREngine, ServingConfig
+    from gr_engine.serving.step_log import read_step_log
+
+    log = tmp_path / "steps.jsonl"
+    config = msgspec.structs.replace(
+        tiny_config(num_gpu_pages=96, max_num_seqs=4),
+        serving=ServingConfig(max_queue_ms=0, async_scheduling=async_scheduling, step_log=str(log)))
+    stream = make_stream(120, seed=43)
+
+    async def run() -> list:
+        async with AsyncGREngine(config) as engine:
+            return await engine.rank_many(stream)
+
+    outputs = asyncio.run(run())
+    for output, reference in zip(outputs, recompute_scores(stream)):
+        np.testing.assert_allclose(output.scores, reference, atol=TOL, rtol=0)
+    _, steps = read_step_log(log)
+    overlapped = sum(s.overlapped for s in steps)
+    assert sum(s.requests for s in steps) >= len(stream)
+    assert overlapped > len(steps) // 2 if async_scheduling else overlapped == 0, (overlapped, len(steps))

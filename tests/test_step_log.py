@@ -45,7 +45,7 @@ def test_log_round_trip_idle_time_and_collections(tmp_path: Path) -> None:
 def record(start: float, seconds: float, requests: int, tokens: int, onloaded: int, waiting: int) -> StepRecord:
     return StepRecord(start=start, seconds=seconds, idle_s=0.001, gc_s=0.0, requests=requests,
                       tokens=tokens, history_tokens=0, gpu_hit_tokens=0, host_hit_tokens=0, onloaded_bytes=onloaded,
-                      waiting=waiting, phases={"forward": seconds / 2})
+                      waiting=waiting, phases={"forward": seconds / 2}, device_s=seconds * 3, overlapped=start % 3 == 0)
 
 
 def test_summary_of_a_window() -> None:
@@ -54,6 +54,9 @@ def test_summary_of_a_window() -> None:
     inside = steps[5:15]
     assert s["steps"] == 10
     assert s["busy_fraction"] == pytest.approx(sum(r.seconds for r in inside) / 9.0)
+    assert s["device_busy_fraction"] == pytest.approx(3 * s["busy_fraction"])
+    assert s["device_ms"]["max"] == pytest.approx(90.0)
+    assert s["overlapped_fraction"] == pytest.approx(0.3)  # starts 6, 9 and 12
     assert s["step_ms"]["max"] == pytest.approx(30.0) and s["step_ms"]["p50"] == pytest.approx(
         np.median([r.seconds * 1e3 for r in inside]))
     assert s["tokens"]["max"] == 1400 and s["onloaded_MB"]["max"] == pytest.approx(14.0)

@@ -12,6 +12,9 @@ class ServingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         max_batch_wait_ms: when the core is idle and fewer than ``scheduler.max_num_seqs`` requests are queued,
             wait at most this long (ms) for more before stepping; 0 steps at once. A request that arrives alone
             waits this long (docs/serving.md says what 1 ms measured).
+        async_scheduling: launch each step before waiting for the one on the device, so that the host's work for it
+            (taking in requests, scheduling, launching) overlaps the device's work (docs/serving.md says what it
+            measured); off, the core waits for each step before taking in the next.
         max_pending_requests: most requests accepted and not yet answered; beyond it a request is refused as
             overloaded (HTTP 503) instead of queued.
         max_pending_tokens: most history events plus candidates of those requests (bounds their memory).
@@ -30,6 +33,7 @@ class ServingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """
 
     max_batch_wait_ms: float = 1.0
+    async_scheduling: bool = True
     max_pending_requests: int = 4096
     max_pending_tokens: int = 64_000_000
     max_queue_ms: float = 50.0

@@ -22,7 +22,7 @@ import msgspec
 import zmq
 
 from ..config import EngineConfig
-from ..engine import GREngine, Output
+from ..engine import GREngine, LaunchedStep, Output
 from ..outputs import StepTimings
 from .heap import freeze_heap
 from .protocol import (
@@ -47,6 +47,18 @@ _CONNECT_TIMEOUT_MS = 10_000  # a client whose report socket cannot be reached t
 #: The queue-wait estimate (:attr:`~.protocol.CoreStats.queue_wait_s`) weighs about this many recent answering steps:
 #: enough to smooth one slow step, few enough to follow a change of load within a fraction of a second.
 SERVICE_STEPS = 32
+
+
+@dataclass(eq=False)
+class _Launch:
+    """A step the core launched: the engine's handle, when it began (monotonic s), the host seconds its launch took,
+    the engine's step count before it, and whether the step before it was still unfinished (async scheduling)."""
+
+    step: LaunchedStep
+    start: float
+    seconds: float
+    steps: int
+    overlapped: bool
 
 
 @dataclass(eq=False)
@@ -92,6 +104,7 @@ class EngineCore:
         self._busy_from = 0.0  # since when the wall time of the next answering step's requests counts
         self._served_s, self._served = 0.0, 0.0  # decayed sums: busy wall seconds, requests answered
         self._log: StepLog | None = None  # the step log (serving.step_log), open from warm-up's end
+        self._launched: _Launch | None = None  # the step on the device, not yet finished
 
     def run(self) -> None:
         """Warm up, then step until every client has left and every request is answered; then let pending
@@ -119,34 +132,52 @@ class EngineCore:
 
     def _serve(self) -> None:
         parent = os.getppid()
-        while not (self._finishing() and not self.engine.has_unfinished_requests()):
-            busy = self.engine.has_unfinished_requests()
-            self._receive(0 if busy else self.serving.heartbeat_s)
+        engine = self.engine
+        while not (self._finishing() and not engine.has_unfinished_requests()):
+            self._receive(0 if engine.has_unfinished_requests() else self.serving.heartbeat_s)
             if self._departed >= self._expected or os.getppid() != parent:
                 logger.error("engine core: the client processes are gone; stopping")
                 break
-            self._wait_for_batch()
+            if self._launched is None:
+                self._wait_for_batch()
             self._expire()
-            if self.engine.has_unfinished_requests():
-                self._step()
+            # Async scheduling: the next step is launched before the one on the device is waited for, so the host's
+            # work for it (intake above, scheduling, launching) overlaps the device's.
+            launched = self._launch() if engine.scheduler.num_unfinished else None
+            if self._launched is not None:
+                self._finish(self._launched)
+            self._launched = launched
+            if launched is not None and not self.serving.async_scheduling:
+                self._finish(launched)
+                self._launched = None
             self._release()
             if any(c.outputs for c in self._clients.values()) or \
                     time.monotonic() - self._last_report >= self.serving.heartbeat_s:
                 self._report()
 
-    def _step(self) -> None:
-        """One engine step, counted and logged."""
+    def _launch(self) -> _Launch:
+        """Launch one engine step (:meth:`~gr_engine.GREngine.launch_step`)."""
         start, t0, steps = time.monotonic(), time.perf_counter(), self.engine.stats.num_steps
-        outputs = self.engine.step()
-        seconds = time.perf_counter() - t0
+        step = self.engine.launch_step()
+        return _Launch(step, start, time.perf_counter() - t0, steps, self._launched is not None)
+
+    def _finish(self, launch: _Launch) -> None:
+        """Wait for a launched step; count and log it, and file its outputs for their clients."""
+        t0 = time.perf_counter()
+        outputs = self.engine.finish_step(launch.step)
+        seconds = launch.seconds + time.perf_counter() - t0
         self._count_step(seconds)
         self._count_service(len(outputs))
         self._batch_opened = 0.0  # what a step left queued runs next without waiting for a fuller batch
         if self._log is not None:
             stats = self.engine.stats
-            waiting = self.engine.scheduler.num_unfinished - len(self.engine.scheduler.running)
-            self._log.step(start, seconds, stats.recent_steps[-1] if stats.num_steps > steps else None, waiting)
-        self._finish(outputs)
+            self._log.step(launch.start, seconds, stats.recent_steps[-1] if stats.num_steps > launch.steps else None,
+                           self.engine.num_waiting, launch.overlapped)
+        for output in outputs:
+            kind = None
+            if output.error is not None:
+                kind = "engine" if output.error.startswith(_STEP_FAILED) else "unservable"
+            self._answer(output, kind)
 
     def _finishing(self) -> bool:
         """Whether every client the core serves has left or is leaving."""
@@ -240,13 +271,6 @@ class EngineCore:
             self._answer(output, kind)
 
     # ------------------------------------------------------------------ outputs
-    def _finish(self, outputs: list[Output]) -> None:
-        for output in outputs:
-            kind = None
-            if output.error is not None:
-                kind = "engine" if output.error.startswith(_STEP_FAILED) else "unservable"
-            self._answer(output, kind)
-
     def _answer(self, output: Output, kind: str | None) -> None:
         """File a finished request's output for its client (dropped if the client is gone)."""
         self._deadlines.pop(output.request_id, None)
@@ -308,8 +332,7 @@ class EngineCore:
 
     def _stats(self) -> CoreStats:
         engine, kv = self.engine, self.engine.kv
-        running = len(engine.scheduler.running)
-        waiting = engine.scheduler.num_unfinished - running
+        running, waiting = engine.num_running, engine.num_waiting
         onloaded, offloaded = kv.transferred_bytes
         host_used = 0
         if kv.host is not None:

@@ -71,9 +71,13 @@ def build_result(phases: dict, peak_GBps: float | None) -> dict:
     answered = sum(r["answered"] for r in rates)
     per_request = sum(r["onloaded_bytes"] for r in rates) / answered if answered else None
     pcie = peak_GBps * 1e9 / per_request if peak_GBps and per_request else None
+    device_s = sum(r.get("core", {}).get("device_s", 0.0) for r in rates)
     summary = {"rps_at_p99_25ms": best("p99_ms"), "rps_at_p99_25ms_from_schedule": best("p99_from_schedule_ms"),
                "closed_loop_rps": closed["achieved_rps"],
                "pcie_bound_rps": pcie, "peak_h2d_GBps": peak_GBps, "onloaded_bytes_per_request": per_request,
+               # requests answered per second of the steps' device time (CUDA, with a step log): what the device
+               # alone would allow at the rates' step sizes
+               "device_bound_rps": answered / device_s if device_s > 0 else None,
                "trace_exhausted": phases["exhausted"],
                # the core's compilations and captures in closed loop and rates; its heap after warm-up (step log)
                "stalls_after_warmup": phases.get("stalls"), "core_heap": phases.get("heap")}
@@ -92,6 +96,8 @@ def markdown(result: dict) -> str:
              f"- closed loop (batches of 8 / 8 clients): {_num(s['closed_loop_rps'], 1)} requests/s",
              f"- PCIe bound: {_num(s['pcie_bound_rps'], 1)} requests/s ({_num(s['onloaded_bytes_per_request'], 0)} "
              f"onloaded bytes per request at {_num(s['peak_h2d_GBps'])} GB/s)",
+             f"- device bound: {_num(s.get('device_bound_rps'), 1)} requests/s (requests answered per second of the "
+             "steps' device time over all rates)",
              f"- kernel compilations and graph captures in the engine core after warm-up (closed loop and rates): "
              f"{'-' if s.get('stalls_after_warmup') is None else s['stalls_after_warmup']}",
              f"- warm-up: {result['warmup']['answered']} first visits at {_num(result['warmup']['achieved_rps'], 1)} "
@@ -129,7 +135,8 @@ def profile_markdown(result: dict) -> list[str]:
     if heap:
         lines += [f"After warm-up the core froze {heap['frozen_objects']} objects out of garbage collection (a full "
                   f"collection over them took {heap['full_collection_s'] * 1e3:.1f} ms).", ""]
-    header = ["offered (req/s)", "steps", "busy", "step ms p50/p99/max", "idle ms p99", "requests per step",
+    header = ["offered (req/s)", "steps", "busy", "device busy", "launched ahead", "step ms p50/p99/max",
+              "device ms p50/p99/max", "idle ms p99", "requests per step",
               "tokens per step p50/p99/max", "onloaded MB per step p50/p99/max", "queued p99/max", "GC s (max ms)",
               "mean ms per step by phase"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -141,13 +148,18 @@ def profile_markdown(result: dict) -> list[str]:
         c = r["core"]
         phases = ", ".join(f"{k} {v:.2f}" for k, v in c["phase_ms_mean"].items() if v >= 0.005)
         lines.append("| " + " | ".join([f"{r['offered_rps']:g}", str(c["steps"]), f"{c['busy_fraction']:.0%}",
-                                        spread(c["step_ms"], digits=2), _num(c["idle_ms"]["p99"]),
+                                        f"{c.get('device_busy_fraction', 0.0):.0%}",
+                                        f"{c.get('overlapped_fraction', 0.0):.0%}", spread(c["step_ms"], digits=2),
+                                        spread(c["device_ms"], digits=2) if "device_ms" in c else "-",
+                                        _num(c["idle_ms"]["p99"]),
                                         _num(c["requests"]["mean"]), spread(c["tokens"], digits=0),
                                         spread(c["onloaded_MB"]), spread(c["waiting"], ("p99", "max"), 0),
                                         f"{c['gc_s']:.3f} ({c['gc_max_ms']:.1f})", phases]) + " |")
-    lines += ["", "Busy: the share of the rate's span the core spent in steps; idle: time between a step's end and "
-              "the next one's start (receiving, reporting, waiting for work). The longest steps are in "
-              "`bench_serve.json` (`rates[].core.longest`)."]
+    lines += ["", "Busy: the share of the rate's span the core's host spent in steps (launching them and waiting "
+              "for their results); device busy: the share the device spent in the steps' forwards (onload waits "
+              "included; 0 on CPU); launched ahead: steps launched while the one before was still on the device "
+              "(async scheduling); idle: time between a step's end and the next one's start (receiving, reporting, "
+              "waiting for work). The longest steps are in `bench_serve.json` (`rates[].core.longest`)."]
     return lines
 
 

@@ -36,7 +36,8 @@ class StepRecord(msgspec.Struct, kw_only=True, tag="step"):
 
     Attributes:
         start: when the step began (monotonic s).
-        seconds: its wall time.
+        seconds: the host's time in it: its launch and the wait for its results (with async scheduling the next
+            step's launch runs between the two, and is not counted here).
         idle_s: time from the previous step's end to this one's start (receiving, reporting, waiting for work).
         gc_s: time in garbage collection since the previous record.
         requests, tokens: requests in the step and tokens it computed (uncached history plus candidates).
@@ -45,6 +46,8 @@ class StepRecord(msgspec.Struct, kw_only=True, tag="step"):
         onloaded_bytes: host -> GPU bytes the step copied.
         waiting: requests queued (not yet admitted) after the step.
         phases: seconds per engine phase (``gr_engine.metrics.PHASES``).
+        device_s: the step's device time (``gr_engine.metrics.StepMetrics.device_s``; 0 on CPU).
+        overlapped: it was launched before the step ahead of it had finished (``serving.async_scheduling``).
     """
 
     start: float
@@ -59,6 +62,8 @@ class StepRecord(msgspec.Struct, kw_only=True, tag="step"):
     onloaded_bytes: int
     waiting: int
     phases: dict[str, float]
+    device_s: float = 0.0
+    overlapped: bool = False
 
 
 _LINE = msgspec.json.Decoder(StepLogHeader | StepRecord)
@@ -83,9 +88,11 @@ class StepLog:
     def header(self, frozen_objects: int, full_collection_s: float) -> None:
         self._write(StepLogHeader(frozen_objects=frozen_objects, full_collection_s=full_collection_s))
 
-    def step(self, start: float, seconds: float, metrics: StepMetrics | None, waiting: int) -> None:
-        """Log a step that began at ``start`` (monotonic s) and took ``seconds``; ``metrics``: the engine's record
-        of it (``None``: the step ran no model, e.g. every admitted request failed)."""
+    def step(self, start: float, seconds: float, metrics: StepMetrics | None, waiting: int,
+             overlapped: bool = False) -> None:
+        """Log a step that began at ``start`` (monotonic s) and took ``seconds`` of the host's time (its launch and
+        the wait for its results); ``metrics``: the engine's record of it (``None``: the step ran no model, e.g.
+        every admitted request failed); ``overlapped``: see :class:`StepRecord`."""
         idle = 0.0 if self._last_end is None else max(start - self._last_end, 0.0)
         self._last_end = start + seconds
         m = metrics
@@ -94,7 +101,8 @@ class StepLog:
             requests=m.num_requests if m else 0, tokens=m.num_tokens if m else 0,
             history_tokens=m.history_tokens if m else 0, gpu_hit_tokens=m.gpu_hit_tokens if m else 0,
             host_hit_tokens=m.host_hit_tokens if m else 0, onloaded_bytes=m.onloaded_bytes if m else 0,
-            waiting=waiting, phases=dict(m.phases) if m else {}))
+            waiting=waiting, phases=dict(m.phases) if m else {}, device_s=(m.device_s or 0.0) if m else 0.0,
+            overlapped=overlapped))
         self._gc_s = 0.0
 
     def _write(self, record: StepLogHeader | StepRecord) -> None:
@@ -123,20 +131,24 @@ def read_step_log(path: str | Path) -> tuple[StepLogHeader | None, list[StepReco
 
 
 def summarize(steps: list[StepRecord], start: float, end: float, longest: int = 5) -> dict:
-    """The steps that began in ``[start, end]`` (monotonic s): how busy the core was (step seconds over the span),
-    the spread (p50, p90, p99, mean, max) of step and idle time (ms), requests, computed tokens and onloaded MB per step
-    and queued requests; mean ms per step of each phase; garbage-collection seconds; and the
+    """The steps that began in ``[start, end]`` (monotonic s): how busy the core and the device were (step seconds
+    and device seconds over the span), the spread (p50, p90, p99, mean, max) of step, device and idle time (ms),
+    requests, computed tokens and onloaded MB per step and queued requests; mean ms per step of each phase;
+    garbage-collection seconds; the fraction of steps launched while the one ahead was unfinished; and the
     ``longest`` steps whole."""
     window = [s for s in steps if start <= s.start <= end]
     if not window:
         return {"steps": 0}
     column = {name: np.array([getattr(s, name) for s in window], dtype=np.float64)
               for name in ("seconds", "idle_s", "gc_s", "requests", "tokens", "onloaded_bytes",
-                           "waiting")}
+                           "waiting", "device_s", "overlapped")}
     phases = sorted({name for s in window for name in s.phases})
     span = max(end - start, 1e-9)
     return {
         "steps": len(window), "busy_fraction": float(column["seconds"].sum() / span),
+        "device_busy_fraction": float(column["device_s"].sum() / span), "device_s": float(column["device_s"].sum()),
+        "device_ms": percentiles(column["device_s"] * 1e3, ""),
+        "overlapped_fraction": float(column["overlapped"].mean()),
         "step_ms": percentiles(column["seconds"] * 1e3, ""), "idle_ms": percentiles(column["idle_s"] * 1e3, ""),
         "requests": percentiles(column["requests"], ""), "tokens": percentiles(column["tokens"], ""),
         "onloaded_MB": percentiles(column["onloaded_bytes"] * 1e-6, ""), "waiting": percentiles(column["waiting"], ""),

@@ -9,7 +9,7 @@
 #   http:       gr-engine serve --api-servers 6 (step log on) loaded by 8 generator processes with msgpack bodies
 #   recompute:  bench-serve in process in recompute mode, at lower rates
 # Environment: RATES (default 1000,1200,1400,1600,1800,2000), SKIP (20000), DURATION (s per rate, 5), TIMEOUT (s per
-# run, 250). Everything under OUT_DIR is also packed into OUT_DIR.tar.
+# run, 250), SERVER_SET (http: more --set key=value arguments for the server). Everything under OUT_DIR is also packed into OUT_DIR.tar.
 set -u
 out=${1:?usage: serve_gpu.sh OUT_DIR in-process|http|recompute}
 part=${2:?usage: serve_gpu.sh OUT_DIR in-process|http|recompute}
@@ -40,8 +40,9 @@ case $part in
     ;;
   http)
     python -m gr_engine bench-serve --write-config "$out/hierarchical.json" --mode hierarchical
+    # shellcheck disable=SC2086  # SERVER_SET: more --set overrides for the server, word-split
     python -m gr_engine serve --config "$out/hierarchical.json" --set "serving.step_log=$out/http_core_steps.jsonl" \
-      --api-servers 6 --host 127.0.0.1 --port 8000 > "$out/server.log" 2>&1 &
+      ${SERVER_SET:-} --api-servers 6 --host 127.0.0.1 --port 8000 > "$out/server.log" 2>&1 &
     server=$!
     for _ in $(seq 300); do
       curl -sf http://127.0.0.1:8000/ready > /dev/null && break

@@ -5,7 +5,6 @@ output per request, in input order (a bad request's ``error`` says why; its batc
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections import deque
@@ -18,18 +17,19 @@ import torch
 from tqdm.auto import tqdm
 
 from attention_backends import AttentionSpec, BackendRegistry
-from cache_engine import IncrementalHasher, KVCacheManager
+from cache_engine import KVCacheManager
 from scheduler import RequestState, ScheduledChunk, Scheduler, SchedulerOutput
 
 from .compile_watch import CompileWatch, StallCounts
 from .config import EngineConfig
+from .intake import RequestIntake
 from .metrics import EngineStats, PhaseTimer, StepMetrics
 from .model_runner import ChunkResult, ModelRunner, RequestPayload, ScoreFetch
 from .models import GRModel
 from .outputs import GenerateOutput, RankOutput, StepTimings, output_user_id
 from .request import GenerateParams, GenerateRequest, RankRequest
 from .step_graphs import StepGraphs
-from .validation import RequestError, check_candidates, check_events, parse_fields, values_valid
+from .validation import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +74,8 @@ class GREngine:
             pool, e.g. one arena reused by successive engines in a process; no other live engine may use it.
 
     Attributes (besides the config): ``model``, ``backend`` (attention), ``kv`` (the
-    :class:`~cache_engine.KVCacheManager`), ``scheduler``, ``runner`` (the :class:`ModelRunner`), ``hasher``
-    (the intake's :class:`~cache_engine.IncrementalHasher`), ``stats`` (:class:`EngineStats`).
+    :class:`~cache_engine.KVCacheManager`), ``scheduler``, ``runner`` (the :class:`ModelRunner`), ``intake``
+    (the :class:`~.intake.RequestIntake`, with the prefix ``hasher``), ``stats`` (:class:`EngineStats`).
     """
 
     def __init__(self, config: EngineConfig, *, model: GRModel | None = None,
@@ -98,7 +98,6 @@ class GREngine:
         self.kv = KVCacheManager(config.cache, mc.num_layers, mc.num_heads, mc.head_dim, mc.torch_dtype,
                                  self.device, host_memory=host_memory)
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.hasher = IncrementalHasher(config.cache.page_size)
         graphs = None
         # (A time-biased step reads its timestamps, which the graphs' static buffers do not hold: such models run
         # every step eagerly.)
@@ -108,10 +107,7 @@ class GREngine:
                                 config.scheduler.max_num_seqs, config.cache.num_gpu_pages)
         self.runner = ModelRunner(self.model, self.backend, self.kv, self.device, graphs)
         self.stats = EngineStats()
-        # Prefetches since the last step: host time (for its onload phase), bytes moved (onloaded, offloaded).
-        self._prefetch_s, self._prefetch_bytes = 0.0, (0, 0)
-        self._seq = itertools.count()
-        self._in_flight: set[str] = set()
+        self.intake = RequestIntake(config, self.kv, self.scheduler, self.stats)
         self._undelivered: list[Output] = []
         self._launched: deque[LaunchedStep] = deque()  # launched steps not yet finished, oldest first
 
@@ -119,7 +115,7 @@ class GREngine:
     def add_request(self, request: RankRequest | GenerateRequest, params: GenerateParams | None = None) -> int:
         """Queue a request (ranking if ``params`` is ``None``, else retrieval); return its sequence number (arrival
         order). Raises :class:`RequestError` if it is invalid or its ``request_id`` is already in flight."""
-        result = self._add([request], params)[0]
+        result = self.intake.add([request], params)[0]
         if isinstance(result, RequestError):
             raise result
         return result
@@ -159,7 +155,7 @@ class GREngine:
     def add_requests(self, requests: Sequence[RankRequest | GenerateRequest],
                      params: GenerateParams | None = None) -> list[int | RequestError]:
         """:meth:`add_request` for each, in one faster intake pass: sequence numbers or the refusing errors."""
-        return self._add(requests, params)
+        return self.intake.add(requests, params)
 
     def abort_waiting(self, request_ids: Collection[str], error: str) -> list[Output]:
         """Drop the requests among ``request_ids`` (added with :meth:`add_request`) that no step has started;
@@ -188,7 +184,7 @@ class GREngine:
         failed_type = RankOutput if params is None else GenerateOutput
         for start in range(0, len(requests), _INTAKE_BATCH):
             part = requests[start:start + _INTAKE_BATCH]
-            for i, (request, added) in enumerate(zip(part, self._add(part, params), strict=True), start):
+            for i, (request, added) in enumerate(zip(part, self.intake.add(part, params), strict=True), start):
                 if isinstance(added, RequestError):
                     results[i] = failed_type(request_id=str(getattr(request, "request_id", "")),
                                              user_id=output_user_id(getattr(request, "user_id", None)),
@@ -258,86 +254,6 @@ class GREngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _add(self, requests: Sequence[Any], params: GenerateParams | None) -> list[int | RequestError]:
-        """Intake (docs/design.md section 3, step 2's request side): validate, hash the new parts of all valid
-        histories in one pass, queue; returns each request's sequence number or error. Values are checked for the
-        whole batch at once (:func:`values_valid`), request by request only when that finds a problem."""
-        if self.config.cache.prefetch and self.kv.host is not None and not self.scheduler.num_unfinished:
-            # The coming step's users, before validation: their onloads run while the host validates and schedules.
-            t, before = time.perf_counter(), self.kv.transferred_bytes
-            users = [getattr(request, "user_id", None) for request in requests]
-            self.kv.prefetch(users, self._next_step_size(requests))
-            self._prefetch_s += time.perf_counter() - t
-            after = self.kv.transferred_bytes
-            self._prefetch_bytes = (self._prefetch_bytes[0] + after[0] - before[0],
-                                    self._prefetch_bytes[1] + after[1] - before[1])
-        t0 = time.perf_counter()
-        added: list[int | RequestError | None] = [None] * len(requests)
-        parsed, valid, ids, matches = [], [], set(), []
-        caching = self.config.cache.mode != "recompute"  # recompute never reads the prefix hashes
-        for i, request in enumerate(requests):
-            try:
-                arrays = parse_fields(request, self.config, ranking=params is None)
-            except RequestError as exc:
-                added[i] = exc
-                continue
-            # Events equal to the user's last validated history need no second check.
-            match = self.hasher.match(request.user_id, arrays.item_ids, arrays.action_ids,
-                                      arrays.timestamps) if caching else None
-            parsed.append((i, request, arrays, match, match.length if match else 0))
-        checked = values_valid([(arrays, start) for _, _, arrays, _, start in parsed], self.config)
-        for i, request, arrays, match, start in parsed:
-            try:
-                if not checked:
-                    check_candidates(arrays, self.config)
-                if request.request_id in self._in_flight or request.request_id in ids:
-                    raise RequestError(f"request_id {request.request_id!r} is already in flight")
-                if not checked:
-                    check_events(arrays, self.config, start)
-            except RequestError as exc:
-                added[i] = exc
-                continue
-            ids.add(request.request_id)
-            valid.append((i, request, arrays))
-            matches.append(match)
-        if caching:
-            hashes = self.hasher.many([(r.user_id, a.item_ids, a.action_ids, a.timestamps) for _, r, a in valid],
-                                      matches)
-        else:
-            hashes = [np.zeros(a.num_history, dtype=np.uint64) for _, _, a in valid]
-        intake_s = (time.perf_counter() - t0) / max(len(valid), 1)  # each request's share
-        for (i, request, arrays), token_hashes in zip(valid, hashes, strict=True):
-            n = arrays.num_history
-            state = RequestState(
-                seq_id=next(self._seq), user_id=request.user_id, num_history=n,
-                num_candidates=len(arrays.candidate_item_ids), reuse_limit=n if params is None else n - 1,
-                token_hashes=token_hashes, payload=RequestPayload(request, arrays, params, t0),
-            )
-            state.timings["intake"] = intake_s
-            self.stats.record_intake(intake_s)
-            self._in_flight.add(request.request_id)
-            self.scheduler.add(state)
-            added[i] = state.seq_id
-        if not self.scheduler.num_unfinished:  # every request was refused: no step will hand prefetches back
-            self.kv.hand_back_prefetched()
-        return added
-
-    def _next_step_size(self, requests: Sequence[Any]) -> int:
-        """An estimate of how many of ``requests`` (unvalidated) the next step admits when nothing else waits: at
-        most ``max_num_seqs``, while their uncached history plus candidate rows fit the step's token budget."""
-        budget, count = self.config.scheduler.max_num_batched_tokens, 0
-        for request in requests[:self.config.scheduler.max_num_seqs]:
-            if budget <= 0:
-                break
-            count += 1
-            try:
-                cached = self.kv.cached_tokens(request.user_id)
-                rows = len(request.item_ids) - cached + len(request.candidate_item_ids)
-            except (TypeError, AttributeError):  # malformed: validation will say why
-                rows = 0
-            budget -= max(rows, 1)
-        return count
-
     def _launch(self) -> LaunchedStep:
         """Schedule one step and queue it on the device (docs/design.md section 3): onloads launch before the
         metadata is built (PCIe copies overlap host work), requests commit and the scores' copy to the host is queued
@@ -345,7 +261,6 @@ class GREngine:
         timer = PhaseTimer(self.device if self.config.sync_phases and self.device.type == "cuda" else None)
         # Bytes this step moves: from here on (acquires plan onloads and persist evicted tails), plus its prefetches'.
         onloaded, offloaded = self.kv.transferred_bytes
-        moved = (onloaded - self._prefetch_bytes[0], offloaded - self._prefetch_bytes[1])
         with timer("schedule"):  # 1 (and 2's cache side: admitted requests acquire their pages)
             self.kv.begin_step()
             plan = self.scheduler.schedule()
@@ -356,8 +271,9 @@ class GREngine:
             return step
         chunks = step.chunks = plan.chunks
         step.plan, step.timer = plan, timer
-        timer.add("onload", self._prefetch_s)
-        self._prefetch_s, self._prefetch_bytes = 0.0, (0, 0)  # counted in this step's metrics
+        prefetch_s, prefetch_bytes = self.intake.take_prefetch()  # counted in this step's metrics
+        moved = (onloaded - prefetch_bytes[0], offloaded - prefetch_bytes[1])
+        timer.add("onload", prefetch_s)
         try:
             with timer("onload"):  # 3
                 layer_ready = self.kv.launch_onloads()
@@ -434,7 +350,7 @@ class GREngine:
 
     def _output(self, state: RequestState, result: ChunkResult | None, error: str | None = None) -> Output:
         payload: RequestPayload = state.payload
-        self._in_flight.discard(payload.request.request_id)
+        self.intake.finished(payload.request.request_id)
         ok = error is None
         fields = dict(
             request_id=payload.request.request_id, user_id=state.user_id,

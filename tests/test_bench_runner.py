@@ -151,12 +151,12 @@ def test_fast_forward_leaves_intake_knowing_each_users_history():
     run = BenchRun(settings, trace, cache_config(settings, "hierarchical"), 8)
     run.warmup()
     users = {trace.requests[i].user for i in run.steady[:40]}
-    run.engine.hasher = type(run.engine.hasher)(settings.page_size)  # forget what the warm-up served
+    run.engine.intake.hasher = type(run.engine.intake.hasher)(settings.page_size)  # forget what the warm-up served
     run.fast_forward(40)
-    assert all(user in run.engine.hasher for user in users)
+    assert all(user in run.engine.intake.hasher for user in users)
     nxt = trace.requests[run.steady[40]]
     e = trace.users[nxt.user]
-    got = run.engine.hasher(nxt.user, *(a[: nxt.history_len] for a in (e.item_ids, e.action_ids, e.timestamps)))
+    got = run.engine.intake.hasher(nxt.user, *(a[: nxt.history_len] for a in (e.item_ids, e.action_ids, e.timestamps)))
     assert (got == page_prefix_hashes(e.item_ids[: nxt.history_len], e.action_ids[: nxt.history_len],
                                       e.timestamps[: nxt.history_len], settings.page_size)).all()
     run.close()

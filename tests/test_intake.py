@@ -309,10 +309,10 @@ def test_intake_equals_the_per_request_intake(mode, join_limit, monkeypatch):
             request_id = str(count - 1 if rng.random() < 0.05 else count)
             requests.append(RankRequest(request_id=request_id, user_id=user, item_ids=fields[0],
                                         action_ids=fields[1], timestamps=fields[2], candidate_item_ids=candidates))
-        in_flight = set(engine._in_flight)
+        in_flight = set(engine.intake._in_flight)
         expected = _reference_errors(engine, requests, last, in_flight)
         before = len(queued)
-        added = engine._add(requests, None)
+        added = engine.intake.add(requests, None)
         states = iter(queued[before:])
         for request, result, error in zip(requests, added, expected):
             if error is not None:
@@ -327,5 +327,5 @@ def test_intake_equals_the_per_request_intake(mode, join_limit, monkeypatch):
                 assert np.array_equal(state.token_hashes, page_prefix_hashes(*arrays, 4))
             last[request.user_id] = arrays
         if rng.random() < 0.7:
-            engine._in_flight.clear()
+            engine.intake._in_flight.clear()
     assert failed > 100

@@ -1,0 +1,134 @@
+"""Intake (docs/design.md section 3, step 2's request side): new requests are validated, the new parts of their
+histories hashed per page and queued in the scheduler; with ``cache.prefetch`` their users' host-resident history
+starts loading first."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from cache_engine import IncrementalHasher, KVCacheManager
+from scheduler import RequestState, Scheduler
+
+from .config import EngineConfig
+from .metrics import EngineStats
+from .model_runner import RequestPayload
+from .request import GenerateParams
+from .validation import RequestError, check_candidates, check_events, parse_fields, values_valid
+
+
+class RequestIntake:
+    """Takes requests into the engine: owns the prefix hasher, the sequence numbers and the ids in flight, and the
+    prefetches' host time and bytes until a step counts them (:meth:`take_prefetch`).
+
+    Args:
+        config: the engine configuration.
+        kv: the engine's cache manager (prefetches, cached lengths).
+        scheduler: where valid requests are queued.
+        stats: where each request's intake time is recorded.
+
+    Attributes:
+        hasher: the :class:`~cache_engine.IncrementalHasher` of users' last validated histories.
+    """
+
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, scheduler: Scheduler, stats: EngineStats) -> None:
+        self._config, self._kv, self._scheduler, self._stats = config, kv, scheduler, stats
+        self.hasher = IncrementalHasher(config.cache.page_size)
+        self._seq = itertools.count()
+        self._in_flight: set[str] = set()
+        # Prefetches since the last step: host time (for its onload phase), bytes moved (onloaded, offloaded).
+        self._prefetch_s, self._prefetch_bytes = 0.0, (0, 0)
+
+    def finished(self, request_id: str) -> None:
+        """A request has its output: its id may be used again."""
+        self._in_flight.discard(request_id)
+
+    def take_prefetch(self) -> tuple[float, tuple[int, int]]:
+        """The host seconds and bytes (onloaded, offloaded) of the prefetches since the last call."""
+        taken = self._prefetch_s, self._prefetch_bytes
+        self._prefetch_s, self._prefetch_bytes = 0.0, (0, 0)
+        return taken
+
+    def add(self, requests: Sequence[Any], params: GenerateParams | None) -> list[int | RequestError]:
+        """Intake (docs/design.md section 3, step 2's request side): validate, hash the new parts of all valid
+        histories in one pass, queue; returns each request's sequence number or error. Values are checked for the
+        whole batch at once (:func:`values_valid`), request by request only when that finds a problem."""
+        if self._config.cache.prefetch and self._kv.host is not None and not self._scheduler.num_unfinished:
+            # The coming step's users, before validation: their onloads run while the host validates and schedules.
+            t, before = time.perf_counter(), self._kv.transferred_bytes
+            users = [getattr(request, "user_id", None) for request in requests]
+            self._kv.prefetch(users, self._next_step_size(requests))
+            self._prefetch_s += time.perf_counter() - t
+            after = self._kv.transferred_bytes
+            self._prefetch_bytes = (self._prefetch_bytes[0] + after[0] - before[0],
+                                    self._prefetch_bytes[1] + after[1] - before[1])
+        t0 = time.perf_counter()
+        added: list[int | RequestError | None] = [None] * len(requests)
+        parsed, valid, ids, matches = [], [], set(), []
+        caching = self._config.cache.mode != "recompute"  # recompute never reads the prefix hashes
+        for i, request in enumerate(requests):
+            try:
+                arrays = parse_fields(request, self._config, ranking=params is None)
+            except RequestError as exc:
+                added[i] = exc
+                continue
+            # Events equal to the user's last validated history need no second check.
+            match = self.hasher.match(request.user_id, arrays.item_ids, arrays.action_ids,
+                                      arrays.timestamps) if caching else None
+            parsed.append((i, request, arrays, match, match.length if match else 0))
+        checked = values_valid([(arrays, start) for _, _, arrays, _, start in parsed], self._config)
+        for i, request, arrays, match, start in parsed:
+            try:
+                if not checked:
+                    check_candidates(arrays, self._config)
+                if request.request_id in self._in_flight or request.request_id in ids:
+                    raise RequestError(f"request_id {request.request_id!r} is already in flight")
+                if not checked:
+                    check_events(arrays, self._config, start)
+            except RequestError as exc:
+                added[i] = exc
+                continue
+            ids.add(request.request_id)
+            valid.append((i, request, arrays))
+            matches.append(match)
+        if caching:
+            hashes = self.hasher.many([(r.user_id, a.item_ids, a.action_ids, a.timestamps) for _, r, a in valid],
+                                      matches)
+        else:
+            hashes = [np.zeros(a.num_history, dtype=np.uint64) for _, _, a in valid]
+        intake_s = (time.perf_counter() - t0) / max(len(valid), 1)  # each request's share
+        for (i, request, arrays), token_hashes in zip(valid, hashes, strict=True):
+            n = arrays.num_history
+            state = RequestState(
+                seq_id=next(self._seq), user_id=request.user_id, num_history=n,
+                num_candidates=len(arrays.candidate_item_ids), reuse_limit=n if params is None else n - 1,
+                token_hashes=token_hashes, payload=RequestPayload(request, arrays, params, t0),
+            )
+            state.timings["intake"] = intake_s
+            self._stats.record_intake(intake_s)
+            self._in_flight.add(request.request_id)
+            self._scheduler.add(state)
+            added[i] = state.seq_id
+        if not self._scheduler.num_unfinished:  # every request was refused: no step will hand prefetches back
+            self._kv.hand_back_prefetched()
+        return added
+
+    def _next_step_size(self, requests: Sequence[Any]) -> int:
+        """An estimate of how many of ``requests`` (unvalidated) the next step admits when nothing else waits: at
+        most ``max_num_seqs``, while their uncached history plus candidate rows fit the step's token budget."""
+        budget, count = self._config.scheduler.max_num_batched_tokens, 0
+        for request in requests[:self._config.scheduler.max_num_seqs]:
+            if budget <= 0:
+                break
+            count += 1
+            try:
+                cached = self._kv.cached_tokens(request.user_id)
+                rows = len(request.item_ids) - cached + len(request.candidate_item_ids)
+            except (TypeError, AttributeError):  # malformed: validation will say why
+                rows = 0
+            budget -= max(rows, 1)
+        return count

@@ -85,6 +85,14 @@ def assert_exact(outputs: list, requests: list[RankRequest], offline: bool = Tru
         np.testing.assert_allclose(output.scores, getattr(other, "scores", other), atol=TOL, rtol=0)
 
 
+def home_replicas(requests: list[RankRequest], replicas: int) -> list[int]:
+    """Each request's home replica among ``replicas`` on the router's ring."""
+    from gr_engine.routing import HashRing
+
+    ring = HashRing(range(replicas))
+    return [ring.route(r.user_id) for r in requests]
+
+
 def test_replica_devices() -> None:
     assert replica_devices("cpu", 3, cuda_devices=0) == ["cpu"] * 3
     assert replica_devices("cuda", 2, cuda_devices=4) == ["cuda:0", "cuda:1"]
@@ -223,6 +231,40 @@ def test_a_killed_replica_loses_no_request_and_its_users_move_on() -> None:
     assert moved >= router.counts.retries
 
 
+def test_a_dead_replica_restarted_gets_its_users_back_and_serves_them_exactly() -> None:
+    """After its core is killed, a replica's users are served by their next replica; :meth:`restart` starts a new
+    core on the replica's device and puts it back on the ring: its users return to it, where their history is
+    computed anew (it holds no KV), and every answer equals offline recompute."""
+    served = Served(2)
+    router, stream = served.router, make_stream(150, num_users=16, seed=83)
+    victim = router.ring.route(stream[0].user_id)
+    homes = [router.home_ring.route(r.user_id) for r in stream]
+
+    async def run() -> list:
+        outputs = await by_user(router, stream[:50], clients=8)
+        with pytest.raises(ValueError, match="not dead"):
+            await router.restart(victim)
+        os.kill(router.engines[victim].core_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while router.engines[victim].is_alive():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        outputs += await by_user(router, stream[50:100], clients=8)  # all on the other replica
+        await router.restart(victim)
+        return outputs + await by_user(router, stream[100:], clients=8)
+
+    try:
+        outputs = served.run(run())
+    finally:
+        served.close()
+    assert_exact(outputs, stream, offline=False)
+    assert router.dead == set() and victim in router.ring and router.counts.restarts == 1
+    for i, request in enumerate(stream):
+        where = served.answered[request.request_id]
+        assert where == ([1 - victim] if 50 <= i < 100 else [homes[i]]), (i, where)
+    assert sum(home == victim for home in homes[100:]) > 0
+
+
 def test_serve_with_two_replicas_gives_offline_scores_metrics_and_survives_one(tmp_path: Path) -> None:
     from .test_serving_msgpack import post_by_user
 
@@ -263,18 +305,30 @@ def test_serve_with_two_replicas_gives_offline_scores_metrics_and_survives_one(t
         os.kill(health["replicas"][0]["core_pid"], signal.SIGKILL)  # one replica dies: the other serves all
         health = httpx.get(f"{server.url}/health", timeout=10)
         assert health.status_code == 200
-        assert [(r["state"], r["on_ring"]) for r in health.json()["replicas"]] == [("dead", False), ("ready", True)]
+        states = [(r["state"], r["on_ring"]) for r in health.json()["replicas"]]
+        assert states[1] == ("ready", True) and states[0] in (("dead", False), ("ready", True))  # (restarted?)
         responses = [httpx.post(f"{server.url}/v1/rank", content=body(stream[i:i + 10]), timeout=30)
-                     for i in range(300, 340, 10)]
+                     for i in range(300, 320, 10)]
+        deadline = time.monotonic() + 60  # the server starts a new core for the dead replica
+        while [r["on_ring"] for r in httpx.get(f"{server.url}/health", timeout=10).json()["replicas"]] != [True, True]:
+            assert time.monotonic() < deadline, "the dead replica was not restarted"
+            time.sleep(0.2)
+        restarted = metric_samples(server.url)
+        responses += [httpx.post(f"{server.url}/v1/rank", content=body(stream[i:i + 10]), timeout=30)
+                      for i in range(320, 340, 10)]
         outputs = [o for r in responses for o in r.json()["outputs"]]
         for output, reference in zip(outputs, references[300:], strict=True):
             assert output["error"] is None, output["error"]
             np.testing.assert_allclose(np.array(output["scores"], dtype=np.float32), reference, atol=TOL, rtol=0)
         final = metric_samples(server.url)
-        assert total(final, "gr_engine_router_reroutes_total") > 0
+        assert total(final, "gr_engine_router_restarts_total") == 1
         retries = total(final, "gr_engine_router_retries_total")
-        assert total(final, "gr_engine_router_requests_total", replica="1") - total(
-            after, "gr_engine_router_requests_total", replica="1") == 40 + retries
+        sent = [total(final, "gr_engine_router_requests_total", replica=r) - total(
+            after, "gr_engine_router_requests_total", replica=r) for r in ("0", "1")]
+        assert sum(sent) == 40 + retries
+        homed = sum(server_replica == 0 for server_replica in home_replicas(stream[320:340], 2))
+        assert total(final, "gr_engine_router_requests_total", replica="0") - total(
+            restarted, "gr_engine_router_requests_total", replica="0") == homed > 0  # its users are back on it
     finally:
         assert server.stop() == 0
 

@@ -168,3 +168,5 @@ class _RouterCollector:
                                   "user's home (it was dead or off the ring).", value=counts.reroutes)
         yield CounterMetricFamily("gr_engine_router_retries", "Requests whose replica died before answering, sent "
                                   "again to their user's next replica.", value=counts.retries)
+        yield CounterMetricFamily("gr_engine_router_restarts", "Dead replicas whose engine core was started again.",
+                                  value=counts.restarts)

@@ -9,7 +9,9 @@ merged back in input order.
 Faults: a replica whose core has died is taken off the ring, and its users go on to their next replica, which
 recomputes what it lacks (the engine's prefix checks keep every answer exact; the dead replica's KV is gone with
 it). A request that its replica accepted but did not answer before dying is sent once more, to its user's next
-replica; if that fails too, its output carries the error (never lost, never waited on past its deadline).
+replica; if that fails too, its output carries the error (never lost, never waited on past its deadline). A dead
+replica can be started again (:meth:`ReplicaRouter.restart`; the API server does so by itself,
+:meth:`ReplicaRouter.supervise`), and its users then return to it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ logger = logging.getLogger(__name__)
 
 Request = RankRequest | GenerateRequest
 Output = RankOutput | GenerateOutput
+#: :meth:`ReplicaRouter.supervise`: how often it looks for dead replicas (s), and its wait after a failed restart (s),
+#: doubled at each further failure.
+SUPERVISE_POLL_S = 0.5
+RESTART_BACKOFF_S = 5.0
 
 
 def replica_devices(device: str, replicas: int, cuda_devices: int | None = None) -> list[str]:
@@ -71,11 +77,13 @@ class RouterCounts:
         reroutes: requests sent to a replica other than their home, the replica owning their user when every
             replica is on the ring (their own was dead or taken off).
         retries: requests whose replica died after accepting them, sent again to their user's next replica.
+        restarts: dead replicas started again (:meth:`ReplicaRouter.restart`).
     """
 
     requests: dict[int, int] = field(default_factory=dict)
     reroutes: int = 0
     retries: int = 0
+    restarts: int = 0
 
 
 def _user_of(request: Any) -> object:
@@ -113,6 +121,7 @@ class ReplicaRouter:
     def __init__(self, config: EngineConfig, replicas: int, virtual_nodes: int = DEFAULT_VIRTUAL_NODES,
                  engines: Mapping[int, Any] | None = None) -> None:
         self.config = config
+        self._owns_engines = engines is None
         if engines is None:
             self.devices = replica_devices(config.device, replicas)
             self.engines = {i: AsyncGREngine(msgspec.structs.replace(config, device=d))
@@ -192,6 +201,57 @@ class ReplicaRouter:
         if replica not in self.engines or replica in self.ring or replica in self.dead:
             raise ValueError(f"replica {replica} is not a live replica off the ring")
         self.ring.add(replica)
+
+    async def restart(self, replica: int) -> None:
+        """Start a new engine core for a dead replica, on its device, and once it has warmed up put it back on the
+        ring: its users return to it, where their history is computed once more (the new core holds no KV).
+
+        Raises:
+            ValueError: the replica is not dead, or the router routes over given engines (which it cannot start).
+            EngineDead: the new core exited before it was ready (the replica stays dead).
+        """
+        self._prune()
+        if replica not in self.dead:
+            raise ValueError(f"replica {replica} is not dead")
+        if not self._owns_engines:
+            raise ValueError("a router over given engines cannot restart them")
+        old = self.engines[replica]
+        await old.close()  # the dead core's sockets
+        engine = AsyncGREngine(msgspec.structs.replace(self.config, device=self.devices[replica]))
+        engine.observers[:] = old.observers  # the router's own and its users'
+        try:
+            await engine.start()
+        except BaseException:  # (cancelled too: no core is left behind)
+            await engine.close()
+            raise
+        self.engines[replica] = engine
+        self.dead.discard(replica)
+        self.ring.add(replica)
+        self.counts.restarts += 1
+        logger.info("replica %d (%s): restarted (core %s); its users are back on it", replica, self.devices[replica],
+                    engine.core_pid)
+
+    async def supervise(self, backoff_s: float = RESTART_BACKOFF_S) -> None:
+        """Restart dead replicas for as long as it runs (the API server runs it beside the router; cancel it before
+        :meth:`close`): checks every :data:`SUPERVISE_POLL_S` seconds; after a failed start the next try waits
+        ``backoff_s`` seconds, doubled at each further failure up to a minute. Nothing for given engines."""
+        if not self._owns_engines:
+            return
+        wait = backoff_s
+        while True:
+            await asyncio.sleep(SUPERVISE_POLL_S)
+            if not self.started:
+                continue
+            self._prune()
+            for replica in sorted(self.dead):
+                try:
+                    await self.restart(replica)
+                    wait = backoff_s
+                except EngineDead:
+                    logger.exception("replica %d: restart failed; next try in %.0f s", replica, wait)
+                    await asyncio.sleep(wait)
+                    wait = min(wait * 2, 60.0)
+                    break
 
     def _prune(self) -> None:
         """Take every replica whose core has died off the ring."""

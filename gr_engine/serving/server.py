@@ -11,6 +11,7 @@ one API server over several engine-core replicas (``--replicas N``): :mod:`.rout
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import signal
@@ -83,9 +84,14 @@ def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int 
         await engine.start()
         frozen, _ = freeze_heap()
         logger.info("%s: the engine core is ready; %d objects frozen out of garbage collection", name, frozen)
+        # Replicas whose core dies are started again (a router over given engines, e.g. Ray Serve's, skips this).
+        supervisor = asyncio.create_task(engine.supervise()) if isinstance(engine, ReplicaRouter) else None
         try:
             yield
         finally:
+            if supervisor is not None:
+                supervisor.cancel()
+                await asyncio.gather(supervisor, return_exceptions=True)
             await engine.close()
             logger.info("%s: stopped; answered %d of %d request bodies accepted", name, bodies["answered"],
                         bodies["accepted"])

@@ -7,6 +7,7 @@ history whatever the batch-mates)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -33,8 +34,9 @@ COUNTERS = ("num_gpu_cached_tokens", "num_host_cached_tokens", "num_computed_tok
 
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
-    """One local Ray and Ray Serve on 127.0.0.1 for the module, running two engine replicas; its base URL."""
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    """One local Ray and Ray Serve on 127.0.0.1 for the module, running two engine replicas; its base URL (Ray's
+    CPUs are logical: one per deployment, for a second application of three too)."""
+    ray.init(num_cpus=7, include_dashboard=False, log_to_driver=False, configure_logging=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
@@ -173,3 +175,49 @@ def test_the_serve_command_on_ray(tmp_path) -> None:
                                    recompute_scores([request])[0], atol=TOL, rtol=0)
     finally:
         assert server.stop() == 0, server.log_text()
+
+
+def test_a_killed_engine_actor_loses_no_request_and_its_replica_comes_back(url: str) -> None:
+    """A second application ("slow": each core waits 0.5 s for a fuller batch, so calls stay inside the engine
+    actors): engine-1's actor is killed while it holds calls (Ray Serve then starts a replacement). Every request is
+    answered exactly (the calls the dead actor held are retried on their users' next replica), the replica is back
+    on the ingress's ring once its deployment answers again, and ``/metrics`` has each replica's core figures."""
+    slow = msgspec.structs.replace(CONFIG, serving=msgspec.structs.replace(CONFIG.serving, max_batch_wait_ms=500))
+    serve.run(ray_serve.build_app(slow, 2), name="slow", route_prefix="/slow")
+    base = f"{url}/slow"
+    stream = make_stream(60, num_users=12, seed=13)
+    homes = HashRing(range(2))
+    [victim] = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                if "slow" in a["name"] and "engine-1" in a["name"]]
+    actor = ray.get_actor(victim["name"], namespace=victim["namespace"])
+
+    async def run() -> list[httpx.Response]:
+        first = await by_user(base, stream[:20], clients=6)
+        load = asyncio.create_task(by_user(base, stream[20:40], clients=6))
+        await asyncio.sleep(0.3)  # inside the batch wait of the calls sent first
+        ray.kill(actor, no_restart=True)
+        return first + await load
+
+    try:
+        responses = asyncio.run(run())
+        deadline = time.monotonic() + 120
+        while [r["on_ring"] for r in httpx.get(f"{base}/health", timeout=60).json()["replicas"]] != [True, True]:
+            assert time.monotonic() < deadline, "the replaced replica never came back on the ring"
+            time.sleep(0.5)
+        restored = metric_samples(base)
+        responses += asyncio.run(by_user(base, stream[40:], clients=6))
+        samples = metric_samples(base)
+    finally:
+        serve.delete("slow")
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+    outputs = [r.json()["outputs"][0] for r in responses]
+    for request, output, reference in zip(stream, outputs, recompute_scores(stream), strict=True):
+        assert output["error"] is None and output["request_id"] == request.request_id, output
+        np.testing.assert_allclose(np.array(output["scores"], dtype=np.float32), reference, atol=TOL, rtol=0)
+    assert total(samples, "gr_engine_router_retries_total") >= 1
+    assert total(samples, "gr_engine_router_restarts_total") == 1
+    back = total(samples, "gr_engine_router_requests_total", replica="1") - total(
+        restored, "gr_engine_router_requests_total", replica="1")
+    assert back == sum(homes.route(r.user_id) == 1 for r in stream[40:]) > 0  # its users are back on it
+    for replica in ("0", "1"):  # each core's figures, polled from its deployment
+        assert total(samples, "gr_engine_step_seconds_count", replica=replica) > 0

@@ -10,13 +10,16 @@
   one deployment (a :class:`~gr_engine.routing.HashRing` of ``user_id``), a body is split by replica and the
   outputs merged in input order. A handle call that fails because its replica's actor died takes that replica off
   the ring, and its requests are sent once more, to their users' next replica (else each output carries the
-  error), as the router does for a dead engine core.
+  error), as the router does for a dead engine core; once Ray Serve has replaced the actor, the replica is back on
+  the ring (:meth:`~.router.ReplicaRouter.supervise`), and the ingress's ``/metrics`` has each replica's core
+  figures, polled from the deployments.
 
 Ray is an optional dependency (``pip install 'gr-engine[ray]'``): ``import gr_engine`` never imports this module.
 """
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 from collections.abc import Awaitable, Sequence
@@ -32,10 +35,13 @@ from ..config import EngineConfig
 from ..outputs import GenerateOutput, RankOutput
 from ..request import GenerateParams, GenerateRequest, RankRequest
 from .client import AsyncGREngine, EngineDead, EngineOverloaded, OutputObserver
+from .protocol import CoreStats
 from .router import ReplicaRouter
 from .server import build_app as build_starlette_app
 
 Output = RankOutput | GenerateOutput
+#: How long :meth:`_HandleReplica.recover` waits for a dead replica's deployment to answer again (s).
+RECOVER_TIMEOUT_S = 10.0
 #: What an engine replica answers for each request: its output, its error kind (``None`` when served; as
 #: :data:`~.client.OutputObserver` is given) and the seconds it spent queued in the core.
 Answer = tuple[Output, str | None, float]
@@ -70,6 +76,10 @@ class EngineReplica:
         """Retrieve items for ``requests`` (:meth:`AsyncGREngine.generate_many`); as :meth:`rank_many`."""
         return await self._answers(self.engine.generate_many(requests, params, timeout_ms))
 
+    def stats(self) -> CoreStats | None:
+        """The engine core's latest counters (``None`` before its first report)."""
+        return self.engine.stats
+
     def check_health(self) -> None:
         """Ray Serve's health check: raises ``RuntimeError`` once the engine core has died (Serve then replaces
         this replica; the ingress has taken it off its ring at its first failed call)."""
@@ -98,17 +108,38 @@ class EngineReplica:
 
 class _HandleReplica:
     """An engine deployment's handle as one of :class:`~.router.ReplicaRouter`'s replicas (the interface of
-    :class:`~.client.AsyncGREngine` that the router uses). Its engine's :class:`EngineOverloaded` and
-    :class:`EngineDead` come through as themselves; a call that Ray could not complete (the replica's actor died
-    or is unreachable) raises :class:`EngineDead`, and the replica counts as dead from then on."""
+    :class:`~.client.AsyncGREngine` that the router uses, and the ``poll`` and ``recover`` of a given engine). Its
+    engine's :class:`EngineOverloaded` and :class:`EngineDead` come through as themselves; a call that Ray could not
+    complete (the replica's actor died or is unreachable) raises :class:`EngineDead`, and the replica counts as dead
+    until :meth:`recover` reaches its deployment again (Ray Serve replaces a dead replica's actor)."""
 
     core_pid = None  # the core runs in another actor, perhaps on another node
-    stats = None  # its core's counters stay with it (Ray Serve's own metrics cover the deployments)
 
     def __init__(self, handle: Any, config: EngineConfig) -> None:
         self.handle, self.config = handle, config
         self.observers: list[OutputObserver] = []
         self.alive = True
+        self.stats: CoreStats | None = None  # its core's latest counters, as of the last poll
+
+    async def poll(self, timeout_s: float = RECOVER_TIMEOUT_S) -> None:
+        """Fetch the core's latest counters (for ``/metrics``; kept as they were if it takes over ``timeout_s``); a
+        replica Ray cannot reach counts as dead."""
+        try:
+            self.stats = await asyncio.wait_for(self.handle.stats.remote(), timeout_s)
+        except RayError:
+            self.alive = False
+        except asyncio.TimeoutError:
+            pass
+
+    async def recover(self, timeout_s: float = RECOVER_TIMEOUT_S) -> bool:
+        """Whether the deployment answers again (Ray Serve has replaced its actor; waits at most ``timeout_s``):
+        then it counts as alive, with a new core holding no KV."""
+        try:
+            self.stats = await asyncio.wait_for(self.handle.stats.remote(), timeout_s)
+        except (RayError, asyncio.TimeoutError):
+            return False
+        self.alive = True
+        return True
 
     async def start(self) -> _HandleReplica:
         return self

@@ -100,8 +100,9 @@ class ReplicaRouter:
         virtual_nodes: points of each replica on the ring (:class:`~gr_engine.routing.HashRing`).
         engines: the replicas to route over, by index ``0 .. replicas - 1``, instead of starting engine cores here:
             objects with :class:`~.client.AsyncGREngine`'s ``start``, ``close``, ``rank_many``, ``generate_many``,
-            ``is_alive``, ``is_healthy``, ``state``, ``core_pid``, ``stats``, ``config`` and ``observers``
-            (e.g. Ray Serve deployment handles, :mod:`.ray_serve`).
+            ``is_alive``, ``is_healthy``, ``state``, ``core_pid``, ``stats``, ``config`` and ``observers``, and
+            two coroutines :meth:`supervise` calls: ``poll()`` (refresh ``stats`` and liveness) and ``recover()``
+            (whether a dead one answers again) (e.g. Ray Serve deployment handles, :mod:`.ray_serve`).
 
     Use ``async with ReplicaRouter(config, 3) as router:`` (or :meth:`start` and :meth:`close`); :meth:`rank_many`
     and :meth:`generate_many` behave as :class:`~.client.AsyncGREngine`'s. ``observers`` are called with every
@@ -204,17 +205,23 @@ class ReplicaRouter:
 
     async def restart(self, replica: int) -> None:
         """Start a new engine core for a dead replica, on its device, and once it has warmed up put it back on the
-        ring: its users return to it, where their history is computed once more (the new core holds no KV).
+        ring: its users return to it, where their history is computed once more (the new core holds no KV). Over
+        given engines, the replica is put back once its ``recover()`` says it answers again (Ray Serve replaces a
+        dead deployment replica itself).
 
         Raises:
-            ValueError: the replica is not dead, or the router routes over given engines (which it cannot start).
-            EngineDead: the new core exited before it was ready (the replica stays dead).
+            ValueError: the replica is not dead.
+            EngineDead: the new core exited before it was ready, or the given engine does not answer yet (the
+                replica stays dead).
         """
         self._prune()
         if replica not in self.dead:
             raise ValueError(f"replica {replica} is not dead")
         if not self._owns_engines:
-            raise ValueError("a router over given engines cannot restart them")
+            if not await self.engines[replica].recover():
+                raise EngineDead(f"replica {replica} cannot be reached yet")
+            self._revive(replica)
+            return
         old = self.engines[replica]
         await old.close()  # the dead core's sockets
         engine = AsyncGREngine(msgspec.structs.replace(self.config, device=self.devices[replica]))
@@ -225,30 +232,33 @@ class ReplicaRouter:
             await engine.close()
             raise
         self.engines[replica] = engine
+        self._revive(replica)
+
+    def _revive(self, replica: int) -> None:
         self.dead.discard(replica)
         self.ring.add(replica)
         self.counts.restarts += 1
-        logger.info("replica %d (%s): restarted (core %s); its users are back on it", replica, self.devices[replica],
-                    engine.core_pid)
+        logger.info("replica %d (%s): restarted; its users are back on it", replica, self.devices[replica])
 
     async def supervise(self, backoff_s: float = RESTART_BACKOFF_S) -> None:
-        """Restart dead replicas for as long as it runs (the API server runs it beside the router; cancel it before
-        :meth:`close`): checks every :data:`SUPERVISE_POLL_S` seconds; after a failed start the next try waits
-        ``backoff_s`` seconds, doubled at each further failure up to a minute. Nothing for given engines."""
-        if not self._owns_engines:
-            return
+        """Restart dead replicas (:meth:`restart`) for as long as it runs (the API server runs it beside the router;
+        cancel it before :meth:`close`), and over given engines poll each live one (``poll()``: its core's figures):
+        every :data:`SUPERVISE_POLL_S` seconds; after a failed restart the next try waits ``backoff_s`` seconds,
+        doubled at each further failure up to a minute."""
         wait = backoff_s
         while True:
             await asyncio.sleep(SUPERVISE_POLL_S)
             if not self.started:
                 continue
+            if not self._owns_engines:
+                await asyncio.gather(*(self.engines[r].poll() for r in self.engines if r not in self.dead))
             self._prune()
             for replica in sorted(self.dead):
                 try:
                     await self.restart(replica)
                     wait = backoff_s
                 except EngineDead:
-                    logger.exception("replica %d: restart failed; next try in %.0f s", replica, wait)
+                    logger.warning("replica %d: not restarted (next try in %.0f s)", replica, wait, exc_info=True)
                     await asyncio.sleep(wait)
                     wait = min(wait * 2, 60.0)
                     break

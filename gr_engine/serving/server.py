@@ -84,7 +84,7 @@ def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int 
         await engine.start()
         frozen, _ = freeze_heap()
         logger.info("%s: the engine core is ready; %d objects frozen out of garbage collection", name, frozen)
-        # Replicas whose core dies are started again (a router over given engines, e.g. Ray Serve's, skips this).
+        # Replicas whose core dies are started again (over Ray Serve's handles: put back once Serve replaced them).
         supervisor = asyncio.create_task(engine.supervise()) if isinstance(engine, ReplicaRouter) else None
         try:
             yield

@@ -265,6 +265,35 @@ def test_a_dead_replica_restarted_gets_its_users_back_and_serves_them_exactly() 
     assert sum(home == victim for home in homes[100:]) > 0
 
 
+def test_an_added_replica_takes_over_only_the_users_the_ring_gives_it() -> None:
+    """``add_replica`` starts a third core and puts it on the ring: afterwards the users the ring now gives it are
+    served there (their history computed anew), every other user stays where it was, answers equal recompute."""
+    served = Served(2)
+    router, stream = served.router, make_stream(160, num_users=24, seed=89)
+    before = [router.ring.route(r.user_id) for r in stream]
+
+    async def run() -> list:
+        outputs = await by_user(router, stream[:80], clients=8)
+        assert await router.add_replica() == 2
+        router.engines[2].observers.append(lambda output, kind, queue_s:
+                                           served.answered.setdefault(output.request_id, []).append(2))
+        return outputs + await by_user(router, stream[80:], clients=8)
+
+    try:
+        outputs = served.run(run())
+    finally:
+        served.close()
+    assert_exact(outputs, stream, offline=False)
+    after = [router.ring.route(r.user_id) for r in stream]
+    assert all(b == a or a == 2 for b, a in zip(before, after))  # only moves to the new replica
+    moved = {r.user_id for r, a in zip(stream, after) if a == 2}
+    assert 0 < len(moved) < 24 and router.devices == ["cpu"] * 3
+    assert [router.home_ring.route(r.user_id) for r in stream] == after
+    for i, request in enumerate(stream):
+        assert served.answered[request.request_id] == [before[i] if i < 80 else after[i]], i
+    assert router.counts.requests[2] == sum(a == 2 for a in after[80:])
+
+
 def test_serve_with_two_replicas_gives_offline_scores_metrics_and_survives_one(tmp_path: Path) -> None:
     from .test_serving_msgpack import post_by_user
 

@@ -113,8 +113,8 @@ class ReplicaRouter:
         engines: the replicas' clients, by replica index.
         devices: each replica's device, by index.
         ring: the live replicas on the ring (a dead or suspended one is off it).
-        home_ring: every replica, never changed: ``home_ring.route(user)`` is the user's home replica and
-            ``home_ring.preference(user)`` the order in which its next replicas take it over.
+        home_ring: every replica (changed only by :meth:`add_replica`): ``home_ring.route(user)`` is the user's
+            home replica and ``home_ring.preference(user)`` the order in which its next replicas take it over.
         counts: :class:`RouterCounts`.
         dead: the replicas whose core has died.
     """
@@ -133,7 +133,7 @@ class ReplicaRouter:
             self.engines = dict(sorted(engines.items()))
             self.devices = [engine.config.device for engine in self.engines.values()]
         self.ring = HashRing(self.engines, virtual_nodes)  # the live replicas that take users
-        self.home_ring = HashRing(self.engines, virtual_nodes)  # every replica, never changed: each user's home
+        self.home_ring = HashRing(self.engines, virtual_nodes)  # every replica: each user's home
         self.counts = RouterCounts(requests=dict.fromkeys(self.engines, 0))
         self.observers: list[OutputObserver] = []
         self.dead: set[int] = set()
@@ -202,6 +202,35 @@ class ReplicaRouter:
         if replica not in self.engines or replica in self.ring or replica in self.dead:
             raise ValueError(f"replica {replica} is not a live replica off the ring")
         self.ring.add(replica)
+
+    async def add_replica(self, device: str | None = None) -> int:
+        """Start one more replica, an engine core on ``device`` (default: as :func:`replica_devices` places the
+        next replica), and once it has warmed up put it on the ring: it takes over about 1/(N+1) of the users
+        (their history is computed there once), and nobody else moves. Returns its index.
+
+        Raises:
+            ValueError: the router routes over given engines (Ray Serve: deploy more replicas instead), or there
+                is no device for one more replica.
+            EngineDead: its core exited before it was ready (nothing changed).
+        """
+        if not self._owns_engines:
+            raise ValueError("a router over given engines cannot start replicas")
+        replica = len(self.engines)
+        device = device or replica_devices(self.config.device, replica + 1)[replica]
+        engine = AsyncGREngine(msgspec.structs.replace(self.config, device=device))
+        engine.observers.append(self._observe)
+        try:
+            await engine.start()
+        except BaseException:
+            await engine.close()
+            raise
+        self.engines[replica] = engine
+        self.devices.append(device)
+        self.counts.requests[replica] = 0
+        self.home_ring.add(replica)
+        self.ring.add(replica)
+        logger.info("replica %d (%s) added; %d on the ring", replica, device, len(self.ring))
+        return replica
 
     async def restart(self, replica: int) -> None:
         """Start a new engine core for a dead replica, on its device, and once it has warmed up put it back on the

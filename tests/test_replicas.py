@@ -53,6 +53,13 @@ class Served:
         self.run(self.router.close())
         self.loop.close()
 
+    def run_then_close(self, awaitable):
+        """:meth:`run`, then :meth:`close` (whatever happened)."""
+        try:
+            return self.run(awaitable)
+        finally:
+            self.close()
+
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
@@ -212,10 +219,7 @@ def test_a_killed_replica_loses_no_request_and_its_users_move_on() -> None:
         os.kill(engine.core_pid, signal.SIGKILL)  # its accepted requests are now retried elsewhere
         return await load
 
-    try:
-        outputs = served.run(run())
-    finally:
-        served.close()
+    outputs = served.run_then_close(run())
     assert_exact(outputs, stream)  # every request answered, exactly, the lost ones by their retry
     assert router.dead == {victim} and victim not in router.ring
     assert router.counts.retries >= 1 and router.counts.reroutes >= router.counts.retries
@@ -253,10 +257,7 @@ def test_a_dead_replica_restarted_gets_its_users_back_and_serves_them_exactly() 
         await router.restart(victim)
         return outputs + await by_user(router, stream[100:], clients=8)
 
-    try:
-        outputs = served.run(run())
-    finally:
-        served.close()
+    outputs = served.run_then_close(run())
     assert_exact(outputs, stream, offline=False)
     assert router.dead == set() and victim in router.ring and router.counts.restarts == 1
     for i, request in enumerate(stream):
@@ -279,10 +280,7 @@ def test_an_added_replica_takes_over_only_the_users_the_ring_gives_it() -> None:
                                            served.answered.setdefault(output.request_id, []).append(2))
         return outputs + await by_user(router, stream[80:], clients=8)
 
-    try:
-        outputs = served.run(run())
-    finally:
-        served.close()
+    outputs = served.run_then_close(run())
     assert_exact(outputs, stream, offline=False)
     after = [router.ring.route(r.user_id) for r in stream]
     assert all(b == a or a == 2 for b, a in zip(before, after))  # only moves to the new replica

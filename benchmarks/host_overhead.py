@@ -113,7 +113,7 @@ def use_graph_path(engine: GREngine) -> HostOnlyGraphs:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", default="unlimited", choices=["gpu_only", "hierarchical", "unlimited"])
+    parser.add_argument("--mode", default="unlimited", choices=["recompute", "gpu_only", "hierarchical", "unlimited"])
     parser.add_argument("--batches", type=int, default=50)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--graph-path", action="store_true", help="the GPU path's host work (see above)")

@@ -456,3 +456,49 @@ def test_async_scheduling_launches_the_next_step_before_waiting(tmp_path: Path, 
     overlapped = sum(s.overlapped for s in steps)
     assert sum(s.requests for s in steps) >= len(stream)
     assert overlapped > len(steps) // 2 if async_scheduling else overlapped == 0, (overlapped, len(steps))
+
+
+def test_queue_wait_estimate_follows_the_service_rate(monkeypatch) -> None:
+    """``CoreStats.queue_wait_s`` is the requests waiting times the decayed busy seconds per answered request: at a
+    steady 2.5 ms a request, 20 waiting requests read 50 ms; after the service slows to 5 ms a request it moves
+    toward 100 ms within a few tens of steps; a step that answers nothing counts its time with the next."""
+    import types
+
+    import zmq
+
+    from gr_engine.serving import core as core_module
+
+    clock = [100.0]
+    monkeypatch.setattr(core_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0],
+                                                                   perf_counter=time.perf_counter))
+    context = zmq.Context()
+    inputs = context.socket(zmq.ROUTER)
+    try:
+        engine = GREngine(tiny_config(num_gpu_pages=96))
+        core = core_module.EngineCore(engine, inputs, context)
+        core._busy_from = clock[0]
+
+        def serve(steps: int, seconds: float, answered: int) -> None:
+            for _ in range(steps):
+                clock[0] += seconds
+                core._count_service(answered)
+
+        serve(300, 0.010, 4)
+        assert core._stats().queue_wait_s == 0.0  # nothing waits
+        engine.add_requests(make_stream(20, num_users=20, seed=47))
+        assert engine.num_waiting == 20
+        assert core._stats().queue_wait_s == pytest.approx(0.050, rel=1e-9)
+        serve(32, 0.020, 4)
+        moved = core._stats().queue_wait_s
+        assert 0.050 + 0.5 * 0.050 < moved < 0.100  # most of the way within SERVICE_STEPS steps
+        serve(400, 0.020, 4)
+        assert core._stats().queue_wait_s == pytest.approx(0.100, rel=1e-6)
+        serve(1, 0.010, 0)  # (a long history's first chunk: nothing answered)
+        before = (core._served_s, core._served)
+        serve(1, 0.010, 4)
+        decay = 1 - 1 / core_module.SERVICE_STEPS
+        assert core._served_s == pytest.approx(before[0] * decay + 0.020)
+        assert core._served == pytest.approx(before[1] * decay + 4)
+    finally:
+        inputs.close(linger=0)
+        context.term()

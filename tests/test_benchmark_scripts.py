@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -17,15 +18,35 @@ if not torch.cuda.is_available():  # the scripts import Triton: on CPU only its 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-@pytest.mark.parametrize("script", ["cache_bench.py", "kernel_bench.py", "bound_probe.py", "host_overhead.py"])
-def test_script_imports(script):
-    if script == "kernel_bench.py" and importlib.util.find_spec("triton") is None:
-        pytest.skip("needs triton")
+def load(script: str):
     spec = importlib.util.spec_from_file_location(script.removesuffix(".py"), BENCHMARKS / script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # runs nothing: each script's work is under ``if __name__ == "__main__"``
-    assert callable(module.main)
+    return module
+
+
+@pytest.mark.parametrize("script", ["cache_bench.py", "kernel_bench.py", "bound_probe.py", "host_overhead.py",
+                                    "kernel_profile.py"])
+def test_script_imports(script):
+    if script == "kernel_bench.py" and importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton")
+    assert callable(load(script).main)
 
 
 def test_gpu_checks_script_parses():
     assert subprocess.run(["bash", "-n", str(BENCHMARKS / "gpu_checks.sh")]).returncode == 0
+
+
+def test_kernel_profile_quick_run(tmp_path):
+    """The per-kernel profile's CPU-sized run: every operator's share of the profiled time, groups that add up, the
+    batches' model FLOPs."""
+    module = load("kernel_profile.py")
+    module.main(["--quick", "--mode", "hierarchical", "--batches", "1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "kernel_profile.json").read_text())
+    table = result["table"]
+    assert table and not result["kernels"] and result["mfu_over_wall"] is None  # CPU: operators, no GEMM peak
+    assert sum(r["share"] for r in table) == pytest.approx(1.0) and sum(result["groups"].values()) == pytest.approx(1.0)
+    assert result["wall_ms_per_batch"] > 0 and result["model_tflop_per_batch"] > 0
+    assert module.group_of("aten::addmm") == "gemm" and module.group_of("aten::bmm") == "gemm"
+    assert module.group_of("_hstu_attn_fwd_kernel") == "attention" and module.group_of("x") == "other"
+    assert "| `" in (tmp_path / "kernel_profile.md").read_text()

@@ -228,7 +228,7 @@ class BenchRun:
         for r in last.values():  # each user's last: the intake reuses its hashes next time
             e, n = trace.users[r.user], r.history_len
             engine.intake.hasher.remember(r.user, e.item_ids[:n], e.action_ids[:n], e.timestamps[:n],
-                                   self._user_hashes(r.user)[:n])
+                                          self._user_hashes(r.user)[:n])
         if host is not None:
             host.poll(wait=True)
         self.cursor += count

@@ -502,3 +502,51 @@ def test_queue_wait_estimate_follows_the_service_rate(monkeypatch) -> None:
     finally:
         inputs.close(linger=0)
         context.term()
+
+
+def test_admission_counts_the_clients_own_sends_between_reports() -> None:
+    """The client's queue-wait estimate adds what it sent since the core's latest report: with the core frozen (no
+    report comes), calls are admitted while (sent since the report) x the report's seconds per answered request is
+    within ``serving.max_queue_ms``, and refused beyond, without waiting for a report; once the core runs again every
+    admitted request is answered exactly and calls are admitted again."""
+    from gr_engine.serving import AsyncGREngine, EngineOverloaded, ServingConfig
+
+    config = msgspec.structs.replace(tiny_config(num_gpu_pages=96),
+                                     serving=ServingConfig(max_queue_ms=1.0, heartbeat_s=60.0))
+    first, burst, later = make_stream(30, seed=53), make_stream(40, seed=59), make_stream(4, seed=61)
+    burst = [msgspec.structs.replace(r, request_id=f"b{i}") for i, r in enumerate(burst)]
+    later = [msgspec.structs.replace(r, request_id=f"l{i}") for i, r in enumerate(later)]
+
+    async def run() -> None:
+        async with AsyncGREngine(config) as engine:
+            await engine.rank_many(first)  # the latest report: nothing waits, a service time per request
+            deadline = time.monotonic() + 30
+            while engine.stats.waiting or engine.stats.running:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            service = engine.stats.service_s
+            assert service > 0 and engine.queue_wait_s() == 0.0
+            engine.max_queue_s = 5.5 * service  # so the 7th call is refused: 6 sent x service > the bound
+            os.kill(engine.core_pid, signal.SIGSTOP)
+            try:
+                tasks = []
+                for request in burst:
+                    tasks.append(asyncio.ensure_future(engine.rank(request)))
+                    await asyncio.sleep(0)  # the call is admitted (or refused) and sent
+                    if tasks[-1].done():
+                        with pytest.raises(EngineOverloaded, match="max_queue_ms"):
+                            tasks.pop().result()
+                        break
+                assert len(tasks) == 6
+                assert engine.queue_wait_s() == pytest.approx(6 * service)
+            finally:
+                os.kill(engine.core_pid, signal.SIGCONT)
+            outputs = await asyncio.gather(*tasks)
+            for output, reference in zip(outputs, recompute_scores(first + burst)[len(first):]):
+                np.testing.assert_allclose(output.scores, reference, atol=TOL, rtol=0)
+            while engine.queue_wait_s() > engine.max_queue_s:  # a report after the answers resets the count
+                assert time.monotonic() < deadline + 30
+                await asyncio.sleep(0.01)
+            assert all(o.error is None for o in await engine.rank_many(later))
+
+    asyncio.run(run())

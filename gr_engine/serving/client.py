@@ -126,7 +126,8 @@ class AsyncGREngine:
         share = core.clients if core is not None else 1
         self.max_pending_requests = max(1, self.serving.max_pending_requests // share)  # this client's admission
         self.max_pending_tokens = max(1, self.serving.max_pending_tokens // share)
-        self.max_queue_s = self.serving.max_queue_ms / 1000  # refuse while the core's queue-wait estimate is above
+        self.max_queue_s = self.serving.max_queue_ms / 1000  # refuse while the queue-wait estimate is above
+        self._sent_since_report = 0  # requests sent since the latest report's counters (not in its ``waiting``)
         self._handle = core
         self._ids = itertools.count()
         self._pending: dict[int, _Pending] = {}
@@ -245,6 +246,15 @@ class AsyncGREngine:
         return len(self._pending)
 
     # ------------------------------------------------------------------ requests
+    def queue_wait_s(self) -> float:
+        """How long a request sent now would wait in the core before a step takes it (s): the core's latest
+        ``waiting`` plus what this client sent since that report, times its latest seconds per answered request
+        (:class:`~.protocol.CoreStats`); 0 before the first report. Calls are refused while it is over
+        ``serving.max_queue_ms``: between two reports the client's own sends count at once."""
+        if self.stats is None:
+            return 0.0
+        return (self.stats.waiting + self._sent_since_report) * self.stats.service_s
+
     async def rank(self, request: RankRequest, timeout_ms: float | None = None) -> RankOutput:
         """Score one request's candidates (as :meth:`~gr_engine.GREngine.rank`); see :meth:`rank_many`."""
         return (await self.rank_many([request], timeout_ms))[0]
@@ -305,10 +315,9 @@ class AsyncGREngine:
             raise EngineOverloaded(f"{len(self._pending)} requests ({self._pending_tokens} tokens) pending: over "
                                    f"this client's {self.max_pending_requests} requests / {self.max_pending_tokens} "
                                    "tokens (serving.max_pending_requests / max_pending_tokens)")
-        if messages and self.max_queue_s and self.stats is not None and self.stats.queue_wait_s > self.max_queue_s:
-            wait_ms = self.stats.queue_wait_s * 1e3
-            raise EngineOverloaded(f"the engine core's queue would hold a request ~{wait_ms:.0f} ms before a step "
-                                   f"takes it: over serving.max_queue_ms ({self.serving.max_queue_ms:g})")
+        if messages and self.max_queue_s and self.queue_wait_s() > self.max_queue_s:
+            raise EngineOverloaded(f"the engine core's queue would hold a request ~{self.queue_wait_s() * 1e3:.0f} ms "
+                                   f"before a step takes it: over serving.max_queue_ms ({self.serving.max_queue_ms:g})")
         loop = asyncio.get_running_loop()
         futures = {}
         for core_id, message, request, size in messages:
@@ -317,6 +326,7 @@ class AsyncGREngine:
             self._pending_tokens += size
             futures[future] = core_id
             self._send(message)
+        self._sent_since_report += len(messages)
         try:
             timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             done, late = await asyncio.wait(futures, timeout=timeout) if futures else (set(), set())
@@ -361,6 +371,7 @@ class AsyncGREngine:
             self.last_report_s = time.monotonic()
             if report.stats is not None:
                 self.stats = report.stats
+                self._sent_since_report = 0
             for message in report.outputs:
                 self._deliver(message)
             if report.state == "stopped":

@@ -18,8 +18,8 @@ class ServingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         max_pending_requests: most requests accepted and not yet answered; beyond it a request is refused as
             overloaded (HTTP 503) instead of queued.
         max_pending_tokens: most history events plus candidates of those requests (bounds their memory).
-        max_queue_ms: refuse new requests as overloaded (HTTP 503) while the core estimates that one arriving now
-            would wait longer than this (ms) before a step takes it (:attr:`~.protocol.CoreStats.queue_wait_s`):
+        max_queue_ms: refuse new requests as overloaded (HTTP 503) while one sent now would wait longer than this
+            (ms) before a step takes it (the client's estimate, :meth:`~.client.AsyncGREngine.queue_wait_s`):
             a queue much deeper than a step keeps a user's visits apart by more users than the GPU tier holds, so
             cached history turns into onloads and throughput falls as the queue grows; 0 admits up to the two
             bounds above.

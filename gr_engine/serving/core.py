@@ -333,6 +333,7 @@ class EngineCore:
     def _stats(self) -> CoreStats:
         engine, kv = self.engine, self.engine.kv
         running, waiting = engine.num_running, engine.num_waiting
+        service = self._served_s / self._served if self._served else 0.0
         onloaded, offloaded = kv.transferred_bytes
         host_used = 0
         if kv.host is not None:
@@ -345,7 +346,7 @@ class EngineCore:
             host_hit_tokens=engine.stats.host_hit_tokens, gpu_pages_used=kv.pool.num_pages - kv.pool.num_free,
             gpu_pages_free=kv.pool.num_free, host_bytes_used=host_used, onloaded_bytes=onloaded,
             offloaded_bytes=offloaded, **asdict(engine.stalls()),
-            queue_wait_s=waiting * self._served_s / self._served if self._served else 0.0,
+            queue_wait_s=waiting * service, service_s=service,
         )
 
 

@@ -126,8 +126,9 @@ class CoreStats(msgspec.Struct, array_like=True):
         kernel_compilations, kernel_cache_loads, graph_captures: the engine's stalls since it was built
             (:meth:`~gr_engine.GREngine.stalls`; unchanged after warm-up).
         queue_wait_s: the core's estimate of how long a request arriving now waits before a step takes it (s):
-            ``waiting`` times the recent busy wall seconds per answered request (decayed over about the last
-            :data:`~.core.SERVICE_STEPS` steps that answered requests); 0 while nothing waits.
+            ``waiting`` times ``service_s``; 0 while nothing waits.
+        service_s: the recent busy wall seconds per answered request (decayed over about the last
+            :data:`~.core.SERVICE_STEPS` steps that answered requests; 0 before the first answer).
     """
 
     running: int
@@ -147,6 +148,7 @@ class CoreStats(msgspec.Struct, array_like=True):
     kernel_cache_loads: int
     graph_captures: int
     queue_wait_s: float
+    service_s: float
 
 
 class CoreReport(msgspec.Struct, array_like=True):

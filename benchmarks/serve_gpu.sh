@@ -9,7 +9,8 @@
 #   http:       gr-engine serve --api-servers 6 (step log on) loaded by 8 generator processes with msgpack bodies
 #   recompute:  bench-serve in process in recompute mode, at lower rates
 # Environment: RATES (default 1000,1200,1400,1600,1800,2000), SKIP (20000), DURATION (s per rate, 5), TIMEOUT (s per
-# run, 250), SERVER_SET (http: more --set key=value arguments for the server). Everything under OUT_DIR is also packed into OUT_DIR.tar.
+# run, 250), SERVER_SET (http: more --set key=value arguments for the server). Everything under OUT_DIR is also
+# packed into OUT_DIR.tar.
 set -u
 out=${1:?usage: serve_gpu.sh OUT_DIR in-process|http|recompute}
 part=${2:?usage: serve_gpu.sh OUT_DIR in-process|http|recompute}

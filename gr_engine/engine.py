@@ -139,12 +139,6 @@ class GREngine:
         """Run one engine step; return the outputs of requests that finished (or failed) in it."""
         return self.finish_step(self.launch_step())
 
-    def launch_step(self) -> LaunchedStep:
-        """Schedule one step and queue it on the device without waiting for it (async scheduling): while the device
-        computes it, the host may add requests and launch the next step, whose requests (a user's next visit too)
-        read what this one writes in device order. :meth:`finish_step` returns its outputs."""
-        return self._launch()
-
     def finish_step(self, step: LaunchedStep) -> list[Output]:
         """Wait for a step of :meth:`launch_step` (finish steps once each, in launch order); return the outputs of
         the requests that finished (or failed) in it."""
@@ -196,7 +190,7 @@ class GREngine:
         pending: LaunchedStep | None = None  # launched, not yet collected: the next launch overlaps its device work
         try:
             while index:
-                launched = self._launch() if self.scheduler.num_unfinished else None
+                launched = self.launch_step() if self.scheduler.num_unfinished else None
                 if pending is None and launched is None:
                     raise RuntimeError("requests in flight but none queued or launched")
                 if pending is not None:
@@ -254,10 +248,12 @@ class GREngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _launch(self) -> LaunchedStep:
-        """Schedule one step and queue it on the device (docs/design.md section 3): onloads launch before the
-        metadata is built (PCIe copies overlap host work), requests commit and the scores' copy to the host is queued
-        before anything waits for the device."""
+    def launch_step(self) -> LaunchedStep:
+        """Schedule one step and queue it on the device without waiting for it (async scheduling): while the device
+        computes it, the host may add requests and launch the next step, whose requests (a user's next visit too)
+        read what this one writes in device order; :meth:`finish_step` returns its outputs (docs/design.md section
+        3). Onloads launch before the metadata is built (PCIe copies overlap host work); requests commit and the
+        scores' copy to the host is queued before anything waits for the device."""
         timer = PhaseTimer(self.device if self.config.sync_phases and self.device.type == "cuda" else None)
         # Bytes this step moves: from here on (acquires plan onloads and persist evicted tails), plus its prefetches'.
         onloaded, offloaded = self.kv.transferred_bytes

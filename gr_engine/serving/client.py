@@ -315,9 +315,10 @@ class AsyncGREngine:
             raise EngineOverloaded(f"{len(self._pending)} requests ({self._pending_tokens} tokens) pending: over "
                                    f"this client's {self.max_pending_requests} requests / {self.max_pending_tokens} "
                                    "tokens (serving.max_pending_requests / max_pending_tokens)")
-        if messages and self.max_queue_s and self.queue_wait_s() > self.max_queue_s:
-            raise EngineOverloaded(f"the engine core's queue would hold a request ~{self.queue_wait_s() * 1e3:.0f} ms "
-                                   f"before a step takes it: over serving.max_queue_ms ({self.serving.max_queue_ms:g})")
+        wait_s = self.queue_wait_s()
+        if messages and self.max_queue_s and wait_s > self.max_queue_s:
+            raise EngineOverloaded(f"the engine core's queue would hold a request ~{wait_s * 1e3:.0f} ms before a step "
+                                   f"takes it: over serving.max_queue_ms ({self.serving.max_queue_ms:g})")
         loop = asyncio.get_running_loop()
         futures = {}
         for core_id, message, request, size in messages:

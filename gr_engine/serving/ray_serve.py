@@ -122,10 +122,11 @@ class _HandleReplica:
         self.stats: CoreStats | None = None  # its core's latest counters, as of the last poll
 
     async def poll(self, timeout_s: float = RECOVER_TIMEOUT_S) -> None:
-        """Fetch the core's latest counters (for ``/metrics``; kept as they were if it takes over ``timeout_s``); a
-        replica Ray cannot reach counts as dead."""
+        """Fetch the core's latest counters (for ``/metrics``): a replica that answers counts as alive, one Ray
+        cannot reach as dead; one that takes over ``timeout_s`` keeps its state and counters."""
         try:
             self.stats = await asyncio.wait_for(self.handle.stats.remote(), timeout_s)
+            self.alive = True
         except RayError:
             self.alive = False
         except asyncio.TimeoutError:
@@ -134,12 +135,8 @@ class _HandleReplica:
     async def recover(self, timeout_s: float = RECOVER_TIMEOUT_S) -> bool:
         """Whether the deployment answers again (Ray Serve has replaced its actor; waits at most ``timeout_s``):
         then it counts as alive, with a new core holding no KV."""
-        try:
-            self.stats = await asyncio.wait_for(self.handle.stats.remote(), timeout_s)
-        except (RayError, asyncio.TimeoutError):
-            return False
-        self.alive = True
-        return True
+        await self.poll(timeout_s)
+        return self.alive
 
     async def start(self) -> _HandleReplica:
         return self

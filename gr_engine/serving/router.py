@@ -217,14 +217,7 @@ class ReplicaRouter:
             raise ValueError("a router over given engines cannot start replicas")
         replica = len(self.engines)
         device = device or replica_devices(self.config.device, replica + 1)[replica]
-        engine = AsyncGREngine(msgspec.structs.replace(self.config, device=device))
-        engine.observers.append(self._observe)
-        try:
-            await engine.start()
-        except BaseException:
-            await engine.close()
-            raise
-        self.engines[replica] = engine
+        self.engines[replica] = await self._start_engine(device, [self._observe])
         self.devices.append(device)
         self.counts.requests[replica] = 0
         self.home_ring.add(replica)
@@ -253,15 +246,20 @@ class ReplicaRouter:
             return
         old = self.engines[replica]
         await old.close()  # the dead core's sockets
-        engine = AsyncGREngine(msgspec.structs.replace(self.config, device=self.devices[replica]))
-        engine.observers[:] = old.observers  # the router's own and its users'
+        self.engines[replica] = await self._start_engine(self.devices[replica], old.observers)  # router's and users'
+        self._revive(replica)
+
+    async def _start_engine(self, device: str, observers: list[OutputObserver]) -> AsyncGREngine:
+        """A started (warmed-up) engine core on ``device`` with these ``observers``; none is left behind if its
+        start fails or is cancelled."""
+        engine = AsyncGREngine(msgspec.structs.replace(self.config, device=device))
+        engine.observers[:] = observers
         try:
             await engine.start()
-        except BaseException:  # (cancelled too: no core is left behind)
+        except BaseException:
             await engine.close()
             raise
-        self.engines[replica] = engine
-        self._revive(replica)
+        return engine
 
     def _revive(self, replica: int) -> None:
         self.dead.discard(replica)

@@ -24,11 +24,12 @@ from .compile_watch import CompileWatch, StallCounts
 from .config import EngineConfig
 from .intake import RequestIntake
 from .metrics import EngineStats, PhaseTimer, StepMetrics
-from .model_runner import ChunkResult, ModelRunner, RequestPayload, ScoreFetch
+from .model_runner import ModelRunner, RequestPayload
 from .models import GRModel
 from .outputs import GenerateOutput, RankOutput, StepTimings, output_user_id
 from .request import GenerateParams, GenerateRequest, RankRequest
 from .step_graphs import StepGraphs
+from .step_results import ChunkResult, ScoreFetch
 from .validation import RequestError
 
 logger = logging.getLogger(__name__)
@@ -311,7 +312,7 @@ class GREngine:
         if step.scores is not None:
             try:
                 with timer("score"):  # 6, waiting for the device
-                    results = self.runner.results(step.scores)
+                    results = step.scores.wait()
                 device_s = step.scores.device_seconds()
             except Exception as exc:
                 logger.exception("engine step failed while scoring")

@@ -3,8 +3,8 @@
 :meth:`~ModelRunner.prepare` builds page tables and row layout on the host; :meth:`~ModelRunner.strip` the model
 input (uncached history suffix plus candidates), an :class:`EagerStep` or, when it fits the step graphs, a
 :class:`~.step_graphs.StagedStep`; :meth:`~ModelRunner.forward` runs the layers (each appends its new history K/V,
-then attends) and the ranking head; :meth:`~ModelRunner.fetch` queues the copy of the scores to the host and
-:meth:`~ModelRunner.results` waits for it.
+then attends) and the ranking head; :meth:`~ModelRunner.fetch` queues the copy of the scores to the host
+(:class:`~.step_results.ScoreFetch`, whose ``wait`` returns them).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from scheduler import ScheduledChunk
 from .models import GRModel
 from .request import GenerateParams
 from .step_graphs import StagedStep, StepGraphs, run_segments
+from .step_results import PinnedBuffers, ScoreFetch, to_host
 from .validation import RequestArrays
 
 
@@ -71,16 +72,6 @@ StepInput = EagerStep | StagedStep
 """What :meth:`ModelRunner.strip` returns and :meth:`ModelRunner.forward` runs."""
 
 
-@dataclass
-class ChunkResult:
-    """A finishing request's result: ranking ``logits`` (float32 ``[c, num_tasks]`` on the host) or retrieval
-    ``(items, scores)``."""
-
-    logits: np.ndarray | None = None
-    item_ids: list[int] | None = None
-    scores: list[float] | None = None
-
-
 #: Most new history rows of :meth:`ModelRunner.warm_eager`'s steps (above it launch shapes no longer change) and the
 #: cached history of its long steps (tokens; enough for any backend's split of a request's key range).
 WARM_MAX_ROWS = 512
@@ -98,6 +89,7 @@ class ModelRunner:
         self.device = device
         self.graphs = graphs
         self._candidate_actions = np.full(model.config.max_candidates, model.candidate_action, dtype=np.int64)
+        self._score_buffers = PinnedBuffers(model.config.num_tasks) if device.type == "cuda" else None
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepMetadata:
         """Page tables (after this step's append) and row layout of the step."""
@@ -294,38 +286,20 @@ class ModelRunner:
     def fetch(self, chunks: list[ScheduledChunk], meta: StepMetadata, out: tuple[torch.Tensor, torch.Tensor],
               started: torch.cuda.Event | None = None) -> ScoreFetch:
         """Queue the copies of a step's results to the host right after its :meth:`forward` (before a later step's
-        forward overwrites the step graphs' outputs): the ranking logits, and the retrieval head's top items; nothing
-        waits for the device. :meth:`results` waits for them. ``started``: :meth:`mark_forward`'s event."""
+        forward overwrites the step graphs' outputs): the ranking logits (into a pinned buffer of the runner's pool),
+        and the retrieval head's top items; nothing waits for the device (:meth:`.step_results.ScoreFetch.wait`
+        does). ``started``: :meth:`mark_forward`'s event."""
         states, logits = out
         counts = [c.num_candidate_rows for c in chunks]
         fetch = ScoreFetch(counts=counts, started=started)
         if sum(counts):
-            fetch.logits = _to_host(logits)
+            fetch.copy_logits(logits, self._score_buffers)
         if meta.retrieval_chunks:
             fetch.retrieval = self._retrieve(chunks, meta, states)
         if self.device.type == "cuda":
             fetch.copied = torch.cuda.Event(enable_timing=started is not None)
             fetch.copied.record()
         return fetch
-
-    @staticmethod
-    def results(fetch: ScoreFetch) -> list[ChunkResult]:
-        """Wait for :meth:`fetch`'s copies; one :class:`ChunkResult` per chunk of the step."""
-        if fetch.copied is not None:
-            fetch.copied.synchronize()
-        results = [ChunkResult() for _ in fetch.counts]
-        if fetch.logits is not None:
-            host = fetch.logits.numpy().copy()  # off the pinned block, which the next step's copy reuses
-            for result, end, count in zip(results, itertools.accumulate(fetch.counts), fetch.counts, strict=True):
-                result.logits = host[end - count:end]
-        if fetch.retrieval is not None:
-            chunk_ids, top_ks, top_scores, top_items = fetch.retrieval
-            for b, (i, top_k) in enumerate(zip(chunk_ids, top_ks, strict=True)):
-                keep = top_scores[b, :top_k]
-                finite = torch.isfinite(keep)
-                results[i].item_ids = top_items[b, :top_k][finite].tolist()
-                results[i].scores = keep[finite].tolist()
-        return results
 
     def _retrieve(self, chunks: list[ScheduledChunk], meta: StepMetadata,
                   states: torch.Tensor) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
@@ -340,45 +314,7 @@ class ModelRunner:
             scores[upload(rows, scores.device), upload(cols, scores.device)] = float("-inf")
         top_ks = [p.params.top_k for p in payloads]
         top_scores, top_items = scores.topk(min(max(top_ks), scores.shape[1]), dim=1)
-        return meta.retrieval_chunks, top_ks, _to_host(top_scores), _to_host(top_items)
-
-
-@dataclass(eq=False)
-class ScoreFetch:
-    """A step's results on their way to the host (:meth:`ModelRunner.fetch`).
-
-    Attributes:
-        counts: candidate rows of each chunk of the step.
-        logits: float32 ``[sum(counts), num_tasks]`` ranking logits (host; pinned on CUDA), ``None`` without
-            candidates.
-        retrieval: the finishing retrieval chunks' indices, their ``top_k``, and float32 scores and int64 item ids
-            ``[R, k]`` (host), or ``None``.
-        started: CUDA event recorded before the step's forward (:meth:`ModelRunner.mark_forward`), or ``None``.
-        copied: CUDA event recorded after the copies (``None`` on CPU: they are done).
-    """
-
-    counts: list[int]
-    logits: torch.Tensor | None = None
-    retrieval: tuple[list[int], list[int], torch.Tensor, torch.Tensor] | None = None
-    started: torch.cuda.Event | None = None
-    copied: torch.cuda.Event | None = None
-
-    def device_seconds(self) -> float | None:
-        """Once :meth:`ModelRunner.results` returned: the compute stream's time from the step's forward to its
-        results on the host (its forward and heads, and waits for its onloads), in seconds; ``None`` on CPU."""
-        if self.started is None or self.copied is None:
-            return None
-        return self.started.elapsed_time(self.copied) / 1e3
-
-
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """Queue ``tensor``'s copy into a pinned block (torch's caching host allocator: reused once the copy is done);
-    a CPU tensor is returned as it is."""
-    if tensor.device.type == "cpu":
-        return tensor
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    return host
+        return meta.retrieval_chunks, top_ks, to_host(top_scores), to_host(top_items)
 
 
 def _synthetic_step(rows: int, longest: int, pages: np.ndarray,

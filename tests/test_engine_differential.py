@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gr_engine import GenerateParams, GREngine
+from gr_engine.step_results import ScoreFetch
 from gr_engine.synthetic import synthetic_requests
 from tests.conftest import tiny_config, with_cache
 
@@ -304,7 +305,7 @@ def test_time_bias_model_equal_to_recompute_with_caching():
         assert engine.stats.total_hit_ratio > 0.1
 
 
-@pytest.mark.parametrize(("mode", "phase"), [("gpu_only", "fetch"), ("hierarchical", "results")])
+@pytest.mark.parametrize(("mode", "phase"), [("gpu_only", "fetch"), ("hierarchical", "wait")])
 def test_a_failed_scoring_fails_only_that_steps_requests_and_loses_no_cache(monkeypatch, mode, phase):
     """Step 7's bookkeeping runs before scoring: when scoring fails (queuing the results' copy at launch, or waiting
     for it at collection), the step's finishing requests get an error, the K/V they appended stays committed, and
@@ -313,7 +314,8 @@ def test_a_failed_scoring_fails_only_that_steps_requests_and_loses_no_cache(monk
     requests = stream(config, num_users=8, visits=6, seed=11)
     expected = {r.request_id: r for r in GREngine(with_cache(config, mode="recompute")).rank(requests, use_tqdm=False)}
     engine = GREngine(config)
-    scoring, calls = getattr(engine.runner, phase), []
+    owner = engine.runner if phase == "fetch" else ScoreFetch  # wait: a method of every step's fetch
+    scoring, calls = getattr(owner, phase), []
 
     def failing(*args):
         calls.append(len(calls))
@@ -321,7 +323,7 @@ def test_a_failed_scoring_fails_only_that_steps_requests_and_loses_no_cache(monk
             raise RuntimeError("injected scoring failure")
         return scoring(*args)
 
-    monkeypatch.setattr(engine.runner, phase, failing)
+    monkeypatch.setattr(owner, phase, failing)
     outputs = engine.rank(requests, use_tqdm=False)
     failed = [o for o in outputs if o.error]
     assert 1 <= len(failed) <= 4 and all("injected scoring failure" in o.error for o in failed)

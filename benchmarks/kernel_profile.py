@@ -2,6 +2,7 @@
 
     python benchmarks/kernel_profile.py --out DIR [--mode recompute] [--batch 8] [--batches 3] [--commit C]
     python benchmarks/kernel_profile.py --out DIR --quick          # the bench's CPU-sized run: operators, not kernels
+    python benchmarks/kernel_profile.py --report-only DIR/kernel_profile.json  # regroup a saved run, rewrite its .md
 
 Builds ``gr-engine bench``'s engine for ``--mode`` (its model, trace, cache and GPU budget), serves the trace's first
 visits (cached modes) and moves to the middle of the steady requests, serves two unprofiled batches, then profiles
@@ -32,9 +33,9 @@ from gr_engine.bench.trace import generate_trace
 #: Kernel (or operator) name patterns of each group, tried in order; a name matching none is "other".
 GROUPS = (
     ("attention", r"hstu|attn|attention|flash|fmha"),
-    ("gemm", r"gemm|cutlass|cublas|sm\d+_xmma|matmul|addmm|::b?mm\b|linear"),
+    ("gemm", r"gemm|cutlass|cublas|nvjet|sm\d+_xmma|matmul|addmm|::b?mm\b|linear"),
     ("norm", r"layer_?norm|LayerNorm"),
-    ("copy", r"memcpy|memset|copy|cat|index|gather|scatter|embedding"),
+    ("copy", r"memcpy|memset|copy|cat|index|gather|scatter|embedding|append"),
     ("elementwise", r"elementwise|vectorized|silu|mul|add|where|fill|reduce|sum"),
 )
 
@@ -103,17 +104,23 @@ def run(mode: str, batch: int, batches: int, quick: bool) -> dict:
     device_s = sum(r["total_us"] for r in table) / 1e6
     peak = gemm_peak_tflops(settings.device)
     bench.close()
-    groups: dict[str, float] = {}
-    for r in table:
-        groups[r["group"]] = groups.get(r["group"], 0.0) + r["share"]
     return {
         "mode": mode, "batch": batch, "batches": batches, "device": settings.device, "kernels": cuda,
         "wall_ms_per_batch": wall_s / batches * 1e3, "device_ms_per_batch": device_s / batches * 1e3,
         "model_tflop_per_batch": flops / batches / 1e12, "gemm_peak_tflops": peak,
         "mfu_over_wall": flops / wall_s / 1e12 / peak if peak else None,
         "mfu_over_device": flops / device_s / 1e12 / peak if peak and device_s else None,
-        "groups": dict(sorted(groups.items(), key=lambda kv: -kv[1])), "table": table,
+        "groups": group_shares(table), "table": table,
     }
+
+
+def group_shares(table: list[dict]) -> dict[str, float]:
+    """Each group's share of the profiled time, largest first (the table's groups set again by :func:`group_of`)."""
+    groups: dict[str, float] = {}
+    for r in table:
+        r["group"] = group_of(r["name"])
+        groups[r["group"]] = groups.get(r["group"], 0.0) + r["share"]
+    return dict(sorted(groups.items(), key=lambda kv: -kv[1]))
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -140,13 +147,24 @@ def markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
+    parser.add_argument("--report-only", metavar="JSON", help="run nothing: regroup a saved kernel_profile.json "
+                        "(the groups as defined now) and rewrite it and its .md")
     parser.add_argument("--mode", default="recompute", choices=["recompute", "gpu_only", "hierarchical", "unlimited"])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--batches", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="the bench's CPU-sized run (seconds)")
     parser.add_argument("--commit", default=None, help="commit id to record (the device copy has no .git)")
     args = parser.parse_args(argv)
+    if args.report_only:
+        path = Path(args.report_only)
+        result = json.loads(path.read_text())
+        result["groups"] = group_shares(result["table"])
+        path.write_text(json.dumps(result, indent=2))
+        path.with_suffix(".md").write_text(markdown(result))
+        return
+    if not args.out:
+        parser.error("--out is required")
     result = run(args.mode, args.batch, args.batches, args.quick)
     result["commit"] = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                      text=True).stdout.strip() or "unknown"

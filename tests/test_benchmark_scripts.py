@@ -48,5 +48,13 @@ def test_kernel_profile_quick_run(tmp_path):
     assert sum(r["share"] for r in table) == pytest.approx(1.0) and sum(result["groups"].values()) == pytest.approx(1.0)
     assert result["wall_ms_per_batch"] > 0 and result["model_tflop_per_batch"] > 0
     assert module.group_of("aten::addmm") == "gemm" and module.group_of("aten::bmm") == "gemm"
+    assert module.group_of("nvjet_sm90_tst_256x144_64x4_1x2_h_bz_coopA_bias_TNT") == "gemm"
+    assert module.group_of("_append_kernel") == "copy"
     assert module.group_of("_hstu_attn_fwd_kernel") == "attention" and module.group_of("x") == "other"
     assert "| `" in (tmp_path / "kernel_profile.md").read_text()
+    saved = tmp_path / "kernel_profile.json"
+    result["groups"], result["table"][0]["group"] = {"stale": 1.0}, "stale"
+    saved.write_text(json.dumps(result))
+    module.main(["--report-only", str(saved)])  # regroups a saved run
+    regrouped = json.loads(saved.read_text())
+    assert "stale" not in regrouped["groups"] and sum(regrouped["groups"].values()) == pytest.approx(1.0)

@@ -139,6 +139,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     settings = quick_settings() if args.quick else BenchSettings()
     changes = {k: v for k, v in (("device", args.device), ("backend", args.backend),
                                  ("window_requests", args.window), ("host_dtype", args.host_dtype)) if v is not None}
+    if args.modes:
+        changes["modes"], changes["tables_only"] = tuple(m.strip() for m in args.modes.split(",")), True
     if args.host_budget_gib is not None:
         changes["host_budget_bytes"] = int(args.host_budget_gib * 2**30)
     if args.users is not None:
@@ -256,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--backend", help="attention backend (default: auto)")
     bench.add_argument("--users", type=int, help="users in the generated trace")
     bench.add_argument("--window", type=int, help="measured requests per mode and batch size")
+    bench.add_argument("--modes", metavar="MODE,...", help="only these cache modes' latency tables (Tables 1-2), "
+                       "without the sweeps, length scan, score drift and policy simulations (a shorter run)")
     bench.add_argument("--host-budget-gib", type=float, help="host chunk pool size (default 64)")
     bench.add_argument("--host-dtype", choices=["kv", "float8_e4m3fn"], help="host chunk dtype (default float8_e4m3fn)")
     bench.add_argument("--cache", action="append", default=[], metavar="KEY=VALUE",

@@ -102,3 +102,22 @@ def test_report_only_refuses_what_is_not_a_bench_result(tmp_path, capsys):
     bad.write_text(json.dumps({"gpu": "x"}))
     assert main(["bench", "--report-only", str(bad), "--out", str(tmp_path / "out")]) == 2
     assert "not a gr-engine bench result" in capsys.readouterr().err
+
+
+def test_modes_runs_only_those_modes_tables(tmp_path, capsys):
+    """``--modes``: the chosen modes' Tables 1-2 and the run's peaks, without the sweeps, length scan, score drift and
+    simulations; the report and summary are written from what ran."""
+    out = tmp_path / "out"
+    assert main(["bench", "--quick", "--modes", "recompute,unlimited", "--out", str(out)]) == 0
+    result = json.loads((out / "bench.json").read_text())
+    assert list(result["modes"]) == ["recompute", "unlimited"]
+    assert not {"chunk_sweep", "budget_sweep", "lengths", "score_drift"} & set(result) and result["simulated"] == {}
+    assert "peak_pinned_h2d_GBps" in result and "gemm_peak_tflops" in result
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["unlimited_speedup_bs8_mean"] > 0 and "speedup_bs8" not in summary
+    assert "## Table 1" in (out / "bench.md").read_text()
+
+
+def test_unknown_modes_are_refused(tmp_path, capsys, no_run):
+    assert main(["bench", "--quick", "--modes", "recompute,cached", "--out", str(tmp_path / "out")]) == 2
+    assert "modes must be some of" in capsys.readouterr().err

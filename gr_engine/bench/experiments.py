@@ -58,6 +58,11 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print,
                  f"max {e['max_ms']:.2f}, hit {e['total_hit_ratio']:.1%}")
         result["modes"][mode] = entry
         checkpoint(result)
+    if settings.tables_only:
+        result["peak_pinned_h2d_GBps"] = peak_h2d_GBps(settings.device)
+        result["gemm_peak_tflops"] = gemm_peak_tflops(settings.device)
+        result.update(host_probes(device))
+        return result
     for key, name, values, modes in sweeps:  # their policy simulations are added below
         result[key] = {mode: {value: _window(settings, trace, cache_config(settings, mode, **{name: value}), arena,
                                              model) for value in values} for mode in modes}

@@ -229,9 +229,10 @@ def markdown(result: dict) -> str:
         at_start = ", ".join(f"{name} {e[probe]:.1f}" for name, e in modes.items() if e.get(probe) is not None)
         lines += ["", f"{what} takes {result[probe]:.1f} us at the end of the run"
                   + (f" (us as each mode's windows start: {at_start})" if at_start else "") + f". {note}"]
-    lines += ["", "Whole-trace hit ratios (policy simulation, same cache code, no model):", ""]
-    lines += [f"- {k}: GPU {v['gpu_hit_ratio']:.2%}, total {v['total_hit_ratio']:.2%}"
-              for k, v in result["simulated"].items()]
+    if result["simulated"]:
+        lines += ["", "Whole-trace hit ratios (policy simulation, same cache code, no model):", ""]
+        lines += [f"- {k}: GPU {v['gpu_hit_ratio']:.2%}, total {v['total_hit_ratio']:.2%}"
+                  for k, v in result["simulated"].items()]
     lines += ["", "## Table 2: per-step breakdown at the largest batch (ms per step, device-synchronised)", ""]
     lines += _table(["mode", *PHASES], [[name, *_phase_cells(entry["breakdown_bs8"]["phase_ms_per_step"])]
                                         for name, entry in modes.items()])

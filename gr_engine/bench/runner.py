@@ -53,6 +53,7 @@ class BenchSettings:
     device: str = "cuda"
     backend: str = "auto"
     modes: tuple[str, ...] = ("recompute", "gpu_only", "hierarchical", "unlimited")
+    tables_only: bool = False  # only Tables 1-2 of ``modes`` (``--modes``): no sweeps, length scan, drift, simulation
     batch_sizes: tuple[int, ...] = (1, 4, 8)
     gpu_pages: int = 40_960
     page_size: int = 32
@@ -74,6 +75,9 @@ class BenchSettings:
     def __post_init__(self) -> None:
         if self.trace.num_users < 1:
             raise ValueError(f"the trace needs at least one user (--users), got {self.trace.num_users}")
+        unknown = [m for m in self.modes if m not in ("recompute", "gpu_only", "hierarchical", "unlimited")]
+        if unknown or not self.modes:
+            raise ValueError(f"modes must be some of recompute, gpu_only, hierarchical, unlimited, got {self.modes}")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"batch sizes must be positive, got {self.batch_sizes}")
         for name, option in (("gpu_pages", ""), ("page_size", ""), ("chunk_tokens", ""), ("window_strata", ""),

@@ -33,6 +33,17 @@ def test_script_imports(script):
     assert callable(load(script).main)
 
 
+def test_tile_sweep_imports_and_counts_causal_flops_once(monkeypatch):
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports its sibling kernel_bench.py, as when run as a script
+    module = load("tile_sweep.py")
+    width = module.HEADS * module.DIM
+    assert module.step_tflop([0], [8192], [0]) == pytest.approx(4 * width * 8192 * 8193 / 2 / 1e12)
+    # a candidate attends the whole history and itself
+    assert module.step_tflop([0], [10], [3]) == pytest.approx(4 * width * (55 + 3 * 11) / 1e12)
+
+
 def test_gpu_checks_script_parses():
     assert subprocess.run(["bash", "-n", str(BENCHMARKS / "gpu_checks.sh")]).returncode == 0
 

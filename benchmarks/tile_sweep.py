@@ -1,0 +1,90 @@
+"""hstu_triton's launch shapes against each other on the GPU: which ``TileConfig`` computes prefill fastest.
+
+    python benchmarks/tile_sweep.py --out tile_sweep.json [--quick]
+
+For every launch shape of a grid (``block_m`` 64/128, ``block_n`` 32/64/128, ``num_warps`` 4/8, ``num_stages``
+1-4; shapes Triton cannot compile are recorded as failed), times ``hstu_triton`` attention (4 heads x 128, bf16,
+page 32, replayed from a CUDA graph: device time) over three steps: one 8k and one 16k full-history prefill, and
+recompute's batch of 8 (whole histories of 1.5k-20k events, mean ~9.2k, plus 100 candidates each, nothing cached).
+Reports TFLOP/s (causal FLOPs counted once) per shape and the default shape's rank. ``--quick``: a few shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import json
+import subprocess
+
+import numpy as np
+import torch
+import triton.testing
+from kernel_bench import DIM, HEADS, PAGE, make_step  # a sibling script
+
+from attention_backends import AttentionSpec
+from attention_backends.hstu_triton import HSTUTritonBackend
+from attention_backends.hstu_triton_plan import TileConfig, default_tile_config
+from gr_engine.bench.flops import attended_pairs
+
+#: The steps timed: name -> (cached, new history rows, candidates) per request.
+STEPS = {
+    "prefill_8192": ([0], [8192], [0]),
+    "prefill_16384": ([0], [16384], [0]),
+    "recompute_bs8": ([0] * 8, [1500, 3000, 5000, 7500, 9700, 12000, 15000, 20000], [100] * 8),
+}
+
+
+def step_tflop(cached: list[int], new: list[int], candidates: list[int]) -> float:
+    """Attention TFLOP of a step: ``4 * H * D`` per attended (query, key) pair."""
+    history = np.asarray(cached) + np.asarray(new)
+    return 4 * HEADS * DIM * float(attended_pairs(cached, history, candidates).sum()) / 1e12
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--quick", action="store_true", help="four shapes only")
+    parser.add_argument("--commit", default=None, help="commit id to record (the device copy has no .git)")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    spec = AttentionSpec(kind="hstu", num_heads=HEADS, head_dim=DIM, page_size=PAGE, dtype=torch.bfloat16,
+                         device_type="cuda", alpha=DIM**-0.5, scaling_seqlen=20_000)
+    grid = [TileConfig(m, n, w, s) for m, n, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (1, 2, 3, 4))]
+    default = default_tile_config(spec)
+    if args.quick:
+        grid = [default, TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3), TileConfig(128, 128, 8, 3)]
+    steps = {name: make_step(*shape, device) for name, shape in STEPS.items()}
+    tflop = {name: step_tflop(*shape) for name, shape in STEPS.items()}
+    results = []
+    for config in grid:
+        backend = HSTUTritonBackend(spec, tiles=config)
+        row = {"config": list(dataclasses.astuple(config)), "tflops": {}}
+        try:
+            for name, (q, k, v, cache, meta) in steps.items():
+                prepared = backend.build_metadata(meta)
+                seconds = triton.testing.do_bench_cudagraph(functools.partial(backend.attend, q, k, v, cache, prepared),
+                                                            rep=50, return_mode="median") / 1e3
+                row["tflops"][name] = tflop[name] / seconds
+        except Exception as exc:  # a shape Triton cannot compile (e.g. out of shared memory)
+            row["error"] = repr(exc)[:200]
+        results.append(row)
+        print(row, flush=True)
+    ok = [r for r in results if "error" not in r]
+    for name in steps:
+        ok.sort(key=lambda r, name=name: -r["tflops"][name])
+        print(name, "best", ok[0]["config"], f"{ok[0]['tflops'][name]:.0f} TFLOP/s")
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                           text=True).stdout.strip()
+    out = {"gpu": torch.cuda.get_device_name(), "commit": commit or "unknown", "triton": triton.__version__,
+           "command": "python benchmarks/tile_sweep.py --out " + args.out + (" --quick" if args.quick else ""),
+           "config_fields": ["block_m", "block_n", "num_warps", "num_stages"],
+           "default": list(dataclasses.astuple(default)),
+           "step_tflop": tflop, "results": results}
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -70,9 +70,36 @@ def plan_tile_map(query_start_loc: np.ndarray, num_history_rows: np.ndarray, kv_
     last_limit = seq_lens[req] - hist[req] + np.minimum(first + block_m, rows[req])
     blocks = -(-np.where(in_use, np.minimum(last_limit, seq_lens[req]), 0) // block_n)  # key tiles it visits
 
-    # Plans s = 1..MAX_SPLITS: parts per tile, key tiles per part [MAX_SPLITS, num_tiles]. Those within the item
-    # budget (s = 1 always; of equal ones the first) are costed from their items' lengths by list-scheduling lower
-    # bounds (total work, waves of near-longest programs, two on one processor) plus overheads.
+    # Parts only grow with the plan s (see _cheapest_cut): when s = 2 is over the item budget (a large step: items
+    # for a few spare tiles only), s = 1 (no tile cut) is the only plan within it, and nothing is costed.
+    bmax = int(blocks.max())
+    halves = np.maximum(-(-blocks // max(-(-bmax // 2), min_tiles_per_split)), 1)
+    if np.add.reduce(halves, where=in_use) > num_items:
+        splits, part_len = in_use.astype(np.int64), blocks
+    else:
+        splits, part_len = _cheapest_cut(blocks, in_use, num_items, block_n, num_heads, num_sms, overhead_keys,
+                                         min_tiles_per_split)
+
+    item_end, item = np.cumsum(splits), np.arange(num_items)
+    first_item, item_in_use = item_end - splits, item < item_end[-1]
+    item_tile = np.minimum(np.searchsorted(item_end, item, side="right"), num_tiles - 1)
+    item_split = item - first_item[item_tile]
+    # Longest items first; self-only candidate tiles (length 0) still sort before spare slots.
+    item_len = np.minimum(blocks[item_tile] - item_split * part_len[item_tile], part_len[item_tile])
+    order = np.argsort(np.where(item_in_use, -1 - item_len, 1), kind="stable")
+    tile_arrays = np.array([np.where(in_use, req, -1), first, splits, first_item, part_len * block_n], np.int32)
+    return tile_arrays, np.array([np.where(item_in_use, item_tile, -1)[order], item_split[order]], np.int32)
+
+
+def _cheapest_cut(blocks: np.ndarray, in_use: np.ndarray, num_items: int, block_n: int, num_heads: int,
+                  num_sms: int, overhead_keys: int, min_tiles_per_split: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`plan_tile_map`'s choice of plan for int64 ``blocks [num_tiles]`` (key tiles each tile visits; 0 for
+    spare tiles, ``in_use`` False): int64 parts per tile and key tiles per part (``[num_tiles]`` each).
+
+    Plans s = 1..MAX_SPLITS: parts per tile, key tiles per part [MAX_SPLITS, num_tiles]. Those within the item
+    budget (s = 1 always; of equal ones the first) are costed from their items' lengths by list-scheduling lower
+    bounds (total work, waves of near-longest programs, two on one processor) plus overheads.
+    """
     max_part = np.maximum(-(-blocks.max() // np.arange(1, MAX_SPLITS + 1)[:, None]), min_tiles_per_split)
     parts = np.where(in_use, np.maximum(-(-blocks // max_part), 1), 0)
     part_len = -(-blocks // np.maximum(parts, 1))  # so no part is empty
@@ -92,17 +119,7 @@ def plan_tile_map(query_start_loc: np.ndarray, num_history_rows: np.ndarray, kv_
     bound = np.maximum(bound, np.float32(blocks.sum() * num_heads) / np.float32(num_sms))
     cost = bound + np.float32(overhead_keys / block_n * num_heads / num_sms) * items[ok].astype(np.float32)
     best = ok[np.argmin(cost)]
-    splits, part_len = parts[best], part_len[best]
-
-    item_end, item = np.cumsum(splits), np.arange(num_items)
-    first_item, item_in_use = item_end - splits, item < item_end[-1]
-    item_tile = np.minimum(np.searchsorted(item_end, item, side="right"), num_tiles - 1)
-    item_split = item - first_item[item_tile]
-    # Longest items first; self-only candidate tiles (length 0) still sort before spare slots.
-    item_len = np.minimum(blocks[item_tile] - item_split * part_len[item_tile], part_len[item_tile])
-    order = np.argsort(np.where(item_in_use, -1 - item_len, 1), kind="stable")
-    tile_arrays = np.array([np.where(in_use, req, -1), first, splits, first_item, part_len * block_n], np.int32)
-    return tile_arrays, np.array([np.where(item_in_use, item_tile, -1)[order], item_split[order]], np.int32)
+    return parts[best], part_len[best]
 
 
 def padded_plan(tiles: np.ndarray, items: np.ndarray, num_tiles: int, num_items: int) -> np.ndarray:

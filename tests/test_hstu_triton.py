@@ -450,6 +450,33 @@ def test_host_plan_equals_torch_planning(seed):
 
 
 @needs_triton
+@pytest.mark.parametrize("seed", range(3))
+def test_large_steps_are_planned_without_costing_cuts(seed, monkeypatch):
+    """A step whose tiles cut for s = 2 already need more items than the budget (recompute-like: thousands of new
+    rows a request, or many over a long cached history) is planned uncut without costing any plan, exactly as the
+    torch reference plans it."""
+    import attention_backends.hstu_triton_plan as plan
+
+    def never(*args):
+        raise AssertionError("a large step costed its cuts")
+
+    monkeypatch.setattr(plan, "_cheapest_cut", never)
+    gen, rng = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
+    for case in range(10):
+        page, heads, num_sms = int(rng.choice([16, 32])), int(rng.choice([1, 4])), int(rng.choice([4, 8]))
+        tiles = TileConfig(int(rng.choice([64, 128])), page * int(rng.choice([1, 2])), 4, 1)
+        cached = 0 if case % 2 else int(rng.integers(20_000, 40_000))
+        layout = [(cached, int(rng.integers(5_000, 15_000)), int(rng.integers(0, 101)))
+                  for _ in range(int(rng.integers(1, 9)))]
+        common, spec = make_common(layout, page, gen, device="cpu"), make_spec(page, heads, 16, torch.float32)
+        backend = HSTUTritonBackend(spec, tiles=tiles)
+        backend.num_sms = num_sms
+        expected = torch_tile_map(common, tiles, heads, num_sms, backend.overhead_keys, backend.min_tiles_per_split)
+        meta = backend.build_metadata(common)
+        assert torch.equal(meta.tiles, expected[0]) and torch.equal(meta.items, expected[1]), (layout, case)
+
+
+@needs_triton
 def test_build_metadata_is_one_host_to_device_copy():
     # On the "meta" device, a stand-in for CUDA (the same code path, no data): the host plans, one copy uploads.
     common = make_common([(16000, 1, 8)] * 8, 32, torch.Generator().manual_seed(0), device="meta")

@@ -113,6 +113,18 @@ class StepTimestamps:
     keys: torch.Tensor
     key_start: torch.Tensor
 
+    @classmethod
+    def from_host(cls, query_timestamps: np.ndarray, key_timestamps: np.ndarray, kv_seq_lens: np.ndarray,
+               device: torch.device | str) -> StepTimestamps:
+        """From host int arrays: ``query_timestamps [T]``, ``key_timestamps [sum(kv_seq_lens)]`` and the step's
+        ``kv_seq_lens [B]``; two host-to-device copies."""
+        times = np.concatenate([query_timestamps, key_timestamps]).astype(np.int64)
+        if len(times) and int(times.max()) - int(times.min()) < 2**31 - 1:
+            times = (times - times.min()).astype(np.int32)
+        times = upload(times, device)
+        key_start = upload(np.concatenate([[0], np.cumsum(kv_seq_lens)[:-1]]).astype(np.int32), device)
+        return cls(times[: len(query_timestamps)], times[len(query_timestamps):], key_start)
+
 
 @dataclass
 class PagedBatchMetadata:
@@ -140,8 +152,9 @@ class PagedBatchMetadata:
         page_size: tokens per page.
         max_query_len, max_kv_len, max_pages: largest per-request row count, ``kv_seq_lens`` and page count (ints).
         host: read-only int numpy copies of index tensors by field name, for host planning, or ``None``: every
-            field from :meth:`from_layout`; a CUDA-graph replay has only ``query_start_loc``, ``num_history_rows``,
-            ``num_candidate_rows``, ``kv_indptr`` and ``kv_seq_lens``.
+            field from :meth:`from_layout`; a CUDA-graph replay or an eager step laid out on the device
+            (``gr_engine.eager_layout``) has only ``query_start_loc``, ``num_history_rows``, ``num_candidate_rows``,
+            ``kv_indptr`` and ``kv_seq_lens``.
         timestamps: event times for the relative time bias, or ``None`` when the model has none.
     """
 
@@ -188,12 +201,7 @@ class PagedBatchMetadata:
         arrays = layout_arrays(history_start, num_history_rows, num_candidate_rows, kv_indptr, kv_indices, page_size)
         timestamps = None
         if query_timestamps is not None and key_timestamps is not None:
-            times = np.concatenate([query_timestamps, key_timestamps]).astype(np.int64)
-            if len(times) and int(times.max()) - int(times.min()) < 2**31 - 1:
-                times = (times - times.min()).astype(np.int32)
-            times = upload(times, device)
-            key_start = upload(np.concatenate([[0], np.cumsum(arrays["kv_seq_lens"])[:-1]]).astype(np.int32), device)
-            timestamps = StepTimestamps(times[: len(query_timestamps)], times[len(query_timestamps):], key_start)
+            timestamps = StepTimestamps.from_host(query_timestamps, key_timestamps, arrays["kv_seq_lens"], device)
         rows = arrays["num_history_rows"] + arrays["num_candidate_rows"]
         return cls(**upload_int32(arrays, device), page_size=page_size, max_query_len=int(rows.max(initial=0)),
                    max_kv_len=int(arrays["kv_seq_lens"].max(initial=0)),

@@ -20,6 +20,9 @@ about 3x slower than a dev box. The device work is left out through the engine's
   step (longer than a graph holds) launches no attention kernel and writes no K/V;
 - ``engine.runner.graphs`` is a :class:`~gr_engine.step_graphs.StepGraphs` whose ``replay`` returns zero states
   and logits (the staging before it is the real one);
+- ``engine.runner.layout`` is a :class:`~gr_engine.eager_layout.DeviceLayout` (as a CUDA engine's) whose ``expand``
+  launches nothing and returns a zero buffer (the compact step before it is staged for real), so eager steps are
+  laid out the GPU's way;
 - the host tier's transfer engine (``engine.kv.host.transfer``) is a :class:`~cache_engine.TransferEngine` whose
   ``offload`` and ``onload`` copy nothing and complete at once, as a CPU copy returns: the host tier's bookkeeping
   (which chunks to persist or load, slots, evictions) runs as usual; the transfer engine's own host work (index
@@ -53,6 +56,7 @@ import torch
 from cache_engine import TransferEngine
 from cache_engine.jobs import OffloadJob, OnloadJob
 from gr_engine import CacheConfig, EngineConfig, GREngine, ModelConfig, RankRequest, SchedulerConfig
+from gr_engine.eager_layout import DeviceLayout
 from gr_engine.models import GRModel
 from gr_engine.step_graphs import StagedStep, StepGraphs
 
@@ -69,6 +73,18 @@ class HostOnlyGraphs(StepGraphs):
                layer_ready: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         self.num_replays += 1
         return torch.zeros(step.rows, 1), torch.zeros(step.lengths["candidates"], self.num_tasks)
+
+
+class HostOnlyLayout(DeviceLayout):
+    """Stages each eager step in compact form as a CUDA engine does but expands nothing: a zero buffer (valid rows
+    and token ids for the rest of the host-only step), kept and grown, stands in for the expansion's."""
+
+    _zeros = torch.zeros(0, dtype=torch.int32)
+
+    def expand(self, compact: torch.Tensor, rows: int, size: int) -> torch.Tensor:
+        if len(self._zeros) < size:
+            self._zeros = torch.zeros(2 * size, dtype=torch.int32)
+        return self._zeros[:size]
 
 
 class NoCopyTransfer(TransferEngine):
@@ -105,6 +121,7 @@ def use_graph_path(engine: GREngine) -> HostOnlyGraphs:
     graphs = HostOnlyGraphs(config.model.num_tasks, engine.backend, engine.device, config.cache.page_size,
                             config.cuda_graph_max_rows, config.scheduler.max_num_seqs, config.cache.num_gpu_pages)
     engine.runner.graphs = graphs
+    engine.runner.layout = HostOnlyLayout(engine.device, config.cache.page_size, config.scheduler.max_num_seqs)
     if engine.kv.host is not None:
         engine.kv.host.poll(wait=True)  # nothing in flight is left to the old engine
         engine.kv.host.transfer = NoCopyTransfer(engine.device)

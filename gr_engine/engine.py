@@ -106,7 +106,12 @@ class GREngine:
                 and not mc.time_bias_buckets):
             graphs = StepGraphs(self.backend, self.device, config.cache.page_size, config.cuda_graph_max_rows,
                                 config.scheduler.max_num_seqs, config.cache.num_gpu_pages)
-        self.runner = ModelRunner(self.model, self.backend, self.kv, self.device, graphs)
+        layout = None
+        if self.device.type == "cuda" and StepGraphs.supported(self.backend):  # eager steps laid out on the device
+            from .eager_layout import DeviceLayout  # imports Triton
+
+            layout = DeviceLayout(self.device, config.cache.page_size, config.scheduler.max_num_seqs)
+        self.runner = ModelRunner(self.model, self.backend, self.kv, self.device, graphs, layout)
         self.stats = EngineStats()
         self.intake = RequestIntake(config, self.kv, self.scheduler, self.stats)
         self._undelivered: list[Output] = []

@@ -1,7 +1,8 @@
 """Turns one scheduled step into tensors, runs the model over the paged cache, and scores (docs/design.md section 3).
 
-:meth:`~ModelRunner.prepare` builds page tables and row layout on the host; :meth:`~ModelRunner.strip` the model
-input (uncached history suffix plus candidates), an :class:`EagerStep` or, when it fits the step graphs, a
+:meth:`~ModelRunner.prepare` builds page tables and per-request layout on the host; :meth:`~ModelRunner.strip` the
+model input (uncached history suffix plus candidates), an :class:`EagerStep` (its per-row layout expanded on the device
+by :mod:`.eager_layout` where the engine has one) or, when it fits the step graphs, a
 :class:`~.step_graphs.StagedStep`; :meth:`~ModelRunner.forward` runs the layers (each appends its new history K/V,
 then attends) and the ranking head; :meth:`~ModelRunner.fetch` queues the copy of the scores to the host
 (:class:`~.step_results.ScoreFetch`, whose ``wait`` returns them).
@@ -12,7 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -28,6 +29,9 @@ from .request import GenerateParams
 from .step_graphs import StagedStep, StepGraphs, run_segments
 from .step_results import PinnedBuffers, ScoreFetch, to_host
 from .validation import RequestArrays
+
+if TYPE_CHECKING:
+    from .eager_layout import DeviceLayout
 
 
 @dataclass(eq=False)
@@ -79,15 +83,18 @@ WARM_CACHED_TOKENS = 8192
 
 
 class ModelRunner:
-    """Executes scheduled steps of :class:`GRModel` over the :class:`KVCacheManager`'s pages."""
+    """Executes scheduled steps of :class:`GRModel` over the :class:`KVCacheManager`'s pages. ``graphs``: the step
+    graphs small steps are staged into; ``layout``: lays out eager steps on the device (else they are laid out on
+    the host, :meth:`~attention_backends.PagedBatchMetadata.from_layout`)."""
 
     def __init__(self, model: GRModel, backend: AttentionBackend, kv: KVCacheManager,
-                 device: torch.device, graphs: StepGraphs | None = None) -> None:
+                 device: torch.device, graphs: StepGraphs | None = None, layout: DeviceLayout | None = None) -> None:
         self.model = model
         self.backend = backend
         self.kv = kv
         self.device = device
         self.graphs = graphs
+        self.layout = layout
         self._candidate_actions = np.full(model.config.max_candidates, model.candidate_action, dtype=np.int64)
         self._score_buffers = PinnedBuffers(model.config.num_tasks) if device.type == "cuda" else None
 
@@ -127,19 +134,24 @@ class ModelRunner:
             s, e, c = chunk.start, chunk.end, chunk.num_candidate_rows
             items += [arrays.item_ids[s:e], arrays.candidate_item_ids[:c]]
             actions += [arrays.action_ids[s:e], self._candidate_actions[:c]]
-        item_ids, action_ids = np.concatenate(items), np.concatenate(actions)
         layout = meta.layout
         hist = layout["num_history_rows"]
-        if self.graphs is not None and self.graphs.fits(len(item_ids), len(chunks), int(hist.sum()),
+        rows = int(np.add.reduce(hist + layout["num_candidate_rows"]))
+        if self.graphs is not None and self.graphs.fits(rows, len(chunks), int(np.add.reduce(hist)),
                                                         len(layout["kv_indices"])):
-            return self.graphs.stage(layout, {"item_ids": item_ids, "action_ids": action_ids})
+            return self.graphs.stage(layout, {"item_ids": np.concatenate(items), "action_ids": np.concatenate(actions)})
         times = self._timestamps(chunks) if self.model.config.time_bias_buckets else (None, None)
-        return self._eager_step(layout, item_ids, action_ids, times)
+        return self._eager_step(layout, items, actions, times)
 
-    def _eager_step(self, layout: dict[str, np.ndarray], item_ids: np.ndarray, action_ids: np.ndarray,
+    def _eager_step(self, layout: dict[str, np.ndarray], items: list[np.ndarray], actions: list[np.ndarray],
                     times: tuple[np.ndarray | None, np.ndarray | None]) -> EagerStep:
-        """Upload a step for an eager forward: ``layout`` as :attr:`StepMetadata.layout`, int64 ``item_ids`` and
-        ``action_ids`` ``[T]`` of its rows, and the time-bias timestamps (as :meth:`_timestamps`, or ``None``s)."""
+        """Upload a step for an eager forward: ``layout`` as :attr:`StepMetadata.layout`, its rows' int item and
+        action ids (``[T]`` each, in parts) and the time-bias timestamps (as :meth:`_timestamps`, or ``None``s); its
+        per-row layout expanded on the device (:attr:`layout`) or built on the host."""
+        if self.layout is not None:
+            tokens, common = self.layout.build(layout, items, actions, times)
+            return EagerStep(tokens, common, self.backend.build_metadata(common))
+        item_ids, action_ids = np.concatenate(items), np.concatenate(actions)
         common = PagedBatchMetadata.from_layout(layout["history_start"], layout["num_history_rows"],
                                                 layout["num_candidate_rows"], layout["kv_indptr"],
                                                 layout["kv_indices"], self.kv.page_size, self.device, *times)
@@ -223,7 +235,7 @@ class ModelRunner:
             times = (None, None) if span is None else (np.full(rows + candidates, span, dtype=np.int64),
                                                        np.zeros(cached + rows, dtype=np.int64))
             zeros = np.zeros(rows + candidates, dtype=np.int64)
-            self.forward(self._eager_step(layout, zeros, zeros, times), [None] * len(self.model.layers))
+            self.forward(self._eager_step(layout, [zeros], [zeros], times), [None] * len(self.model.layers))
             count += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

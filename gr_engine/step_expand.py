@@ -5,6 +5,8 @@ per-request numbers, its tokens and its page ids, ``4 + 4 B + 2 T + P`` int32 va
 (:func:`expand`, captured with the graphs, reading the compact step over PCIe) derives from them every index field of
 :class:`~attention_backends.PagedBatchMetadata` and the token positions, padded to the bucket's capacities, as
 :func:`~attention_backends.base.layout_arrays` derives them on the host: the host then builds no per-row array.
+An eager step on CUDA (:mod:`.eager_layout`) is expanded by the same kernel, from its compact form uploaded to the
+device, into a buffer whose per-row fields hold exactly its own rows.
 
 The static buffer of a bucket of ``W`` rows for at most ``R`` requests holds, in :data:`FIELDS` order, each field at
 its capacity (``R + 1``, ``R`` or ``W`` entries), then ``max_pages`` page ids. Padding is inert: spare requests have no
@@ -12,10 +14,13 @@ rows (``query_start_loc`` and ``kv_indptr`` repeat their last value, the other p
 rows repeat the step's last append (the same values written to the same slot), other spare rows are 0; page ids
 beyond the step's are left as they were (``kv_indptr`` bounds every read).
 
-This module imports Triton; :mod:`.step_graphs` imports it when it builds its buffers.
+This module imports Triton; :mod:`.step_graphs` and :mod:`.eager_layout` import it when they are built.
 """
 
 from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -38,8 +43,8 @@ def field_offsets(max_requests: int, bucket: int) -> tuple[dict[str, int], dict[
     """``(capacities, offsets)`` of every field of a bucket's static buffer (offsets include ``"kv_indices"``)."""
     sizes = {"requests": max_requests, "requests1": max_requests + 1, "rows": bucket}
     caps = {name: sizes[cap] for name, cap in FIELDS.items()}
-    ends = np.cumsum(list(caps.values())).tolist()
-    return caps, dict(zip([*FIELDS, "kv_indices"], [0, *ends], strict=True))
+    ends = itertools.accumulate(caps.values(), initial=0)  # (per eager step: cheaper than numpy for 16 numbers)
+    return caps, dict(zip([*FIELDS, "kv_indices"], ends, strict=True))
 
 
 def compact_size(max_requests: int, max_rows: int, max_pages: int) -> int:
@@ -49,15 +54,16 @@ def compact_size(max_requests: int, max_rows: int, max_pages: int) -> int:
 
 def write_compact(out: np.ndarray, history_start: np.ndarray, num_history_rows: np.ndarray,
                   num_candidate_rows: np.ndarray, kv_indptr: np.ndarray, kv_indices: np.ndarray,
-                  item_ids: np.ndarray, action_ids: np.ndarray) -> int:
+                  item_ids: Sequence[np.ndarray], action_ids: Sequence[np.ndarray]) -> int:
     """Write a step in compact form into ``out`` (int32, at least :func:`compact_size` entries); returns the entries
     used. The arguments are those of :meth:`~attention_backends.PagedBatchMetadata.from_layout` (``[B]`` per request,
-    ``kv_indptr [B + 1]``, ``kv_indices [P]``) and the step's int ``[T]`` tokens (rows of each request in turn: its
-    new history rows, then its candidates). Candidates come with a request's final chunk only, so they are placed one
-    past its history in pages (position ``history_start + num_history_rows``)."""
-    counts = (len(num_history_rows), len(item_ids), len(kv_indices))
+    ``kv_indptr [B + 1]``, ``kv_indices [P]``) and the step's int ``[T]`` tokens, each in parts that are concatenated
+    here (rows of each request in turn: its new history rows, then its candidates). Candidates come with a request's
+    final chunk only, so they are placed one past its history in pages (position ``history_start +
+    num_history_rows``)."""
+    counts = (len(num_history_rows), sum(len(part) for part in item_ids), len(kv_indices))
     used = _HEADER + 4 * counts[0] + 1 + 2 * counts[1] + counts[2]
-    np.concatenate([counts, history_start, num_history_rows, num_candidate_rows, kv_indptr, item_ids, action_ids,
+    np.concatenate([counts, history_start, num_history_rows, num_candidate_rows, kv_indptr, *item_ids, *action_ids,
                     kv_indices], out=out[:used])  # int64 -> int32, same_kind
     return used
 
@@ -65,11 +71,13 @@ def write_compact(out: np.ndarray, history_start: np.ndarray, num_history_rows: 
 def expand(compact: torch.Tensor, buffer: torch.Tensor, max_requests: int, bucket: int, page_size: int) -> None:
     """Write the static buffer of ``bucket`` (int32, :func:`field_offsets` layout) from a compact step (int32,
     :func:`write_compact`; in device memory or pinned host memory), on the current stream (capturable). The step must
-    have at least one new history row and fit the capacities."""
+    fit the capacities (``T <= bucket``, ``B <= max_requests``); without new history rows the append fields are
+    left unwritten. ``bucket`` is read at run time: one compiled kernel serves every bucket, and eager steps (their
+    own row count as the bucket)."""
     r_p2 = triton.next_power_of_2(max_requests + 1)
     block = min(256, max(16, 4096 // r_p2))
     _expand_kernel[(triton.cdiv(bucket, block),)](
-        compact, buffer, PAGE_SIZE=page_size, MAX_REQUESTS=max_requests, R_P2=r_p2, BUCKET=bucket, BLOCK=block)
+        compact, buffer, bucket, PAGE_SIZE=page_size, MAX_REQUESTS=max_requests, R_P2=r_p2, BLOCK=block)
 
 
 @triton.jit
@@ -84,11 +92,11 @@ def _owner(ends, t, real):
     return tl.sum(((ends[None, :] <= t[:, None]) & real[None, :]).to(tl.int32), 1)
 
 
-@triton.jit
-def _expand_kernel(Compact, Out, PAGE_SIZE: tl.constexpr, MAX_REQUESTS: tl.constexpr, R_P2: tl.constexpr,
-                   BUCKET: tl.constexpr, BLOCK: tl.constexpr):
-    """Program ``p`` writes rows ``[p * BLOCK, (p + 1) * BLOCK)`` of every per-row field and a share of the page ids;
-    program 0 also writes the per-request fields."""
+@triton.jit(do_not_specialize=["bucket"])  # any row count, one kernel (no recompilation per bucket or eager step)
+def _expand_kernel(Compact, Out, bucket, PAGE_SIZE: tl.constexpr, MAX_REQUESTS: tl.constexpr, R_P2: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """Program ``p`` writes rows ``[p * BLOCK, (p + 1) * BLOCK)`` of every per-row field (``bucket`` entries each)
+    and a share of the page ids; program 0 also writes the per-request fields."""
     pid = tl.program_id(0)
     num_requests = tl.load(Compact)
     num_rows = tl.load(Compact + 1)
@@ -119,34 +127,36 @@ def _expand_kernel(Compact, Out, PAGE_SIZE: tl.constexpr, MAX_REQUESTS: tl.const
         tl.store(Out + 4 * R + 2 + b, tl.where(held > 0, seq_lens - (held - 1) * PAGE_SIZE, 0), mask=b < R)
         tl.store(Out + 5 * R + 2 + b, seq_lens, mask=b < R)
     t = pid * BLOCK + tl.arange(0, BLOCK)
-    keep = t < BUCKET
-    # New history rows; spare ones repeat the last.
-    row = tl.minimum(t, tl.sum(hist, 0) - 1)
+    keep = t < bucket
+    # New history rows; spare ones repeat the last (none at all: nothing to write).
+    num_history = tl.sum(hist, 0)
+    row = tl.minimum(t, num_history - 1)
+    append = keep & (num_history > 0)
     owner = _owner(h_end, row, real)
     within = row - _pick(h_start, owner, b)
     position = _pick(start, owner, b) + within
     slot = _pick(page_first, owner, b) * PAGE_SIZE + position
-    tl.store(Out + ROWS + t, owner, mask=keep)
-    tl.store(Out + ROWS + BUCKET + t, position, mask=keep)
-    tl.store(Out + ROWS + 2 * BUCKET + t, tl.load(pages_at + slot // PAGE_SIZE, mask=keep, other=0), mask=keep)
-    tl.store(Out + ROWS + 3 * BUCKET + t, slot % PAGE_SIZE, mask=keep)
-    tl.store(Out + ROWS + 4 * BUCKET + t, _pick(q_start, owner, b) + within, mask=keep)
+    tl.store(Out + ROWS + t, owner, mask=append)
+    tl.store(Out + ROWS + bucket + t, position, mask=append)
+    tl.store(Out + ROWS + 2 * bucket + t, tl.load(pages_at + slot // PAGE_SIZE, mask=append, other=0), mask=append)
+    tl.store(Out + ROWS + 3 * bucket + t, slot % PAGE_SIZE, mask=append)
+    tl.store(Out + ROWS + 4 * bucket + t, _pick(q_start, owner, b) + within, mask=append)
     # Candidate rows; spare ones 0.
     is_candidate = t < tl.sum(cand, 0)
     owner = _owner(c_end, t, real)
     candidate_row = _pick(q_start + hist, owner, b) + t - _pick(c_start, owner, b)
-    tl.store(Out + ROWS + 5 * BUCKET + t, tl.where(is_candidate, candidate_row, 0), mask=keep)
-    tl.store(Out + ROWS + 6 * BUCKET + t, tl.where(is_candidate, owner, 0), mask=keep)
+    tl.store(Out + ROWS + 5 * bucket + t, tl.where(is_candidate, candidate_row, 0), mask=keep)
+    tl.store(Out + ROWS + 6 * bucket + t, tl.where(is_candidate, owner, 0), mask=keep)
     # Tokens: a history row sits at its event's position, a candidate one past the request's last event.
     is_row = t < num_rows
-    tl.store(Out + ROWS + 7 * BUCKET + t, tl.load(tokens_at + t, mask=is_row, other=0), mask=keep)
-    tl.store(Out + ROWS + 8 * BUCKET + t, tl.load(tokens_at + num_rows + t, mask=is_row, other=0), mask=keep)
+    tl.store(Out + ROWS + 7 * bucket + t, tl.load(tokens_at + t, mask=is_row, other=0), mask=keep)
+    tl.store(Out + ROWS + 8 * bucket + t, tl.load(tokens_at + num_rows + t, mask=is_row, other=0), mask=keep)
     owner = _owner(q_end, t, real)
     within = t - _pick(q_start, owner, b)
     position = tl.where(within < _pick(hist, owner, b), _pick(start, owner, b) + within, _pick(seq_lens, owner, b))
-    tl.store(Out + ROWS + 9 * BUCKET + t, tl.where(is_row, position, 0), mask=keep)
+    tl.store(Out + ROWS + 9 * bucket + t, tl.where(is_row, position, 0), mask=keep)
     # Page ids, shared out between the programs.
     step = tl.num_programs(0) * BLOCK
     for first in range(pid * BLOCK, num_pages, step):
         j = first + tl.arange(0, BLOCK)
-        tl.store(Out + ROWS + 10 * BUCKET + j, tl.load(pages_at + j, mask=j < num_pages), mask=j < num_pages)
+        tl.store(Out + ROWS + 10 * bucket + j, tl.load(pages_at + j, mask=j < num_pages), mask=j < num_pages)

@@ -27,8 +27,8 @@ from cache_engine.streams import CurrentStream, indexed
 
 logger = logging.getLogger(__name__)
 
-# The real length of each field of a staged step.
-_LENGTHS = {
+#: The real length of each field of a staged step (kinds as :attr:`StagedStep.lengths`).
+LENGTHS = {
     "query_start_loc": "requests1", "kv_indptr": "requests1", "num_history_rows": "requests",
     "num_candidate_rows": "requests", "kv_last_page_len": "requests", "kv_seq_lens": "requests",
     "append_batch_indices": "history", "append_positions": "history", "append_pages": "history",
@@ -167,8 +167,8 @@ class StepGraphs:
         compact_read = self._compact_read
         if compact_read is not None and not compact_read.query():
             compact_read.synchronize()  # the last staged step's expansion may still read the buffer
-        self._step_expand.write_compact(self._compact_host, start, hist, cand, indptr, pages, tokens["item_ids"],
-                                        tokens["action_ids"])
+        self._step_expand.write_compact(self._compact_host, start, hist, cand, indptr, pages, [tokens["item_ids"]],
+                                        [tokens["action_ids"]])
         writer = plan if callable(plan) else None  # a writer: the backend writes the plan inside the replay
         device_plan, pinned_plan, plan_copied = self._plan_buffers(plan_key, uploaded=writer is None)
         stream = self._current_stream() if self._cuda else None
@@ -185,7 +185,7 @@ class StepGraphs:
 
     def step_inputs(self, step: StagedStep) -> tuple[dict[str, torch.Tensor], PagedBatchMetadata]:
         """A staged step's tokens (:data:`TOKEN_FIELDS`) and metadata at real length over the expanded static buffer."""
-        views = {name: self._view(step.bucket, name, step.lengths[kind]) for name, kind in _LENGTHS.items()}
+        views = {name: self._view(step.bucket, name, step.lengths[kind]) for name, kind in LENGTHS.items()}
         tokens = {name: views.pop(name) for name in TOKEN_FIELDS}
         host = step.host
         indptr = host["kv_indptr"]

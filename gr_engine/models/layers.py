@@ -1,7 +1,8 @@
 """Transformer layers of the engine's models; each gets its attention as an ``attend(q, k, v)`` callable.
 
 - :class:`HSTULayer` (docs/design.md section 4): ``u,v,q,k = silu(Linear(LN(x)))``, SiLU attention with a fixed
-  normaliser, ``x + Linear(u * LN(attn))``.
+  normaliser, ``x + Linear(u * LN(attn))``. On CUDA its norms and gate are the Triton kernels of :mod:`.fused_ops`
+  (imported then only); on CPU they are torch's ops, the reference.
 - :class:`SASRecLayer`: a pre-norm softmax transformer block (SASRec-style sequential recommenders), for
   comparison with classic softmax attention under the same engine and cache.
 
@@ -23,27 +24,49 @@ AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | No
 layer's ``[time_bias_buckets, H]`` relative time bias table, or ``None``."""
 
 
+class FusedLayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` (same parameters and state-dict names) over the last dim of ``[T, N]`` inputs, one Triton
+    kernel (:func:`.fused_ops.layer_norm`) on CUDA."""
+
+    def forward(self, x: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
+        """Args: ``x`` ``[T, N]``; ``fused``: run the kernel (default: on CUDA; on CPU only under Triton's
+        interpreter, for tests). Returns ``[T, N]``, ``x``'s dtype."""
+        if not (x.is_cuda if fused is None else fused):
+            return super().forward(x)
+        from .fused_ops import layer_norm
+
+        return layer_norm(x, self.weight, self.bias, self.eps)
+
+
 class HSTULayer(nn.Module):
-    """``u,v,q,k = silu(Linear(LN(x)))``; ``x + Linear(u * LN(attn(q, k, v)))``."""
+    """``u,v,q,k = silu(Linear(LN(x)))``; ``x + Linear(u * LN(attn(q, k, v)))``. On CUDA, ``LN(x)`` is one kernel
+    and ``u * LN(attn)`` (or ``[u, attn, u * LN(attn)]``) another (:mod:`.fused_ops`)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
         width = config.num_heads * config.head_dim
         self.concat_ua = config.concat_ua
-        self.input_norm = nn.LayerNorm(config.d_model, eps=1e-6)
+        self.input_norm = FusedLayerNorm(config.d_model, eps=1e-6)
         self.uvqk = nn.Linear(config.d_model, 4 * width)
         self.attn_norm = nn.LayerNorm(width, eps=1e-6)
         self.output = nn.Linear(3 * width if config.concat_ua else width, config.d_model)
         self.time_bias = _time_bias_table(config)
 
-    def forward(self, x: torch.Tensor, attend: AttendFn) -> torch.Tensor:
-        """Args: ``x`` ``[T, d_model]``. Returns ``[T, d_model]``."""
+    def forward(self, x: torch.Tensor, attend: AttendFn, fused: bool | None = None) -> torch.Tensor:
+        """Args: ``x`` ``[T, d_model]``; ``fused``: use :mod:`.fused_ops`' kernels (default: on CUDA; on CPU only
+        under Triton's interpreter, for tests). Returns ``[T, d_model]``."""
+        fused = x.is_cuda if fused is None else fused
         heads = (self.num_heads, self.head_dim)
-        u, v, q, k = F.silu(self.uvqk(self.input_norm(x))).split(self.num_heads * self.head_dim, dim=-1)
+        u, v, q, k = F.silu(self.uvqk(self.input_norm(x, fused))).split(self.num_heads * self.head_dim, dim=-1)
         attn = attend(q.unflatten(1, heads), k.unflatten(1, heads), v.unflatten(1, heads), self.time_bias).flatten(1)
-        normed = self.attn_norm(attn)
-        y = torch.cat([u, attn, u * normed], dim=-1) if self.concat_ua else u * normed
+        if fused:
+            from .fused_ops import gated_attn_norm
+
+            y = gated_attn_norm(attn, u, self.attn_norm.weight, self.attn_norm.bias, self.attn_norm.eps, self.concat_ua)
+        else:
+            normed = self.attn_norm(attn)
+            y = torch.cat([u, attn, u * normed], dim=-1) if self.concat_ua else u * normed
         return x + self.output(y)
 
 

@@ -20,7 +20,7 @@ from torch import nn
 from attention_backends.base import time_bucket
 
 from ..config import ModelConfig
-from .layers import AttendFn, HSTULayer, SASRecLayer
+from .layers import AttendFn, FusedLayerNorm, HSTULayer, SASRecLayer
 
 
 class GRModel(nn.Module):
@@ -36,7 +36,7 @@ class GRModel(nn.Module):
         self.position_embedding = nn.Embedding(config.max_history_len + 1, d)
         layer = HSTULayer if config.architecture == "hstu" else SASRecLayer
         self.layers = nn.ModuleList(layer(config) for _ in range(config.num_layers))
-        self.final_norm = nn.LayerNorm(d, eps=1e-6)
+        self.final_norm = FusedLayerNorm(d, eps=1e-6)  # one Triton kernel on CUDA
         self.ranking_head = nn.Sequential(
             nn.Linear(d, config.ranking_hidden), nn.SiLU(), nn.Linear(config.ranking_hidden, config.num_tasks)
         )

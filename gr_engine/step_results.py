@@ -48,11 +48,9 @@ class PinnedBuffers:
 
     def take(self, rows: int) -> torch.Tensor:
         """A buffer of at least ``rows`` rows (the smallest free one that fits)."""
-        fitting = [b for b in self._free if b.shape[0] >= rows]
-        if fitting:
-            buffer = min(fitting, key=lambda b: b.shape[0])
-            self._free.remove(buffer)
-            return buffer
+        fitting = [i for i, b in enumerate(self._free) if b.shape[0] >= rows]
+        if fitting:  # by index: list.remove would compare tensors element by element
+            return self._free.pop(min(fitting, key=lambda i: self._free[i].shape[0]))
         capacity = 1 << max(rows - 1, 63).bit_length()  # a power of two, at least 64
         return torch.empty((capacity, self.width), dtype=torch.float32, pin_memory=self.pin)
 

@@ -19,6 +19,10 @@ def test_buffers_are_reused_and_grow_only_when_none_fits() -> None:
     assert pool.take(100) is second
     assert pool.num_free == 0
     assert pool.take(5) is not first
+    pool.give_back(first)
+    pool.give_back(second)
+    assert pool.take(100) is second  # not the first in the pool: taken out by position
+    assert pool.num_free == 1
 
 
 def test_fetch_splits_logits_by_chunk_and_returns_its_buffer() -> None:

@@ -332,3 +332,21 @@ def test_a_failed_scoring_fails_only_that_steps_requests_and_loses_no_cache(monk
     assert max_diff(served, [expected[o.request_id] for o in served]) <= 1e-5
     assert not engine.has_unfinished_requests()
     engine.kv.check_invariants()
+
+
+def test_running_and_waiting_counts_follow_launched_steps():
+    """``num_running`` counts a launched step's finishing requests until the step is finished (they are committed at
+    launch and leave the scheduler then); ``num_waiting`` the requests no step admitted yet."""
+    config = tiny_config(max_num_seqs=3)
+    engine = GREngine(config)
+    requests = synthetic_requests(config.model, 5, 1, first_history=(5, 10), new_events=(0, 0),
+                                  num_candidates=(1, 3), seed=2)
+    for r in requests:
+        engine.add_request(r)
+    assert (engine.num_running, engine.num_waiting) == (0, 5)
+    first = engine.launch_step()
+    assert (engine.num_running, engine.num_waiting) == (3, 2)
+    second = engine.launch_step()
+    assert (engine.num_running, engine.num_waiting) == (5, 0)
+    assert len(engine.finish_step(first)) == 3 and (engine.num_running, engine.num_waiting) == (2, 0)
+    assert len(engine.finish_step(second)) == 2 and (engine.num_running, engine.num_waiting) == (0, 0)

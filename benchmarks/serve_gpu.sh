@@ -9,8 +9,10 @@
 #   http:       gr-engine serve --api-servers 6 (step log on) loaded by 8 generator processes with msgpack bodies
 #   recompute:  bench-serve in process in recompute mode, at lower rates
 # Environment: RATES (default 1000,1200,1400,1600,1800,2000), SKIP (20000), DURATION (s per rate, 5), TIMEOUT (s per
-# run, 250), SERVER_SET (http: more --set key=value arguments for the server). Everything under OUT_DIR is also
-# packed into OUT_DIR.tar.
+# run, 250), SERVER_SET (http: more --set key=value arguments for the server), API_SERVERS (http: 6) and GENERATORS
+# (http: generator processes, 8), PER_RATE=1 (in-process: each rate in its own run from the same SKIP, named
+# NAME_rRATE, instead of the rates replaying consecutive stretches of the trace in one run). Everything under OUT_DIR
+# is also packed into OUT_DIR.tar.
 set -u
 out=${1:?usage: serve_gpu.sh OUT_DIR in-process|http|recompute}
 part=${2:?usage: serve_gpu.sh OUT_DIR in-process|http|recompute}
@@ -19,13 +21,24 @@ skip=${SKIP:-20000}
 duration=${DURATION:-5}
 mkdir -p "$out"
 start=$SECONDS
+run_rates() {  # name, rates, then --set overrides
+  local name=$1 run_rates=$2
+  shift 2
+  timeout "${TIMEOUT:-250}" python -m gr_engine bench-serve --in-process --mode hierarchical --skip-steady "$skip" \
+    --rates "$run_rates" --duration "$duration" --out "$out/$name" "$@" > "$out/$name.log" 2>&1
+  echo "$name: exit $? at $((SECONDS - start)) s"
+  gzip -f "$out/$name/core_steps.jsonl"  # the profile is in bench_serve.json; the whole log, compressed
+}
 sweep() {  # name, then --set overrides
   local name=$1
   shift
-  timeout "${TIMEOUT:-250}" python -m gr_engine bench-serve --in-process --mode hierarchical --skip-steady "$skip" --rates "$rates" \
-    --duration "$duration" --out "$out/$name" "$@" > "$out/$name.log" 2>&1
-  echo "$name: exit $? at $((SECONDS - start)) s"
-  gzip -f "$out/$name/core_steps.jsonl"  # the profile is in bench_serve.json; the whole log, compressed
+  if [ "${PER_RATE:-0}" = 1 ]; then
+    for rate in ${rates//,/ }; do
+      run_rates "${name}_r$rate" "$rate" "$@"
+    done
+  else
+    run_rates "$name" "$rates" "$@"
+  fi
 }
 case $part in
   in-process)
@@ -43,13 +56,13 @@ case $part in
     python -m gr_engine bench-serve --write-config "$out/hierarchical.json" --mode hierarchical
     # shellcheck disable=SC2086  # SERVER_SET: more --set overrides for the server, word-split
     python -m gr_engine serve --config "$out/hierarchical.json" --set "serving.step_log=$out/http_core_steps.jsonl" \
-      ${SERVER_SET:-} --api-servers 6 --host 127.0.0.1 --port 8000 > "$out/server.log" 2>&1 &
+      ${SERVER_SET:-} --api-servers "${API_SERVERS:-6}" --host 127.0.0.1 --port 8000 > "$out/server.log" 2>&1 &
     server=$!
     for _ in $(seq 300); do
       curl -sf http://127.0.0.1:8000/ready > /dev/null && break
       sleep 1
     done
-    timeout 300 python -m gr_engine bench-serve --url http://127.0.0.1:8000 --processes 8 --concurrency 32 \
+    timeout 300 python -m gr_engine bench-serve --url http://127.0.0.1:8000 --processes "${GENERATORS:-8}" --concurrency 32 \
       --body msgpack --skip-steady "$skip" --rates "$rates" --duration "$duration" \
       --core-steps "$out/http_core_steps.jsonl" --out "$out/http_hierarchical" > "$out/http_hierarchical.log" 2>&1
     echo "http: exit $? at $((SECONDS - start)) s"

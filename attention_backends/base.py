@@ -282,11 +282,12 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def append_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: Any) -> None:
-        """Write new history rows' K/V into their pages.
+        """Write the new history rows' K/V into their pages.
 
         Args:
             kv_cache: one layer's cache ``[num_pages, 2, page_size, H, D]`` (NHD), written in place.
-            key, value: ``[N, H, D]`` K and V of the new history rows, in ``history_rows`` order.
+            key, value: ``[T, H, D]`` K and V of every row of the step (as :meth:`attend` gets them; any row
+                stride, unit last-dim stride); the rows at the common metadata's ``history_rows`` are appended.
             metadata: what :meth:`build_metadata` returned for this step.
         """
 

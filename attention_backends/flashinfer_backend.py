@@ -51,13 +51,13 @@ class FlashInferBackend(AttentionBackend):
                   metadata: HSTUTritonMetadata) -> None:
         """By ``flashinfer.page.append_paged_kv_cache``: fp16/bf16, last dims contiguous; ``TypeError`` if the
         dtypes differ (FlashInfer would reinterpret the bytes)."""
-        if key.shape[0] == 0:
-            return
         if key.dtype != kv_cache.dtype or value.dtype != kv_cache.dtype:
             raise TypeError(f"K/V dtype {key.dtype}/{value.dtype} differs from the cache's {kv_cache.dtype}")
         c = metadata.common
+        if c.history_rows.shape[0] == 0:
+            return
         self._flashinfer_page.append_paged_kv_cache(
-            key, value, c.append_batch_indices, c.append_positions, kv_cache,
+            key[c.history_rows], value[c.history_rows], c.append_batch_indices, c.append_positions, kv_cache,
             c.kv_indices, c.kv_indptr, c.kv_last_page_len, kv_layout="NHD",
         )
 

@@ -155,7 +155,9 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
 
     def append_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   metadata: HSTUTritonMetadata) -> None:
-        append_rows(kv_cache, key, value, metadata.common.append_pages, metadata.common.append_entries)
+        """Row ``history_rows[i]`` of ``key`` and ``value`` to its page slot, read in place by the append kernel."""
+        c = metadata.common
+        append_rows(kv_cache, key, value, c.history_rows, c.append_pages, c.append_entries)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                metadata: HSTUTritonMetadata, time_bias: torch.Tensor | None = None) -> torch.Tensor:

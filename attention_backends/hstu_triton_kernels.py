@@ -23,7 +23,7 @@ _jit: Callable[[Callable], Callable] = (lambda fn: fn) if triton is None else tr
 # recompile mid-serving, for no gain (they are read once per program).
 _STEP_ARGS = ["Tiles", "Items", "QueryStartLoc", "NumHistory", "SeqLens", "KvIndptr", "KvIndices", "TimeBias",
               "QueryTimes", "KeyTimes", "KeyStart", "max_bucket", "num_tiles", "num_items", "num_work", "num_rounds",
-              "Pages", "Entries", "num_rows"]
+              "Rows", "Pages", "Entries", "num_rows"]
 
 
 def _step_kernel(fn: Callable) -> Callable:
@@ -218,7 +218,7 @@ def sum_partials_kernel(
 
 @_step_kernel
 def _append_kernel(
-    Cache, Key, Value, Pages, Entries, num_rows,
+    Cache, Key, Value, Rows, Pages, Entries, num_rows,
     stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
     stride_page, stride_kv, stride_token, stride_head, stride_dim,
     NUM_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -229,7 +229,7 @@ def _append_kernel(
     valid = (heads < NUM_HEADS)[:, None] & (dims < HEAD_DIM)[None, :]
     page = tl.load(Pages + row).to(tl.int64)
     entry = tl.load(Entries + row).to(tl.int64)
-    src = row.to(tl.int64)
+    src = tl.load(Rows + row).to(tl.int64)
     key = tl.load(Key + src * stride_kt + heads[:, None] * stride_kh + dims[None, :] * stride_kd, mask=valid)
     value = tl.load(Value + src * stride_vt + heads[:, None] * stride_vh + dims[None, :] * stride_vd, mask=valid)
     dst = Cache + page * stride_page + entry * stride_token + heads[:, None] * stride_head + dims[None, :] * stride_dim
@@ -237,16 +237,18 @@ def _append_kernel(
     tl.store(dst + stride_kv, value, mask=valid)
 
 
-def append_rows(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
-                entries: torch.Tensor) -> None:
-    """:func:`~.paged.write_appended` in one small launch: row ``i`` of ``key``, ``value`` (``[N, H, D]``, the
-    cache's dtype) to entry ``entries[i]`` of page ``pages[i]`` (int ``[N]``) of ``kv_cache`` (NHD), in place; any
-    strides. Duplicate targets must carry equal rows (a CUDA-graph step pads by repeating the last append)."""
-    num_rows, num_heads, head_dim = key.shape
+def append_rows(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor,
+                pages: torch.Tensor, entries: torch.Tensor) -> None:
+    """:func:`~.paged.write_appended` of ``key[rows]``, ``value[rows]`` in one small launch that gathers as it
+    writes: row ``rows[i]`` of ``key``, ``value`` (``[T, H, D]``, the cache's dtype, any strides) to entry
+    ``entries[i]`` of page ``pages[i]`` of ``kv_cache`` (NHD), in place; ``rows``, ``pages``, ``entries`` int ``[N]``.
+    Duplicate targets must carry equal rows (a CUDA-graph step pads by repeating the last append)."""
+    num_rows = rows.shape[0]
+    _, num_heads, head_dim = key.shape
     if num_rows == 0:
         return
     _append_kernel[(num_rows,)](
-        kv_cache, key, value, pages, entries, num_rows,
+        kv_cache, key, value, rows, pages, entries, num_rows,
         *key.stride(), *value.stride(), *kv_cache.stride(),
         NUM_HEADS=num_heads, HEADS_POW2=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim, num_warps=1,
     )

@@ -73,8 +73,9 @@ class TorchRefBackend(AttentionBackend):
     def append_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   metadata: TorchRefMetadata) -> None:
         c = metadata.common
-        append_paged_kv_cache(key, value, c.append_batch_indices, c.append_positions, kv_cache, c.kv_indices,
-                              c.kv_indptr, c.kv_last_page_len)
+        rows = c.history_rows
+        append_paged_kv_cache(key[rows], value[rows], c.append_batch_indices, c.append_positions, kv_cache,
+                              c.kv_indices, c.kv_indptr, c.kv_last_page_len)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                metadata: TorchRefMetadata, time_bias: torch.Tensor | None = None) -> torch.Tensor:

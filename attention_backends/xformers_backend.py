@@ -108,7 +108,8 @@ class XFormersBackend(AttentionBackend):
 
     def append_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   metadata: XFormersMetadata) -> None:
-        write_appended(kv_cache, key, value, metadata.common.append_pages, metadata.common.append_entries)
+        c = metadata.common
+        write_appended(kv_cache, key[c.history_rows], value[c.history_rows], c.append_pages, c.append_entries)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                metadata: XFormersMetadata, time_bias: torch.Tensor | None = None) -> torch.Tensor:

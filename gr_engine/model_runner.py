@@ -265,7 +265,6 @@ class ModelRunner:
                   backend: Any) -> list[Callable[[torch.Tensor | None], torch.Tensor]]:
         """The forward as one callable per layer (see :data:`~.step_graphs.SegmentsFn`): the first embeds the
         tokens, each appends its layer's new K/V and attends, the last applies the final norm."""
-        history_rows = common.history_rows  # int32; read by every launch (so by every replay), never copied here
         model, last = self.model, len(self.model.layers) - 1
 
         def segment(index: int) -> Callable[[torch.Tensor | None], torch.Tensor]:
@@ -273,7 +272,7 @@ class ModelRunner:
 
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        time_bias: torch.Tensor | None) -> torch.Tensor:
-                self.backend.append_kv(layer_cache, k[history_rows], v[history_rows], backend)
+                self.backend.append_kv(layer_cache, k, v, backend)  # appends the rows at common.history_rows
                 return self.backend.attend(q, k, v, layer_cache, backend, time_bias=time_bias)
 
             def run(x: torch.Tensor | None) -> torch.Tensor:

@@ -108,8 +108,7 @@ def check_backend(backend: AttentionBackend, case: AttentionCase) -> None:
     """The conformance checks: append the case's new history rows, attend, compare with the dense oracle."""
     spec = backend.spec
     meta = backend.build_metadata(case.metadata)
-    rows = case.metadata.history_rows.long()
-    backend.append_kv(case.kv_cache, case.k[rows], case.v[rows], meta)
+    backend.append_kv(case.kv_cache, case.k, case.v, meta)
     check_cache_holds_history(case)
     out = backend.attend(case.q, case.k, case.v, case.kv_cache, meta, time_bias=case.time_bias)
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
@@ -166,8 +165,7 @@ def check_ignores_garbage(backend: AttentionBackend, case_name: str) -> None:
             poison_unused_slots(case)
             assert not torch.isfinite(case.kv_cache[0]).any()  # page 0 belongs to no request of the batch
         meta = backend.build_metadata(case.metadata)
-        rows = case.metadata.history_rows.long()
-        backend.append_kv(case.kv_cache, case.k[rows], case.v[rows], meta)
+        backend.append_kv(case.kv_cache, case.k, case.v, meta)
         outputs.append(backend.attend(case.q, case.k, case.v, case.kv_cache, meta, time_bias=case.time_bias))
     clean, dirty = outputs
     assert_close(dirty, reference_attention(case, spec.alpha, spec.scaling_seqlen, spec.kind), spec.dtype)

@@ -110,7 +110,7 @@ def test_append_rejects_a_dtype_mismatch(cpu_flashinfer):
     case = build_case([3], [2], [0], heads=2, dim=16, page_size=16, device=STAND_IN_SPEC.device_type)
     meta = backend.build_metadata(case.metadata)
     with pytest.raises(TypeError, match="differs from the cache"):
-        backend.append_kv(case.kv_cache, case.k[:2].half(), case.v[:2].half(), meta)
+        backend.append_kv(case.kv_cache, case.k.half(), case.v.half(), meta)
 
 
 # ---- GPU: the real FlashInfer kernel -------------------------------------------------------------------
@@ -148,15 +148,14 @@ def test_gpu_append_bit_exact_and_attention_matches_torch_ref(dtype, head_dim, p
     assert torch.equal(flashinfer.get_seq_lens(common.kv_indptr, common.kv_last_page_len, page_size),
                        common.kv_seq_lens)
 
-    rows = common.history_rows.long()
     ref, ref_cache = TorchRefBackend(spec), case.kv_cache.clone()
     ref_meta = ref.build_metadata(common)
-    ref.append_kv(ref_cache, case.k[rows], case.v[rows], ref_meta)
+    ref.append_kv(ref_cache, case.k, case.v, ref_meta)
     expected = ref.attend(case.q, case.k, case.v, ref_cache, ref_meta, time_bias=case.time_bias)
 
     backend = FlashInferBackend(spec)
     meta = backend.build_metadata(common)
-    backend.append_kv(case.kv_cache, case.k[rows], case.v[rows], meta)
+    backend.append_kv(case.kv_cache, case.k, case.v, meta)
     torch.cuda.synchronize()
     assert torch.equal(case.kv_cache, ref_cache)  # bit-exact, every page (untouched ones included)
     got = backend.attend(case.q, case.k, case.v, case.kv_cache, meta, time_bias=case.time_bias)

@@ -133,16 +133,15 @@ def run_both(layout, spec, gen, tiles=None, num_sms=None, head_major_cache=False
     table = None
     if times is not None:
         table = torch.randn(spec.time_bias_buckets, spec.num_heads, generator=gen).to(spec.device_type, spec.dtype)
-    hist_rows = common.history_rows.long()
     ref, ref_cache = TorchRefBackend(spec), cache.clone()
     ref_meta = ref.build_metadata(common)
-    ref.append_kv(ref_cache, k[hist_rows], v[hist_rows], ref_meta)
+    ref.append_kv(ref_cache, k, v, ref_meta)
     # NaN slots are never valid keys; the oracle multiplies its masked-out weights by them, so give it zeros.
     expected = ref.attend(q, k, v, torch.nan_to_num(ref_cache, nan=0.0), ref_meta, time_bias=table)
 
     backend = make_backend(spec, tiles, num_sms)
     meta = backend.build_metadata(common)
-    backend.append_kv(cache, k[hist_rows], v[hist_rows], meta)
+    backend.append_kv(cache, k, v, meta)
     assert torch.equal(cache.nan_to_num(0.0), ref_cache.nan_to_num(0.0))
     got = backend.attend(q, k, v, cache, meta, time_bias=table)
     assert got.dtype == q.dtype and got.shape == q.shape
@@ -618,7 +617,7 @@ def test_gpu_steps_of_any_shape_share_one_compiled_kernel():
                    [(4000, 64, 0), (31, 1, 1), (64, 0, 9), (2, 9, 2), (500, 77, 13), (96, 3, 0), (1, 1, 1)]):
         common, q, k, v, cache = make_batch(layout, spec, gen)
         meta = backend.build_metadata(common)
-        backend.append_kv(cache, k[common.history_rows.long()], v[common.history_rows.long()], meta)
+        backend.append_kv(cache, k, v, meta)
         backend.attend(q, k, v, cache, meta)
         variants.append(compiled() - before)
     torch.cuda.synchronize()
@@ -639,14 +638,14 @@ def test_append_kernel_equals_indexed_writes(head_major_cache):
     cache = torch.randn(shape, generator=gen).to(DEVICE)
     if head_major_cache:
         cache = cache.transpose(2, 3)
-    qkv = torch.randn(7, 3, heads, dim, generator=gen).to(DEVICE)  # strided k/v views, as the model makes them
+    qkv = torch.randn(9, 3, heads, dim, generator=gen).to(DEVICE)  # strided k/v views, as the model makes them
     key, value = qkv[:, 1], qkv[:, 2]
+    rows = torch.tensor([8, 0, 2, 5, 6, 6, 6], dtype=torch.int32, device=DEVICE)  # rows 1, 3, 4, 7: not appended
     pages = torch.tensor([3, 3, 0, 11, 5, 5, 5], dtype=torch.int32, device=DEVICE)
-    entries = torch.tensor([0, 7, 4, 2, 1, 1, 1], dtype=torch.int32, device=DEVICE)
-    key[5:], value[5:] = key[4], value[4]  # repeated targets carry equal rows (graph padding)
+    entries = torch.tensor([0, 7, 4, 2, 1, 1, 1], dtype=torch.int32, device=DEVICE)  # repeated: graph padding
     expected = cache.clone()
-    write_appended(expected, key, value, pages.long(), entries.long())
-    append_rows(cache, key, value, pages, entries)
+    write_appended(expected, key[rows.long()], value[rows.long()], pages.long(), entries.long())
+    append_rows(cache, key, value, rows, pages, entries)
     torch.testing.assert_close(cache, expected, rtol=0, atol=0)
 
 
@@ -671,6 +670,6 @@ def test_time_bias_same_with_32_and_64_bit_times():
     got = []
     for _, q, k, v, cache, common in outputs:
         meta = backend.build_metadata(common)
-        backend.append_kv(cache, k[common.history_rows.long()], v[common.history_rows.long()], meta)
+        backend.append_kv(cache, k, v, meta)
         got.append(backend.attend(q, k, v, cache, meta, time_bias=table))
     torch.testing.assert_close(got[0], got[1], rtol=0, atol=0)

@@ -116,9 +116,8 @@ def test_per_layer_calls_do_not_read_the_device(cpu_xformers):
     case = case_for(make_spec("cpu", torch.float32), "mixed_lengths")
     backend = XFormersBackend(make_spec("cpu", torch.float32))
     meta = backend.build_metadata(case.metadata)
-    rows = case.metadata.history_rows.long()
     with _NoDeviceSync():
-        backend.append_kv(case.kv_cache, case.k[rows], case.v[rows], meta)
+        backend.append_kv(case.kv_cache, case.k, case.v, meta)
         backend.attend(case.q, case.k, case.v, case.kv_cache, meta)
 
 
@@ -162,13 +161,12 @@ def run_against_torch_ref(layout: list[tuple[int, int, int]], spec: AttentionSpe
                       dtype=spec.dtype, device="cuda", seed=len(layout))
     ref, ref_cache = TorchRefBackend(spec), case.kv_cache.clone()
     ref_meta = ref.build_metadata(case.metadata)
-    rows = case.metadata.history_rows.long()
-    ref.append_kv(ref_cache, case.k[rows], case.v[rows], ref_meta)
+    ref.append_kv(ref_cache, case.k, case.v, ref_meta)
     expected = ref.attend(case.q, case.k, case.v, ref_cache, ref_meta)
 
     backend = XFormersBackend(spec)
     meta = backend.build_metadata(case.metadata)
-    backend.append_kv(case.kv_cache, case.k[rows], case.v[rows], meta)
+    backend.append_kv(case.kv_cache, case.k, case.v, meta)
     assert torch.equal(case.kv_cache, ref_cache)
     check_cache_holds_history(case)
     got = backend.attend(case.q, case.k, case.v, case.kv_cache, meta)

@@ -58,6 +58,9 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print,
                  f"max {e['max_ms']:.2f}, hit {e['total_hit_ratio']:.1%}")
         result["modes"][mode] = entry
         checkpoint(result)
+    if "recompute" in settings.modes:
+        result["cold_first_visit"] = _cold_first_visits(settings, model)
+        checkpoint(result)
     if settings.tables_only:
         result["peak_pinned_h2d_GBps"] = peak_h2d_GBps(settings.device)
         result["gemm_peak_tflops"] = gemm_peak_tflops(settings.device)
@@ -117,6 +120,32 @@ def _length_scan(settings: BenchSettings, model: GRModel) -> dict:
             pages = bs * 2 * (-(-(length + 8 * settings.new_events) // settings.page_size))
             out[mode][length] = _window(scan, trace, cache_config(settings, mode, num_gpu_pages=pages), model=model)
     return out
+
+
+def _cold_first_visits(settings: BenchSettings, model: GRModel) -> dict:
+    """End-to-end latency of a cold first visit: users with ``cold_history``-event histories (and the trace's
+    candidates), each visit ranked alone (BS=1) by a warmed-up engine with nothing cached (every history token is
+    computed), from ``rank``'s call to its scores on the host; two visits unmeasured, then ``cold_visits``.
+
+    Returns ``history`` (events), ``visits``, ``latency_ms`` (each visit's) and its ``median_ms``, ``mean_ms``,
+    ``p99_ms`` and ``max_ms``."""
+    trace = fixed_length_trace(settings.trace, settings.cold_history, settings.cold_visits + 2, settings.new_events)
+    requests = [trace.rank_request(i) for i in range(settings.cold_visits + 2)]  # the first visits
+    latency = []
+    with GREngine(engine_config(settings, cache_config(settings, "recompute"), 1), model=model) as engine:
+        engine.warmup(use_tqdm=False)
+        for i, request in enumerate(requests):
+            t0 = time.perf_counter()
+            output, = engine.rank([request], use_tqdm=False)
+            elapsed_ms = (time.perf_counter() - t0) * 1e3
+            if output.error:
+                raise RuntimeError(f"cold visit failed: {output.error}")
+            if i >= 2:
+                latency.append(elapsed_ms)
+    values = np.asarray(latency)
+    return {"history": settings.cold_history, "visits": len(latency), "latency_ms": latency,
+            "median_ms": float(np.median(values)), "mean_ms": float(values.mean()),
+            "p99_ms": float(np.percentile(values, 99)), "max_ms": float(values.max())}
 
 
 def _score_drift(settings: BenchSettings, model: GRModel) -> dict:

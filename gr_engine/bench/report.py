@@ -98,6 +98,8 @@ def summarize(result: dict, bs: int = 8) -> dict:
         forward_ms = breakdown.get("phase_ms_per_batch", {}).get("forward")
         if forward_ms and "model_tflop_per_batch" in breakdown:
             summary[f"recompute_mfu_bs{bs}"] = breakdown["model_tflop_per_batch"] / (forward_ms / 1e3) / peak
+    if cold := result.get("cold_first_visit"):
+        summary[f"cold_{cold['history']}_ms"] = cold["median_ms"]
     stalls = [e["stalls"] for m in modes.values() for e in m["batch_sizes"].values() if "stalls" in e]
     if stalls:  # kernel compilations, cache loads and graph captures inside Table 1's measured batches
         summary["stalls_in_windows"] = int(sum(stalls))
@@ -243,6 +245,10 @@ def markdown(result: dict) -> str:
                   f"gemm_peak_tflops {result['gemm_peak_tflops']:.0f} TFLOP/s measured in this run): over the mean "
                   f"batch latency {per_batch}"
                   + (f"; over the synchronised forward at BS={bs} {forward:.1%}." if forward is not None else ".")]
+    if cold := result.get("cold_first_visit"):
+        lines += ["", f"A cold first visit of a {cold['history']}-event user, alone (BS=1, nothing cached), from "
+                  f"`rank` to its scores on the host, over {cold['visits']} users: median {cold['median_ms']:.2f} ms, "
+                  f"mean {cold['mean_ms']:.2f}, p99 {cold['p99_ms']:.2f}, max {cold['max_ms']:.2f}."]
     lines += ["", f"Host time per batch at BS={bs} (not synchronised: forward and score include waiting for the "
               "device; gc: the collector's pauses; steps 1-7: schedule to commit without forward and score):", ""]
     rows = []

@@ -69,6 +69,8 @@ class BenchSettings:
     lengths: tuple[int, ...] = (1024, 2048, 4096, 8192, 16_384)
     new_events: int = 8
     drift_history: int = 4096
+    cold_history: int = 8192  # a first visit's history (events) for the cold-latency measurement
+    cold_visits: int = 20  # measured first visits of that length, each alone (BS=1), after two unmeasured
     simulation_workers: int = 16
     prime_batches: int = 3
 
@@ -124,7 +126,8 @@ def quick_settings() -> BenchSettings:
     return BenchSettings(model=model, trace=trace, device="cpu", backend="torch_ref", gpu_pages=40, page_size=8,
                          chunk_tokens=32, host_budget_bytes=2**26, max_batched_tokens=1024, window_requests=16,
                          window_strata=2, chunk_sweep=(16, 32), budget_sweep=(24, 40), lengths=(32, 128),
-                         new_events=4, drift_history=100, simulation_workers=0, prime_batches=1)
+                         new_events=4, drift_history=100, cold_history=100, cold_visits=4,
+                         simulation_workers=0, prime_batches=1)
 
 
 def engine_config(settings: BenchSettings, cache: CacheConfig, max_batch: int) -> EngineConfig:

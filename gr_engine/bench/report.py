@@ -89,6 +89,10 @@ def summarize(result: dict, bs: int = 8) -> dict:
     if "score_drift" in result:
         summary["fp8_score_drift_max_rel"] = result["score_drift"].get("float8_e4m3fn", {}).get("max_rel")
     summary["simulated_total_hit_ratio"] = result["simulated"].get("hierarchical", {}).get("total_hit_ratio")
+    if "recompute" in modes:  # host time of the two phases a cache-free pass should barely need (not synchronised)
+        phases = modes["recompute"]["batch_sizes"].get(bs, {}).get("phase_ms_per_batch", {})
+        if "strip" in phases:
+            summary[f"recompute_prepare_strip_ms_bs{bs}"] = phases.get("prepare", 0.0) + phases["strip"]
     peak = result.get("gemm_peak_tflops")
     if peak and "recompute" in modes:  # recompute's model FLOP utilisation: over its batches, and its forward alone
         rec = modes["recompute"]

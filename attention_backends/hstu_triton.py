@@ -1,7 +1,8 @@
 """``hstu_triton``: HSTU (SiLU) attention over the paged KV cache in Triton (``docs/design.md`` section 6).
 
-Work items are planned by :func:`.plan_tile_map` (host) or :mod:`.hstu_triton_device_plan` (graph replays) and run
-by :mod:`.hstu_triton_kernels`. This module imports Triton; on CPU it needs ``TRITON_INTERPRET=1`` (tests).
+Work items are planned by :func:`.plan_tile_map` (host), :mod:`.hstu_triton_uncut` (large uncut eager steps, on the
+device) or :mod:`.hstu_triton_device_plan` (graph replays) and run by :mod:`.hstu_triton_kernels`. This module
+imports Triton; on CPU it needs ``TRITON_INTERPRET=1`` (tests).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from .hstu_triton_plan import (
     default_tile_config,
     padded_plan,
     plan_tile_map,
+    uncut_sizes,
 )
+from .hstu_triton_uncut import UncutPlanWriter
 
 
 @dataclass
@@ -69,6 +72,7 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
             raise ValueError(f"block_n {self.tiles.block_n} is not a multiple of page_size {spec.page_size}")
         self.overhead_keys, self.min_tiles_per_split = SPLIT_OVERHEAD_KEYS, MIN_TILES_PER_SPLIT  # split-KV knobs
         self.plan_on_device = True  #: replays plan on the device where capacities allow
+        self.uncut_plan = UncutPlanWriter()  #: writes the plans of large uncut eager steps on the device
         cuda = spec.device_type == "cuda"  # on CPU (the interpreter) a nominal 4 processors
         self.num_sms = torch.cuda.get_device_properties("cuda").multi_processor_count if cuda else 4
         # graph_plan's (key, writer) by (config, capacities, num_sms) and by (longest rows, capacities, num_sms)
@@ -86,17 +90,27 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
         return reasons
 
     def build_metadata(self, common: PagedBatchMetadata) -> HSTUTritonMetadata:
-        """Plan the step on the host (:func:`plan_tile_map` of ``common.host``, else a device read) and upload it
-        in one non-blocking pinned copy (as :func:`.base.upload`); nothing else runs on the device."""
+        """Plan the step: a large step that :func:`uncut_sizes` finds uncut (from ``common.host``'s ``[B]`` arrays,
+        else a device read) on the device (:attr:`uncut_plan`, one kernel), any other on the host
+        (:func:`plan_tile_map`) and uploaded in one non-blocking pinned copy (as :func:`.base.upload`). Same plan."""
         host = common.host or {k: getattr(common, k).cpu().numpy()
                                for k in ("query_start_loc", "num_history_rows", "kv_seq_lens")}
         config = self._config(common.max_query_len)
-        tiles, items = self._plan(host, config)
-        flat = torch.empty(tiles.size + items.size, dtype=torch.int32, pin_memory=common.query_start_loc.is_cuda)
-        np.concatenate([tiles.ravel(), items.ravel()], out=flat.numpy())
-        flat = flat.to(common.query_start_loc.device, non_blocking=True)  # on CPU (the interpreter): no copy
-        return HSTUTritonMetadata(common, flat[: tiles.size].view(tiles.shape), flat[tiles.size:].view(items.shape),
-                                  self.num_sms, common.max_kv_len > self.min_tiles_per_split * config.block_n, config)
+        uncut = uncut_sizes(host["query_start_loc"], host["num_history_rows"], host["kv_seq_lens"], config,
+                            self.spec.num_heads, self.num_sms, self.min_tiles_per_split)
+        if uncut is not None:
+            num_tiles, num_items = uncut
+            flat = self.uncut_plan.write(common, config, num_tiles, num_items)
+            shapes = (5, num_tiles), (2, num_items)
+        else:
+            tiles, items = self._plan(host, config)
+            flat = torch.empty(tiles.size + items.size, dtype=torch.int32, pin_memory=common.query_start_loc.is_cuda)
+            np.concatenate([tiles.ravel(), items.ravel()], out=flat.numpy())
+            flat = flat.to(common.query_start_loc.device, non_blocking=True)  # on CPU (the interpreter): no copy
+            shapes = tiles.shape, items.shape
+        size = shapes[0][0] * shapes[0][1]
+        return HSTUTritonMetadata(common, flat[:size].view(shapes[0]), flat[size:].view(shapes[1]), self.num_sms,
+                                  common.max_kv_len > self.min_tiles_per_split * config.block_n, config)
 
     def graph_plan(self, common_host: dict[str, np.ndarray], max_rows: int,
                    max_requests: int) -> tuple[Hashable, np.ndarray | PlanWriter]:

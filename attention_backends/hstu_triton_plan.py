@@ -91,6 +91,41 @@ def plan_tile_map(query_start_loc: np.ndarray, num_history_rows: np.ndarray, kv_
     return tile_arrays, np.array([np.where(item_in_use, item_tile, -1)[order], item_split[order]], np.int32)
 
 
+def uncut_sizes(query_start_loc: np.ndarray, num_history_rows: np.ndarray, kv_seq_lens: np.ndarray,
+                tiles: TileConfig, num_heads: int, num_sms: int,
+                min_tiles_per_split: int = MIN_TILES_PER_SPLIT) -> tuple[int, int] | None:
+    """Whether :func:`plan_tile_map` plans this step uncut through its large-step test (tiles cut in two exceed the
+    item budget), decided from the ``[B]``-sized host arrays alone (``query_start_loc [B + 1]``, ``num_history_rows``,
+    ``kv_seq_lens [B]``, any int): its ``(num_tiles, num_items)`` then, else ``None`` (the plan may cut).
+
+    A request's tiles visit nondecreasingly many key tiles, its last ``ceil(kv_seq_len / block_n)``; at most twice
+    the cut length, so a tile's halves are 2 exactly where it visits more (:func:`count_at_most`), else 1.
+    """
+    qsl, hist, seq_lens = (np.asarray(a, dtype=np.int64) for a in (query_start_loc, num_history_rows, kv_seq_lens))
+    block_m, num_requests = tiles.block_m, len(seq_lens)
+    tiles_per_request = (qsl[1:] - qsl[:-1] + (block_m - 1)) // block_m
+    most = int(tiles_per_request.max(initial=0))
+    num_tiles = min((int(qsl[-1]) + num_requests * (block_m - 1)) // block_m, num_requests * most)  # plan_tile_map's
+    num_items = max(num_tiles, -(-MAX_PROGRAMS_PER_SM * num_sms // num_heads))
+    if num_tiles == 0:
+        return None
+    longest = int(seq_lens.max(initial=0, where=tiles_per_request > 0))  # the longest tile's keys
+    half = max(-(-longest // (2 * tiles.block_n)), min_tiles_per_split)  # = max(ceil(bmax / 2), min_tiles_per_split)
+    longer = tiles_per_request - count_at_most(half, tiles_per_request, hist, seq_lens, tiles)
+    return (num_tiles, num_items) if int(np.add.reduce(tiles_per_request + longer)) > num_items else None
+
+
+def count_at_most(blocks: int, tiles_per_request: np.ndarray, hist: np.ndarray, seq_lens: np.ndarray,
+                  tiles: TileConfig) -> np.ndarray:
+    """Per request (int64 ``tiles_per_request``, ``hist``, ``seq_lens`` ``[B]``): how many of its query tiles visit
+    at most ``blocks`` key tiles. Tile ``j`` visits ``ceil(min(seq - hist + min((j + 1) block_m, rows), seq) /
+    block_n)``, nondecreasing in ``j``: all tiles when ``seq <= blocks * block_n``, else those with ``(j + 1) block_m
+    <= blocks * block_n - seq + hist`` (:mod:`.hstu_triton_uncut`'s kernel counts the same way)."""
+    limit = blocks * tiles.block_n
+    within = np.minimum(np.maximum(limit - seq_lens + hist, 0) // tiles.block_m, tiles_per_request)
+    return np.where(seq_lens <= limit, tiles_per_request, within)
+
+
 def _cheapest_cut(blocks: np.ndarray, in_use: np.ndarray, num_items: int, block_n: int, num_heads: int,
                   num_sms: int, overhead_keys: int, min_tiles_per_split: int) -> tuple[np.ndarray, np.ndarray]:
     """:func:`plan_tile_map`'s choice of plan for int64 ``blocks [num_tiles]`` (key tiles each tile visits; 0 for

@@ -23,6 +23,9 @@ about 3x slower than a dev box. The device work is left out through the engine's
 - ``engine.runner.layout`` is a :class:`~gr_engine.eager_layout.DeviceLayout` (as a CUDA engine's) whose ``expand``
   launches nothing and returns a zero buffer (the compact step before it is staged for real), so eager steps are
   laid out the GPU's way;
+- ``engine.backend.uncut_plan`` (``hstu_triton``'s writer of large eager steps' tile plans on the device) is an
+  :class:`~attention_backends.hstu_triton_uncut.UncutPlanWriter` whose ``write`` allocates the plan's buffer and
+  launches nothing (the host's decision and sizes before it are the real ones);
 - the host tier's transfer engine (``engine.kv.host.transfer``) is a :class:`~cache_engine.TransferEngine` whose
   ``offload`` and ``onload`` copy nothing and complete at once, as a CPU copy returns: the host tier's bookkeeping
   (which chunks to persist or load, slots, evictions) runs as usual; the transfer engine's own host work (index
@@ -53,6 +56,9 @@ if "--graph-path" in sys.argv or "--bench-trace" in sys.argv:
 
 import torch
 
+from attention_backends import PagedBatchMetadata
+from attention_backends.hstu_triton_plan import TileConfig
+from attention_backends.hstu_triton_uncut import UncutPlanWriter
 from cache_engine import TransferEngine
 from cache_engine.jobs import OffloadJob, OnloadJob
 from gr_engine import CacheConfig, EngineConfig, GREngine, ModelConfig, RankRequest, SchedulerConfig
@@ -85,6 +91,14 @@ class HostOnlyLayout(DeviceLayout):
         if len(self._zeros) < size:
             self._zeros = torch.zeros(2 * size, dtype=torch.int32)
         return self._zeros[:size]
+
+
+class HostOnlyUncutPlan(UncutPlanWriter):
+    """Allocates a large eager step's tile plan as a CUDA engine does but writes nothing into it (no attention reads
+    it here)."""
+
+    def write(self, common: PagedBatchMetadata, tiles: TileConfig, num_tiles: int, num_items: int) -> torch.Tensor:
+        return torch.empty(5 * num_tiles + 2 * num_items, dtype=torch.int32)
 
 
 class NoCopyTransfer(TransferEngine):
@@ -122,6 +136,7 @@ def use_graph_path(engine: GREngine) -> HostOnlyGraphs:
                             config.cuda_graph_max_rows, config.scheduler.max_num_seqs, config.cache.num_gpu_pages)
     engine.runner.graphs = graphs
     engine.runner.layout = HostOnlyLayout(engine.device, config.cache.page_size, config.scheduler.max_num_seqs)
+    engine.backend.uncut_plan = HostOnlyUncutPlan()
     if engine.kv.host is not None:
         engine.kv.host.poll(wait=True)  # nothing in flight is left to the old engine
         engine.kv.host.transfer = NoCopyTransfer(engine.device)

@@ -209,13 +209,15 @@ class ModelRunner:
         """Run, before serving (:meth:`GREngine.warmup <gr_engine.GREngine.warmup>`), one eager step of each shape
         whose launch configuration a backend may pick differently, so that no later step compiles a kernel: one
         request of 1, 2, 4, ..., :data:`WARM_MAX_ROWS` new history rows (and one of ``max_candidates`` candidates),
-        over no cached history and over a long one, with both timestamp widths when the model has a time bias.
+        over no cached history and over a long one, with both timestamp widths when the model has a time bias; and
+        the backend's metadata (no forward) of the largest step, which a backend may plan its own way
+        (``hstu_triton``: on the device, by a kernel of its own).
 
         Args:
             pages: int32 ``[P]`` free page ids of the pool, which are written (shapes needing more are skipped).
 
         Returns:
-            How many steps ran.
+            How many steps ran (the largest step's metadata not counted).
         """
         page_size, config = self.kv.page_size, self.model.config
         shapes = [(1 << shift, 0) for shift in range(WARM_MAX_ROWS.bit_length())] + [(1, config.max_candidates)]
@@ -237,6 +239,8 @@ class ModelRunner:
             zeros = np.zeros(rows + candidates, dtype=np.int64)
             self.forward(self._eager_step(layout, [zeros], [zeros], times), [None] * len(self.model.layers))
             count += 1
+        self._eager_step(*_largest_step(self.layout.max_requests if self.layout is not None else 1,
+                                        config.max_history_len, config.max_candidates, page_size), (None, None))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return count
@@ -326,6 +330,19 @@ class ModelRunner:
         top_ks = [p.params.top_k for p in payloads]
         top_scores, top_items = scores.topk(min(max(top_ks), scores.shape[1]), dim=1)
         return meta.retrieval_chunks, top_ks, to_host(top_scores), to_host(top_items)
+
+
+def _largest_step(num_requests: int, history: int, candidates: int,
+                  page_size: int) -> tuple[dict[str, np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """The layout and (zero) item and action ids of a step of ``num_requests`` requests of ``history`` new history
+    rows and ``candidates`` candidates each, nothing cached, over page 0 only: for building metadata, never run."""
+    pages = -(-history // page_size)
+    hist, cand = np.full(num_requests, history, dtype=np.int64), np.full(num_requests, candidates, dtype=np.int64)
+    layout = {"history_start": np.zeros(num_requests, dtype=np.int64), "num_history_rows": hist,
+              "num_candidate_rows": cand, "kv_indptr": np.arange(num_requests + 1, dtype=np.int64) * pages,
+              "kv_indices": np.zeros(num_requests * pages, dtype=np.int32)}
+    zeros = np.zeros(num_requests * (history + candidates), dtype=np.int64)
+    return layout, [zeros], [zeros]
 
 
 def _synthetic_step(rows: int, longest: int, pages: np.ndarray,

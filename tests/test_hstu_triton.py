@@ -478,8 +478,10 @@ def test_large_steps_are_planned_without_costing_cuts(seed, monkeypatch):
 @needs_triton
 def test_build_metadata_is_one_host_to_device_copy():
     # On the "meta" device, a stand-in for CUDA (the same code path, no data): the host plans, one copy uploads.
+    # (With the H200's 132 processors: on the CPU's nominal 4 this step would be large enough to plan on the device.)
     common = make_common([(16000, 1, 8)] * 8, 32, torch.Generator().manual_seed(0), device="meta")
     backend = HSTUTritonBackend(make_spec(32, 4, 16, torch.float32))
+    backend.num_sms = 132
     with _RecordOps() as record:
         meta = backend.build_metadata(common)
     computing = [str(f) for f in record.ops if not f.is_view]

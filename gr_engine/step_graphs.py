@@ -2,8 +2,9 @@
 
 A step that fits a bucket (at most ``max_rows`` rows and ``max_requests`` requests, at least one new history row, no
 relative time bias) is *staged*: written in compact form into a pinned host buffer (the backend's
-:meth:`~attention_backends.GraphReplayable.graph_plan` uploaded unless the backend writes it on the device), then the
-bucket's forward is replayed; its first kernel expands the step into the padded static buffers (:mod:`.step_expand`).
+:meth:`~attention_backends.GraphReplayable.graph_plan` uploaded unless the backend writes it on the device), then
+expanded into the padded static buffers by one kernel launched just before the bucket's forward is replayed
+(:mod:`.step_expand`): the next step may be staged as soon as that kernel has read the buffer.
 
 Buckets are powers of two from 128 rows to ``max_rows``; graphs are captured when a bucket and launch shape first
 occur (after an eager warm-up on a side stream) or all at start-up (:meth:`.ModelRunner.capture_graphs`). A step
@@ -59,7 +60,7 @@ def run_segments(parts: list[Segment], layer_ready: list[torch.cuda.Event | None
 
 @dataclass(slots=True)
 class StagedStep:
-    """A step staged in compact form, expanded into the static buffers by its replay (or :meth:`StepGraphs._expand`).
+    """A step staged in compact form, expanded into the static buffers before its replay (:meth:`StepGraphs._expand`).
 
     Attributes:
         host: the per-request host arrays (see :attr:`PagedBatchMetadata.host`).
@@ -145,7 +146,8 @@ class StepGraphs:
 
     def stage(self, layout: dict[str, np.ndarray], tokens: dict[str, np.ndarray]) -> StagedStep:
         """Write a step that :meth:`fits` in compact form (:func:`.step_expand.write_compact`) into the pinned buffer
-        (and upload the backend's plan if made on the host); waits only while the last staged step's replay reads it.
+        (and upload the backend's plan if made on the host); waits only while the last staged step's expansion (the
+        kernel before its replay) reads it.
 
         Args:
             layout: int arrays ``history_start``, ``num_history_rows``, ``num_candidate_rows`` (``[B]``),
@@ -214,6 +216,7 @@ class StepGraphs:
                 return self._run_unpadded(step, segments, head, layer_ready)
         self.num_replays += 1
         entry = self._graphs[key]
+        self._expand(step.bucket)  # before the graphs, which read the expanded buffer: the compact one is free after it
         if whole:
             entry.graphs[0].replay()
         else:
@@ -221,7 +224,6 @@ class StepGraphs:
                 if ready is not None:
                     step.stream.wait_event(ready)
                 graph.replay()
-        self._compact_read.record(step.stream)  # after the replay (its expansion read the compact step)
         return entry.states[: step.rows], entry.logits[: step.lengths["candidates"]]
 
     # ------------------------------------------------------------------ internals
@@ -242,11 +244,11 @@ class StepGraphs:
         states = run_segments(segments(tokens, common, self.backend.build_metadata(common)), layer_ready)
         return states, head(states, common.candidate_rows)
 
-    def _expand(self, bucket: int, record: bool = True) -> None:
-        """Expand the staged step into ``bucket``'s static buffer (:func:`.step_expand.expand`, on the current stream);
-        with ``record`` (not while capturing), mark the compact step read after it."""
+    def _expand(self, bucket: int) -> None:
+        """Expand the staged step into ``bucket``'s static buffer (:func:`.step_expand.expand`, on the current stream)
+        and mark the compact step read after it."""
         self._step_expand.expand(self._compact, self._buffer, self.max_requests, bucket, self.page_size)
-        if record and self._compact_read is not None:
+        if self._compact_read is not None:
             self._compact_read.record(self._current_stream())
 
     def _view(self, bucket: int, name: str, length: int) -> torch.Tensor:
@@ -304,7 +306,8 @@ class StepGraphs:
                 x = part(x)
             head(x, common.candidate_rows)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        # Each layer's output lives in the shared pool, read by the next graph; the first expands inputs and plan.
+        # Each layer's output lives in the shared pool, read by the next graph; the first writes the plan (the inputs
+        # are expanded before the replay, outside the graphs).
         groups = [parts] if whole else [[part] for part in parts]
         graphs, x = [], None
         for index, group in enumerate(groups):
@@ -312,7 +315,6 @@ class StepGraphs:
             # thread_local: the host tier's worker threads may call CUDA (events, pinning) during the capture
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 if index == 0:
-                    self._expand(step.bucket, record=False)  # replay() records after the replay
                     self._write_plan(step, common)
                 for part in group:
                     x = part(x)

@@ -49,7 +49,10 @@ def check_result(out: Path, in_process: bool) -> dict:
     assert summary["rps_at_p99_25ms"] is None or summary["rps_at_p99_25ms"] > 0
     assert summary["stalls_after_warmup"] == 0  # the core's counters reach the report (CPU: nothing compiles)
     table = (out / "bench_serve.md").read_text()
-    assert "| 15 |" in table and "| 30 |" in table
+    assert "| 15 |" in table and "| 30 |" in table and "onloaded MB a request" in table
+    for r in result["rates"]:  # each rate's row shows its onloaded MB a request
+        row = next(line for line in table.splitlines() if line.startswith(f"| {r['offered_rps']:g} |"))
+        assert f"| {r['onloaded_bytes_per_request'] / 1e6:.1f} |" in row
     return result
 
 

@@ -105,7 +105,8 @@ def markdown(result: dict) -> str:
     if s["trace_exhausted"]:
         lines += ["**The trace ran out: the last rates served fewer requests than their duration asked.**", ""]
     header = ["offered (req/s)", "achieved (req/s)", "sent", "answered", "p50 ms", "p90 ms", "p99 ms", "mean ms",
-              "max ms", "p99 from schedule ms", "errors", "waited on user", "generator CPU s", "lag p99 ms"]
+              "max ms", "p99 from schedule ms", "errors", "waited on user", "onloaded MB a request",
+              "generator CPU s", "lag p99 ms"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in result["rates"]:
         errors = ", ".join(f"{k}: {v}" for k, v in r["errors"].items()) or "none"
@@ -115,7 +116,8 @@ def markdown(result: dict) -> str:
                                         str(r["answered"]), *(_num(r[k]) for k in ("p50_ms", "p90_ms", "p99_ms",
                                                                                     "mean_ms", "max_ms",
                                                                                     "p99_from_schedule_ms")),
-                                        errors, str(r["user_waits"]), cpu, lag]) + " |")
+                                        errors, str(r["user_waits"]), _mb(r.get("onloaded_bytes_per_request")),
+                                        cpu, lag]) + " |")
     lines += ["", "Latency runs from the time each request could be sent (open loop): its scheduled time, or its "
               "user's previous answer if that came later (a user's visits stay in order; \"waited on user\" counts "
               "those requests). \"p99 from schedule\" counts that wait too. Generator CPU seconds and lag (how late "
@@ -123,6 +125,11 @@ def markdown(result: dict) -> str:
               "the generator, not the server, is the bottleneck."]
     lines += profile_markdown(result)
     return "\n".join(lines) + "\n"
+
+
+def _mb(nbytes: float | None) -> str:
+    """Bytes as MB with one decimal, ``-`` for ``None``."""
+    return "-" if nbytes is None else f"{nbytes / 1e6:.1f}"
 
 
 def profile_markdown(result: dict) -> list[str]:

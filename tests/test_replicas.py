@@ -25,7 +25,8 @@ from .test_serving import TOL, Server, body, make_stream, metric_samples, recomp
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("zmq")
 router_module = pytest.importorskip("gr_engine.serving.router")
-ReplicaRouter, replica_devices = router_module.ReplicaRouter, router_module.replica_devices
+ReplicaRouter = router_module.ReplicaRouter
+replica_devices = pytest.importorskip("gr_engine.serving.replicas").replica_devices
 
 
 def replica_config() -> EngineConfig:

@@ -149,7 +149,7 @@ class _CoreCollector:
 
 
 class _RouterCollector:
-    """A :class:`~.router.ReplicaRouter`'s own counters (:class:`~.router.RouterCounts`), read at scrape time."""
+    """A :class:`~.router.ReplicaRouter`'s own counters (:class:`~.replicas.RouterCounts`), read at scrape time."""
 
     def __init__(self, router: ReplicaRouter) -> None:
         self.router = router

@@ -23,10 +23,7 @@ from ..outputs import GenerateOutput, RankOutput, output_user_id
 from ..request import GenerateParams, GenerateRequest, RankRequest
 from ..routing import HashRing
 from .client import EngineDead, EngineOverloaded
-from .replicas import ReplicaSet, RouterCounts, replica_devices
-
-# RouterCounts and replica_devices are named with the router (metrics.py, tests/test_replicas.py).
-__all__ = ["ReplicaRouter", "RouterCounts", "replica_devices"]
+from .replicas import ReplicaSet
 
 Request = RankRequest | GenerateRequest
 Output = RankOutput | GenerateOutput

@@ -42,7 +42,8 @@ class HSTUTritonMetadata:
         items: int32 ``[2, num_items]``, per work item, longest first: its tile (``-1`` for spare
             slots) and which part of the tile's key range it covers.
         num_sms: programs that run at once: the persistent grid's size (host int).
-        may_split: whether any tile can have several parts (host bool; else no partial buffer).
+        may_split: whether any tile can have several parts (host bool; else no partial buffer and no sum of
+            partials: never for an uncut plan).
         config: the tiles' launch shape.
     """
 
@@ -109,8 +110,9 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
             flat = flat.to(common.query_start_loc.device, non_blocking=True)  # on CPU (the interpreter): no copy
             shapes = tiles.shape, items.shape
         size = shapes[0][0] * shapes[0][1]
+        may_split = uncut is None and common.max_kv_len > self.min_tiles_per_split * config.block_n  # uncut: no parts
         return HSTUTritonMetadata(common, flat[:size].view(shapes[0]), flat[size:].view(shapes[1]), self.num_sms,
-                                  common.max_kv_len > self.min_tiles_per_split * config.block_n, config)
+                                  may_split, config)
 
     def graph_plan(self, common_host: dict[str, np.ndarray], max_rows: int,
                    max_requests: int) -> tuple[Hashable, np.ndarray | PlanWriter]:

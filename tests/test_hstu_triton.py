@@ -34,6 +34,7 @@ if HAS_TRITON:
     import attention_backends.hstu_triton as hstu_triton
     from attention_backends.hstu_triton import HSTUTritonBackend, TileConfig
     from attention_backends.hstu_triton_kernels import _time_bias, hstu_paged_attention_kernel
+    from attention_backends.hstu_triton_plan import uncut_sizes
 
     @triton.jit
     def _time_bias_kernel(Table, QueryTimes, KeyTimes, Out, num_heads, max_bucket, M: tl.constexpr, N: tl.constexpr):
@@ -115,6 +116,15 @@ def make_batch(layout: list[tuple[int, int, int]], spec: AttentionSpec, gen: tor
     old = torch.randn(len(owner), 2, heads, dim, generator=gen).to(device=spec.device_type, dtype=dtype)
     cache[slot_page, :, (pos % page).to(spec.device_type)] = old
     return common, qkv[:, 0], qkv[:, 1], qkv[:, 2], cache
+
+
+def cuda_activity(call) -> tuple[object, list[str]]:
+    """``call()``'s result and the names of the CUDA kernels and copies it queued (profiled, after a synchronise)."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        result = call()
+        torch.cuda.synchronize()
+    return result, [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def make_backend(spec: AttentionSpec, tiles: TileConfig | None = None, num_sms: int | None = None):
@@ -445,7 +455,10 @@ def test_host_plan_equals_torch_planning(seed):
         for host in (common.host, None):  # planned from the host arrays, or from the device's when there are none
             meta = backend.build_metadata(dataclasses.replace(common, host=host))
             assert torch.equal(meta.tiles, expected[0]) and torch.equal(meta.items, expected[1]), (layout, case)
-            assert meta.config == tiles and meta.may_split == (common.max_kv_len > min_tiles * tiles.block_n)
+            uncut = uncut_sizes(*(common.host[n] for n in ("query_start_loc", "num_history_rows", "kv_seq_lens")),
+                                tiles, heads, num_sms, min_tiles)
+            splittable = uncut is None and common.max_kv_len > min_tiles * tiles.block_n
+            assert meta.config == tiles and meta.may_split == splittable
 
 
 @needs_triton
@@ -562,11 +575,7 @@ def test_gpu_build_metadata_is_one_copy_and_no_kernel():
     common = make_common([(16000, 1, 8)] * 8, 32, torch.Generator().manual_seed(0))
     backend = HSTUTritonBackend(make_spec(32, 4, 128, torch.bfloat16))
     backend.build_metadata(common)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        meta = backend.build_metadata(common)
-        torch.cuda.synchronize()
-    device_events = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    meta, device_events = cuda_activity(lambda: backend.build_metadata(common))
     assert len(device_events) == 1 and "HtoD" in device_events[0], device_events
     assert meta.config.block_m == 16 and meta.tiles.is_cuda
 

@@ -148,19 +148,15 @@ def test_gpu_large_step_equals_host_plan_bit_for_bit_and_the_reference():
     the host plan's bit for bit, and the torch reference's within bf16 rounding; one kernel, no host-to-device copy."""
     from attention_backends.hstu_triton import HSTUTritonMetadata
     from attention_backends.hstu_triton_plan import plan_tile_map
-    from tests.test_hstu_triton import assert_close, make_backend, make_batch, make_spec, run_both
+    from tests.test_hstu_triton import assert_close, cuda_activity, make_backend, make_batch, make_spec, run_both
 
     rng = np.random.default_rng(0)
     layout = [(0, int(rng.integers(2000, 6000)), 100) for _ in range(8)]
     spec, gen = make_spec(32, 4, 128, torch.bfloat16), torch.Generator().manual_seed(1)
     common, q, k, v, cache = make_batch(layout, spec, gen)
     backend = make_backend(spec)
-    meta = backend.build_metadata(common)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        meta = backend.build_metadata(common)
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    backend.build_metadata(common)  # compiled before it is profiled
+    meta, names = cuda_activity(lambda: backend.build_metadata(common))
     assert len(names) == 1 and "uncut_plan" in names[0], names
     host = plan_tile_map(*(common.host[n] for n in ("query_start_loc", "num_history_rows", "kv_seq_lens")),
                          meta.config, spec.num_heads, backend.num_sms, backend.overhead_keys,

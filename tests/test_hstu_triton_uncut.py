@@ -105,6 +105,7 @@ def test_build_metadata_plans_large_steps_on_the_device_with_the_host_plans_outp
     spec, tiles, gen = make_spec(16, 2, 16, torch.float32), TileConfig(16, 16, 4, 1), torch.Generator().manual_seed(0)
     common, q, k, v, cache = make_batch(layout, spec, gen)
     backend = make_backend(spec, tiles)
+    backend.num_sms = 4  # the CPU's grid: on a GPU's 132 SMs this step is too small to be planned uncut
     host_plan = plan_tile_map(*(common.host[n] for n in ("query_start_loc", "num_history_rows", "kv_seq_lens")),
                               tiles, spec.num_heads, backend.num_sms, backend.overhead_keys,
                               backend.min_tiles_per_split)

@@ -218,6 +218,20 @@ def test_default_tiles_and_page_size_64():
     assert_close(got, expected, scale, 1e-5)
 
 
+def test_default_pipeline_depth_is_the_swept_one():
+    """3 key tiles in flight only where the tile sweep measured them faster: 16-bit 128 x 128 tiles of heads up to
+    128 wide without a time bias; 2 with the bias, for wider heads and for decode-like tiles; 1 in float32."""
+    from attention_backends.hstu_triton_plan import TileConfig, default_tile_config
+
+    bf16 = make_spec(32, 4, 128, torch.bfloat16, "cuda")
+    assert default_tile_config(bf16) == TileConfig(128, 128, 8, 3)
+    assert default_tile_config(dataclasses.replace(bf16, dtype=torch.float16)).num_stages == 3
+    assert default_tile_config(with_time_bias(bf16, 32)) == TileConfig(128, 128, 8, 2)
+    assert default_tile_config(bf16, max_query_len=20) == TileConfig(32, 128, 4, 2)
+    assert default_tile_config(make_spec(32, 2, 256, torch.bfloat16, "cuda")).num_stages == 2
+    assert default_tile_config(make_spec(32, 4, 128, torch.float32, "cuda")).num_stages == 1
+
+
 def with_time_bias(spec: AttentionSpec, buckets: int) -> AttentionSpec:
     return dataclasses.replace(spec, time_bias_buckets=buckets)
 

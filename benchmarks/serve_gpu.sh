@@ -10,9 +10,10 @@
 #   recompute:  bench-serve in process in recompute mode, at lower rates
 # Environment: RATES (default 1000,1200,1400,1600,1800,2000), SKIP (20000), DURATION (s per rate, 5), TIMEOUT (s per
 # run, 250), SERVER_SET (http: more --set key=value arguments for the server), API_SERVERS (http: 6) and GENERATORS
-# (http: generator processes, 8), PER_RATE=1 (in-process: each rate in its own run from the same SKIP, named
-# NAME_rRATE, instead of the rates replaying consecutive stretches of the trace in one run). Everything under OUT_DIR
-# is also packed into OUT_DIR.tar.
+# (http: generator processes, 8), WARMUP_CONCURRENCY (http: warm-up visits in flight over all generators, 8 as in
+# process; 32 until c9b5cb9, whose HTTP warm-up left more users uncached than the in-process one), PER_RATE=1
+# (in-process: each rate in its own run from the same SKIP, named NAME_rRATE, instead of the rates replaying
+# consecutive stretches of the trace in one run). Everything under OUT_DIR is also packed into OUT_DIR.tar.
 set -u
 out=${1:?usage: serve_gpu.sh OUT_DIR in-process|http|recompute}
 part=${2:?usage: serve_gpu.sh OUT_DIR in-process|http|recompute}
@@ -62,7 +63,7 @@ case $part in
       curl -sf http://127.0.0.1:8000/ready > /dev/null && break
       sleep 1
     done
-    timeout 300 python -m gr_engine bench-serve --url http://127.0.0.1:8000 --processes "${GENERATORS:-8}" --concurrency 32 \
+    timeout 300 python -m gr_engine bench-serve --url http://127.0.0.1:8000 --processes "${GENERATORS:-8}" --concurrency "${WARMUP_CONCURRENCY:-8}" \
       --body msgpack --skip-steady "$skip" --rates "$rates" --duration "$duration" \
       --core-steps "$out/http_core_steps.jsonl" --out "$out/http_hierarchical" > "$out/http_hierarchical.log" 2>&1
     echo "http: exit $? at $((SECONDS - start)) s"

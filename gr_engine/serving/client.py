@@ -17,8 +17,6 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
-import os
-import select
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +31,7 @@ from ..outputs import GenerateOutput, RankOutput, output_user_id
 from ..request import GenerateParams, GenerateRequest, RankRequest
 from ..validation import RequestError, check_candidates, parse_fields
 from .core import start_core
+from .process_watch import ProcessWatch
 from .protocol import Abort, CoreOutput, CoreReport, CoreRequest, CoreStats, Hello, Shutdown, engine_output, to_core
 
 logger = logging.getLogger(__name__)
@@ -67,31 +66,6 @@ class CoreHandle:
     address: str
     pid: int
     clients: int = 1
-
-
-class _ProcessWatch:
-    """Whether a process that need not be this one's child is alive. On Linux a pidfd, which turns readable when
-    the process exits (a zombie counts as exited); elsewhere ``kill(pid, 0)``."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        try:
-            self._fd = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else None
-        except ProcessLookupError:
-            raise EngineDead(f"no engine core runs as process {pid}") from None
-
-    def alive(self) -> bool:
-        if self._fd is not None:
-            return not select.select([self._fd], [], [], 0)[0]
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
 
 
 @dataclass
@@ -135,7 +109,7 @@ class AsyncGREngine:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreReport)
         self._process: multiprocessing.process.BaseProcess | None = None  # the core, when this client started it
-        self._watch: _ProcessWatch | None = None  # the core, when attached
+        self._watch: ProcessWatch | None = None  # the core, when attached
         self._to_core: zmq.Socket | None = None
         self._reader: asyncio.Task | None = None
         self._ready = asyncio.Event()
@@ -148,7 +122,10 @@ class AsyncGREngine:
             EngineDead: the core exited before it was ready (its log says why).
         """
         if self._handle is not None:
-            self._watch = _ProcessWatch(self._handle.pid)
+            try:
+                self._watch = ProcessWatch(self._handle.pid)
+            except ProcessLookupError:
+                raise EngineDead(f"no engine core runs as process {self._handle.pid}") from None
         self._dir = tempfile.TemporaryDirectory(prefix="gr-engine-")
         if self._handle is None:
             address = f"ipc://{self._dir.name}/core"

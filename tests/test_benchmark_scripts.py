@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -69,3 +70,55 @@ def test_kernel_profile_quick_run(tmp_path):
     module.main(["--report-only", str(saved)])  # regroups a saved run
     regrouped = json.loads(saved.read_text())
     assert "stale" not in regrouped["groups"] and sum(regrouped["groups"].values()) == pytest.approx(1.0)
+
+
+def test_kernel_profile_cold_visits(tmp_path):
+    """``--cold-history``: cold first visits of fixed-length users, each profiled alone, with their host gaps (the
+    span no kernel ran: on CPU the Python between operators), host ops and synchronising calls; ``--set`` reaches
+    the engine config."""
+    module = load("kernel_profile.py")
+    assert module.merge([(5, 7), (0, 2), (1, 3), (6, 6.5)]) == [(0, 3), (5, 7)]
+    assert module.gaps_of((0, 10), [(-1, 2), (4, 5), (9, 12)]) == [(2, 4), (5, 9)]
+    assert module.gaps_of((0, 10), []) == [(0, 10)]
+    module.main(["--quick", "--cold-history", "100", "--batches", "3", "--set", "cuda_graph_max_rows=16384",
+                 "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "kernel_profile.json").read_text())
+    cold = result["cold"]
+    assert cold["history"] == 100 and cold["step_rows"] == 100 + 8  # the quick trace's 8 candidates
+    assert cold["cuda_graph_max_rows"] == 16384 and cold["overrides"] == ["cuda_graph_max_rows=16384"]
+    assert cold["eager"] and not cold["step_graphs"] and cold["graph_launches"] == 0  # CPU: no step graphs
+    assert result["batch"] == 1 and result["batches"] == 3 and cold["visits"] == 3
+    assert len(cold["per_visit"]) == len(cold["wall_ms"]) == 3 and len(cold["unprofiled_wall_ms"]) == 2
+    assert cold["kernels_outside_visits"] == 0 and result["model_tflop_per_batch"] > 0
+    assert all(r["name"] != module.MARKER for r in result["table"]) and sum(r["share"] for r in result["table"]) == \
+        pytest.approx(1.0)
+    eps = 1e-6
+    for visit, wall in zip(cold["per_visit"], cold["wall_ms"]):
+        # the profiled range is within the perf counter's (another clock: 20 us slack)
+        assert visit["kernels"] > 0 and 0 < visit["span_ms"] <= wall + 0.02
+        assert 0 < visit["kernel_ms"] <= visit["busy_ms"] + eps  # CPU: nested operators' self times are disjoint
+        assert visit["busy_ms"] <= visit["span_ms"] + eps and 0 <= visit["gap_fraction"] <= 1
+        assert visit["gap_ms"] == pytest.approx(visit["span_ms"] - visit["busy_ms"], abs=1e-6)
+        assert visit["gap_fraction"] == pytest.approx(visit["gap_ms"] / visit["span_ms"])
+        assert min(visit["head_ms"], visit["tail_ms"]) >= 0
+        assert visit["head_ms"] + visit["tail_ms"] <= visit["gap_ms"] + eps
+        assert visit["python_ms"] == pytest.approx(visit["gap_ms"], abs=1e-6)  # CPU: the kernels are the host ops
+    assert sum(v["kernel_ms"] for v in cold["per_visit"]) == pytest.approx(result["device_ms_per_batch"] * 3, rel=1e-6)
+    assert cold["wall_ms_median"] == pytest.approx(sorted(cold["wall_ms"])[1])
+    assert 0 < len(cold["largest_gaps"]) <= 10 and all(g["gap_ms"] > 0 for g in cold["largest_gaps"])
+    assert [g["gap_ms"] for g in cold["largest_gaps"]] == sorted((g["gap_ms"] for g in cold["largest_gaps"]),
+                                                                 reverse=True)
+    ops = cold["host_ops"]
+    assert ops and all(r["calls"] >= 1 and r["total_ms"] >= 0 for r in ops)
+    assert ops == sorted(ops, key=lambda r: -r["total_ms"])
+    assert all(re.search(module.SYNC, r["name"]) for r in cold["sync_calls"])
+    assert module.group_of("x") == "other" and re.search(module.SYNC, "cudaStreamSynchronize")
+    assert re.search(module.SYNC, "cudaMemcpy") and not re.search(module.SYNC, "cudaMemcpyAsync")
+    md = (tmp_path / "kernel_profile.md").read_text()
+    assert "## Cold first visits: 100 events" in md and "Synchronising calls" in md
+    assert "cuda_graph_max_rows 16384" in md
+    module.main(["--report-only", str(tmp_path / "kernel_profile.json")])  # keeps the cold section
+    assert json.loads((tmp_path / "kernel_profile.json").read_text())["cold"] == cold
+    assert "## Cold first visits" in (tmp_path / "kernel_profile.md").read_text()
+    with pytest.raises(SystemExit):  # the closed-loop batches take no config overrides
+        module.main(["--quick", "--set", "cuda_graph_max_rows=0", "--out", str(tmp_path)])

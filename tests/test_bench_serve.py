@@ -53,7 +53,41 @@ def check_result(out: Path, in_process: bool) -> dict:
     for r in result["rates"]:  # each rate's row shows its onloaded MB a request
         row = next(line for line in table.splitlines() if line.startswith(f"| {r['offered_rps']:g} |"))
         assert f"| {r['onloaded_bytes_per_request'] / 1e6:.1f} |" in row
+    check_cache(result, table)
     return result
+
+
+def check_cache(result: dict, table: str) -> None:
+    """Each phase's ``cache`` is the change of the core's counters over it: non-negative, one finished request per
+    answer, computed history within the history, and the phases' changes add up to the run's (end - start); the
+    tables show them."""
+    from gr_engine.serving.load import PHASE_COUNTERS
+
+    phases = [result["warmup"], result["closed_loop"], *result["rates"]]
+    totals = result["summary"]["core_counters"]
+    for phase in phases:
+        c = phase["cache"]
+        assert all(c[name] >= 0 for name in PHASE_COUNTERS), c
+        assert c["finished_requests"] == phase["answered"], (c, phase["answered"])  # the counters cover the phase
+        assert c["computed_history_tokens"] == c["history_tokens"] - c["gpu_hit_tokens"] - c["host_hit_tokens"] >= 0
+        assert 0 <= c["computed_history_tokens_per_request"] <= c["history_tokens_per_request"]
+        assert c["history_tokens_per_request"] == pytest.approx(c["history_tokens"] / c["finished_requests"])
+        assert 0 <= c["gpu_hit_share"] + c["host_hit_share"] <= 1
+    for name in PHASE_COUNTERS:
+        assert sum(p["cache"][name] for p in phases) == totals["end"][name] - totals["start"][name] <= \
+            totals["end"][name], name
+    assert [r["onloaded_bytes"] for r in result["rates"]] == [r["cache"]["onloaded_bytes"] for r in result["rates"]]
+    assert sum(p["cache"]["evicted_users"] for p in phases) > 0  # the quick trace outgrows the GPU pool
+    assert "computed history tokens a request" in table and "GPU evictions / host evictions / lost tokens" in table
+    for r in result["rates"]:
+        c = r["cache"]
+        row = next(line for line in table.splitlines() if line.startswith(f"| {r['offered_rps']:g} |"))
+        assert f"| {c['computed_history_tokens_per_request']:.1f} | {c['evicted_users']}/" \
+               f"{c['host_evicted_users']}/{c['lost_tokens']} |" in row, row
+    warmup = result["warmup"]["cache"]
+    assert f"{warmup['computed_history_tokens_per_request']:.1f} computed history tokens a request, " \
+           f"{warmup['evicted_users']} GPU evictions" in table
+    assert "## The cache per phase" in table and "| warm-up |" in table and "| closed loop |" in table
 
 
 def test_in_process_two_rates(tmp_path: Path) -> None:
@@ -114,6 +148,7 @@ def test_http_with_two_generator_processes(server: str, tmp_path: Path, body: st
     result = check_result(out, in_process=False)
     assert all(len(r["generators"]) == 2 for r in result["rates"])
     assert result["settings"]["processes"] == 2 and result["settings"]["body"] == body
+    assert result["engine_config"]["cache"]["mode"] == "gpu_only"  # the server's engine (GET /v1/config)
 
 
 @pytest.mark.parametrize("body", ["json", "msgpack"])

@@ -26,6 +26,7 @@ from ..engine import GREngine, LaunchedStep, Output
 from ..outputs import StepTimings
 from .heap import freeze_heap
 from .protocol import (
+    CACHE_COUNTERS,
     STEP_BUCKETS,
     Abort,
     CoreInput,
@@ -339,14 +340,16 @@ class EngineCore:
         if kv.host is not None:
             store = kv.host.store
             host_used = (store.num_allocated - store.num_free) * store.slot_bytes
+        cache, totals = kv.stats, engine.stats
         return CoreStats(
             running=running, waiting=waiting, steps=self._steps,
             step_seconds=self._step_seconds, step_buckets=list(self._step_buckets),
-            computed_tokens=engine.stats.num_computed_step_tokens, gpu_hit_tokens=engine.stats.gpu_hit_tokens,
-            host_hit_tokens=engine.stats.host_hit_tokens, gpu_pages_used=kv.pool.num_pages - kv.pool.num_free,
+            computed_tokens=totals.num_computed_step_tokens, gpu_hit_tokens=totals.gpu_hit_tokens,
+            host_hit_tokens=totals.host_hit_tokens, gpu_pages_used=kv.pool.num_pages - kv.pool.num_free,
             gpu_pages_free=kv.pool.num_free, host_bytes_used=host_used, onloaded_bytes=onloaded,
             offloaded_bytes=offloaded, **asdict(engine.stalls()),
-            queue_wait_s=waiting * service, service_s=service,
+            queue_wait_s=waiting * service, service_s=service, finished_requests=totals.num_requests,
+            history_tokens=totals.history_tokens, **{name: getattr(cache, name) for name in CACHE_COUNTERS},
         )
 
 

@@ -40,6 +40,7 @@ from ..bench.trace import Trace, generate_trace
 from ..config import EngineConfig
 from ..request import RankRequest
 from .heap import freeze_heap
+from .protocol import CACHE_COUNTERS
 
 BATCH = 8  # the bench's batch size: the closed loop's batches
 #: The online engine's max_num_seqs: on the H200 (benchmarks/results/serve/README.md) 16 kept p99 <= 25 ms up to
@@ -227,6 +228,23 @@ def engine_sender(engine: object, timeout_ms: float | None) -> Send:
 # ---------------------------------------------------------------------------------------------- runs
 #: The core's counters of stalls (:meth:`~gr_engine.GREngine.stalls`), by their names in :class:`.protocol.CoreStats`.
 STALL_COUNTERS = ("kernel_compilations", "kernel_cache_loads", "graph_captures")
+#: The core's counters whose change over each phase the report gives (:func:`.load_report.cache_stats`), by their
+#: names in :class:`.protocol.CoreStats` (``gr_engine_<name>_total`` on ``/metrics``): the requests the engine
+#: finished, their history and its GPU and host hits, the tokens computed, onloads, and the cache's counters.
+PHASE_COUNTERS = ("finished_requests", "history_tokens", "gpu_hit_tokens", "host_hit_tokens", "computed_tokens",
+                  "onloaded_bytes", *CACHE_COUNTERS)
+#: Every counter a run reads from the core.
+COUNTERS = (*PHASE_COUNTERS, *STALL_COUNTERS)
+
+
+def counters_of(stats: object | None) -> dict[str, int]:
+    """The :data:`COUNTERS` of a :class:`.protocol.CoreStats` (all 0 for ``None``: no report yet)."""
+    return {name: int(getattr(stats, name)) if stats is not None else 0 for name in COUNTERS}
+
+
+def counter_change(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    """How much each of :data:`PHASE_COUNTERS` grew from ``before`` to ``after`` (two snapshots of :data:`COUNTERS`)."""
+    return {name: round(after[name] - before[name]) for name in PHASE_COUNTERS}
 
 
 def stall_count(counters: dict[str, float] | object) -> int:
@@ -235,6 +253,26 @@ def stall_count(counters: dict[str, float] | object) -> int:
     if isinstance(counters, dict):
         return int(sum(counters[name] for name in STALL_COUNTERS))
     return sum(getattr(counters, name) for name in STALL_COUNTERS)
+
+
+class Marks:
+    """The core's counters (:data:`COUNTERS`) at each phase boundary of a run, from its start."""
+
+    def __init__(self, start: dict[str, float]) -> None:
+        self.snapshots = [start]
+
+    def phase(self, parts: list[dict], counters: dict[str, float]) -> dict:
+        """A phase's entry: its generators' ``parts``, the change of :data:`PHASE_COUNTERS` over it (``counters``:
+        the snapshot at its end) and its ``onloaded_bytes``."""
+        self.snapshots.append(counters)
+        change = counter_change(self.snapshots[-2], counters)
+        return {"parts": parts, "counters": change, "onloaded_bytes": change["onloaded_bytes"]}
+
+    def finish(self, phases: dict) -> None:
+        """Add the core's stalls after the warm-up (``stalls``) and its counters at the run's start and end
+        (``core_counters``) to ``phases``."""
+        phases["stalls"] = stall_count(self.snapshots[-1]) - stall_count(self.snapshots[1])
+        phases["core_counters"] = {"start": self.snapshots[0], "end": self.snapshots[-1]}
 
 
 def run_in_process(trace: Trace, load: LoadSettings, config: EngineConfig, echo: Callable[[str], None]) -> dict:
@@ -247,23 +285,21 @@ def run_in_process(trace: Trace, load: LoadSettings, config: EngineConfig, echo:
         phases: dict = {"exhausted": plan.exhausted, "rates": []}
         async with AsyncGREngine(config) as engine:
             send = engine_sender(engine, load.timeout_ms)
+            # The core's counters arrive with the outputs they count: read after a phase, they cover all of it.
+            marks = Marks(counters_of(engine.stats))
             echo(f"warm-up: {len(plan.warmup)} visits (first visits, then the trace's cold start) in batches of "
                  f"{BATCH}")
-            phases["warmup"] = {"parts": [await closed_loop(send, [trace.rank_request(i) for i in plan.warmup], 1,
-                                                            BATCH)]}
+            phases["warmup"] = marks.phase([await closed_loop(send, [trace.rank_request(i) for i in plan.warmup], 1,
+                                                              BATCH)], counters_of(engine.stats))
             echo(f"closed loop: {len(plan.closed)} requests in batches of {BATCH}")
-            first = stall_count(engine.stats)
-            phases["closed"] = {"parts": [await closed_loop(send, [trace.rank_request(i) for i in plan.closed], 1,
-                                                            BATCH)]}
+            phases["closed"] = marks.phase([await closed_loop(send, [trace.rank_request(i) for i in plan.closed], 1,
+                                                              BATCH)], counters_of(engine.stats))
             for rate, offsets, indices in plan.rates:
                 echo(f"rate {rate:g} requests/s: {len(indices)} requests over {load.duration_s:g} s")
-                before = engine.stats.onloaded_bytes if engine.stats else 0
                 requests = [trace.rank_request(i) for i in indices]
                 part = await open_loop(send, requests, offsets, time.monotonic() + 0.2)
-                phases["rates"].append({"rate": rate, "parts": [part],
-                                        "onloaded_bytes": (engine.stats.onloaded_bytes if engine.stats else 0)
-                                        - before})
-            phases["stalls"] = stall_count(engine.stats) - first
+                phases["rates"].append({"rate": rate, **marks.phase([part], counters_of(engine.stats))})
+            marks.finish(phases)
         return phases
 
     return asyncio.run(run())
@@ -306,12 +342,14 @@ def run_bench(load: LoadSettings, config: EngineConfig | None, echo: Callable[[s
     freeze_heap()  # this process's generator (and, in process, client) runs alongside the trace's objects
     if config is not None:
         phases, device = run_in_process(trace, load, config, echo), config.device
+        served = msgspec.to_builtins(config)
     else:
         import httpx
 
         if httpx.get(f"{load.url}/ready", timeout=30).status_code != 200:
             raise ValueError(f"{load.url} is not ready (GET /ready)")
-        device = httpx.get(f"{load.url}/v1/config", timeout=30).json().get("device", "cpu")
+        served = httpx.get(f"{load.url}/v1/config", timeout=30).json()  # the server's engine, to compare runs by
+        device = served.get("device", "cpu")
         from .load_http import run_http
 
         phases = run_http(trace, load, echo)
@@ -321,6 +359,5 @@ def run_bench(load: LoadSettings, config: EngineConfig | None, echo: Callable[[s
     result["settings"] = {**msgspec.to_builtins(dataclasses.asdict(load)), "in_process": config is not None,
                           "device": device}
     result["trace"] = trace.summary()
-    if config is not None:
-        result["engine_config"] = msgspec.to_builtins(config)
+    result["engine_config"] = served
     return result

@@ -21,7 +21,7 @@ from ..bench.trace import Trace, generate_trace
 from ..request import RankRequest
 from .bodies import JSON, packed_request
 from .heap import freeze_heap
-from .load import BATCH, STALL_COUNTERS, LoadSettings, Send, closed_loop, error_kind, open_loop, plan_run, stall_count
+from .load import BATCH, COUNTERS, LoadSettings, Marks, Send, closed_loop, error_kind, open_loop, plan_run
 
 
 def rank_body(requests: Sequence[RankRequest], timeout_ms: float | None = None, body: str = "json") -> bytes:
@@ -129,41 +129,63 @@ class Generators:
                 proc.kill()
 
 
-def core_counters(url: str) -> dict[str, float]:
-    """The core's ``onloaded_bytes`` and :data:`~.load.STALL_COUNTERS` from the server's ``/metrics`` (``*_total``; 0
-    before the core's first report), summed over the ``replica`` labels of a ``--replicas N`` server."""
+def core_counters(url: str, finished_at_least: float = 0.0, wait_s: float = 5.0) -> dict[str, float]:
+    """The core's :data:`~.load.COUNTERS` from the server's ``/metrics`` (``gr_engine_<name>_total``; 0 before the
+    core's first report, or for a counter the server does not export), summed over the ``replica`` labels of a
+    ``--replicas N`` server.
+
+    ``/metrics`` gives the answering API server's latest core report; with several API servers another one than the
+    one that answered a phase's last request may not hold that report yet. With ``finished_at_least``, the server is
+    scraped again (for up to ``wait_s`` seconds) until its ``finished_requests`` reaches it (at once if the server
+    does not export that counter)."""
     import httpx
 
-    names = {f"gr_engine_{name}_total": name for name in ("onloaded_bytes", *STALL_COUNTERS)}
-    counters = dict.fromkeys(names.values(), 0.0)
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        sample, _, value = line.rpartition(" ")
-        name = sample.partition("{")[0]
-        if name in names:
-            counters[names[name]] += float(value)
-    return counters
+    names = {f"gr_engine_{name}_total": name for name in COUNTERS}
+    deadline = time.monotonic() + wait_s
+    while True:
+        counters, found = dict.fromkeys(names.values(), 0.0), set()
+        for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+            sample, _, value = line.rpartition(" ")
+            name = sample.partition("{")[0]
+            if name in names:
+                counters[names[name]] += float(value)
+                found.add(names[name])
+        if ("finished_requests" not in found or counters["finished_requests"] >= finished_at_least
+                or time.monotonic() >= deadline):
+            return counters
+        time.sleep(0.05)
+
+
+def _answered(parts: list[dict]) -> int:
+    """Requests of a phase answered without error (each one a request the engine finished)."""
+    return sum(o is None for p in parts for o in p["outcomes"])
 
 
 def run_http(trace: Trace, load: LoadSettings, echo: Callable[[str], None]) -> dict:
-    """Every phase against the server at ``load.url``; each phase's per-generator results and onloaded bytes."""
+    """Every phase against the server at ``load.url``; each phase's per-generator results and the change of the
+    core's counters over it (:class:`~.load.Marks`)."""
     plan = plan_run(trace, load)
     gens = Generators(trace, load.url, load.processes, load.timeout_ms, load.body)
     phases: dict = {"exhausted": plan.exhausted}
+    marks = Marks(core_counters(load.url))
+
+    def counters(parts: list[dict]) -> dict[str, float]:
+        return core_counters(load.url, marks.snapshots[-1]["finished_requests"] + _answered(parts))
+
     try:
         echo(f"warm-up: {len(plan.warmup)} visits (first visits, then the trace's cold start), "
              f"{load.concurrency} in flight")
-        phases["warmup"] = {"parts": gens.closed(plan.warmup, load.concurrency)}
+        parts = gens.closed(plan.warmup, load.concurrency)
+        phases["warmup"] = marks.phase(parts, counters(parts))
         echo(f"closed loop: {len(plan.closed)} requests from {BATCH} clients")
-        first = core_counters(load.url)
-        phases["closed"] = {"parts": gens.closed(plan.closed, BATCH)}
+        parts = gens.closed(plan.closed, BATCH)
+        phases["closed"] = marks.phase(parts, counters(parts))
         phases["rates"] = []
         for rate, offsets, indices in plan.rates:
             echo(f"rate {rate:g} requests/s: {len(indices)} requests over {load.duration_s:g} s")
-            before = core_counters(load.url)["onloaded_bytes"]
             parts = gens.open(indices, offsets)
-            phases["rates"].append({"rate": rate, "parts": parts,
-                                    "onloaded_bytes": core_counters(load.url)["onloaded_bytes"] - before})
-        phases["stalls"] = stall_count(core_counters(load.url)) - stall_count(first)
+            phases["rates"].append({"rate": rate, **marks.phase(parts, counters(parts))})
+        marks.finish(phases)
     finally:
         gens.close()
     return phases

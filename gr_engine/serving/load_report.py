@@ -1,5 +1,6 @@
-"""The report of ``gr-engine bench-serve`` (:mod:`.load`): per-rate statistics, the summary, ``bench_serve.json``,
-``bench_serve.md`` and ``bench_serve.png``.
+"""The report of ``gr-engine bench-serve`` (:mod:`.load`): per-rate statistics, the cache per phase (the change of
+the engine core's counters: :func:`cache_stats`), the summary, ``bench_serve.json``, ``bench_serve.md`` and
+``bench_serve.png``.
 
 Units: latencies and lags in ms, rates and throughputs in requests/s, CPU and spans in s, copy rates in GB/s.
 """
@@ -50,19 +51,38 @@ def phase_stats(parts: list[dict]) -> dict:
                                if k.startswith(("p99", "max"))}} for p in parts]}
 
 
+def cache_stats(change: dict[str, int] | None) -> dict | None:
+    """The cache's side of one phase from the change of the core's counters over it (:data:`~.load.PHASE_COUNTERS`;
+    ``None`` without them): the counters themselves, plus history tokens, computed history tokens (history less its
+    GPU and host hits: what was recomputed) a request the engine finished, and the shares of history reused from
+    GPU pages and loaded from host. Runs in process and over HTTP reached the same cache state when these agree."""
+    if not change:
+        return None
+    done, history = change["finished_requests"], change["history_tokens"]
+    computed = history - change["gpu_hit_tokens"] - change["host_hit_tokens"]
+    return {**change, "computed_history_tokens": computed,
+            "history_tokens_per_request": history / done if done else None,
+            "computed_history_tokens_per_request": computed / done if done else None,
+            "gpu_hit_share": change["gpu_hit_tokens"] / history if history else None,
+            "host_hit_share": change["host_hit_tokens"] / history if history else None}
+
+
+def _phase(entry: dict) -> dict:
+    """:func:`phase_stats` of a phase's entry, with its ``cache`` (:func:`cache_stats`) and core profile, if any."""
+    return {**phase_stats(entry["parts"]), "cache": cache_stats(entry.get("counters")),
+            **({"core": entry["core"]} if "core" in entry else {})}
+
+
 def build_result(phases: dict, peak_GBps: float | None) -> dict:
     """Per-phase statistics and the summary of a run's ``phases`` (:func:`~.load.run_http` or
     :func:`~.load.run_in_process`)."""
-    warmup, closed = phase_stats(phases["warmup"]["parts"]), phase_stats(phases["closed"]["parts"])
-    if "core" in phases["closed"]:
-        closed["core"] = phases["closed"]["core"]
+    warmup, closed = _phase(phases["warmup"]), _phase(phases["closed"])
     rates = []
     for entry in phases["rates"]:
-        stats = phase_stats(entry["parts"])
+        stats = _phase(entry)
         per_request = entry["onloaded_bytes"] / stats["answered"] if stats["answered"] else None
         rates.append({"offered_rps": entry["rate"], **stats, "onloaded_bytes": entry["onloaded_bytes"],
-                      "onloaded_bytes_per_request": per_request,
-                      **({"core": entry["core"]} if "core" in entry else {})})
+                      "onloaded_bytes_per_request": per_request})
     def best(key: str) -> float | None:
         within = [r["achieved_rps"] for r in rates
                   if r[key] is not None and r[key] <= P99_TARGET_MS and r["achieved_rps"] is not None]
@@ -80,7 +100,10 @@ def build_result(phases: dict, peak_GBps: float | None) -> dict:
                "device_bound_rps": answered / device_s if device_s > 0 else None,
                "trace_exhausted": phases["exhausted"],
                # the core's compilations and captures in closed loop and rates; its heap after warm-up (step log)
-               "stalls_after_warmup": phases.get("stalls"), "core_heap": phases.get("heap")}
+               "stalls_after_warmup": phases.get("stalls"), "core_heap": phases.get("heap"),
+               # the core's counters (load.COUNTERS) at the run's start and end: each phase's cache counters are
+               # the change over it, so they add up to end - start
+               "core_counters": phases.get("core_counters")}
     return {"warmup": warmup, "closed_loop": closed, "rates": rates, "summary": summary}
 
 
@@ -100,12 +123,14 @@ def markdown(result: dict) -> str:
              "steps' device time over all rates)",
              f"- kernel compilations and graph captures in the engine core after warm-up (closed loop and rates): "
              f"{'-' if s.get('stalls_after_warmup') is None else s['stalls_after_warmup']}",
-             f"- warm-up: {result['warmup']['answered']} first visits at {_num(result['warmup']['achieved_rps'], 1)} "
-             "requests/s (closed loop; not a capacity figure)", ""]
+             f"- warm-up: {result['warmup']['answered']} visits (first visits, then the cold start) at "
+             f"{_num(result['warmup']['achieved_rps'], 1)} requests/s (closed loop; not a capacity figure); "
+             f"{_cache_brief(result['warmup'].get('cache'))}", ""]
     if s["trace_exhausted"]:
         lines += ["**The trace ran out: the last rates served fewer requests than their duration asked.**", ""]
     header = ["offered (req/s)", "achieved (req/s)", "sent", "answered", "p50 ms", "p90 ms", "p99 ms", "mean ms",
               "max ms", "p99 from schedule ms", "errors", "waited on user", "onloaded MB a request",
+              "computed history tokens a request", "GPU evictions / host evictions / lost tokens",
               "generator CPU s", "lag p99 ms"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in result["rates"]:
@@ -117,14 +142,65 @@ def markdown(result: dict) -> str:
                                                                                     "mean_ms", "max_ms",
                                                                                     "p99_from_schedule_ms")),
                                         errors, str(r["user_waits"]), _mb(r.get("onloaded_bytes_per_request")),
-                                        cpu, lag]) + " |")
+                                        *_cache_cells(r.get("cache")), cpu, lag]) + " |")
     lines += ["", "Latency runs from the time each request could be sent (open loop): its scheduled time, or its "
               "user's previous answer if that came later (a user's visits stay in order; \"waited on user\" counts "
               "those requests). \"p99 from schedule\" counts that wait too. Generator CPU seconds and lag (how late "
               "requests were fired against their schedule) are per generator process: a lag near the latency means "
-              "the generator, not the server, is the bottleneck."]
+              "the generator, not the server, is the bottleneck. Computed history tokens a request: history the "
+              "engine recomputed (not reused from GPU pages or loaded from host) per request it finished; GPU "
+              "evictions: users whose GPU pages were reclaimed; host evictions: users whose host copy was dropped "
+              "for room; lost tokens: tokens of users leaving the GPU that could not be kept on host (the engine "
+              "core's counters over the rate)."]
+    lines += cache_markdown(result)
     lines += profile_markdown(result)
     return "\n".join(lines) + "\n"
+
+
+def _cache_cells(cache: dict | None) -> list[str]:
+    """The rate table's cells of a phase's :func:`cache_stats`: computed history tokens a request, and GPU evictions
+    / host evictions / lost tokens."""
+    if cache is None:
+        return ["-", "-"]
+    return [_num(cache["computed_history_tokens_per_request"], 1),
+            f"{cache['evicted_users']}/{cache['host_evicted_users']}/{cache['lost_tokens']}"]
+
+
+def _cache_brief(cache: dict | None) -> str:
+    """One line on a phase's cache (:func:`cache_stats`)."""
+    if cache is None:
+        return "the core's cache counters were not read"
+    return (f"{_num(cache['computed_history_tokens_per_request'], 1)} computed history tokens a request, "
+            f"{cache['evicted_users']} GPU evictions, {cache['host_evicted_users']} host evictions, "
+            f"{cache['lost_tokens']} lost tokens")
+
+
+def cache_markdown(result: dict) -> list[str]:
+    """The cache per phase (warm-up, closed loop, each rate): the engine core's counters over it."""
+    rows = [("warm-up", result["warmup"]), ("closed loop", result["closed_loop"]),
+            *((f"{r['offered_rps']:g} req/s", r) for r in result["rates"])]
+    rows = [(name, phase["cache"]) for name, phase in rows if phase.get("cache")]
+    if not rows:
+        return []
+    header = ["phase", "requests finished", "history tokens a request", "computed history tokens a request",
+              "GPU hits", "host hits", "GPU evictions (users / tokens)", "host evictions (users)", "lost tokens",
+              "tails persisted (tokens)", "deferred offloads", "truncated tokens"]
+    lines = ["", "## The cache per phase (the engine core's counters)", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+
+    def share(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1%}"
+
+    for name, c in rows:
+        lines.append("| " + " | ".join([
+            name, str(c["finished_requests"]), _num(c["history_tokens_per_request"], 1),
+            _num(c["computed_history_tokens_per_request"], 1), share(c["gpu_hit_share"]), share(c["host_hit_share"]),
+            f"{c['evicted_users']} / {c['evicted_tokens']}", str(c["host_evicted_users"]), str(c["lost_tokens"]),
+            str(c["tail_persisted_tokens"]), str(c["deferred_offloads"]), str(c["truncated_tokens"])]) + " |")
+    lines += ["", "Two runs of the same trace (e.g. in process and over HTTP) reached the same cache state when "
+              "these agree phase by phase; the totals since the core started are `summary.core_counters` in "
+              "`bench_serve.json`."]
+    return lines
 
 
 def _mb(nbytes: float | None) -> str:

@@ -41,9 +41,12 @@ class ServingMetrics:
     answered, by ``server``); from the core: ``step_seconds`` (histogram), ``requests_running`` and
     ``requests_waiting`` (gauges), ``computed_tokens_total``, ``gpu_hit_tokens_total``, ``host_hit_tokens_total``,
     ``gpu_pages_used``, ``gpu_pages_free``, ``host_bytes_used``, ``onloaded_bytes_total``, ``offloaded_bytes_total``,
-    ``kernel_compilations_total``, ``kernel_cache_loads_total``, ``graph_captures_total`` (behind a router: each
-    replica's, labelled ``replica``, plus ``router_requests_total{replica}``, ``router_reroutes_total`` and
-    ``router_retries_total``).
+    ``finished_requests_total``, ``history_tokens_total``, the cache's counters (``evicted_users_total``,
+    ``evicted_tokens_total``, ``truncated_tokens_total``, ``prefetched_tokens_total``, ``host_evicted_users_total``,
+    ``onloaded_tokens_total``, ``offloaded_tokens_total``, ``tail_persisted_tokens_total``, ``lost_tokens_total``,
+    ``deferred_offloads_total``), ``kernel_compilations_total``, ``kernel_cache_loads_total``,
+    ``graph_captures_total`` (behind a router: each replica's, labelled ``replica``, plus
+    ``router_requests_total{replica}``, ``router_reroutes_total`` and ``router_retries_total``).
     """
 
     def __init__(self, engine: AsyncGREngine | ReplicaRouter, server: int = 0) -> None:
@@ -107,6 +110,26 @@ _CORE_FIGURES = [
     (CounterMetricFamily, "host_hit_tokens", "host_hit_tokens", "History tokens loaded from host chunks."),
     (CounterMetricFamily, "onloaded_bytes", "onloaded_bytes", "Bytes copied from host to GPU."),
     (CounterMetricFamily, "offloaded_bytes", "offloaded_bytes", "Bytes copied from GPU to host."),
+    (CounterMetricFamily, "finished_requests", "finished_requests",
+     "Requests the engine core finished without error."),
+    (CounterMetricFamily, "history_tokens", "history_tokens",
+     "History tokens of the requests finished (reused from GPU or host, or computed)."),
+    (CounterMetricFamily, "evicted_users", "evicted_users", "Users whose GPU pages were reclaimed (GPU LRU eviction)."),
+    (CounterMetricFamily, "evicted_tokens", "evicted_tokens", "Cached tokens the evicted users held on the GPU."),
+    (CounterMetricFamily, "truncated_tokens", "truncated_tokens",
+     "Cached tokens dropped because a request's history no longer matched them."),
+    (CounterMetricFamily, "prefetched_tokens", "prefetched_tokens",
+     "History tokens loaded from host as the user's request arrived (prefetch)."),
+    (CounterMetricFamily, "host_evicted_users", "host_evicted_users",
+     "Users whose host copy was dropped to free host slots (host LRU eviction)."),
+    (CounterMetricFamily, "onloaded_tokens", "onloaded_tokens", "History tokens copied from host to GPU."),
+    (CounterMetricFamily, "offloaded_tokens", "offloaded_tokens", "History tokens copied from GPU to host."),
+    (CounterMetricFamily, "tail_persisted_tokens", "tail_persisted_tokens",
+     "Tokens of partial chunks copied to host as their user was evicted from the GPU."),
+    (CounterMetricFamily, "lost_tokens", "lost_tokens",
+     "Tokens of users evicted from the GPU that could not be kept on host (no free slot, or tails not persisted)."),
+    (CounterMetricFamily, "deferred_offloads", "deferred_offloads",
+     "Chunk-steps that full chunks waited for an offload slot (max_pending_offloads)."),
     (CounterMetricFamily, "kernel_compilations", "kernel_compilations",
      "Triton kernels compiled by the engine core (none after warm-up)."),
     (CounterMetricFamily, "kernel_cache_loads", "kernel_cache_loads",

@@ -21,6 +21,10 @@ INT64 = np.dtype("<i8")  # history fields and candidates as bytes
 FLOAT32 = np.dtype("<f4")  # scores as bytes
 #: Upper bounds (s) of the engine-step histogram the core keeps (:attr:`CoreStats.step_buckets`).
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1.0)
+#: The fields of :class:`CoreStats` that are the cache's own counters (:attr:`cache_engine.KVCacheManager.stats`),
+#: by the same names.
+CACHE_COUNTERS = ("evicted_users", "evicted_tokens", "truncated_tokens", "prefetched_tokens", "host_evicted_users",
+                  "onloaded_tokens", "offloaded_tokens", "tail_persisted_tokens", "lost_tokens", "deferred_offloads")
 
 
 def array_bytes(array: object, dtype: np.dtype) -> bytes:
@@ -129,6 +133,19 @@ class CoreStats(msgspec.Struct, array_like=True):
             ``waiting`` times ``service_s``; 0 while nothing waits.
         service_s: the recent busy wall seconds per answered request (decayed over about the last
             :data:`~.core.SERVICE_STEPS` steps that answered requests; 0 before the first answer).
+        finished_requests, history_tokens: requests the engine finished without error since start, and their
+            history tokens (``history_tokens - gpu_hit_tokens - host_hit_tokens`` of them were computed).
+        evicted_users, evicted_tokens, truncated_tokens, prefetched_tokens: the cache manager's counters
+            (:class:`cache_engine.records.PoolStats`): users whose GPU pages were reclaimed and their cached tokens,
+            cached tokens dropped for a history that no longer matched, tokens prefetched from host.
+        host_evicted_users, onloaded_tokens, offloaded_tokens, tail_persisted_tokens, lost_tokens,
+            deferred_offloads: the host tier's (:class:`cache_engine.records.HostStats`; 0 without one): users whose
+            host copy was dropped for room (host LRU), tokens copied host to GPU and GPU to host, partial chunks
+            persisted as their user left the GPU, tokens of users leaving the GPU that could not be kept on host,
+            chunk-steps that full chunks waited for an offload slot.
+
+    Fields added after the first version carry defaults (0), so that a report of an older core still decodes (a
+    message is an array: the missing trailing entries take their defaults).
     """
 
     running: int
@@ -149,6 +166,18 @@ class CoreStats(msgspec.Struct, array_like=True):
     graph_captures: int
     queue_wait_s: float
     service_s: float
+    finished_requests: int = 0
+    history_tokens: int = 0
+    evicted_users: int = 0
+    evicted_tokens: int = 0
+    truncated_tokens: int = 0
+    prefetched_tokens: int = 0
+    host_evicted_users: int = 0
+    onloaded_tokens: int = 0
+    offloaded_tokens: int = 0
+    tail_persisted_tokens: int = 0
+    lost_tokens: int = 0
+    deferred_offloads: int = 0
 
 
 class CoreReport(msgspec.Struct, array_like=True):

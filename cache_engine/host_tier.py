@@ -291,6 +291,13 @@ class HostTier:
         record.host_tokens = entry.end
         self._lru.touch(entry.user, record)
 
+    def copying_end(self, user: Hashable, record: UserRecord) -> int:
+        """The furthest token of ``record``'s current generation that a copy to host decided or in flight (not
+        finished) holds; 0 if none."""
+        copies = [*self._copies_in_flight(user), *(p for p in self._batch if p.user == user)] if (
+            self._in_flight or self._batch) else ()
+        return max((p.end for p in copies if p.generation == record.generation), default=0)
+
     def _copies_in_flight(self, user: Hashable) -> list[_Persist]:
         """The user's chunk copies launched and not finished (indexed per user once per change of ``_in_flight``)."""
         if self._writing is None:

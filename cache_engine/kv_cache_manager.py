@@ -169,7 +169,7 @@ class KVCacheManager:
             be found now (nothing was changed).
         """
         record = self.users.get(user_id)
-        gpu = host = held = prefetched = 0
+        gpu = host = held = prefetched = copying = 0
         waiting = user_id in self._prefetched  # locked by a prefetch for this request
         if record is not None:
             if record.locked and not waiting:
@@ -180,6 +180,7 @@ class KVCacheManager:
                 gpu = min(reuse, record.num_tokens)
                 if not held and self.host is not None:
                     host = min(reuse, record.host_tokens)
+                    copying = min(reuse, self.host.copying_end(user_id, record))  # past host: recomputed below
         # An unlocked record holding pages is in the LRU (``check_invariants``), so ``held`` tells membership.
         deficit = -(-len(token_hashes) // self.page_size) - held
         if deficit > self.pool.num_free:
@@ -194,6 +195,7 @@ class KVCacheManager:
             self._evictable_pages -= held
         record.locked, record.prefetched = True, 0
         self._prefetched.discard(user_id)
+        self._stats.unfinished_copy_tokens += max(copying - host, 0)
         if gpu + host < record.hashed_tokens:
             self._cut(user_id, record, gpu + host, token_hashes)
         if deficit > 0:

@@ -107,12 +107,15 @@ class PoolStats:
         evicted_tokens: their cached tokens at the time.
         truncated_tokens: cached tokens dropped because a request's history no longer matched them.
         prefetched_tokens: tokens loaded from host as the user's request arrived (``cache.prefetch``).
+        unfinished_copy_tokens: history tokens a returning request matched but recomputed because the user had
+            left the GPU and their copy to host was decided or in flight, not finished.
     """
 
     evicted_users: int = 0
     evicted_tokens: int = 0
     truncated_tokens: int = 0
     prefetched_tokens: int = 0
+    unfinished_copy_tokens: int = 0
 
 
 @dataclass

@@ -219,6 +219,27 @@ def test_user_returning_while_its_offload_is_in_flight():
     kv.check_invariants()
 
 
+def test_user_returning_before_its_eviction_copy_finished_counts_what_it_recomputes():
+    """A user evicted from the GPU has its tail copied to host at the next launch; a request of that user acquired
+    before the copy finished (here: before it was issued) reuses what the host holds and recomputes the rest, which
+    ``unfinished_copy_tokens`` counts (and only then: once the copy finished, the same return reuses everything)."""
+    for wait in (False, True):
+        kv = manager(pages=6)
+        h = hashes(19)
+        run(kv, "a", h)
+        run(kv, "a", h)  # a second step lets the two full chunks' copy finish: 16 tokens on host
+        kv.begin_step()
+        hit = kv.acquire("b", hashes(24, 1), 24)  # the whole pool: "a" leaves the GPU, its 3-token tail is copied
+        assert hit is not None and not kv.users["a"].num_pages
+        kv.commit("b", 24, hashes(24, 1))
+        kv.release("b")
+        if wait:  # the next step: the tail's copy was issued and has finished
+            kv.end_step()
+            kv.begin_step()
+        assert kv.acquire("a", h, 19) == ((0, 19) if wait else (0, 16))  # else: decided, not issued
+        assert kv.stats.unfinished_copy_tokens == (0 if wait else 3)
+
+
 def test_lru_skips_users_whose_pages_are_being_read():
     kv = manager(pages=6)
     run(kv, "a", hashes(8))  # one full chunk: its offload is launched at end_step

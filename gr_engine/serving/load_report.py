@@ -184,7 +184,7 @@ def cache_markdown(result: dict) -> list[str]:
         return []
     header = ["phase", "requests finished", "history tokens a request", "computed history tokens a request",
               "GPU hits", "host hits", "GPU evictions (users / tokens)", "host evictions (users)", "lost tokens",
-              "tails persisted (tokens)", "deferred offloads", "truncated tokens"]
+              "tails persisted (tokens)", "deferred offloads", "truncated tokens", "unfinished copies (tokens)"]
     lines = ["", "## The cache per phase (the engine core's counters)", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
 
@@ -196,7 +196,8 @@ def cache_markdown(result: dict) -> list[str]:
             name, str(c["finished_requests"]), _num(c["history_tokens_per_request"], 1),
             _num(c["computed_history_tokens_per_request"], 1), share(c["gpu_hit_share"]), share(c["host_hit_share"]),
             f"{c['evicted_users']} / {c['evicted_tokens']}", str(c["host_evicted_users"]), str(c["lost_tokens"]),
-            str(c["tail_persisted_tokens"]), str(c["deferred_offloads"]), str(c["truncated_tokens"])]) + " |")
+            str(c["tail_persisted_tokens"]), str(c["deferred_offloads"]), str(c["truncated_tokens"]),
+            str(c.get("unfinished_copy_tokens", "-"))]) + " |")
     lines += ["", "Two runs of the same trace (e.g. in process and over HTTP) reached the same cache state when "
               "these agree phase by phase; the totals since the core started are `summary.core_counters` in "
               "`bench_serve.json`."]

@@ -24,7 +24,8 @@ STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0
 #: The fields of :class:`CoreStats` that are the cache's own counters (:attr:`cache_engine.KVCacheManager.stats`),
 #: by the same names.
 CACHE_COUNTERS = ("evicted_users", "evicted_tokens", "truncated_tokens", "prefetched_tokens", "host_evicted_users",
-                  "onloaded_tokens", "offloaded_tokens", "tail_persisted_tokens", "lost_tokens", "deferred_offloads")
+                  "onloaded_tokens", "offloaded_tokens", "tail_persisted_tokens", "lost_tokens", "deferred_offloads",
+                  "unfinished_copy_tokens")
 
 
 def array_bytes(array: object, dtype: np.dtype) -> bytes:
@@ -143,6 +144,8 @@ class CoreStats(msgspec.Struct, array_like=True):
             host copy was dropped for room (host LRU), tokens copied host to GPU and GPU to host, partial chunks
             persisted as their user left the GPU, tokens of users leaving the GPU that could not be kept on host,
             chunk-steps that full chunks waited for an offload slot.
+        unfinished_copy_tokens: history tokens a returning request recomputed because the user's copy to host,
+            begun as the user left the GPU, had not finished (:class:`cache_engine.records.PoolStats`).
 
     Fields added after the first version carry defaults (0), so that a report of an older core still decodes (a
     message is an array: the missing trailing entries take their defaults).
@@ -178,6 +181,7 @@ class CoreStats(msgspec.Struct, array_like=True):
     tail_persisted_tokens: int = 0
     lost_tokens: int = 0
     deferred_offloads: int = 0
+    unfinished_copy_tokens: int = 0
 
 
 class CoreReport(msgspec.Struct, array_like=True):

@@ -298,6 +298,20 @@ class HostTier:
             self._in_flight or self._batch) else ()
         return max((p.end for p in copies if p.generation == record.generation), default=0)
 
+    def finish_copies(self, user: Hashable, record: UserRecord) -> None:
+        """Issue ``record``'s copies to host still only decided, block until those of its current generation in flight
+        have finished (copies finish in issue order, on one stream), and apply them: its ``host_tokens`` then count
+        them."""
+        if any(p.user == user for p in self._batch):
+            self._flush()
+        last = None
+        for done, entries, _ in self._in_flight:
+            if any(e.user == user and e.generation == record.generation for e in entries):
+                last = done
+        if last is not None:
+            last.synchronize()
+        self.poll()
+
     def _copies_in_flight(self, user: Hashable) -> list[_Persist]:
         """The user's chunk copies launched and not finished (indexed per user once per change of ``_in_flight``)."""
         if self._writing is None:

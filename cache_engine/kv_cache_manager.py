@@ -99,7 +99,8 @@ class KVCacheManager:
         started = False
         for user_id in users[:count]:
             record = self.users.get(user_id)
-            if record is None or record.locked or record.num_pages or not record.host_tokens:
+            if (record is None or record.locked or record.num_pages or not record.host_tokens
+                    or self.host.copying_end(user_id, record) > record.host_tokens):  # its acquire waits for that
                 continue
             tokens = record.host_tokens  # evicting may complete copies to host: its host tokens may grow meanwhile
             need = self.pages_for(tokens)
@@ -180,7 +181,7 @@ class KVCacheManager:
                 gpu = min(reuse, record.num_tokens)
                 if not held and self.host is not None:
                     host = min(reuse, record.host_tokens)
-                    copying = min(reuse, self.host.copying_end(user_id, record))  # past host: recomputed below
+                    copying = min(reuse, self.host.copying_end(user_id, record))
         # An unlocked record holding pages is in the LRU (``check_invariants``), so ``held`` tells membership.
         deficit = -(-len(token_hashes) // self.page_size) - held
         if deficit > self.pool.num_free:
@@ -195,7 +196,10 @@ class KVCacheManager:
             self._evictable_pages -= held
         record.locked, record.prefetched = True, 0
         self._prefetched.discard(user_id)
-        self._stats.unfinished_copy_tokens += max(copying - host, 0)
+        if copying > host:  # left the GPU moments ago: wait for its copy to host rather than recompute it
+            self.host.finish_copies(user_id, record)
+            self._stats.unfinished_copy_tokens += copying - host
+            host = min(copying, record.host_tokens)
         if gpu + host < record.hashed_tokens:
             self._cut(user_id, record, gpu + host, token_hashes)
         if deficit > 0:

@@ -107,8 +107,8 @@ class PoolStats:
         evicted_tokens: their cached tokens at the time.
         truncated_tokens: cached tokens dropped because a request's history no longer matched them.
         prefetched_tokens: tokens loaded from host as the user's request arrived (``cache.prefetch``).
-        unfinished_copy_tokens: history tokens a returning request matched but recomputed because the user had
-            left the GPU and their copy to host was decided or in flight, not finished.
+        unfinished_copy_tokens: history tokens a returning request found still being copied to host (the user had
+            just left the GPU); its acquire waited for the copy instead of recomputing them.
     """
 
     evicted_users: int = 0

@@ -219,15 +219,16 @@ def test_user_returning_while_its_offload_is_in_flight():
     kv.check_invariants()
 
 
-def test_user_returning_before_its_eviction_copy_finished_counts_what_it_recomputes():
+def test_user_returning_before_its_eviction_copy_finished_waits_for_it():
     """A user evicted from the GPU has its tail copied to host at the next launch; a request of that user acquired
-    before the copy finished (here: before it was issued) reuses what the host holds and recomputes the rest, which
-    ``unfinished_copy_tokens`` counts (and only then: once the copy finished, the same return reuses everything)."""
+    before the copy finished (here: before it was issued) waits for the copy and reuses its whole history, K/V
+    identical, counted in ``unfinished_copy_tokens`` (and only then: once the copy finished, nothing to wait for)."""
     for wait in (False, True):
         kv = manager(pages=6)
         h = hashes(19)
         run(kv, "a", h)
         run(kv, "a", h)  # a second step lets the two full chunks' copy finish: 16 tokens on host
+        served = kv_of(kv, "a", 19)
         kv.begin_step()
         hit = kv.acquire("b", hashes(24, 1), 24)  # the whole pool: "a" leaves the GPU, its 3-token tail is copied
         assert hit is not None and not kv.users["a"].num_pages
@@ -236,8 +237,11 @@ def test_user_returning_before_its_eviction_copy_finished_counts_what_it_recompu
         if wait:  # the next step: the tail's copy was issued and has finished
             kv.end_step()
             kv.begin_step()
-        assert kv.acquire("a", h, 19) == ((0, 19) if wait else (0, 16))  # else: decided, not issued
+        assert kv.acquire("a", h, 19) == (0, 19)  # without the wait: decided, not issued
         assert kv.stats.unfinished_copy_tokens == (0 if wait else 3)
+        kv.launch_onloads()
+        assert torch.equal(kv_of(kv, "a", 19), served)
+        kv.check_invariants()
 
 
 def test_lru_skips_users_whose_pages_are_being_read():
@@ -414,6 +418,39 @@ class _Event:
 
     def query(self) -> bool:
         return self.done
+
+
+class _PendingCopy(_Event):
+    """A copy to host that finishes only when waited for (``synchronize``)."""
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def test_returning_user_waits_for_its_copy_in_flight_and_is_not_prefetched_meanwhile(monkeypatch):
+    kv = manager(pages=6)
+    h = hashes(19)
+    run(kv, "a", h)
+    run(kv, "a", h)  # 16 tokens on host
+    served = kv_of(kv, "a", 19)
+    offload, copies = kv.host.transfer.offload, []
+
+    def slow_offload(*args):  # the copy is done (the CPU copies at once), but reports done only once waited for
+        offload(*args)
+        copies.append(_PendingCopy(False))
+        return copies[-1]
+
+    monkeypatch.setattr(kv.host.transfer, "offload", slow_offload)
+    run(kv, "b", hashes(24, 1))  # "a" leaves the GPU; end_step issues its tail's copy
+    kv.begin_step()  # the copy has not finished: "a" has 16 tokens on host, 3 in flight
+    assert kv.users["a"].host_tokens == 16 and not copies[-1].done
+    kv.prefetch(["a"])  # skipped: its acquire waits for the copy instead
+    assert not kv.users["a"].num_pages
+    assert kv.acquire("a", h, 19) == (0, 19) and copies[-1].done
+    assert kv.stats.unfinished_copy_tokens == 3
+    kv.launch_onloads()
+    assert torch.equal(kv_of(kv, "a", 19), served)
+    kv.check_invariants()
 
 
 @pytest.mark.parametrize("done", [False, True])

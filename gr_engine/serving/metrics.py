@@ -131,7 +131,7 @@ _CORE_FIGURES = [
     (CounterMetricFamily, "deferred_offloads", "deferred_offloads",
      "Chunk-steps that full chunks waited for an offload slot (max_pending_offloads)."),
     (CounterMetricFamily, "unfinished_copy_tokens", "unfinished_copy_tokens",
-     "History tokens recomputed because the user's copy to host, begun as it left the GPU, had not finished."),
+     "History tokens a request waited for: the user's copy to host, begun as it left the GPU, had not finished."),
     (CounterMetricFamily, "kernel_compilations", "kernel_compilations",
      "Triton kernels compiled by the engine core (none after warm-up)."),
     (CounterMetricFamily, "kernel_cache_loads", "kernel_cache_loads",

@@ -144,7 +144,7 @@ class CoreStats(msgspec.Struct, array_like=True):
             host copy was dropped for room (host LRU), tokens copied host to GPU and GPU to host, partial chunks
             persisted as their user left the GPU, tokens of users leaving the GPU that could not be kept on host,
             chunk-steps that full chunks waited for an offload slot.
-        unfinished_copy_tokens: history tokens a returning request recomputed because the user's copy to host,
+        unfinished_copy_tokens: history tokens a returning request waited for because the user's copy to host,
             begun as the user left the GPU, had not finished (:class:`cache_engine.records.PoolStats`).
 
     Fields added after the first version carry defaults (0), so that a report of an older core still decodes (a

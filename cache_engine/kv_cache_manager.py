@@ -88,14 +88,7 @@ class KVCacheManager:
         skipped."""
         if self.host is None:
             return
-        users = []
-        for user_id in user_ids:
-            try:
-                if user_id in self._lru:  # about to be used: the evictions below must take other users first
-                    self._lru.move_to_end(user_id)
-            except TypeError:  # an unhashable id: the request's validation reports it
-                continue
-            users.append(user_id)
+        users = self.keep(user_ids)  # about to be used: the evictions below must take other users first
         started = False
         for user_id in users[:count]:
             record = self.users.get(user_id)
@@ -117,6 +110,20 @@ class KVCacheManager:
             started = True
         if started:
             self._prefetch_events = self.host.launch()
+
+    def keep(self, user_ids: Sequence[Hashable]) -> list[Hashable]:
+        """Make ``user_ids`` the most recently used (in their order), so that evictions take other users first (their
+        requests are about to be admitted); returns the hashable ones (an unhashable id is the request's validation's
+        to report)."""
+        users = []
+        for user_id in user_ids:
+            try:
+                if user_id in self._lru:
+                    self._lru.move_to_end(user_id)
+            except TypeError:
+                continue
+            users.append(user_id)
+        return users
 
     def hand_back_prefetched(self) -> None:
         """Unlock the prefetched records no request acquired: they stay on the GPU, in the LRU, their prefetched

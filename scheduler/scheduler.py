@@ -28,6 +28,9 @@ class KVAllocator(Protocol):
     def release(self, user_id: Hashable) -> None:
         """The user's request is over."""
 
+    def keep(self, user_ids: list[Hashable]) -> object:
+        """Make these users the most recently used: evictions take others first."""
+
     def why_no_room(self, num_tokens: int) -> str | None:
         """Why ``num_tokens`` can never get pages (``None``: waiting may help)."""
 
@@ -71,6 +74,9 @@ class Scheduler:
                 budget -= chunk.num_tokens
 
         admitted: list[RequestState] = []
+        if self._ready and len(chunks) < self.config.max_num_seqs and budget > 0:
+            # The users this pass may admit: one's acquire must not evict another's cached history.
+            self.kv.keep([user for _, user in heapq.nsmallest(self.config.max_num_seqs - len(chunks), self._ready)])
         while self._ready and len(chunks) < self.config.max_num_seqs and budget > 0:
             _, user_id = self._ready[0]
             request = self._queues[user_id][0]

@@ -141,6 +141,21 @@ def test_retrieval_request_always_computes_its_last_event():
     assert r.num_reused == 11 and plan.chunks[0].num_history_rows == 1 and finished == [r]
 
 
+def test_an_admission_does_not_evict_a_user_admitted_later_in_the_same_step():
+    """c's acquire needs more pages than are free: it evicts the least recently used user, but not "a", whose
+    request comes after c's in this step (its cached history is reused); b goes instead."""
+    s = make(max_num_seqs=4, budget=1000, pages=6)
+    for user in ("a", "b"):
+        s.add(request(user, 8))
+        run_step(s)  # a, then b: "a" is the least recently used
+    c, a = request("c", 12), request("a", 8)
+    s.add(c)
+    s.add(a)
+    plan, _ = run_step(s)
+    assert [chunk.request.user_id for chunk in plan.chunks] == ["c", "a"]
+    assert a.num_gpu_hits == 8 and not s.kv.users.get("b", None)
+
+
 def test_unfinished_count_follows_every_queue_change():
     """``num_unfinished`` is kept as a count (a backlog of any size costs O(1) per step): under random adds, steps,
     failures, retries alone and aborts it always equals the requests waiting in the per-user queues plus those

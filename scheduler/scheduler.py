@@ -76,7 +76,7 @@ class Scheduler:
         admitted: list[RequestState] = []
         if self._ready and len(chunks) < self.config.max_num_seqs and budget > 0:
             # The users this pass may admit: one's acquire must not evict another's cached history.
-            self.kv.keep([user for _, user in heapq.nsmallest(self.config.max_num_seqs - len(chunks), self._ready)])
+            self.kv.keep(self._next_users(self.config.max_num_seqs - len(chunks)))
         while self._ready and len(chunks) < self.config.max_num_seqs and budget > 0:
             _, user_id = self._ready[0]
             request = self._queues[user_id][0]
@@ -102,6 +102,19 @@ class Scheduler:
                 chunks.append(chunk)
                 budget -= chunk.num_tokens
         return SchedulerOutput(chunks, admitted, failed)
+
+    def _next_users(self, count: int) -> list[Hashable]:
+        """The first ``count`` idle users in admission order, read off the heap's top levels in ``O(count log
+        count)`` (a walk from the root, smallest first) rather than from the whole heap."""
+        heap, users = self._ready, []
+        frontier = [(heap[0][0], 0)] if heap else []
+        while frontier and len(users) < count:
+            _, i = heapq.heappop(frontier)
+            users.append(heap[i][1])
+            for child in (2 * i + 1, 2 * i + 2):
+                if child < len(heap):
+                    heapq.heappush(frontier, (heap[child][0], child))
+        return users
 
     def complete(self, chunks: list[ScheduledChunk]) -> list[RequestState]:
         """Record that ``chunks`` ran; return the requests that finished."""

@@ -156,6 +156,21 @@ def test_an_admission_does_not_evict_a_user_admitted_later_in_the_same_step():
     assert a.num_gpu_hits == 8 and not s.kv.users.get("b", None)
 
 
+def test_next_users_are_the_heaps_smallest_in_order():
+    """The users a pass may admit, read off the heap's top levels, are heapq.nsmallest's, in order."""
+    import heapq
+    import random
+
+    rng = random.Random(0)
+    s = make()
+    for size in (0, 1, 2, 7, 40, 300):
+        seqs = rng.sample(range(10_000), size)
+        s._ready = [(seq, f"u{seq}") for seq in seqs]
+        heapq.heapify(s._ready)
+        for count in (1, 4, 16, size + 3):
+            assert s._next_users(count) == [user for _, user in heapq.nsmallest(count, s._ready)]
+
+
 def test_unfinished_count_follows_every_queue_change():
     """``num_unfinished`` is kept as a count (a backlog of any size costs O(1) per step): under random adds, steps,
     failures, retries alone and aborts it always equals the requests waiting in the per-user queues plus those

@@ -1,6 +1,7 @@
 """Online serving: the engine core in its own process, its asyncio client and the HTTP server (docs/serving.md).
 
-Needs the ``serve`` extra (pyzmq, Starlette, uvicorn, prometheus_client, httpx): ``pip install 'gr-engine[serve]'``.
+Needs the ``serve`` extra (pyzmq, Starlette, uvicorn, prometheus_client, httpx,
+aiohttp): ``pip install 'gr-engine[serve]'``.
 The names below are imported when first used, so that importing :mod:`gr_engine` (whose config holds a
 :class:`ServingConfig`) does not import them.
 """

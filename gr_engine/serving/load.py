@@ -16,7 +16,7 @@ or an in-process :class:`~.client.AsyncGREngine`, one request per trace visit:
    against it, and is also reported from the scheduled time alone (counting the wait for the previous answer).
 
 Over HTTP the load is spread over ``processes`` generator processes (each an asyncio loop with one
-``httpx.AsyncClient``); a user always goes to the same one, and a user's next visit is sent only once the previous
+``aiohttp.ClientSession``); a user always goes to the same one, and a user's next visit is sent only once the previous
 one was answered (so visits stay in order). Bodies are JSON or msgpack (``body``), encoded before each phase starts,
 and only each output's ``error`` is decoded from the answers. Each generator reports its own CPU seconds and its lag
 (how late, in ms, it fired requests against their schedule). The HTTP side is :mod:`.load_http`; results:

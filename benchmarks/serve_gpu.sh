@@ -54,6 +54,7 @@ case $part in
     done
     ;;
   http)
+    python -c "import aiohttp" || { echo "the load generators need aiohttp (the serve extra; on the GPU machine: its wheels in .whl)"; exit 2; }
     python -m gr_engine bench-serve --write-config "$out/hierarchical.json" --mode hierarchical
     # shellcheck disable=SC2086  # SERVER_SET: more --set overrides for the server, word-split
     python -m gr_engine serve --config "$out/hierarchical.json" --set "serving.step_log=$out/http_core_steps.jsonl" \

@@ -171,3 +171,48 @@ def test_served_scores_equal_offline_recompute(server: str, body: str) -> None:
     for output, reference in zip(served, offline, strict=True):
         assert output["error"] is None
         np.testing.assert_allclose(np.array(output["scores"], dtype=np.float32), reference.scores, atol=1e-4, rtol=0)
+
+
+def test_http_sender_counts_answers_errors_and_refusals() -> None:
+    """The generators' sender (aiohttp) against a stand-in server: a 200 answer's per-output errors by kind, a
+    non-200 status as ``http_<status>``, and the body sent is the one encoded for the request."""
+    import asyncio
+    import socket
+
+    aiohttp = pytest.importorskip("aiohttp")
+    from aiohttp import web
+
+    from gr_engine.request import RankRequest
+    from gr_engine.serving.load_http import http_sender
+
+    received: list[bytes] = []
+
+    async def rank(request: web.Request) -> web.Response:
+        received.append(await request.read())
+        if len(received) == 2:
+            return web.Response(status=503, text="overloaded")
+        answer = {"outputs": [{"error": None if len(received) == 1 else "request timed out after 5 ms (deadline)"}]}
+        return web.Response(body=msgspec.msgpack.encode(answer), content_type="application/msgpack")
+
+    async def run() -> list[list[str | None]]:
+        app = web.Application()
+        app.router.add_post("/v1/rank", rank)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        await web.SockSite(runner, sock).start()
+        requests = [RankRequest(request_id=f"r{i}", user_id=i, item_ids=[1], action_ids=[0], timestamps=[0],
+                                candidate_item_ids=[2]) for i in range(3)]
+        bodies = {r.request_id: f"body {r.request_id}".encode() for r in requests}
+        try:
+            async with aiohttp.ClientSession() as session:
+                send = http_sender(session, f"http://127.0.0.1:{port}", "msgpack", bodies)
+                return [await send([r]) for r in requests]
+        finally:
+            await runner.cleanup()
+
+    outcomes = asyncio.run(asyncio.wait_for(run(), 60))
+    assert outcomes == [[None], ["http_503"], ["error: request timed out after 5 ms"]]
+    assert received == [b"body r0", b"body r1", b"body r2"]

@@ -17,7 +17,7 @@ utilisation against the bf16 GEMM peak measured in the same process. Writes ``DI
 With ``--cold-history N`` it profiles cold first visits instead, as ``gr-engine bench``'s ``cold_*_ms``
 (``experiments._cold_first_visits``): a recompute engine of BS=1, warmed up, over users of ``N``-event histories
 (``fixed_length_trace``); two visits unprofiled, then ``--batches`` visits, each ``engine.rank([request])`` alone.
-``--set KEY=VALUE`` overrides that engine's config (``gr_engine.config.apply_overrides``, as ``gr-engine --set``).
+``--set KEY=VALUE`` overrides that engine's config (``gr_engine.config.load_config``, as ``gr-engine --set``).
 Besides the table, the JSON's ``cold`` section (the .md's "Cold first visits") has per visit: wall time, kernel time,
 the device's busy time (union of kernel intervals) and its *host gaps* (the visit's span with no kernel running: before
 the first kernel, between kernels, after the last), the time no profiled host op ran (Python), the largest gaps with
@@ -35,7 +35,6 @@ import sys
 import time
 from pathlib import Path
 
-import msgspec
 import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -43,7 +42,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from gr_engine.bench.flops import gemm_peak_tflops, step_flops
 from gr_engine.bench.runner import BenchRun, BenchSettings, cache_config, engine_config, quick_settings, unlimited_pages
 from gr_engine.bench.trace import fixed_length_trace, generate_trace
-from gr_engine.config import EngineConfig, apply_overrides
+from gr_engine.config import load_config
 from gr_engine.engine import GREngine
 
 #: Kernel (or operator) name patterns of each group, tried in order; a name matching none is "other".
@@ -135,13 +134,6 @@ def run(mode: str, batch: int, batches: int, quick: bool) -> dict:
     }
 
 
-def with_overrides(config: EngineConfig, overrides: list[str]) -> EngineConfig:
-    """``config`` with ``KEY=VALUE`` overrides (``section.key`` for nested fields; values parsed as JSON)."""
-    if not overrides:
-        return config
-    return msgspec.convert(apply_overrides(msgspec.to_builtins(config), overrides), EngineConfig)
-
-
 def cold_run(history: int, visits: int, quick: bool, overrides: list[str]) -> dict:
     """Profile ``visits`` cold first visits of ``history``-event users (as the bench's ``cold_{history}_ms``); the
     result has :func:`run`'s fields (per batch: per visit) and ``cold`` (:func:`visit_timelines` and the visits'
@@ -149,7 +141,7 @@ def cold_run(history: int, visits: int, quick: bool, overrides: list[str]) -> di
     settings = quick_settings() if quick else BenchSettings(modes=("recompute",))
     trace = fixed_length_trace(settings.trace, history, visits + 2, settings.new_events)
     requests = [trace.rank_request(i) for i in range(visits + 2)]  # the first visits, one per user
-    config = with_overrides(engine_config(settings, cache_config(settings, "recompute"), 1), overrides)
+    config = load_config(None, overrides, base=engine_config(settings, cache_config(settings, "recompute"), 1))
     with GREngine(config) as engine:
         cuda = engine.device.type == "cuda"
         engine.warmup(use_tqdm=False)

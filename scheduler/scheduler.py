@@ -28,7 +28,7 @@ class KVAllocator(Protocol):
     def release(self, user_id: Hashable) -> None:
         """The user's request is over."""
 
-    def keep(self, user_ids: list[Hashable]) -> object:
+    def keep(self, user_ids: list[Hashable]) -> list[Hashable]:
         """Make these users the most recently used: evictions take others first."""
 
     def why_no_room(self, num_tokens: int) -> str | None:

@@ -65,6 +65,7 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
         kinds=frozenset({"hstu"}), head_dims=frozenset({16, 32, 64, 128, 256}), page_sizes=frozenset({16, 32, 64}),
         time_bias=True)
     priority: ClassVar[int] = 10
+    fuses_qkv_silu: ClassVar[bool] = True
 
     def __init__(self, spec: AttentionSpec, tiles: TileConfig | None = None) -> None:
         super().__init__(spec)
@@ -170,15 +171,17 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
                              self.spec.num_heads, self.num_sms, self.overhead_keys, self.min_tiles_per_split)
 
     def append_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  metadata: HSTUTritonMetadata) -> None:
-        """Row ``history_rows[i]`` of ``key`` and ``value`` to its page slot, read in place by the append kernel."""
+                  metadata: HSTUTritonMetadata, silu: bool = False) -> None:
+        """Row ``history_rows[i]`` of ``key`` and ``value`` to its page slot, read in place by the append kernel;
+        ``silu``: see :attr:`~.base.AttentionBackend.fuses_qkv_silu`."""
         c = metadata.common
-        append_rows(kv_cache, key, value, c.history_rows, c.append_pages, c.append_entries)
+        append_rows(kv_cache, key, value, c.history_rows, c.append_pages, c.append_entries, silu)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-               metadata: HSTUTritonMetadata, time_bias: torch.Tensor | None = None) -> torch.Tensor:
+               metadata: HSTUTritonMetadata, time_bias: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
         """:meth:`AttentionBackend.attend`: ``q``, ``k``, ``v``, ``kv_cache`` fp16/bf16/fp32 with any strides but
-        the last dim's, ``time_bias`` any float dtype (added in fp32); the output is contiguous."""
+        the last dim's, ``time_bias`` any float dtype (added in fp32); the output is contiguous. ``silu``: ``q``,
+        ``k``, ``v`` before HSTU's SiLU (:attr:`~.base.AttentionBackend.fuses_qkv_silu`)."""
         m, c = metadata, metadata.common
         if time_bias is not None and c.timestamps is None:
             raise ValueError("time_bias needs the step's timestamps (PagedBatchMetadata.timestamps is None)")
@@ -206,7 +209,7 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
             self.spec.alpha, 1.0 / self.spec.scaling_seqlen,
             HEAD_DIM=head_dim, PAGE_SIZE=kv_cache.shape[2], BLOCK_M=block_m, BLOCK_N=config.block_n,
             FAST_SILU=q.dtype != torch.float32 and q.is_cuda and not INTERPRETED,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TIME_BIAS=time_bias is not None,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TIME_BIAS=time_bias is not None, SILU_QKV=silu,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         if m.may_split:

@@ -40,7 +40,8 @@ class FusedLayerNorm(nn.LayerNorm):
 
 class HSTULayer(nn.Module):
     """``u,v,q,k = silu(Linear(LN(x)))``; ``x + Linear(u * LN(attn(q, k, v)))``. On CUDA, ``LN(x)`` is one kernel
-    and ``u * LN(attn)`` (or ``[u, attn, u * LN(attn)]``) another (:mod:`.fused_ops`)."""
+    and ``u * LN(attn)`` (or ``[u, attn, u * LN(attn)]``) another (:mod:`.fused_ops`); the SiLU is applied where
+    the projections are read when the attention can take them unactivated (``silu_in_attend``)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -53,18 +54,25 @@ class HSTULayer(nn.Module):
         self.output = nn.Linear(3 * width if config.concat_ua else width, config.d_model)
         self.time_bias = _time_bias_table(config)
 
-    def forward(self, x: torch.Tensor, attend: AttendFn, fused: bool | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attend: AttendFn, fused: bool | None = None,
+                silu_in_attend: bool = False) -> torch.Tensor:
         """Args: ``x`` ``[T, d_model]``; ``fused``: use :mod:`.fused_ops`' kernels (default: on CUDA; on CPU only
-        under Triton's interpreter, for tests). Returns ``[T, d_model]``."""
+        under Triton's interpreter, for tests); ``silu_in_attend``: ``attend`` takes ``q``, ``k``, ``v`` before the
+        SiLU and applies it itself (an attention backend's ``fuses_qkv_silu``), and ``u``'s SiLU is applied where
+        ``u`` is read (in the gate kernel when fused): no pass over the ``[T, 4W]`` projection of its own. Returns
+        ``[T, d_model]``."""
         fused = x.is_cuda if fused is None else fused
         heads = (self.num_heads, self.head_dim)
-        u, v, q, k = F.silu(self.uvqk(self.input_norm(x, fused))).split(self.num_heads * self.head_dim, dim=-1)
+        projected = self.uvqk(self.input_norm(x, fused))
+        u, v, q, k = (projected if silu_in_attend else F.silu(projected)).split(self.num_heads * self.head_dim, dim=-1)
         attn = attend(q.unflatten(1, heads), k.unflatten(1, heads), v.unflatten(1, heads), self.time_bias).flatten(1)
         if fused:
             from .fused_ops import gated_attn_norm
 
-            y = gated_attn_norm(attn, u, self.attn_norm.weight, self.attn_norm.bias, self.attn_norm.eps, self.concat_ua)
+            y = gated_attn_norm(attn, u, self.attn_norm.weight, self.attn_norm.bias, self.attn_norm.eps, self.concat_ua,
+                                silu_u=silu_in_attend)
         else:
+            u = F.silu(u) if silu_in_attend else u
             normed = self.attn_norm(attn)
             y = torch.cat([u, attn, u * normed], dim=-1) if self.concat_ua else u * normed
         return x + self.output(y)

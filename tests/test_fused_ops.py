@@ -97,6 +97,23 @@ def test_gated_attn_norm_equals_torch_with_strided_u(num_rows, width, dtype, con
             torch.testing.assert_close(got[:, :2 * width], expected[:, :2 * width], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [48, 512])
+@pytest.mark.parametrize("num_rows", [1, 33, 300])
+def test_layer_norm_and_shift_equals_torch(num_rows, width, dtype):
+    """``LN(x)`` and ``x + shift`` (the residual plus the output bias) from one kernel, ``x`` strided too."""
+    from gr_engine.models.fused_ops import layer_norm_and_shift
+
+    gen = torch.Generator().manual_seed(num_rows + width)
+    weight, bias = affine(width, dtype, gen)
+    shift = (0.1 * torch.randn(width, generator=gen)).to(DEVICE, dtype)
+    for x in (rows(num_rows, width, dtype, gen), rows(num_rows, 3 * width, dtype, gen)[:, width:2 * width]):
+        normed, shifted = layer_norm_and_shift(x, weight, bias, EPS, shift)
+        assert_close(normed, F.layer_norm(x, (width,), weight, bias, EPS), LN_TOL[dtype])
+        # float32: one add, as torch's; bf16: one rounding (the interpreter truncates: one unit in the last place)
+        assert_close(shifted, x + shift, (0, 0) if dtype == torch.float32 else (2**-7, 2**-7))
+
+
 @pytest.mark.parametrize("concat_ua", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_rows", [7, 300])
@@ -128,7 +145,7 @@ def test_zero_rows_give_empty_outputs(concat_ua):
 
 
 def test_unsupported_inputs_raise_clear_errors():
-    from gr_engine.models.fused_ops import MAX_WIDTH, gated_attn_norm, layer_norm
+    from gr_engine.models.fused_ops import MAX_WIDTH, gated_attn_norm, layer_norm, layer_norm_and_shift
 
     gen = torch.Generator().manual_seed(0)
     weight, bias = affine(32, torch.float32, gen)
@@ -144,6 +161,8 @@ def test_unsupported_inputs_raise_clear_errors():
         layer_norm(rows(32, 4, torch.float32, gen).T, weight, bias, EPS)
     with pytest.raises(ValueError, match=r"weight must be contiguous \[32\]"):
         layer_norm(x, weight[:16], bias, EPS)
+    with pytest.raises(ValueError, match=r"shift must be contiguous \[32\]"):
+        layer_norm_and_shift(x, weight, bias, EPS, bias[:16])
     with pytest.raises(ValueError, match="u must be like attn"):
         gated_attn_norm(x, x.bfloat16(), weight, bias, EPS, False)
     with pytest.raises(ValueError, match="u must be like attn"):

@@ -1,6 +1,6 @@
-"""Row-wise Triton kernels of the HSTU layer's CUDA path (docs/design.md section 4): LayerNorm, and the gate
-``u * LN(attn)`` (with ``concat_ua``: ``[u, attn, u * LN(attn)]``) in one pass, optionally applying ``u``'s SiLU
-as it reads it.
+"""Row-wise Triton kernels of the HSTU layer's CUDA path (docs/design.md section 4): LayerNorm (optionally also
+writing ``x + shift``, the residual plus a bias), and the gate ``u * LN(attn)`` (with ``concat_ua``: ``[u, attn, u *
+LN(attn)]``) in one pass, optionally applying ``u``'s SiLU as it reads it.
 
 Each program normalises a tile of whole rows held in registers: statistics and arithmetic in float32, one read of each
 input and one write of the output, so both kernels run at memory bandwidth. They allocate only their output (its
@@ -52,17 +52,21 @@ def _silu(x):
 
 
 @triton.jit(do_not_specialize=["num_rows"])
-def _layer_norm_kernel(X, Weight, Bias, Out, num_rows, stride_x, stride_out, eps,
-                       N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+def _layer_norm_kernel(X, Weight, Bias, Out, Shift, Shifted, num_rows, stride_x, stride_out, eps,
+                       N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SHIFT: tl.constexpr):
     """Program ``p`` writes rows ``p * ROWS ..`` (+ ``ROWS``, those below ``num_rows``) of ``Out = LN(X) * Weight +
-    Bias``. ``X``, ``Out``: ``[num_rows, N]`` rows ``stride_x`` / ``stride_out`` values apart, unit column stride;
-    ``BLOCK``: ``N`` rounded up to a power of two."""
+    Bias`` and, with ``SHIFT``, of ``Shifted = X + Shift`` (``Shift``: ``[N]``; else both are never read). ``X``,
+    ``Out``: ``[num_rows, N]`` rows ``stride_x`` / ``stride_out`` values apart (``Shifted`` as ``Out``), unit column
+    stride; ``BLOCK``: ``N`` rounded up to a power of two."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
     valid = (rows < num_rows) & (cols < N)
     x = tl.load(X + rows * stride_x + cols, mask=valid, other=0.0).to(tl.float32)
     y = _normalise(x, Weight, Bias, cols, eps, N)
     tl.store(Out + rows * stride_out + cols, y.to(Out.dtype.element_ty), mask=valid)
+    if SHIFT:
+        shifted = x + tl.load(Shift + cols, mask=cols < N, other=0.0).to(tl.float32)
+        tl.store(Shifted + rows * stride_out + cols, shifted.to(Shifted.dtype.element_ty), mask=valid)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -102,15 +106,40 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     Returns:
         ``[T, N]`` contiguous, ``x``'s dtype and device; mean, variance and affine map in float32, rounded once.
     """
+    return _layer_norm(x, weight, bias, eps, None)[0]
+
+
+def layer_norm_and_shift(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                         shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`layer_norm` of ``x`` and ``x + shift`` from one read of ``x``: the HSTU layer's input norm and its
+    residual plus the output Linear's bias, which the output GEMM then adds its product to (no add of its own).
+
+    Args:
+        x, weight, bias, eps: as :func:`layer_norm`.
+        shift: ``[N]`` contiguous, any float dtype (added in float32).
+
+    Returns:
+        ``(LN(x), x + shift)``, each ``[T, N]`` contiguous in ``x``'s dtype, rounded once.
+    """
+    return _layer_norm(x, weight, bias, eps, shift)
+
+
+def _layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                shift: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(LN(x), x + shift or None)`` in one launch (see :func:`layer_norm_and_shift`)."""
     num_rows, width = _check_rows("x", x)
     _check_affine(weight, bias, width)
+    if shift is not None and (shift.shape != (width,) or not shift.is_contiguous()):
+        raise ValueError(f"shift must be contiguous [{width}]: got {tuple(shift.shape)} strides {shift.stride()}")
     out = torch.empty((num_rows, width), dtype=x.dtype, device=x.device)
+    shifted = None if shift is None else torch.empty_like(out)
     if num_rows:
         block, rows = _tile(width)
         _layer_norm_kernel[(triton.cdiv(num_rows, rows),)](
-            x, weight, bias, out, num_rows, x.stride(0), out.stride(0), eps,
-            N=width, BLOCK=block, ROWS=rows, num_warps=NUM_WARPS)
-    return out
+            x, weight, bias, out, x if shift is None else shift, out if shifted is None else shifted, num_rows,
+            x.stride(0), out.stride(0), eps, N=width, BLOCK=block, ROWS=rows, SHIFT=shift is not None,
+            num_warps=NUM_WARPS)
+    return out, shifted
 
 
 def gated_attn_norm(attn: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,

@@ -39,9 +39,10 @@ class FusedLayerNorm(nn.LayerNorm):
 
 
 class HSTULayer(nn.Module):
-    """``u,v,q,k = silu(Linear(LN(x)))``; ``x + Linear(u * LN(attn(q, k, v)))``. On CUDA, ``LN(x)`` is one kernel
-    and ``u * LN(attn)`` (or ``[u, attn, u * LN(attn)]``) another (:mod:`.fused_ops`); the SiLU is applied where
-    the projections are read when the attention can take them unactivated (``silu_in_attend``)."""
+    """``u,v,q,k = silu(Linear(LN(x)))``; ``x + Linear(u * LN(attn(q, k, v)))``. On CUDA, ``LN(x)`` (with ``x`` plus
+    the output bias, which the output GEMM adds its product to: no residual add of its own) is one kernel and ``u *
+    LN(attn)`` (or ``[u, attn, u * LN(attn)]``) another (:mod:`.fused_ops`); the SiLU is applied where the
+    projections are read when the attention can take them unactivated (``silu_in_attend``)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -63,18 +64,23 @@ class HSTULayer(nn.Module):
         ``[T, d_model]``."""
         fused = x.is_cuda if fused is None else fused
         heads = (self.num_heads, self.head_dim)
-        projected = self.uvqk(self.input_norm(x, fused))
+        if fused:  # LN(x) and the residual plus the output bias, in one kernel
+            from .fused_ops import gated_attn_norm, layer_norm_and_shift
+
+            norm = self.input_norm
+            normed, residual = layer_norm_and_shift(x, norm.weight, norm.bias, norm.eps, self.output.bias)
+        else:
+            normed = self.input_norm(x, fused)
+        projected = self.uvqk(normed)
         u, v, q, k = (projected if silu_in_attend else F.silu(projected)).split(self.num_heads * self.head_dim, dim=-1)
         attn = attend(q.unflatten(1, heads), k.unflatten(1, heads), v.unflatten(1, heads), self.time_bias).flatten(1)
         if fused:
-            from .fused_ops import gated_attn_norm
-
             y = gated_attn_norm(attn, u, self.attn_norm.weight, self.attn_norm.bias, self.attn_norm.eps, self.concat_ua,
                                 silu_u=silu_in_attend)
-        else:
-            u = F.silu(u) if silu_in_attend else u
-            normed = self.attn_norm(attn)
-            y = torch.cat([u, attn, u * normed], dim=-1) if self.concat_ua else u * normed
+            return torch.addmm(residual, y, self.output.weight.t())  # the GEMM adds its product to the residual
+        u = F.silu(u) if silu_in_attend else u
+        normed = self.attn_norm(attn)
+        y = torch.cat([u, attn, u * normed], dim=-1) if self.concat_ua else u * normed
         return x + self.output(y)
 
 

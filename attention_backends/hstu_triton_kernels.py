@@ -38,14 +38,20 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # what triton.jit sees 
 
 
 @_jit
-def _silu(x, FAST: tl.constexpr):
-    """``silu(x)`` of an fp32 tensor; ``FAST`` uses one ``tanh.approx`` instead of exp + divide (CUDA)."""
-    if FAST:
-        half = 0.5 * x
+def _silu(x, TANH: tl.constexpr):
+    """``silu(x) = x/2 + x/2 tanh(x/2)`` of an fp32 tensor. ``TANH``: ``"exact"``, ``x * sigmoid(x)``; on CUDA,
+    ``"f32"``, one ``tanh.approx.f32`` a value instead of exp and divide, or ``"f16x2"``, the tanh in float16, two
+    values a ``tanh.approx.f16x2`` (half the special-function operations; about 2**-11 absolute error in tanh)."""
+    if TANH == "exact":
+        return x * tl.sigmoid(x)
+    half = 0.5 * x
+    if TANH == "f16x2":
+        tanh = tl.inline_asm_elementwise("tanh.approx.f16x2 $0, $1;", "=r,r", [half.to(tl.float16)],
+                                         dtype=tl.float16, is_pure=True, pack=2).to(tl.float32)
+    else:
         tanh = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [half], dtype=tl.float32,
                                          is_pure=True, pack=1)
-        return half + half * tanh
-    return x * tl.sigmoid(x)
+    return half + half * tanh
 
 
 @_jit
@@ -74,7 +80,7 @@ def _attend_key_tile(
     acc, q, start_n, KvHead, Pages, seq_len, row_limit, stride_page, stride_kv, stride_token, alpha,
     BiasHead, query_times, KeyTimes, num_heads, max_bucket,
     MASKED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    FAST_SILU: tl.constexpr, PRECISION: tl.constexpr, TIME_BIAS: tl.constexpr,
+    SILU_TANH: tl.constexpr, PRECISION: tl.constexpr, TIME_BIAS: tl.constexpr,
 ):
     """``acc += silu(alpha q k^T + bias) v`` over keys ``start_n .. start_n + BLOCK_N`` of the request whose page
     ids start at ``Pages``, for the head whose K starts at ``KvHead`` (masked: keys at or past a row's
@@ -101,7 +107,7 @@ def _attend_key_tile(
         else:
             key_times = tl.load(KeyTimes + keys)
         logits += _time_bias(BiasHead, query_times, key_times, num_heads, max_bucket)
-    p = _silu(logits, FAST_SILU)
+    p = _silu(logits, SILU_TANH)
     if MASKED:
         p = tl.where(keys[None, :] < row_limit[:, None], p, 0.0)
     return tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
@@ -115,7 +121,7 @@ def hstu_paged_attention_kernel(
     stride_page, stride_kv, stride_token, stride_head, stride_ot, stride_oh,
     num_tiles, num_items, num_heads, num_work, num_rounds, alpha, inv_scaling,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    FAST_SILU: tl.constexpr, PRECISION: tl.constexpr, TIME_BIAS: tl.constexpr, SILU_QKV: tl.constexpr,
+    SILU_TANH: tl.constexpr, PRECISION: tl.constexpr, TIME_BIAS: tl.constexpr, SILU_QKV: tl.constexpr,
 ):
     """Persistent: program g of G takes (work item, head) pairs g, 2G-1-g, 2G+g, ... of the longest-first
     list (the snake order pairs long items with short ones) and computes, for each, its part of its query
@@ -171,11 +177,11 @@ def hstu_paged_attention_kernel(
             for start_n in range(lo, unmasked_end, BLOCK_N):
                 acc = _attend_key_tile(acc, q, start_n, kv_head, pages, seq_len, row_limit, stride_page, stride_kv,
                                        stride_token, alpha, bias_head, query_times, key_times, num_heads, max_bucket,
-                                       False, PAGE_SIZE, BLOCK_N, HEAD_DIM, FAST_SILU, PRECISION, TIME_BIAS)
+                                       False, PAGE_SIZE, BLOCK_N, HEAD_DIM, SILU_TANH, PRECISION, TIME_BIAS)
             for start_n in range(tl.maximum(lo, unmasked_end), hi, BLOCK_N):
                 acc = _attend_key_tile(acc, q, start_n, kv_head, pages, seq_len, row_limit, stride_page, stride_kv,
                                        stride_token, alpha, bias_head, query_times, key_times, num_heads, max_bucket,
-                                       True, PAGE_SIZE, BLOCK_N, HEAD_DIM, FAST_SILU, PRECISION, TIME_BIAS)
+                                       True, PAGE_SIZE, BLOCK_N, HEAD_DIM, SILU_TANH, PRECISION, TIME_BIAS)
             out = acc * inv_scaling
 
             # Candidates also attend to their own k/v (added once, by part 0).
@@ -191,7 +197,7 @@ def hstu_paged_attention_kernel(
             own_logit = tl.sum(q.to(tl.float32) * own_k.to(tl.float32), axis=1) * alpha
             if TIME_BIAS:  # a candidate's own key has its time: bucket 0
                 own_logit += tl.load(bias_head).to(tl.float32)
-            own_weight = tl.where(own, _silu(own_logit, False) * inv_scaling, 0.0)
+            own_weight = tl.where(own, _silu(own_logit, "exact") * inv_scaling, 0.0)
             out += own_weight[:, None] * own_v.to(tl.float32)
 
             out_ptrs = Out + rows[:, None] * stride_ot + head * stride_oh + dims[None, :]

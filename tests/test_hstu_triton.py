@@ -397,6 +397,34 @@ def test_engine_applies_the_projection_silu_in_the_kernels():
 
 
 @needs_triton
+@cpu_only
+@pytest.mark.parametrize("concat_ua", [False, True])
+def test_engine_on_the_cuda_layer_path_equals_recompute(monkeypatch, concat_ua):
+    """The layers as on CUDA (every fused kernel: the input norm writing the residual plus the output bias, the gate
+    applying u's SiLU, q/k/v's SiLU in the attention and append kernels) in an ``hstu_triton`` engine with a pool small
+    enough to evict: scores equal ``recompute`` on ``torch_ref`` with torch's ops."""
+    import msgspec
+
+    from gr_engine import GREngine
+    from gr_engine.models.layers import FusedLayerNorm, HSTULayer
+    from tests.conftest import tiny_config, with_cache
+    from tests.test_engine_differential import max_diff, stream
+
+    config = tiny_config(page_size=16, head_dim=16, num_gpu_pages=24, max_history_len=128)
+    config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, concat_ua=concat_ua))
+    requests = stream(config, num_users=4, visits=3, seed=9)
+    expected = GREngine(with_cache(config, mode="recompute")).rank(requests, use_tqdm=False)
+    layer_forward, norm_forward = HSTULayer.forward, FusedLayerNorm.forward
+    monkeypatch.setattr(HSTULayer, "forward", lambda self, x, attend, fused=None, silu_in_attend=False:
+                        layer_forward(self, x, attend, True, silu_in_attend))
+    monkeypatch.setattr(FusedLayerNorm, "forward", lambda self, x, fused=None: norm_forward(self, x, True))
+    engine = GREngine(msgspec.structs.replace(config, attention_backend="hstu_triton"))
+    outputs = engine.rank(requests, use_tqdm=False)
+    assert engine.kv.stats.evicted_tokens > 0  # the pool was too small to keep every user
+    assert max_diff(outputs, expected) <= 1e-5
+
+
+@needs_triton
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("num_sms", [1, 8, 100])
 def test_tile_map_covers_every_row_and_key_range_once(seed, num_sms):

@@ -6,7 +6,8 @@
 #               (sync: serving.async_scheduling=false, each step waited for before the next is launched;
 #               seqs8: scheduler.max_num_seqs=8 instead of bench-serve's 16, wait0: serving.max_batch_wait_ms=0
 #               instead of 1, queue0: serving.max_queue_ms=0, admission by pending requests alone); VARIANTS picks some
-#   http:       gr-engine serve --api-servers 6 (step log on) loaded by 8 generator processes with msgpack bodies
+#   http:       gr-engine serve --api-servers 6 (step log on) loaded by 8 generator processes with msgpack bodies;
+#               the server's processes' CPU seconds before and after the load in server_cpu_{start,end}.txt
 #   recompute:  bench-serve in process in recompute mode, at lower rates
 # Environment: RATES (default 1000,1200,1400,1600,1800,2000), SKIP (20000), DURATION (s per rate, 5), TIMEOUT (s per
 # run, 250), SERVER_SET (http: more --set key=value arguments for the server), API_SERVERS (http: 6) and GENERATORS
@@ -29,6 +30,11 @@ run_rates() {  # name, rates, then --set overrides
     --rates "$run_rates" --duration "$duration" --out "$out/$name" "$@" > "$out/$name.log" 2>&1
   echo "$name: exit $? at $((SECONDS - start)) s"
   gzip -f "$out/$name/core_steps.jsonl"  # the profile is in bench_serve.json; the whole log, compressed
+}
+tree_cpu() {  # each process of the tree under pid $1: pid, cumulative CPU time (user + system), command
+  local all=$1 level=$1
+  while level=$(pgrep -d , -P "$level"); do all="$all,$level"; done
+  ps -o pid=,times=,args= -p "$all" | cut -c1-200
 }
 sweep() {  # name, then --set overrides
   local name=$1
@@ -64,10 +70,12 @@ case $part in
       curl -sf http://127.0.0.1:8000/ready > /dev/null && break
       sleep 1
     done
+    tree_cpu $server > "$out/server_cpu_start.txt"  # the core's and API servers' CPU seconds, before the load
     timeout 300 python -m gr_engine bench-serve --url http://127.0.0.1:8000 --processes "${GENERATORS:-8}" --concurrency "${WARMUP_CONCURRENCY:-8}" \
       --body msgpack --skip-steady "$skip" --rates "$rates" --duration "$duration" \
       --core-steps "$out/http_core_steps.jsonl" --out "$out/http_hierarchical" > "$out/http_hierarchical.log" 2>&1
     echo "http: exit $? at $((SECONDS - start)) s"
+    tree_cpu $server > "$out/server_cpu_end.txt"  # and after it (warm-up and rates): their CPU a request
     kill -TERM $server
     wait $server
     echo "server: exit $?"

@@ -38,13 +38,15 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # what triton.jit sees 
 
 
 @_jit
-def _silu(x, TANH: tl.constexpr):
-    """``silu(x) = x/2 + x/2 tanh(x/2)`` of an fp32 tensor. ``TANH``: ``"exact"``, ``x * sigmoid(x)``; on CUDA,
-    ``"f32"``, one ``tanh.approx.f32`` a value instead of exp and divide, or ``"f16x2"``, the tanh in float16, two
-    values a ``tanh.approx.f16x2`` (half the special-function operations; about 2**-11 absolute error in tanh)."""
+def _silu(x, scale, TANH: tl.constexpr):
+    """``silu(y) = y/2 + y/2 tanh(y/2)`` of ``y = scale * x`` (``x`` an fp32 tensor, ``scale`` a scalar: ``y/2`` is
+    one product, equal to ``(scale * x) / 2``). ``TANH``: ``"exact"``, ``y * sigmoid(y)``; on CUDA, ``"f32"``, one
+    ``tanh.approx.f32`` a value instead of exp and divide, or ``"f16x2"``, the tanh in float16, two values a
+    ``tanh.approx.f16x2`` (half the special-function operations; about 2**-11 absolute error in tanh)."""
     if TANH == "exact":
-        return x * tl.sigmoid(x)
-    half = 0.5 * x
+        y = x * scale
+        return y * tl.sigmoid(y)
+    half = x * (0.5 * scale)
     if TANH == "f16x2":
         tanh = tl.inline_asm_elementwise("tanh.approx.f16x2 $0, $1;", "=r,r", [half.to(tl.float16)],
                                          dtype=tl.float16, is_pure=True, pack=2).to(tl.float32)
@@ -100,14 +102,16 @@ def _attend_key_tile(
     else:
         k = tl.load(k_ptrs)
         v = tl.load(k_ptrs + stride_kv)
-    logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if TIME_BIAS:
         if MASKED:
             key_times = tl.load(KeyTimes + keys, mask=in_seq, other=0)
         else:
             key_times = tl.load(KeyTimes + keys)
-        logits += _time_bias(BiasHead, query_times, key_times, num_heads, max_bucket)
-    p = _silu(logits, SILU_TANH)
+        p = _silu(scores * alpha + _time_bias(BiasHead, query_times, key_times, num_heads, max_bucket), 1.0,
+                  SILU_TANH)
+    else:
+        p = _silu(scores, alpha, SILU_TANH)  # alpha folded into the SiLU's first product
     if MASKED:
         p = tl.where(keys[None, :] < row_limit[:, None], p, 0.0)
     return tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
@@ -197,7 +201,7 @@ def hstu_paged_attention_kernel(
             own_logit = tl.sum(q.to(tl.float32) * own_k.to(tl.float32), axis=1) * alpha
             if TIME_BIAS:  # a candidate's own key has its time: bucket 0
                 own_logit += tl.load(bias_head).to(tl.float32)
-            own_weight = tl.where(own, _silu(own_logit, "exact") * inv_scaling, 0.0)
+            own_weight = tl.where(own, _silu(own_logit, 1.0, "exact") * inv_scaling, 0.0)
             out += own_weight[:, None] * own_v.to(tl.float32)
 
             out_ptrs = Out + rows[:, None] * stride_ot + head * stride_oh + dims[None, :]

@@ -167,9 +167,10 @@ def cold_run(history: int, visits: int, quick: bool, overrides: list[str]) -> di
     table = kernel_table(prof, cuda)
     device_s, wall_s = sum(r["total_us"] for r in table) / 1e6, sum(wall) / 1e3
     peak = gemm_peak_tflops(str(engine.device))
-    cold = {"history": history, "step_rows": rows, "overrides": list(overrides),
+    largest = min(rows, config.scheduler.max_num_batched_tokens)  # a longer visit is computed in chunks (steps)
+    cold = {"history": history, "step_rows": rows, "largest_step_rows": largest, "overrides": list(overrides),
             "cuda_graph_max_rows": config.cuda_graph_max_rows, "step_graphs": graphs,
-            "eager": not graphs or rows > config.cuda_graph_max_rows, "attention_backend": backend,
+            "eager": not graphs or largest > config.cuda_graph_max_rows, "attention_backend": backend,
             "wall_ms": wall, "wall_ms_median": float(np.median(wall)), "unprofiled_wall_ms": unprofiled,
             **visit_timelines(prof, cuda)}
     return {
@@ -300,7 +301,8 @@ def cold_markdown(cold: dict, what: str) -> list[str]:
         return name if len(name) <= 90 else name[:87] + "..."
 
     lines = ["", f"## Cold first visits: {cold['history']} events, BS=1, {cold['visits']} profiled", "",
-             f"- step of {cold['step_rows']} rows, {'eager' if cold['eager'] else 'from CUDA graphs'} "
+             f"- {cold['step_rows']} rows in steps of at most {cold['largest_step_rows']}, "
+             f"{'eager' if cold['eager'] else 'from CUDA graphs'} "
              f"(cuda_graph_max_rows {cold['cuda_graph_max_rows']}, step graphs {cold['step_graphs']}, "
              f"{cold['graph_launches']} graph launches profiled), attention "
              f"`{cold['attention_backend']}`, overrides: {', '.join(cold['overrides']) or 'none'}",

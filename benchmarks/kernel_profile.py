@@ -16,7 +16,8 @@ utilisation against the bf16 GEMM peak measured in the same process. Writes ``DI
 
 With ``--cold-history N`` it profiles cold first visits instead, as ``gr-engine bench``'s ``cold_*_ms``
 (``experiments._cold_first_visits``): a recompute engine of BS=1, warmed up, over users of ``N``-event histories
-(``fixed_length_trace``); two visits unprofiled, then ``--batches`` visits, each ``engine.rank([request])`` alone.
+(``fixed_length_trace``); two visits unmeasured, ``--batches`` visits timed unprofiled, then ``--batches`` visits
+profiled, each ``engine.rank([request])`` alone.
 ``--set KEY=VALUE`` overrides that engine's config (``gr_engine.config.load_config``, as ``gr-engine --set``).
 Besides the table, the JSON's ``cold`` section (the .md's "Cold first visits") has per visit: wall time, kernel time,
 the device's busy time (union of kernel intervals) and its *host gaps* (the visit's span with no kernel running: before
@@ -137,22 +138,23 @@ def run(mode: str, batch: int, batches: int, quick: bool) -> dict:
 def cold_run(history: int, visits: int, quick: bool, overrides: list[str]) -> dict:
     """Profile ``visits`` cold first visits of ``history``-event users (as the bench's ``cold_{history}_ms``); the
     result has :func:`run`'s fields (per batch: per visit) and ``cold`` (:func:`visit_timelines` and the visits'
-    perf-counter wall times in ms: ``wall_ms`` each, ``wall_ms_median``, ``unprofiled_wall_ms``)."""
+    perf-counter wall times in ms: ``wall_ms`` each, ``wall_ms_median``, ``unprofiled_wall_ms`` and its median)."""
     settings = quick_settings() if quick else BenchSettings(modes=("recompute",))
-    trace = fixed_length_trace(settings.trace, history, visits + 2, settings.new_events)
-    requests = [trace.rank_request(i) for i in range(visits + 2)]  # the first visits, one per user
+    trace = fixed_length_trace(settings.trace, history, 2 * visits + 2, settings.new_events)
+    requests = [trace.rank_request(i) for i in range(2 * visits + 2)]  # the first visits, one per user
     config = load_config(None, overrides, base=engine_config(settings, cache_config(settings, "recompute"), 1))
     with GREngine(config) as engine:
         cuda = engine.device.type == "cuda"
         engine.warmup(use_tqdm=False)
         unprofiled, wall, outputs = [], [], []
-        for request in requests[:2]:
+        for i, request in enumerate(requests[:visits + 2]):  # two unmeasured, then ``visits`` timed
             t0 = time.perf_counter()
             outputs += engine.rank([request], use_tqdm=False)
-            unprofiled.append((time.perf_counter() - t0) * 1e3)
+            if i >= 2:
+                unprofiled.append((time.perf_counter() - t0) * 1e3)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
-            for request in requests[2:]:
+            for request in requests[visits + 2:]:
                 t0 = time.perf_counter()
                 with record_function(MARKER):
                     outputs += engine.rank([request], use_tqdm=False)  # its scores are on the host: no sync needed
@@ -160,7 +162,7 @@ def cold_run(history: int, visits: int, quick: bool, overrides: list[str]) -> di
         graphs, backend = engine.runner.graphs is not None, engine.backend.name
     if failed := [o.error for o in outputs if o.error]:
         raise RuntimeError(f"a cold visit failed: {failed[0]}")
-    profiled = requests[2:]
+    profiled = requests[visits + 2:]
     rows = len(profiled[0].item_ids) + len(profiled[0].candidate_item_ids)
     flops = step_flops(config.model, [0] * visits, [len(r.item_ids) for r in profiled],
                        [len(r.candidate_item_ids) for r in profiled])
@@ -172,6 +174,7 @@ def cold_run(history: int, visits: int, quick: bool, overrides: list[str]) -> di
             "cuda_graph_max_rows": config.cuda_graph_max_rows, "step_graphs": graphs,
             "eager": not graphs or largest > config.cuda_graph_max_rows, "attention_backend": backend,
             "wall_ms": wall, "wall_ms_median": float(np.median(wall)), "unprofiled_wall_ms": unprofiled,
+            "unprofiled_wall_ms_median": float(np.median(unprofiled)),
             **visit_timelines(prof, cuda)}
     return {
         "mode": f"recompute, cold first visit of {history} events", "batch": 1, "batches": visits,
@@ -306,8 +309,9 @@ def cold_markdown(cold: dict, what: str) -> list[str]:
              f"(cuda_graph_max_rows {cold['cuda_graph_max_rows']}, step graphs {cold['step_graphs']}, "
              f"{cold['graph_launches']} graph launches profiled), attention "
              f"`{cold['attention_backend']}`, overrides: {', '.join(cold['overrides']) or 'none'}",
-             f"- wall per visit (median, perf counter): {cold['wall_ms_median']:.3f} ms profiled; unprofiled "
-             + ", ".join(f"{v:.3f}" for v in cold["unprofiled_wall_ms"]) + " ms",
+             f"- wall per visit (median, perf counter): {cold['wall_ms_median']:.3f} ms profiled, "
+             f"{cold['unprofiled_wall_ms_median']:.3f} ms unprofiled ("
+             + ", ".join(f"{v:.3f}" for v in cold["unprofiled_wall_ms"]) + ")",
              f"- medians per visit: span {cold['span_ms_median']:.3f} ms, {cold['kernels_median']:.0f} {what}s, "
              f"{what} time {cold['kernel_ms_median']:.3f} ms, busy {cold['busy_ms_median']:.3f} ms, host gaps "
              f"{cold['gap_ms_median']:.3f} ms ({cold['gap_fraction_median']:.1%}: before the first "

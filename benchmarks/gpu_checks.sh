@@ -6,10 +6,13 @@
 #            an empty Triton cache (about 4-5 minutes)
 #   kernels  the Triton kernels' own tests, compiled on CUDA (not marked gpu: on CPU they run in the interpreter), then
 #            cache_bench (the host tier's transfer bandwidth)
+#   cold     kernel_profile.py --cold-history 8192 (the bench's cold first visit) as configured, and with the visit on
+#            step graphs: one step in a 16384-row graph, chunks filling 4096-row graphs, or an 8192-row graph and a
+#            small one (about 4-6 minutes)
 # Usage (device tool, with .whl carried):
-#   bash benchmarks/gpu_checks.sh <commit> [tests|warmup|kernels ...]   (default: tests; one part a command)
+#   bash benchmarks/gpu_checks.sh <commit> [tests|warmup|kernels|cold ...]   (default: tests; one part a command)
 set -uo pipefail
-commit=${1:?usage: gpu_checks.sh <commit> [tests|warmup|kernels ...]}
+commit=${1:?usage: gpu_checks.sh <commit> [tests|warmup|kernels|cold ...]}
 shift
 out=${OUT:?set OUT to the results folder}
 source .whl/activate.sh
@@ -33,6 +36,18 @@ for part in "$@"; do
         timeout 200 python benchmarks/cache_bench.py --out "$out/cache_bench.json" --commit "$commit" \
           > "$out/cache_bench.log" 2>&1
         echo "cache_bench exit $?" ;;
+      cold)
+        variants=("eager" "graphs16384 cuda_graph_max_rows=16384" "chunks4096 scheduler.max_chunk_tokens=3996"
+                  "chunks8192 cuda_graph_max_rows=8192 scheduler.max_chunk_tokens=8092")
+        for variant in "${variants[@]}"; do
+          read -r name overrides <<< "$variant"
+          sets=()
+          for setting in $overrides; do sets+=(--set "$setting"); done
+          timeout 150 python benchmarks/kernel_profile.py --out "$out/cold_$name" --cold-history 8192 --batches 5 \
+            --commit "$commit" "${sets[@]}" > "$out/cold_$name.log" 2>&1
+          echo "cold $name: exit $?"
+          grep -m1 "wall per visit" "$out/cold_$name/kernel_profile.md"
+        done ;;
       *) echo "unknown part $part"; exit 2 ;;
     esac
 done

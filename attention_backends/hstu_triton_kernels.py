@@ -35,6 +35,10 @@ def _step_kernel(fn: Callable) -> Callable:
 
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # what triton.jit sees when the kernels below are defined
+# The append's launch shape: rows a program and its warps. One row a one-warp program wrote a recompute batch's K/V
+# (~65k rows, 4 x 128 bf16) at ~1.65 TB/s on the H200 (81 us a layer, benchmarks/results/profiles/
+# kernel_profile_c9b5cb9/); 8 rows over 4 warps issue all 8 rows' loads before the first store (not yet measured).
+APPEND_ROWS, APPEND_WARPS = 8, 4
 
 
 @_jit
@@ -245,20 +249,24 @@ def _append_kernel(
     Cache, Key, Value, Rows, Pages, Entries, num_rows,
     stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
     stride_page, stride_kv, stride_token, stride_head, stride_dim,
-    NUM_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, SILU: tl.constexpr,
+    NUM_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+    SILU: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    heads = tl.arange(0, HEADS_POW2)
-    dims = tl.arange(0, HEAD_DIM)
-    valid = (heads < NUM_HEADS)[:, None] & (dims < HEAD_DIM)[None, :]
-    page = tl.load(Pages + row).to(tl.int64)
-    entry = tl.load(Entries + row).to(tl.int64)
-    src = tl.load(Rows + row).to(tl.int64)
-    key = tl.load(Key + src * stride_kt + heads[:, None] * stride_kh + dims[None, :] * stride_kd, mask=valid)
-    value = tl.load(Value + src * stride_vt + heads[:, None] * stride_vh + dims[None, :] * stride_vd, mask=valid)
+    """Program ``p`` appends rows ``p * ROWS ..`` (those below ``num_rows``) of ``Rows``, ``Pages``, ``Entries``:
+    each row's ``[H, D]`` K and V, all its loads issued before any store (see :func:`append_rows`)."""
+    slots = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = slots < num_rows
+    heads = tl.arange(0, HEADS_POW2)[None, :, None]
+    dims = tl.arange(0, HEAD_DIM)[None, None, :]
+    valid = live[:, None, None] & (heads < NUM_HEADS) & (dims < HEAD_DIM)
+    page = tl.load(Pages + slots, mask=live, other=0).to(tl.int64)[:, None, None]
+    entry = tl.load(Entries + slots, mask=live, other=0).to(tl.int64)[:, None, None]
+    src = tl.load(Rows + slots, mask=live, other=0).to(tl.int64)[:, None, None]
+    key = tl.load(Key + src * stride_kt + heads * stride_kh + dims * stride_kd, mask=valid)
+    value = tl.load(Value + src * stride_vt + heads * stride_vh + dims * stride_vd, mask=valid)
     if SILU:
         key, value = _activate(key), _activate(value)
-    dst = Cache + page * stride_page + entry * stride_token + heads[:, None] * stride_head + dims[None, :] * stride_dim
+    dst = Cache + page * stride_page + entry * stride_token + heads * stride_head + dims * stride_dim
     tl.store(dst, key, mask=valid)
     tl.store(dst + stride_kv, value, mask=valid)
 
@@ -274,9 +282,9 @@ def append_rows(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     _, num_heads, head_dim = key.shape
     if num_rows == 0:
         return
-    _append_kernel[(num_rows,)](
+    _append_kernel[(triton.cdiv(num_rows, APPEND_ROWS),)](
         kv_cache, key, value, rows, pages, entries, num_rows,
         *key.stride(), *value.stride(), *kv_cache.stride(),
-        NUM_HEADS=num_heads, HEADS_POW2=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim, SILU=silu,
-        num_warps=1,
+        NUM_HEADS=num_heads, HEADS_POW2=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim, ROWS=APPEND_ROWS,
+        SILU=silu, num_warps=APPEND_WARPS,
     )

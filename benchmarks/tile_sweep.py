@@ -1,13 +1,14 @@
-"""hstu_triton's launch shapes against each other on the GPU: which ``TileConfig`` computes prefill fastest.
+"""hstu_triton's launch shapes against each other on the GPU: which ``TileConfig`` computes each step fastest.
 
     python benchmarks/tile_sweep.py --out tile_sweep.json [--quick]
 
 For every launch shape of a grid (``block_m`` 64/128, ``block_n`` 64/128, ``num_warps`` 4/8, ``num_stages`` 2-4, and
 128 x 128 x 8 warps with ``packed_tanh``; shapes Triton cannot compile are recorded as failed), times
-``hstu_triton`` attention (4 heads x 128, bf16, page 32, replayed from a CUDA graph: device time) over four steps:
+``hstu_triton`` attention (4 heads x 128, bf16, page 32, replayed from a CUDA graph: device time) over five steps:
 one 8k and one 16k full-history prefill, recompute's batch of 8 (whole histories of 1.5k-20k events, mean ~9.2k,
-plus 100 candidates each, nothing cached), and that batch with a relative time bias (the kernel variant that loads
-the most per key tile: a shape must compile for it too).
+plus 100 candidates each, nothing cached), a serving step of 8 returning users (4 new events and 100 candidates each
+over 2k-12.5k cached), and recompute's batch with a relative time bias (the kernel variant that loads the most per
+key tile: a shape must compile for it too).
 Reports TFLOP/s (causal FLOPs counted once) per shape. ``--quick``: five shapes (the default with and without
 ``packed_tanh``).
 """
@@ -36,6 +37,8 @@ STEPS = {
     "prefill_8192": ([0], [8192], [0]),
     "prefill_16384": ([0], [16384], [0]),
     "recompute_bs8": ([0] * 8, [1500, 3000, 5000, 7500, 9700, 12000, 15000, 20000], [100] * 8),
+    # a serving step: 8 returning users' new events and candidates over their cached histories (split-KV)
+    "serve_bs8": ([2000, 3500, 5000, 6500, 8000, 9500, 11000, 12500], [4] * 8, [100] * 8),
 }
 BIAS_STEP = "recompute_bs8_time_bias"  # STEPS["recompute_bs8"] with timestamps and a time-bias table
 BIAS_BUCKETS = 64

@@ -63,7 +63,8 @@ def _silu(x, scale, TANH: tl.constexpr):
 @_jit
 def _activate(x):
     """HSTU's SiLU of a projection read in ``x``'s dtype: ``x / (1 + exp(-x))`` in float32 (the formula of torch's
-    ``F.silu``), rounded back to ``x``'s dtype as ``F.silu`` of the stored projection would be."""
+    ``F.silu``; Triton's exp and divide may differ from torch's in the last float32 bits, so a 16-bit result now and
+    then by one unit), rounded back to ``x``'s dtype."""
     x32 = x.to(tl.float32)
     return (x32 / (1.0 + tl.exp(-x32))).to(x.dtype)
 

@@ -153,6 +153,7 @@ def cold_run(history: int, visits: int, quick: bool, overrides: list[str]) -> di
             if i >= 2:
                 unprofiled.append((time.perf_counter() - t0) * 1e3)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        steps_before = engine.stats.num_steps
         with profile(activities=activities) as prof:
             for request in requests[visits + 2:]:
                 t0 = time.perf_counter()
@@ -160,6 +161,9 @@ def cold_run(history: int, visits: int, quick: bool, overrides: list[str]) -> di
                     outputs += engine.rank([request], use_tqdm=False)  # its scores are on the host: no sync needed
                 wall.append((time.perf_counter() - t0) * 1e3)
         graphs, backend = engine.runner.graphs is not None, engine.backend.name
+        # the profiled visits' steps as the engine ran them (a visit longer than a chunk takes several)
+        ran = engine.stats.num_steps - steps_before
+        step_rows = [step.num_tokens for step in list(engine.stats.recent_steps)[-ran:]]
     if failed := [o.error for o in outputs if o.error]:
         raise RuntimeError(f"a cold visit failed: {failed[0]}")
     profiled = requests[visits + 2:]
@@ -169,8 +173,10 @@ def cold_run(history: int, visits: int, quick: bool, overrides: list[str]) -> di
     table = kernel_table(prof, cuda)
     device_s, wall_s = sum(r["total_us"] for r in table) / 1e6, sum(wall) / 1e3
     peak = gemm_peak_tflops(str(engine.device))
-    largest = min(rows, config.scheduler.max_num_batched_tokens)  # a longer visit is computed in chunks (steps)
-    cold = {"history": history, "step_rows": rows, "largest_step_rows": largest, "overrides": list(overrides),
+    largest = max(step_rows)
+    cold = {"history": history, "step_rows": rows, "largest_step_rows": largest,
+            "steps_per_visit": len(step_rows) / visits, "visit_step_rows": step_rows[:len(step_rows) // visits],
+            "overrides": list(overrides),
             "cuda_graph_max_rows": config.cuda_graph_max_rows, "step_graphs": graphs,
             "eager": not graphs or largest > config.cuda_graph_max_rows, "attention_backend": backend,
             "wall_ms": wall, "wall_ms_median": float(np.median(wall)), "unprofiled_wall_ms": unprofiled,
@@ -304,7 +310,7 @@ def cold_markdown(cold: dict, what: str) -> list[str]:
         return name if len(name) <= 90 else name[:87] + "..."
 
     lines = ["", f"## Cold first visits: {cold['history']} events, BS=1, {cold['visits']} profiled", "",
-             f"- {cold['step_rows']} rows in steps of at most {cold['largest_step_rows']}, "
+             f"- {cold['step_rows']} rows a visit, in steps of {cold['visit_step_rows']} rows, "
              f"{'eager' if cold['eager'] else 'from CUDA graphs'} "
              f"(cuda_graph_max_rows {cold['cuda_graph_max_rows']}, step graphs {cold['step_graphs']}, "
              f"{cold['graph_launches']} graph launches profiled), attention "

@@ -4,11 +4,11 @@
 
 For every launch shape of a grid (``block_m`` 64/128, ``block_n`` 64/128, ``num_warps`` 4/8, ``num_stages`` 2-4, and
 128 x 128 x 8 warps with ``packed_tanh``; shapes Triton cannot compile are recorded as failed), times
-``hstu_triton`` attention (4 heads x 128, bf16, page 32, replayed from a CUDA graph: device time) over five steps:
-one 8k and one 16k full-history prefill, recompute's batch of 8 (whole histories of 1.5k-20k events, mean ~9.2k,
-plus 100 candidates each, nothing cached), a serving step of 8 returning users (4 new events and 100 candidates each
-over 2k-12.5k cached), and recompute's batch with a relative time bias (the kernel variant that loads the most per
-key tile: a shape must compile for it too).
+``hstu_triton`` attention (4 heads x 128, bf16, page 32, q/k/v unactivated as the engine gives them, replayed from a
+CUDA graph: device time) over five steps: one 8k and one 16k full-history prefill, recompute's batch of 8 (whole
+histories of 1.5k-20k events, mean ~9.2k, plus 100 candidates each, nothing cached), a serving step of 8 returning
+users (4 new events and 100 candidates each over 2k-12.5k cached), and recompute's batch with a relative time bias
+(the kernel variant that loads the most per key tile: a shape must compile for it too).
 Reports TFLOP/s (causal FLOPs counted once) per shape. ``--quick``: five shapes (the default with and without
 ``packed_tanh``).
 """
@@ -79,7 +79,7 @@ def main() -> None:
                 biased = name == BIAS_STEP
                 backend = HSTUTritonBackend(bias_spec if biased else spec, tiles=config)
                 attend = functools.partial(backend.attend, q, k, v, cache, backend.build_metadata(meta),
-                                           time_bias=bias_table if biased else None)
+                                           time_bias=bias_table if biased else None, silu=True)  # as the engine
                 seconds = triton.testing.do_bench_cudagraph(attend, rep=50, return_mode="median") / 1e3
                 row["tflops"][name] = tflop[name] / seconds
         except Exception as exc:  # a shape Triton cannot compile (e.g. out of shared memory)

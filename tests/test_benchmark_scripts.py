@@ -85,6 +85,7 @@ def test_kernel_profile_cold_visits(tmp_path):
     result = json.loads((tmp_path / "kernel_profile.json").read_text())
     cold = result["cold"]
     assert cold["history"] == 100 and cold["step_rows"] == cold["largest_step_rows"] == 100 + 8  # 8 candidates
+    assert cold["steps_per_visit"] == 1 and cold["visit_step_rows"] == [108]
     assert cold["cuda_graph_max_rows"] == 16384 and cold["overrides"] == ["cuda_graph_max_rows=16384"]
     assert cold["eager"] and not cold["step_graphs"] and cold["graph_launches"] == 0  # CPU: no step graphs
     assert result["batch"] == 1 and result["batches"] == 3 and cold["visits"] == 3

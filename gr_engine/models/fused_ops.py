@@ -46,7 +46,8 @@ def _normalise(x, Weight, Bias, cols, eps, N: tl.constexpr):
 
 @triton.jit
 def _silu(x):
-    """``F.silu`` of ``x``: ``x / (1 + exp(-x))`` in float32, rounded back to ``x``'s dtype."""
+    """``F.silu``'s formula on ``x``: ``x / (1 + exp(-x))`` in float32 (Triton's exp and divide may differ from torch's
+    in the last bits), rounded back to ``x``'s dtype."""
     x32 = x.to(tl.float32)
     return (x32 / (1.0 + tl.exp(-x32))).to(x.dtype)
 

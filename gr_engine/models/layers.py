@@ -77,7 +77,8 @@ class HSTULayer(nn.Module):
         if fused:
             y = gated_attn_norm(attn, u, self.attn_norm.weight, self.attn_norm.bias, self.attn_norm.eps, self.concat_ua,
                                 silu_u=silu_in_attend)
-            return torch.addmm(residual, y, self.output.weight.t())  # the GEMM adds its product to the residual
+            # in place: the GEMM accumulates into the residual (an out-of-place addmm would first copy it)
+            return residual.addmm_(y, self.output.weight.t())
         u = F.silu(u) if silu_in_attend else u
         normed = self.attn_norm(attn)
         y = torch.cat([u, attn, u * normed], dim=-1) if self.concat_ua else u * normed

@@ -192,7 +192,6 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
             return out
         q, k, v, kv_cache = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, kv_cache))
         config, block_m = m.config, m.config.block_m
-        fast = q.dtype != torch.float32 and q.is_cuda and not INTERPRETED  # tanh.approx (inline PTX): CUDA only
         # Partials of split tiles, one [block_m, D] slab per (work item, head); unused without splits.
         shape = (num_items, num_heads, block_m, head_dim) if m.may_split else (1,)
         partial = torch.empty(shape, dtype=torch.float32, device=q.device)
@@ -209,7 +208,7 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
             num_tiles, num_items, num_heads, num_work, -(-num_work // num_programs),
             self.spec.alpha, 1.0 / self.spec.scaling_seqlen,
             HEAD_DIM=head_dim, PAGE_SIZE=kv_cache.shape[2], BLOCK_M=block_m, BLOCK_N=config.block_n,
-            SILU_TANH=("f16x2" if config.packed_tanh else "f32") if fast else "exact",
+            FAST_SILU=q.dtype != torch.float32 and q.is_cuda and not INTERPRETED,  # inline PTX: CUDA only
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TIME_BIAS=time_bias is not None, SILU_QKV=silu,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )

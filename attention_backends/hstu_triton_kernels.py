@@ -42,22 +42,17 @@ APPEND_ROWS, APPEND_WARPS = 8, 4
 
 
 @_jit
-def _silu(x, scale, TANH: tl.constexpr):
-    """``silu(y) = y/2 + y/2 tanh(y/2)`` of ``y = scale * x`` (``x`` an fp32 tensor, ``scale`` a scalar: ``y/2`` is
-    one product, equal to ``(scale * x) / 2``). ``TANH``: ``"exact"``, ``y * sigmoid(y)``; on CUDA, ``"f32"``, one
-    ``tanh.approx.f32`` a value instead of exp and divide, or ``"f16x2"``, the tanh in float16, two values a
-    ``tanh.approx.f16x2`` (half the special-function operations; about 2**-11 absolute error in tanh)."""
-    if TANH == "exact":
-        y = x * scale
-        return y * tl.sigmoid(y)
-    half = x * (0.5 * scale)
-    if TANH == "f16x2":
-        tanh = tl.inline_asm_elementwise("tanh.approx.f16x2 $0, $1;", "=r,r", [half.to(tl.float16)],
-                                         dtype=tl.float16, is_pure=True, pack=2).to(tl.float32)
-    else:
+def _silu(x, scale, FAST: tl.constexpr):
+    """``silu(y)`` of ``y = scale * x`` (``x`` an fp32 tensor, ``scale`` a scalar). ``FAST`` (CUDA): ``y/2 + y/2
+    tanh(y/2)`` with one ``tanh.approx.f32`` a value instead of exp and divide, ``y/2`` one product (equal to ``(scale
+    * x) / 2``); else ``y * sigmoid(y)``."""
+    if FAST:
+        half = x * (0.5 * scale)
         tanh = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [half], dtype=tl.float32,
                                          is_pure=True, pack=1)
-    return half + half * tanh
+        return half + half * tanh
+    y = x * scale
+    return y * tl.sigmoid(y)
 
 
 @_jit
@@ -87,7 +82,7 @@ def _attend_key_tile(
     acc, q, start_n, KvHead, Pages, seq_len, row_limit, stride_page, stride_kv, stride_token, alpha,
     BiasHead, query_times, KeyTimes, num_heads, max_bucket,
     MASKED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    SILU_TANH: tl.constexpr, PRECISION: tl.constexpr, TIME_BIAS: tl.constexpr,
+    FAST_SILU: tl.constexpr, PRECISION: tl.constexpr, TIME_BIAS: tl.constexpr,
 ):
     """``acc += silu(alpha q k^T + bias) v`` over keys ``start_n .. start_n + BLOCK_N`` of the request whose page
     ids start at ``Pages``, for the head whose K starts at ``KvHead`` (masked: keys at or past a row's
@@ -114,9 +109,9 @@ def _attend_key_tile(
         else:
             key_times = tl.load(KeyTimes + keys)
         p = _silu(scores * alpha + _time_bias(BiasHead, query_times, key_times, num_heads, max_bucket), 1.0,
-                  SILU_TANH)
+                  FAST_SILU)
     else:
-        p = _silu(scores, alpha, SILU_TANH)  # alpha folded into the SiLU's first product
+        p = _silu(scores, alpha, FAST_SILU)  # alpha folded into the SiLU's first product
     if MASKED:
         p = tl.where(keys[None, :] < row_limit[:, None], p, 0.0)
     return tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
@@ -130,7 +125,7 @@ def hstu_paged_attention_kernel(
     stride_page, stride_kv, stride_token, stride_head, stride_ot, stride_oh,
     num_tiles, num_items, num_heads, num_work, num_rounds, alpha, inv_scaling,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SILU_TANH: tl.constexpr, PRECISION: tl.constexpr, TIME_BIAS: tl.constexpr, SILU_QKV: tl.constexpr,
+    FAST_SILU: tl.constexpr, PRECISION: tl.constexpr, TIME_BIAS: tl.constexpr, SILU_QKV: tl.constexpr,
 ):
     """Persistent: program g of G takes (work item, head) pairs g, 2G-1-g, 2G+g, ... of the longest-first
     list (the snake order pairs long items with short ones) and computes, for each, its part of its query
@@ -186,11 +181,11 @@ def hstu_paged_attention_kernel(
             for start_n in range(lo, unmasked_end, BLOCK_N):
                 acc = _attend_key_tile(acc, q, start_n, kv_head, pages, seq_len, row_limit, stride_page, stride_kv,
                                        stride_token, alpha, bias_head, query_times, key_times, num_heads, max_bucket,
-                                       False, PAGE_SIZE, BLOCK_N, HEAD_DIM, SILU_TANH, PRECISION, TIME_BIAS)
+                                       False, PAGE_SIZE, BLOCK_N, HEAD_DIM, FAST_SILU, PRECISION, TIME_BIAS)
             for start_n in range(tl.maximum(lo, unmasked_end), hi, BLOCK_N):
                 acc = _attend_key_tile(acc, q, start_n, kv_head, pages, seq_len, row_limit, stride_page, stride_kv,
                                        stride_token, alpha, bias_head, query_times, key_times, num_heads, max_bucket,
-                                       True, PAGE_SIZE, BLOCK_N, HEAD_DIM, SILU_TANH, PRECISION, TIME_BIAS)
+                                       True, PAGE_SIZE, BLOCK_N, HEAD_DIM, FAST_SILU, PRECISION, TIME_BIAS)
             out = acc * inv_scaling
 
             # Candidates also attend to their own k/v (added once, by part 0).
@@ -206,7 +201,7 @@ def hstu_paged_attention_kernel(
             own_logit = tl.sum(q.to(tl.float32) * own_k.to(tl.float32), axis=1) * alpha
             if TIME_BIAS:  # a candidate's own key has its time: bucket 0
                 own_logit += tl.load(bias_head).to(tl.float32)
-            own_weight = tl.where(own, _silu(own_logit, 1.0, "exact") * inv_scaling, 0.0)
+            own_weight = tl.where(own, _silu(own_logit, 1.0, False) * inv_scaling, 0.0)
             out += own_weight[:, None] * own_v.to(tl.float32)
 
             out_ptrs = Out + rows[:, None] * stride_ot + head * stride_oh + dims[None, :]

@@ -18,16 +18,12 @@ MAX_SPLITS, MAX_PROGRAMS_PER_SM, MIN_TILES_PER_SPLIT, SPLIT_OVERHEAD_KEYS = 32, 
 @dataclass(frozen=True)
 class TileConfig:
     """Launch shape: ``block_m`` query rows and ``block_n`` keys (a multiple of the page size) per step, powers of
-    two >= 16; ``num_warps`` per program; ``num_stages`` of key-loop pipelining. ``packed_tanh``: on CUDA, 16-bit
-    models compute the attention weights' SiLU with two float16 tanh a special-function operation
-    (``tanh.approx.f16x2``) instead of one float32 (on trial: benchmarks/tile_sweep.py times both; it stays only if
-    faster)."""
+    two >= 16; ``num_warps`` per program; ``num_stages`` of key-loop pipelining."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
-    packed_tanh: bool = False
 
 
 def default_tile_config(spec: AttentionSpec, max_query_len: int | None = None) -> TileConfig:
@@ -46,7 +42,7 @@ def default_tile_config(spec: AttentionSpec, max_query_len: int | None = None) -
     decode_m = None if max_query_len is None or max_query_len > 32 else 16 if max_query_len <= 16 else 32
     if decode_m is not None and decode_m < block_m:  # a decode-like step (its shape was not swept: 2 stages)
         block_m, num_warps, num_stages = decode_m, 4, min(num_stages, 2)
-    return TileConfig(block_m, max(config.block_n, spec.page_size), num_warps, num_stages, config.packed_tanh)
+    return TileConfig(block_m, max(config.block_n, spec.page_size), num_warps, num_stages)
 
 
 def plan_tile_map(query_start_loc: np.ndarray, num_history_rows: np.ndarray, kv_seq_lens: np.ndarray,

@@ -4,8 +4,8 @@
 
 Triton's compiler and the ``ptxas`` shipped in the triton wheel build each kernel for sm_90 at the shapes the engine
 launches for the bench's model (bf16, 4 heads x 128, pages of 32 tokens, d_model 512): ``hstu_triton``'s attention in
-its default launch shape (q/k/v unactivated, as the engine hands them over, and activated), with ``packed_tanh``, with
-a time bias and in decode tiles; the append; the LayerNorm (with and without the residual shift) and the gate. For
+its default launch shape (q/k/v unactivated, as the engine hands them over, and activated), with a time bias and in
+decode tiles; the append; the LayerNorm (with and without the residual shift) and the gate. For
 each: ``ptxas -v``'s registers, spill stores and loads (bytes) and the shared memory; with ``--sass``, how many
 local-memory loads and stores (``LDL``/``STL``, spills) sit in the basic blocks that hold the MMAs (``HGMMA``: the key
 loops). A kernel that does not compile is reported with its error. No GPU is needed, so compile errors and spills show
@@ -80,7 +80,7 @@ def attention_builds() -> list[Build]:
 
     def build(label: str, tiles: TileConfig, **changes: Any) -> Build:
         constants = {"HEAD_DIM": DIM, "PAGE_SIZE": PAGE, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n,
-                     "SILU_TANH": "f16x2" if tiles.packed_tanh else "f32", "PRECISION": "tf32", "TIME_BIAS": False,
+                     "FAST_SILU": True, "PRECISION": "tf32", "TIME_BIAS": False,
                      "SILU_QKV": True, **changes}
         return Build(label, attention.hstu_paged_attention_kernel, types, constants, tiles.num_warps,
                      tiles.num_stages, divisible)
@@ -90,8 +90,6 @@ def attention_builds() -> list[Build]:
     return [
         build("attention (engine: q/k/v unactivated)", default),
         build("attention (activated q/k/v)", default, SILU_QKV=False),
-        build("attention packed_tanh", TileConfig(default.block_m, default.block_n, default.num_warps,
-                                                  default.num_stages, packed_tanh=True)),
         build("attention time bias", biased, TIME_BIAS=True),
         build("attention decode tiles", default_tile_config(spec, max_query_len=20)),
     ]
@@ -148,19 +146,24 @@ def compile_one(build: Build, sass: bool) -> dict[str, Any]:
     return report
 
 
-def loop_locals(listing: str) -> dict[str, int]:
-    """Local-memory loads and stores (``LDL``/``STL``) of an ``nvdisasm -c`` listing, in all and in the basic blocks
-    (``.L_x_N:`` labels) that hold ``HGMMA`` instructions."""
-    blocks: list[dict[str, int]] = [{"local": 0, "mma": 0}]
+def loop_locals(listing: str) -> dict[str, Any]:
+    """From an ``nvdisasm -c`` listing: local-memory loads and stores (``LDL``/``STL``) in all and in the basic blocks
+    (``.L_x_N:`` labels) that hold ``HGMMA`` instructions (the key loops), and per such block its instruction count,
+    special-function operations (``MUFU``) and conversions (``F2F``/``F2FP``/``HADD2.F32``)."""
+    blocks: list[dict[str, int]] = [{"local": 0, "mma": 0, "instructions": 0, "mufu": 0, "conversions": 0}]
     for line in listing.splitlines():
         if re.match(r"^\s*\.L_x_\d+:", line):
-            blocks.append({"local": 0, "mma": 0})
+            blocks.append({"local": 0, "mma": 0, "instructions": 0, "mufu": 0, "conversions": 0})
         elif re.search(r"/\*[0-9a-f]{4}\*/", line):
-            blocks[-1]["local"] += bool(re.search(r"\b(LDL|STL)\b", line))
-            blocks[-1]["mma"] += "HGMMA" in line
-    return {"local_ops": sum(b["local"] for b in blocks),
-            "local_ops_in_mma_blocks": sum(b["local"] for b in blocks if b["mma"]),
-            "mma_blocks": sum(1 for b in blocks if b["mma"])}
+            block = blocks[-1]
+            block["instructions"] += 1
+            block["local"] += bool(re.search(r"\b(LDL|STL)\b", line))
+            block["mma"] += "HGMMA" in line
+            block["mufu"] += bool(re.search(r"\bMUFU\b", line))
+            block["conversions"] += bool(re.search(r"\b(F2FP?|HADD2\.F32)\b", line))
+    loops = [b for b in blocks if b["mma"]]
+    return {"local_ops": sum(b["local"] for b in blocks), "local_ops_in_mma_blocks": sum(b["local"] for b in loops),
+            "mma_blocks": [{k: b[k] for k in ("instructions", "mma", "mufu", "conversions", "local")} for b in loops]}
 
 
 def main(argv: list[str] | None = None) -> int:

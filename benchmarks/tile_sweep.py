@@ -2,17 +2,16 @@
 
     python benchmarks/tile_sweep.py --out tile_sweep.json [--quick]
 
-For every launch shape of a grid (``block_m`` 64/128, ``block_n`` 64/128, ``num_warps`` 4/8, ``num_stages`` 2-4, and
-128 x 128 x 8 warps with ``packed_tanh``; shapes Triton cannot compile are recorded as failed), times
-``hstu_triton`` attention (4 heads x 128, bf16, page 32, q/k/v unactivated as the engine gives them, replayed from a
-CUDA graph: device time) over five steps: one 8k and one 16k full-history prefill, recompute's batch of 8 (whole
-histories of 1.5k-20k events, mean ~9.2k, plus 100 candidates each, nothing cached), a serving step of 8 returning
-users (4 new events and 100 candidates each over 2k-12.5k cached), and recompute's batch with a relative time bias
-(the kernel variant that loads the most per key tile: a shape must compile for it too).
+For every launch shape of a grid (``block_m`` 64/128, ``block_n`` 64/128, ``num_warps`` 4/8, ``num_stages`` 2-4;
+shapes Triton cannot compile are recorded as failed), times ``hstu_triton`` attention (4 heads x 128, bf16, page 32,
+q/k/v unactivated as the engine gives them, replayed from a CUDA graph: device time) over five steps: one 8k and one
+16k full-history prefill, recompute's batch of 8 (whole histories of 1.5k-20k events, mean ~9.2k, plus 100
+candidates each, nothing cached), a serving step of 8 returning users (4 new events and 100 candidates each over
+2k-12.5k cached), and recompute's batch with a relative time bias (the kernel variant that loads the most per key
+tile: a shape must compile for it too).
 The default shape is timed once more on activated q/k/v (``silu`` false in its row): the cost of applying q's SiLU
-inside the kernel, which holds q in registers (compiled for sm_90, the default shape spills more with it).
-Reports TFLOP/s (causal FLOPs counted once) per shape. ``--quick``: five shapes (the default with and without
-``packed_tanh``).
+inside the kernel, which holds q in registers (compiled for sm_90, the default shape spills more with it). Reports
+TFLOP/s (causal FLOPs counted once) per shape. ``--quick``: four shapes.
 """
 
 from __future__ import annotations
@@ -62,11 +61,9 @@ def main() -> None:
     spec = AttentionSpec(kind="hstu", num_heads=HEADS, head_dim=DIM, page_size=PAGE, dtype=torch.bfloat16,
                          device_type="cuda", alpha=DIM**-0.5, scaling_seqlen=20_000)
     grid = [TileConfig(m, n, w, s) for m, n, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4))]
-    grid += [TileConfig(128, 128, 8, s, packed_tanh=True) for s in (2, 3, 4)]  # float16 tanh pairs, on trial
     default = default_tile_config(spec)
     if args.quick:
-        grid = [default, dataclasses.replace(default, packed_tanh=not default.packed_tanh), TileConfig(128, 128, 8, 2),
-                TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3)]
+        grid = [default, TileConfig(128, 128, 8, 2), TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3)]
     steps = {name: make_step(*shape, device) for name, shape in STEPS.items()}
     steps[BIAS_STEP] = make_step(*STEPS["recompute_bs8"], device, timestamps=True)
     tflop = {name: step_tflop(*shape) for name, shape in STEPS.items()}

@@ -664,22 +664,6 @@ def test_gpu_bf16_silu_applied_by_the_kernels(layout, num_sms):
     assert_close(got, expected, scale, 1.5e-2)
 
 
-@pytest.mark.parametrize("layout", [
-    [(0, 8192, 0)],  # full causal prefill
-    [(16000, 256, 100), (4000, 0, 100), (0, 2048, 0), (9000, 17, 50)],  # split-KV, candidates
-])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.gpu
-@needs_cuda
-@needs_triton
-def test_gpu_packed_tanh_matches_reference(layout, dtype):
-    """``packed_tanh`` (the attention weights' tanh in float16 pairs) within the 16-bit tolerance of the oracle."""
-    gen = torch.Generator().manual_seed(5 * len(layout))
-    tiles = TileConfig(128, 128, 8, 3, packed_tanh=True)
-    got, expected, scale = run_both(layout, make_spec(32, 4, 128, dtype), gen, tiles)
-    assert_close(got, expected, scale, 1.5e-2 if dtype == torch.bfloat16 else 3e-3)
-
-
 @pytest.mark.parametrize(("dtype", "dim", "page_size", "rtol"), [
     (torch.float16, 128, 32, 3e-3), (torch.bfloat16, 64, 16, 1.5e-2), (torch.bfloat16, 256, 64, 1.5e-2),
     (torch.float32, 128, 32, 1e-4), (torch.float32, 256, 16, 1e-4),

@@ -91,11 +91,13 @@ def _attend_key_tile(
     keys = start_n + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     in_seq = keys < seq_len
+    position = keys.to(tl.uint32)  # keys are >= 0: unsigned, the page and entry are a shift and a mask
     if MASKED:
-        page = tl.load(Pages + keys // PAGE_SIZE, mask=in_seq, other=0)
+        page = tl.load(Pages + position // PAGE_SIZE, mask=in_seq, other=0)
     else:
-        page = tl.load(Pages + keys // PAGE_SIZE)
-    k_ptrs = KvHead + (page.to(tl.int64) * stride_page + (keys % PAGE_SIZE) * stride_token)[:, None] + dims[None, :]
+        page = tl.load(Pages + position // PAGE_SIZE)
+    entry = (position % PAGE_SIZE).to(tl.int32)
+    k_ptrs = KvHead + (page.to(tl.int64) * stride_page + entry * stride_token)[:, None] + dims[None, :]
     if MASKED:
         k = tl.load(k_ptrs, mask=in_seq[:, None], other=0.0)
         v = tl.load(k_ptrs + stride_kv, mask=in_seq[:, None], other=0.0)

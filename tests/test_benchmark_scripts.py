@@ -90,6 +90,12 @@ def test_kernel_profile_cold_visits(tmp_path):
     assert cold["eager"] and not cold["step_graphs"] and cold["graph_launches"] == 0  # CPU: no step graphs
     assert result["batch"] == 1 and result["batches"] == 3 and cold["visits"] == 3
     assert len(cold["per_visit"]) == len(cold["wall_ms"]) == 3 and len(cold["unprofiled_wall_ms"]) == 3
+    # a visit longer than a chunk runs in steps, recorded as the engine ran them (the candidates with the last)
+    chunked = tmp_path / "chunked"
+    module.main(["--quick", "--cold-history", "100", "--batches", "1", "--set", "scheduler.max_chunk_tokens=40",
+                 "--out", str(chunked)])
+    cold_chunked = json.loads((chunked / "kernel_profile.json").read_text())["cold"]
+    assert cold_chunked["visit_step_rows"] == [40, 40, 28] and cold_chunked["largest_step_rows"] == 40
     assert cold["kernels_outside_visits"] == 0 and result["model_tflop_per_batch"] > 0
     assert all(r["name"] != module.MARKER for r in result["table"]) and sum(r["share"] for r in result["table"]) == \
         pytest.approx(1.0)

@@ -210,6 +210,28 @@ def test_hstu_layer_with_silu_in_attend_equals_the_layer(concat_ua, fused):
     assert_close(got, expected, (1e-5, 1e-5))  # float32: the norms', gate's and exp's ulps through two Linears
 
 
+def test_fused_layer_runs_no_add_and_accumulates_the_output_gemm_in_place():
+    """On the fused path the residual add is the output GEMM's own accumulation into ``x + bias`` (an in-place
+    ``addmm_``: an out-of-place ``addmm`` with a full input would copy it first), and with ``silu_in_attend`` no SiLU
+    runs over the projection: the torch ops the layer dispatches, attention left out."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    config = ModelConfig(num_items=50, d_model=64, num_layers=1, num_heads=2, head_dim=16)
+    layer = GRModel(config).to(DEVICE).layers[0]
+    x = rows(9, 64, torch.float32, torch.Generator().manual_seed(6))
+    ops = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Ops():
+        layer(x, lambda q, k, v, time_bias: q.clone(), fused=True, silu_in_attend=True)
+    # (the interpreter's copies of kernel outputs aside: copy_ shows up here for them)
+    assert ops[-1] == "addmm_" and ops.count("addmm") == 1 and not {"add", "add_", "silu"} & set(ops), ops
+
+
 def test_state_dict_names_are_unchanged():
     config = ModelConfig(num_items=50, d_model=32, num_layers=1, num_heads=2, head_dim=16)
     assert sorted(HSTULayer(config).state_dict()) == [

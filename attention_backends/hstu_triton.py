@@ -41,7 +41,8 @@ class HSTUTritonMetadata:
             the partial-buffer slot of its first part, and the keys per part (a multiple of ``block_n``).
         items: int32 ``[2, num_items]``, per work item, longest first: its tile (``-1`` for spare
             slots) and which part of the tile's key range it covers.
-        num_sms: programs that run at once: the persistent grid's size (host int).
+        processors: programs that run at once (:meth:`HSTUTritonBackend.processors`), the persistent grid's size
+            (host int).
         may_split: whether any tile can have several parts (host bool; else no partial buffer and no sum of
             partials: never for an uncut plan).
         config: the tiles' launch shape.
@@ -50,7 +51,7 @@ class HSTUTritonMetadata:
     common: PagedBatchMetadata
     tiles: torch.Tensor
     items: torch.Tensor
-    num_sms: int
+    processors: int
     may_split: bool
     config: TileConfig
 
@@ -98,8 +99,9 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
         host = common.host or {k: getattr(common, k).cpu().numpy()
                                for k in ("query_start_loc", "num_history_rows", "kv_seq_lens")}
         config = self._config(common.max_query_len)
+        processors = self.processors(config)
         uncut = uncut_sizes(host["query_start_loc"], host["num_history_rows"], host["kv_seq_lens"], config,
-                            self.spec.num_heads, self.num_sms, self.min_tiles_per_split)
+                            self.spec.num_heads, processors, self.min_tiles_per_split)
         if uncut is not None:
             num_tiles, num_items = uncut
             flat = self.uncut_plan.write(common, config, num_tiles, num_items)
@@ -112,7 +114,7 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
             shapes = tiles.shape, items.shape
         size = shapes[0][0] * shapes[0][1]
         may_split = uncut is None and common.max_kv_len > self.min_tiles_per_split * config.block_n  # uncut: no parts
-        return HSTUTritonMetadata(common, flat[:size].view(shapes[0]), flat[size:].view(shapes[1]), self.num_sms,
+        return HSTUTritonMetadata(common, flat[:size].view(shapes[0]), flat[size:].view(shapes[1]), processors,
                                   may_split, config)
 
     def graph_plan(self, common_host: dict[str, np.ndarray], max_rows: int,
@@ -128,7 +130,7 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
                 return planned
         config = self._config(longest)
         num_tiles = (max_rows + max_requests * (config.block_m - 1)) // config.block_m  # plan_tile_map's bound
-        num_items = max(num_tiles, -(-MAX_PROGRAMS_PER_SM * self.num_sms // self.spec.num_heads))
+        num_items = max(num_tiles, -(-MAX_PROGRAMS_PER_SM * self.processors(config) // self.spec.num_heads))
         if self.plan_on_device:
             from .hstu_triton_device_plan import fits
 
@@ -153,7 +155,8 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
 
         config, num_tiles, num_items, _ = key
         write_plan(plan, common.query_start_loc, common.num_history_rows, common.kv_seq_lens, config, num_tiles,
-                   num_items, self.spec.num_heads, self.num_sms, self.overhead_keys, self.min_tiles_per_split)
+                   num_items, self.spec.num_heads, self.processors(config), self.overhead_keys,
+                   self.min_tiles_per_split)
 
     def graph_metadata(self, common: PagedBatchMetadata, key: Hashable, plan: torch.Tensor) -> HSTUTritonMetadata:
         config, num_tiles, num_items, _ = key
@@ -161,14 +164,18 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
         if views is None or views[0] is not plan:  # the views of a static buffer, made once (a few us each a step)
             views = self._plan_views[key] = (plan, plan[: 5 * num_tiles].view(5, num_tiles),
                                              plan[5 * num_tiles: 5 * num_tiles + 2 * num_items].view(2, num_items))
-        return HSTUTritonMetadata(common, views[1], views[2], self.num_sms, True, config)
+        return HSTUTritonMetadata(common, views[1], views[2], self.processors(config), True, config)
+
+    def processors(self, config: TileConfig) -> int:
+        """Programs of ``config`` that run at once, the persistent grid's size: SMs x ``config.programs_per_sm``."""
+        return self.num_sms * config.programs_per_sm
 
     def _config(self, max_query_len: int) -> TileConfig:
         return self.tiles if self.fixed_tiles else default_tile_config(self.spec, max_query_len)
 
     def _plan(self, host: dict[str, np.ndarray], config: TileConfig) -> tuple[np.ndarray, np.ndarray]:
         return plan_tile_map(host["query_start_loc"], host["num_history_rows"], host["kv_seq_lens"], config,
-                             self.spec.num_heads, self.num_sms, self.overhead_keys, self.min_tiles_per_split)
+                             self.spec.num_heads, self.processors(config), self.overhead_keys, self.min_tiles_per_split)
 
     def append_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   metadata: HSTUTritonMetadata, silu: bool = False) -> None:
@@ -196,7 +203,7 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
         shape = (num_items, num_heads, block_m, head_dim) if m.may_split else (1,)
         partial = torch.empty(shape, dtype=torch.float32, device=q.device)
         num_work = num_heads * num_items
-        num_programs = min(num_work, m.num_sms)  # persistent grid
+        num_programs = min(num_work, m.processors)  # persistent grid
         t = c.timestamps
         times = (out, m.tiles, m.tiles, m.tiles, 0) if time_bias is None else (  # placeholders without a bias
             time_bias.contiguous(), t.query, t.keys, t.key_start, time_bias.shape[0] - 1)

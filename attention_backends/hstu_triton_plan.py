@@ -18,12 +18,16 @@ MAX_SPLITS, MAX_PROGRAMS_PER_SM, MIN_TILES_PER_SPLIT, SPLIT_OVERHEAD_KEYS = 32, 
 @dataclass(frozen=True)
 class TileConfig:
     """Launch shape: ``block_m`` query rows and ``block_n`` keys (a multiple of the page size) per step, powers of
-    two >= 16; ``num_warps`` per program; ``num_stages`` of key-loop pipelining."""
+    two >= 16; ``num_warps`` per program; ``num_stages`` of key-loop pipelining; ``programs_per_sm`` programs of the
+    persistent grid on each SM at once (the grid and the split-KV plan count ``SMs * programs_per_sm`` processors;
+    more than 1 only where the compiled kernel's registers and shared memory let that many share an SM, else the
+    extra programs wait for a free SM and the plan's estimate is off)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    programs_per_sm: int = 1
 
 
 def default_tile_config(spec: AttentionSpec, max_query_len: int | None = None) -> TileConfig:

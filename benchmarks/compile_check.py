@@ -5,10 +5,10 @@
 Triton's compiler and the ``ptxas`` shipped in the triton wheel build each kernel for sm_90 at the shapes the engine
 launches for the bench's model (bf16, 4 heads x 128, pages of 32 tokens, d_model 512): ``hstu_triton``'s attention in
 its default launch shape (q/k/v unactivated, as the engine hands them over, and activated), with a time bias and in
-decode tiles; the append; the LayerNorm (with and without the residual shift) and the gate. For
-each: ``ptxas -v``'s registers, spill stores and loads (bytes) and the shared memory; with ``--sass``, how many
-local-memory loads and stores (``LDL``/``STL``, spills) sit in the basic blocks that hold the MMAs (``HGMMA``: the key
-loops). A kernel that does not compile is reported with its error. No GPU is needed, so compile errors and spills show
+decode tiles, and the 64 x 64 shape ``tile_sweep.py`` times two programs an SM; the append; the LayerNorm (with and
+without the residual shift) and the gate. For each: ``ptxas -v``'s registers, spill stores and loads (bytes), the
+shared memory and how many programs fit on an SM (:func:`programs_per_sm`); with ``--sass``, how many local-memory
+loads and stores (``LDL``/``STL``, spills) sit in the basic blocks that hold the MMAs (``HGMMA``: the key loops). A kernel that does not compile is reported with its error. No GPU is needed, so compile errors and spills show
 before a device session; how fast a kernel runs still takes the GPU (``tile_sweep.py``).
 
 It must import Triton without ``TRITON_INTERPRET`` (it removes the variable before importing anything).
@@ -92,6 +92,7 @@ def attention_builds() -> list[Build]:
         build("attention (activated q/k/v)", default, SILU_QKV=False),
         build("attention time bias", biased, TIME_BIAS=True),
         build("attention decode tiles", default_tile_config(spec, max_query_len=20)),
+        build("attention 64 x 64, 4 warps, 3 stages (tile_sweep.py's two an SM)", TileConfig(64, 64, 4, 3, 2)),
     ]
 
 
@@ -138,12 +139,23 @@ def compile_one(build: Build, sass: bool) -> dict[str, Any]:
                              ("spill_load_bytes", r"(\d+) bytes spill loads")):
             match = re.search(pattern, info)
             report[key] = int(match.group(1)) if match else None
+        report["programs_per_sm"] = programs_per_sm(report["registers"], report["shared_bytes"], build.num_warps)
         if sass:
             cubin = Path(tmp) / "kernel.cubin"
             cubin.write_bytes(compiled.asm["cubin"])
             listing = subprocess.run([str(BIN / "nvdisasm"), "-c", str(cubin)], capture_output=True, text=True).stdout
             report.update(loop_locals(listing))
     return report
+
+
+def programs_per_sm(registers: int | None, shared_bytes: int, num_warps: int) -> int | None:
+    """How many programs of a kernel fit on one H200 SM at once: 65,536 registers (allocated to each warp in
+    units of 256, i.e. 8 a thread), 228 KB of shared memory (1 KB more reserved a program), 64 warps."""
+    if registers is None:
+        return None
+    by_registers = 65_536 // (-(-registers // 8) * 8 * 32 * num_warps)
+    by_shared = 228 * 1024 // (shared_bytes + 1024)
+    return min(by_registers, by_shared, 64 // num_warps)
 
 
 def loop_locals(listing: str) -> dict[str, Any]:
@@ -178,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         loop = f", local ops {r['local_ops']} ({r['local_ops_in_mma_blocks']} in MMA loops)" if args.sass else ""
         print(f"{r['label']}: {r['registers']} registers, spills {r['spill_store_bytes']} B stored / "
-              f"{r['spill_load_bytes']} B loaded, {r['shared_bytes']} B shared{loop}")
+              f"{r['spill_load_bytes']} B loaded, {r['shared_bytes']} B shared, {r['programs_per_sm']} an SM{loop}")
     if args.out:
         Path(args.out).write_text(json.dumps({"target": "sm_90", "triton": triton.__version__, "kernels": reports},
                                              indent=2))

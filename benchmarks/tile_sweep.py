@@ -3,15 +3,17 @@
     python benchmarks/tile_sweep.py --out tile_sweep.json [--quick]
 
 For every launch shape of a grid (``block_m`` 64/128, ``block_n`` 64/128, ``num_warps`` 4/8, ``num_stages`` 2-4;
-shapes Triton cannot compile are recorded as failed), times ``hstu_triton`` attention (4 heads x 128, bf16, page 32,
-q/k/v unactivated as the engine gives them, replayed from a CUDA graph: device time) over five steps: one 8k and one
-16k full-history prefill, recompute's batch of 8 (whole histories of 1.5k-20k events, mean ~9.2k, plus 100
-candidates each, nothing cached), a serving step of 8 returning users (4 new events and 100 candidates each over
-2k-12.5k cached), and recompute's batch with a relative time bias (the kernel variant that loads the most per key
-tile: a shape must compile for it too).
+the 64-row 4-warp shapes also two programs an SM, and the decode tiles 32 x 128 one and two; shapes Triton cannot
+compile are recorded as failed), times ``hstu_triton`` attention (4 heads x 128, bf16, page 32, q/k/v unactivated as
+the engine gives them, replayed from a CUDA graph: device time) over six steps: one 8k and one 16k full-history
+prefill, recompute's batch of 8 (whole histories of 1.5k-20k events, mean ~9.2k, plus 100 candidates each, nothing
+cached), a serving step of 8 returning users (4 new events and 100 candidates each over 2k-12.5k cached), the same
+users with 16 candidates (rows for the engine's decode tiles), and recompute's batch with a relative time bias (the
+kernel variant that loads the most per key tile: a shape must compile for it too). A persistent grid holds one
+program an SM unless ``programs_per_sm`` says more (``compile_check.py`` says how many fit).
 The default shape is timed once more on activated q/k/v (``silu`` false in its row): the cost of applying q's SiLU
 inside the kernel, which holds q in registers (compiled for sm_90, the default shape spills more with it). Reports
-TFLOP/s (causal FLOPs counted once) per shape. ``--quick``: four shapes.
+TFLOP/s (causal FLOPs counted once) per shape. ``--quick``: seven shapes.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ STEPS = {
     "recompute_bs8": ([0] * 8, [1500, 3000, 5000, 7500, 9700, 12000, 15000, 20000], [100] * 8),
     # a serving step: 8 returning users' new events and candidates over their cached histories (split-KV)
     "serve_bs8": ([2000, 3500, 5000, 6500, 8000, 9500, 11000, 12500], [4] * 8, [100] * 8),
+    # the same users with few candidates: 20 rows a request, the engine's decode tiles
+    "decode_bs8": ([2000, 3500, 5000, 6500, 8000, 9500, 11000, 12500], [4] * 8, [16] * 8),
 }
 BIAS_STEP = "recompute_bs8_time_bias"  # STEPS["recompute_bs8"] with timestamps and a time-bias table
 BIAS_BUCKETS = 64
@@ -54,16 +58,20 @@ def step_tflop(cached: list[int], new: list[int], candidates: list[int]) -> floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--quick", action="store_true", help="four shapes only")
+    parser.add_argument("--quick", action="store_true", help="seven shapes only")
     parser.add_argument("--commit", default=None, help="commit id to record (the device copy has no .git)")
     args = parser.parse_args()
     device = torch.device("cuda")
     spec = AttentionSpec(kind="hstu", num_heads=HEADS, head_dim=DIM, page_size=PAGE, dtype=torch.bfloat16,
                          device_type="cuda", alpha=DIM**-0.5, scaling_seqlen=20_000)
     grid = [TileConfig(m, n, w, s) for m, n, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4))]
+    grid += [dataclasses.replace(c, programs_per_sm=2) for c in grid if c.block_m == 64 and c.num_warps == 4]
+    decode = default_tile_config(spec, max_query_len=20)
+    grid += [decode, dataclasses.replace(decode, programs_per_sm=2)]
     default = default_tile_config(spec)
     if args.quick:
-        grid = [default, TileConfig(128, 128, 8, 2), TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3)]
+        grid = [default, TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3), TileConfig(64, 64, 4, 3, 2),
+                TileConfig(64, 64, 4, 2, 2), decode, dataclasses.replace(decode, programs_per_sm=2)]
     steps = {name: make_step(*shape, device) for name, shape in STEPS.items()}
     steps[BIAS_STEP] = make_step(*STEPS["recompute_bs8"], device, timestamps=True)
     tflop = {name: step_tflop(*shape) for name, shape in STEPS.items()}

@@ -224,6 +224,26 @@ def test_silu_applied_by_the_kernels_matches_reference(num_sms, time_buckets):
 
 @needs_triton
 @cpu_only
+def test_programs_per_sm_multiplies_the_persistent_grid():
+    """``TileConfig.programs_per_sm``: the grid and the split-KV plan count SMs x programs_per_sm processors (the
+    plan of 3 an SM on 4 SMs is the plan of one on 12), and the output still equals the oracle's."""
+    gen = torch.Generator().manual_seed(5)
+    spec = make_spec(16, 2, 16, torch.float32)
+    layout = [(300, 4, 9), (90, 0, 5), (0, 40, 0), (17, 1, 3)]
+    common = make_common(layout, 16, gen)
+    three = HSTUTritonBackend(spec, tiles=TileConfig(16, 16, 4, 1, programs_per_sm=3))
+    three.num_sms = 4
+    one = make_backend(spec, TileConfig(16, 16, 4, 1))
+    one.num_sms = 12
+    meta3, meta1 = three.build_metadata(common), one.build_metadata(common)
+    assert meta3.processors == 12 and three.processors(three.tiles) == 12
+    assert torch.equal(meta3.tiles, meta1.tiles) and torch.equal(meta3.items, meta1.items)
+    got, expected, scale = run_both(layout, spec, gen, TileConfig(16, 16, 4, 1, programs_per_sm=3), num_sms=4)
+    assert_close(got, expected, scale, 1e-5)
+
+
+@needs_triton
+@cpu_only
 def test_float16_on_interpreter():
     # Not bf16: Triton 3.6's interpreter computes bf16 tl.dot wrongly; the gpu tests cover bf16.
     gen = torch.Generator().manual_seed(7)
@@ -661,6 +681,21 @@ def test_gpu_bf16_matches_reference(layout, num_sms):
 def test_gpu_bf16_silu_applied_by_the_kernels(layout, num_sms):
     gen = torch.Generator().manual_seed(3 * len(layout))
     got, expected, scale = run_both(layout, make_spec(32, 4, 128, torch.bfloat16), gen, num_sms=num_sms, silu=True)
+    assert_close(got, expected, scale, 1.5e-2)
+
+
+@pytest.mark.parametrize("layout", [
+    [(0, 8192, 0)],  # full causal prefill
+    [(2000, 4, 100), (5000, 4, 100), (12500, 4, 100), (31, 1, 0)],  # serving: split-KV, candidates
+])
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+def test_gpu_bf16_two_programs_per_sm(layout):
+    """64 x 64 tiles over 4 warps, two programs an SM (as tile_sweep.py times them), on raw projections."""
+    gen = torch.Generator().manual_seed(len(layout) + 40)
+    tiles = TileConfig(64, 64, 4, 3, programs_per_sm=2)
+    got, expected, scale = run_both(layout, make_spec(32, 4, 128, torch.bfloat16), gen, tiles, silu=True)
     assert_close(got, expected, scale, 1.5e-2)
 
 

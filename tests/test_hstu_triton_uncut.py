@@ -117,7 +117,7 @@ def test_build_metadata_plans_large_steps_on_the_device_with_the_host_plans_outp
     meta = backend.build_metadata(common)
     assert np.array_equal(meta.tiles.cpu().numpy(), host_plan[0]) and np.array_equal(meta.items.cpu().numpy(),
                                                                                      host_plan[1])
-    on_host = HSTUTritonMetadata(common, *(torch.from_numpy(a).to(DEVICE) for a in host_plan), meta.num_sms,
+    on_host = HSTUTritonMetadata(common, *(torch.from_numpy(a).to(DEVICE) for a in host_plan), meta.processors,
                                  meta.may_split, meta.config)
     cache = cache.nan_to_num(0.0)
     backend.append_kv(cache, k, v, meta)
@@ -163,7 +163,7 @@ def test_gpu_large_step_equals_host_plan_bit_for_bit_and_the_reference():
                          meta.config, spec.num_heads, backend.num_sms, backend.overhead_keys,
                          backend.min_tiles_per_split)
     assert np.array_equal(meta.tiles.cpu().numpy(), host[0]) and np.array_equal(meta.items.cpu().numpy(), host[1])
-    on_host = HSTUTritonMetadata(common, *(torch.from_numpy(a).cuda() for a in host), meta.num_sms, meta.may_split,
+    on_host = HSTUTritonMetadata(common, *(torch.from_numpy(a).cuda() for a in host), meta.processors, meta.may_split,
                                  meta.config)
     cache = cache.nan_to_num(0.0)
     backend.append_kv(cache, k, v, meta)

@@ -8,8 +8,9 @@ its default launch shape (q/k/v unactivated, as the engine hands them over, and 
 decode tiles, and the 64 x 64 shape ``tile_sweep.py`` times two programs an SM; the append; the LayerNorm (with and
 without the residual shift) and the gate. For each: ``ptxas -v``'s registers, spill stores and loads (bytes), the
 shared memory and how many programs fit on an SM (:func:`programs_per_sm`); with ``--sass``, how many local-memory
-loads and stores (``LDL``/``STL``, spills) sit in the basic blocks that hold the MMAs (``HGMMA``: the key loops). A kernel that does not compile is reported with its error. No GPU is needed, so compile errors and spills show
-before a device session; how fast a kernel runs still takes the GPU (``tile_sweep.py``).
+loads and stores (``LDL``/``STL``, spills) sit in the basic blocks that hold the MMAs (``HGMMA``: the key loops). A
+kernel that does not compile is reported with its error. No GPU is needed, so compile errors and spills show before a
+device session; how fast a kernel runs still takes the GPU (``tile_sweep.py``).
 
 It must import Triton without ``TRITON_INTERPRET`` (it removes the variable before importing anything).
 """

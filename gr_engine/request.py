@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import msgspec
 
+_INT64_MAX = 2**63 - 1
+
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
     """A user's history; ``GREngine.generate`` retrieves the items they are likely to engage with next.
 
     Attributes:
         request_id: caller's id, echoed on the output; unique among in-flight requests.
-        user_id: whose history this is; a returning user's cached KV is found by this key.
+        user_id: whose history this is; a returning user's cached KV is found by this key (a string, or an int that
+            fits in 64 bits, signed or unsigned).
         item_ids: ``[n]`` item of each history event (``0 <= id < model.num_items``).
         action_ids: ``[n]`` action of each event (``0 <= id < model.num_actions``).
         timestamps: ``[n]`` event times (any integer unit, non-decreasing).
@@ -51,3 +54,5 @@ class GenerateParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if self.top_k <= 0:
             raise ValueError(f"top_k must be positive, got {self.top_k}")
+        if self.top_k > _INT64_MAX:
+            raise ValueError(f"top_k must be at most {_INT64_MAX}, got {self.top_k}")

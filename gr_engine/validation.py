@@ -13,6 +13,7 @@ from .request import GenerateRequest, RankRequest
 
 _INT64 = np.dtype(np.int64)
 _INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
+_UINT64_MAX = int(np.iinfo(np.uint64).max)  # an int user_id may be a signed or an unsigned 64-bit id
 _JOIN_LIMIT = 1024  # values_valid checks longer unchecked histories request by request, without copying them
 _OUT_OF_INT64 = f"outside the 64-bit integer range [{_INT64_MIN}, {_INT64_MAX}]"
 _SEPARATOR = np.array([np.iinfo(np.int64).max, np.iinfo(np.int64).min], dtype=np.int64)  # between requests' timestamps
@@ -90,6 +91,9 @@ def parse_fields(request: Any, config: EngineConfig, *, ranking: bool) -> Reques
         raise RequestError(f"request_id must be a string, got {type(request.request_id).__name__}")
     if isinstance(request.user_id, bool) or not isinstance(request.user_id, (int, str)):
         raise RequestError(f"user_id must be an int or a string, got {type(request.user_id).__name__}")
+    if isinstance(request.user_id, int) and not _INT64_MIN <= request.user_id <= _UINT64_MAX:
+        raise RequestError(f"user_id {request.user_id} does not fit in 64 bits (signed or unsigned): the range is "
+                           f"[{_INT64_MIN}, {_UINT64_MAX}]")
     model = config.model
     items = _int_array("item_ids", request.item_ids)
     actions = _int_array("action_ids", request.action_ids)

@@ -184,6 +184,47 @@ def test_bad_input_gets_400_or_a_per_request_error(server: Server) -> None:
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
 
 
+def test_out_of_range_fields_are_400_or_a_per_request_error_never_a_500(server: Server) -> None:
+    """Values that decode but cannot be served: a user id beyond 64 bits (the core's wire holds 64) fails alone; a
+    NaN or negative ``timeout_ms`` (msgpack can carry NaN), a ``top_k`` beyond 64 bits or values nested thousands
+    deep are a 400."""
+    url = f"{server.url}/v1/rank"
+    good = make_stream(2, seed=41)
+    mixed = [{**msgspec.to_builtins(good[0]), "user_id": 2**70}, msgspec.to_builtins(good[1])]
+    response = httpx.post(url, content=json.dumps({"requests": mixed}), timeout=30)
+    assert response.status_code == 200
+    outputs = response.json()["outputs"]
+    assert "does not fit in 64 bits" in outputs[0]["error"] and outputs[1]["error"] is None
+    np.testing.assert_allclose(np.array(outputs[1]["scores"], dtype=np.float32), recompute_scores(good[1:])[0],
+                               atol=TOL, rtol=0)
+    packed = {"content-type": "application/msgpack", "accept": "application/json"}
+    for timeout in (float("nan"), -1.0):
+        answer = httpx.post(url, content=msgspec.msgpack.encode({"requests": mixed[1:], "timeout_ms": timeout}),
+                            headers=packed, timeout=30)
+        assert answer.status_code == 400 and "timeout_ms" in answer.json()["error"], answer.text
+    retrieval = {k: v for k, v in mixed[1].items() if k != "candidate_item_ids"}
+    answer = httpx.post(f"{server.url}/v1/generate", timeout=30,
+                        content=json.dumps({"requests": [retrieval], "params": {"top_k": 2**70}}))
+    assert answer.status_code == 400 and "top_k" in answer.json()["error"], answer.text
+    deep = [(b'{"requests": [' + b"[" * 5000 + b"]" * 5000 + b"]}", {}),  # msgspec: RecursionError, a 400
+            (b"\x81\xa8requests\x91" + b"\x91" * 5000 + b"\x90", packed)]
+    for content, headers in deep:
+        answer = httpx.post(url, content=content, headers=headers, timeout=30)
+        assert answer.status_code == 400 and "nested too deeply" in answer.json()["error"], answer.text
+    assert "Exception in ASGI application" not in server.log_text()
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_deadline_after_refuses_nan_and_negative_timeouts() -> None:
+    from gr_engine.serving.client import deadline_after
+
+    assert deadline_after(10.0, 250) == 10.25 and deadline_after(10.0, 0) == 10.0
+    assert deadline_after(10.0, None) is None and deadline_after(10.0, float("inf")) is None
+    for bad in (float("nan"), -0.5):
+        with pytest.raises(ValueError, match="timeout_ms must be a number >= 0"):
+            deadline_after(10.0, bad)
+
+
 def test_metrics_count_every_request_once(server: Server) -> None:
     stream = make_stream(20, seed=29)
     bad = [{**msgspec.to_builtins(r), "candidate_item_ids": [10**6]} for r in stream[:3]]

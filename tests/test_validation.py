@@ -44,6 +44,8 @@ BAD = {
     "uint64_array_beyond_int64": (dict(timestamps=np.array([1, 2, 2**63], dtype=np.uint64)),
                                   "timestamps contains 9223372036854775808, outside the 64-bit"),
     "user_id_wrong_type": (dict(user_id=1.5), "user_id must be an int or a string"),
+    "user_id_beyond_uint64": (dict(user_id=2**64), r"user_id 18446744073709551616 does not fit in 64 bits"),
+    "user_id_below_int64": (dict(user_id=-(2**63) - 1), "user_id -9223372036854775809 does not fit in 64 bits"),
     "request_id_wrong_type": (dict(request_id=3), "request_id must be a string"),
 }
 
@@ -57,6 +59,12 @@ def test_bad_request_rejected_with_clear_error(name):
     [output] = engine.rank([good(**changes)], use_tqdm=False)
     assert not output.ok and message.split()[0] in output.error
     assert output.scores.size == 0
+
+
+@pytest.mark.parametrize("user_id", [2**64 - 1, -(2**63)])
+def test_user_ids_of_64_bits_signed_or_unsigned_are_served(user_id):
+    [output] = GREngine(tiny_config()).rank([good(user_id=user_id)], use_tqdm=False)
+    assert output.ok and output.user_id == user_id
 
 
 def test_not_a_request_object():

@@ -13,7 +13,8 @@ row-major, with ``scores_shape`` ``[num_candidates, num_tasks]`` beside it.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from collections.abc import Iterator
+from typing import Annotated, Any
 
 import msgspec
 
@@ -26,20 +27,24 @@ MSGPACK_TYPES = frozenset({"application/msgpack", "application/x-msgpack"})
 JSON_TYPE = "application/json"
 
 
+TimeoutMs = Annotated[float, msgspec.Meta(ge=0)]  # NaN and negative deadlines fail decoding (a 400)
+
+
 class RankBody(msgspec.Struct, forbid_unknown_fields=True):
-    """``POST /v1/rank``: ``requests`` (each a :class:`~gr_engine.RankRequest`) and an optional deadline (ms)."""
+    """``POST /v1/rank``: ``requests`` (each a :class:`~gr_engine.RankRequest`) and an optional deadline (ms,
+    >= 0)."""
 
     requests: list[msgspec.Raw]
-    timeout_ms: float | None = None
+    timeout_ms: TimeoutMs | None = None
 
 
 class GenerateBody(msgspec.Struct, forbid_unknown_fields=True):
     """``POST /v1/generate``: ``requests`` (each a :class:`~gr_engine.GenerateRequest`), retrieval ``params`` and
-    an optional deadline (ms)."""
+    an optional deadline (ms, >= 0)."""
 
     requests: list[msgspec.Raw]
     params: GenerateParams = msgspec.field(default_factory=GenerateParams)
-    timeout_ms: float | None = None
+    timeout_ms: TimeoutMs | None = None
 
 
 Ints = list[int] | memoryview  # a msgpack array of ints, or a bin of little-endian int64 raw bytes
@@ -62,10 +67,20 @@ class _PackedRankRequest(_PackedGenerateRequest, kw_only=True):
     candidate_item_ids: Ints
 
 
+@contextlib.contextmanager
+def _nesting_is_a_decode_error() -> Iterator[None]:
+    """msgspec raises ``RecursionError`` for values nested too deeply (e.g. thousands of ``[``): a malformed body."""
+    try:
+        yield
+    except RecursionError:
+        raise msgspec.DecodeError("values nested too deeply") from None
+
+
 class BodyFormat:
     """One format of request bodies and answers (:data:`JSON` or :data:`MSGPACK`).
 
-    Decoding raises ``msgspec.DecodeError`` (not this format) or ``msgspec.ValidationError`` (wrong fields), and
+    Decoding raises ``msgspec.DecodeError`` (not this format, or nested too deeply) or ``msgspec.ValidationError``
+    (wrong fields), and
     :meth:`decode_request` also :class:`~gr_engine.validation.RequestError` (a raw field that is not int64 bytes).
     """
 
@@ -79,16 +94,18 @@ class BodyFormat:
 
     def decode_body(self, raw: bytes, body_type: type[RankBody] | type[GenerateBody]) -> RankBody | GenerateBody:
         """A whole body; its requests stay undecoded (each is decoded on its own: :meth:`decode_request`)."""
-        return self._bodies[body_type].decode(raw)
+        with _nesting_is_a_decode_error():
+            return self._bodies[body_type].decode(raw)
 
     def decode_request(self, item: msgspec.Raw, ranking: bool) -> RankRequest | GenerateRequest:
         """One request of a body: a :class:`~gr_engine.RankRequest` (``ranking``) or
         :class:`~gr_engine.GenerateRequest`."""
-        return self._requests[ranking].decode(item)
+        with _nesting_is_a_decode_error():
+            return self._requests[ranking].decode(item)
 
     def fields(self, item: msgspec.Raw) -> dict[str, Any]:
         """A malformed request's fields where they can be read (to label its error output)."""
-        with contextlib.suppress(msgspec.DecodeError):
+        with contextlib.suppress(msgspec.DecodeError), _nesting_is_a_decode_error():
             fields = self._any.decode(item)
             if isinstance(fields, dict):
                 return fields

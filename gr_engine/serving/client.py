@@ -46,6 +46,17 @@ class EngineDead(RuntimeError):
     """The engine-core process is not running (it exited, or the client was closed)."""
 
 
+def deadline_after(now: float, timeout_ms: float | None) -> float | None:
+    """The ``time.monotonic()`` deadline ``timeout_ms`` after ``now`` (s); ``None`` without one (``None`` or an
+    infinite ``timeout_ms``). Raises ``ValueError`` for a ``timeout_ms`` that is not a number >= 0 (NaN, negative),
+    before anything is sent."""
+    if timeout_ms is None or timeout_ms == float("inf"):
+        return None
+    if not timeout_ms >= 0:  # NaN too
+        raise ValueError(f"timeout_ms must be a number >= 0, got {timeout_ms}")
+    return now + timeout_ms / 1000
+
+
 #: Called with each answered request's output, its error kind (``None`` on success) and the core's queue seconds;
 #: requests refused by validation in the client are answered too (kind ``"invalid"``).
 OutputObserver = Callable[[RankOutput | GenerateOutput, str | None, float], None]
@@ -246,11 +257,13 @@ class AsyncGREngine:
 
         Args:
             requests: the requests (admitted together or not at all).
-            timeout_ms: a request unfinished this many ms after the call gets a ``deadline exceeded`` error.
+            timeout_ms: a request unfinished this many ms after the call gets a ``deadline exceeded`` error
+                (>= 0; ``None`` or infinite: none).
 
         Raises:
             EngineOverloaded: admitting them would exceed the pending bounds.
             EngineDead: the core is not running.
+            ValueError: ``timeout_ms`` is NaN or negative (nothing is sent).
         """
         return await self._submit(requests, None, timeout_ms)
 
@@ -268,7 +281,7 @@ class AsyncGREngine:
         ranking = params is None
         failed_type = RankOutput if ranking else GenerateOutput
         now = time.monotonic()
-        deadline = now + timeout_ms / 1000 if timeout_ms is not None else None
+        deadline = deadline_after(now, timeout_ms)
         results: list = [None] * len(requests)
         messages, waits = [], {}
         tokens = 0

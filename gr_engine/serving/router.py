@@ -22,7 +22,7 @@ from typing import Any
 from ..outputs import GenerateOutput, RankOutput, output_user_id
 from ..request import GenerateParams, GenerateRequest, RankRequest
 from ..routing import HashRing
-from .client import EngineDead, EngineOverloaded
+from .client import EngineDead, EngineOverloaded, deadline_after
 from .replicas import ReplicaSet
 
 Request = RankRequest | GenerateRequest
@@ -62,6 +62,7 @@ class ReplicaRouter(ReplicaSet):
         Raises:
             EngineOverloaded: a replica would exceed its pending bounds (nothing of the call is served).
             EngineDead: no replica is alive.
+            ValueError: ``timeout_ms`` is NaN or negative (nothing is sent).
         """
         return await self._submit(requests, None, timeout_ms)
 
@@ -79,7 +80,7 @@ class ReplicaRouter(ReplicaSet):
             raise EngineDead("no replica is alive")
         if not requests:
             return []
-        deadline = time.monotonic() + timeout_ms / 1000 if timeout_ms is not None else None
+        deadline = deadline_after(time.monotonic(), timeout_ms)
         parts = self.ring.split(requests, _user_of)
         tasks = {}
         for replica, part in parts.items():

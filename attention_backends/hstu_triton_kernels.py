@@ -56,10 +56,11 @@ def _silu(x, scale, FAST: tl.constexpr):
 
 
 @_jit
-def _activate(x):
+def hstu_silu(x):
     """HSTU's SiLU of a projection read in ``x``'s dtype: ``x / (1 + exp(-x))`` in float32 (the formula of torch's
     ``F.silu``; Triton's exp and divide may differ from torch's in the last float32 bits, so a 16-bit result now and
-    then by one unit), rounded back to ``x``'s dtype."""
+    then by one unit), rounded back to ``x``'s dtype. The model's fused gate (``gr_engine.models.fused_ops``) applies
+    it to u."""
     x32 = x.to(tl.float32)
     return (x32 / (1.0 + tl.exp(-x32))).to(x.dtype)
 
@@ -134,7 +135,7 @@ def hstu_paged_attention_kernel(
     tile's key range for that head (``Tiles``, ``Items``: :class:`HSTUTritonMetadata`). ``TIME_BIAS``: add
     the bias of ``TimeBias [max_bucket + 1, H]`` (contiguous) from int64 ``QueryTimes [T]`` and ``KeyTimes``
     (request ``b``'s from ``KeyStart[b]``, :class:`~.base.StepTimestamps`); else those are never read. ``SILU_QKV``:
-    ``Q``, ``K``, ``V`` hold projections before HSTU's SiLU (:func:`_activate`d as they are read; the cache's keys
+    ``Q``, ``K``, ``V`` hold projections before HSTU's SiLU (:func:`hstu_silu`d as they are read; the cache's keys
     were by the append)."""
     program = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -171,7 +172,7 @@ def hstu_paged_attention_kernel(
             q_ptrs = Q + rows[:, None] * stride_qt + head * stride_qh + dims[None, :]
             q = tl.load(q_ptrs, mask=valid[:, None], other=0.0)
             if SILU_QKV:
-                q = _activate(q)
+                q = hstu_silu(q)
             acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
             kv_head = KV + head * stride_head
             bias_head = TimeBias + head
@@ -199,7 +200,7 @@ def hstu_paged_attention_kernel(
             own_k = tl.load(own_k_ptrs, mask=own[:, None], other=0.0)
             own_v = tl.load(own_v_ptrs, mask=own[:, None], other=0.0)
             if SILU_QKV:
-                own_k, own_v = _activate(own_k), _activate(own_v)
+                own_k, own_v = hstu_silu(own_k), hstu_silu(own_v)
             own_logit = tl.sum(q.to(tl.float32) * own_k.to(tl.float32), axis=1) * alpha
             if TIME_BIAS:  # a candidate's own key has its time: bucket 0
                 own_logit += tl.load(bias_head).to(tl.float32)
@@ -263,7 +264,7 @@ def _append_kernel(
     key = tl.load(Key + src * stride_kt + heads * stride_kh + dims * stride_kd, mask=valid)
     value = tl.load(Value + src * stride_vt + heads * stride_vh + dims * stride_vd, mask=valid)
     if SILU:
-        key, value = _activate(key), _activate(value)
+        key, value = hstu_silu(key), hstu_silu(value)
     dst = Cache + page * stride_page + entry * stride_token + heads * stride_head + dims * stride_dim
     tl.store(dst, key, mask=valid)
     tl.store(dst + stride_kv, value, mask=valid)
@@ -275,7 +276,7 @@ def append_rows(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     writes: row ``rows[i]`` of ``key``, ``value`` (``[T, H, D]``, the cache's dtype, any strides) to entry
     ``entries[i]`` of page ``pages[i]`` of ``kv_cache`` (NHD), in place; ``rows``, ``pages``, ``entries`` int ``[N]``.
     Duplicate targets must carry equal rows (a CUDA-graph step pads by repeating the last append). ``silu``: ``key`` and
-    ``value`` are projections before HSTU's SiLU, applied as they are read (:func:`_activate`)."""
+    ``value`` are projections before HSTU's SiLU, applied as they are read (:func:`hstu_silu`)."""
     num_rows = rows.shape[0]
     _, num_heads, head_dim = key.shape
     if num_rows == 0:

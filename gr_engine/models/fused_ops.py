@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from attention_backends.hstu_triton_kernels import hstu_silu  # the SiLU the attention kernels apply to q, k, v
+
 MAX_WIDTH = 4096
 """The widest row (``N``) the kernels take: a row is held in registers."""
 # Launch shape, measured on an H200 at the bench's shape ([78k, 512] bf16): LN, gate and concat gate ran at 3.45, 3.72
@@ -42,14 +44,6 @@ def _normalise(x, Weight, Bias, cols, eps, N: tl.constexpr):
     weight = tl.load(Weight + cols, mask=in_row, other=0.0).to(tl.float32)
     bias = tl.load(Bias + cols, mask=in_row, other=0.0).to(tl.float32)
     return centred * rstd * weight + bias
-
-
-@triton.jit
-def _silu(x):
-    """``F.silu``'s formula on ``x``: ``x / (1 + exp(-x))`` in float32 (Triton's exp and divide may differ from torch's
-    in the last bits), rounded back to ``x``'s dtype."""
-    x32 = x.to(tl.float32)
-    return (x32 / (1.0 + tl.exp(-x32))).to(x.dtype)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -78,14 +72,14 @@ def _gated_layer_norm_kernel(Attn, U, Weight, Bias, Out, num_rows, stride_attn, 
     Weight + Bias)``, or with ``CONCAT_UA`` ``[U, Attn, U * (LN(Attn) * Weight + Bias)]`` (``U`` and ``Attn`` copied
     exactly). ``Attn``, ``U``: ``[num_rows, N]``, ``Out``: ``[num_rows, N]`` or ``[num_rows, 3N]``, rows
     ``stride_*`` values apart, unit column stride; ``BLOCK``: ``N`` rounded up to a power of two. ``SILU_U``: ``U``
-    holds the projection before HSTU's SiLU; ``U`` above means its :func:`_silu`."""
+    holds the projection before HSTU's SiLU; ``U`` above means its :func:`hstu_silu`."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
     valid = (rows < num_rows) & (cols < N)
     attn = tl.load(Attn + rows * stride_attn + cols, mask=valid, other=0.0)
     u = tl.load(U + rows * stride_u + cols, mask=valid, other=0.0)
     if SILU_U:
-        u = _silu(u)
+        u = hstu_silu(u)
     gated = u.to(tl.float32) * _normalise(attn.to(tl.float32), Weight, Bias, cols, eps, N)
     out = Out + rows * stride_out + cols
     if CONCAT_UA:

@@ -5,6 +5,7 @@ defaults), and :func:`load_config`, which reads a JSON or TOML file and applies 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -28,7 +29,7 @@ else:  # pragma: no cover
 DTypeName = Literal["float32", "bfloat16", "float16"]
 Architecture = Literal["hstu", "sasrec"]
 
-__all__ = ["CacheConfig", "EngineConfig", "ModelConfig", "SchedulerConfig", "load_config"]
+__all__ = ["CacheConfig", "EngineConfig", "ModelConfig", "SchedulerConfig", "check_config", "load_config"]
 
 
 class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -83,6 +84,8 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"model.time_bias_buckets must be >= 0, got {self.time_bias_buckets}")
         if self.scaling_seqlen is not None and self.scaling_seqlen <= 0:
             raise ValueError(f"model.scaling_seqlen must be positive, got {self.scaling_seqlen}")
+        if self.attn_alpha is not None and not math.isfinite(self.attn_alpha):
+            raise ValueError(f"model.attn_alpha must be finite, got {self.attn_alpha}")
 
     @property
     def normaliser(self) -> int:
@@ -154,6 +157,26 @@ def check_device(name: str, require_available: bool = False) -> None:
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
             raise ValueError(f"device {name!r} requested but this machine has {count} CUDA device(s)")
+
+
+def check_config(config: EngineConfig, backends: BackendRegistry | None = None) -> None:
+    """Raise ``ValueError`` unless every field of ``config`` has its declared type and an allowed value, as
+    :func:`load_config`'s decoding checks (a struct built in Python is not type-checked: ``mode="foo"`` or
+    ``num_gpu_pages=True`` would pass), and its ``attention_backend`` is known (:func:`check_attention_backend`).
+    numpy scalars count as the Python numbers they hold."""
+    if not isinstance(config, EngineConfig):
+        raise ValueError(f"expected an EngineConfig, got {type(config).__name__}")
+    try:
+        msgspec.convert(msgspec.to_builtins(config, enc_hook=_numpy_scalar), EngineConfig)
+    except (msgspec.ValidationError, TypeError, ValueError) as exc:
+        raise ValueError(f"invalid config: {exc}") from exc
+    check_attention_backend(config.attention_backend, backends)
+
+
+def _numpy_scalar(value: Any) -> Any:
+    if hasattr(value, "item") and type(value).__module__ == "numpy":
+        return value.item()
+    raise TypeError(f"a config value of type {type(value).__name__} is not a number, string, bool or list")
 
 
 def check_attention_backend(name: str, backends: BackendRegistry | None = None) -> None:

@@ -21,7 +21,7 @@ from cache_engine import KVCacheManager
 from scheduler import RequestState, ScheduledChunk, Scheduler, SchedulerOutput
 
 from .compile_watch import CompileWatch, StallCounts
-from .config import EngineConfig
+from .config import EngineConfig, check_config
 from .intake import RequestIntake
 from .metrics import EngineStats, PhaseTimer, StepMetrics
 from .model_runner import ModelRunner, RequestPayload
@@ -81,6 +81,7 @@ class GREngine:
 
     def __init__(self, config: EngineConfig, *, model: GRModel | None = None,
                  backends: BackendRegistry | None = None, host_memory: torch.Tensor | None = None) -> None:
+        check_config(config, backends)
         self.config = config
         mc = config.model
         self.device = resolve_device(config.device)
@@ -128,8 +129,9 @@ class GREngine:
 
     def has_unfinished_requests(self) -> bool:
         """Whether requests added with :meth:`add_request` are still waiting or running (a launched step not yet
-        finished counts)."""
-        return self.scheduler.num_unfinished > 0 or bool(self._launched)
+        finished counts) or have outputs not yet returned (a :meth:`rank` or :meth:`generate` call that served them
+        keeps their outputs for the next :meth:`step`)."""
+        return self.scheduler.num_unfinished > 0 or bool(self._launched) or bool(self._undelivered)
 
     @property
     def num_running(self) -> int:
@@ -179,6 +181,9 @@ class GREngine:
 
     # ------------------------------------------------------------------ internals
     def _run(self, requests: Sequence[Any], params: GenerateParams | None, use_tqdm: bool, desc: str) -> list[Any]:
+        if self._launched:  # its steps would be collected out of launch order: refuse before intake
+            raise RuntimeError(f"{len(self._launched)} step(s) of launch_step() not finished: finish_step() them "
+                               "before rank() or generate()")
         results: list[Any] = [None] * len(requests)
         index: dict[int, int] = {}
         failed_type = RankOutput if params is None else GenerateOutput

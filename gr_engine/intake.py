@@ -56,7 +56,11 @@ class RequestIntake:
     def add(self, requests: Sequence[Any], params: GenerateParams | None) -> list[int | RequestError]:
         """Intake (docs/design.md section 3, step 2's request side): validate, hash the new parts of all valid
         histories in one pass, queue; returns each request's sequence number or error. Values are checked for the
-        whole batch at once (:func:`values_valid`), request by request only when that finds a problem."""
+        whole batch at once (:func:`values_valid`), request by request only when that finds a problem. ``params``
+        that are not :class:`GenerateParams` refuse every request."""
+        if params is not None and not isinstance(params, GenerateParams):
+            refused = RequestError(f"params must be a GenerateParams, got {type(params).__name__}")
+            return [refused] * len(requests)
         if self._config.cache.prefetch and self._kv.host is not None and not self._scheduler.num_unfinished:
             # The coming step's users, before validation: their onloads run while the host validates and schedules.
             t, before = time.perf_counter(), self._kv.transferred_bytes

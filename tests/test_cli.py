@@ -217,6 +217,31 @@ def test_config_file_and_overrides(tmp_path):
         load_config(None, ["scheduler.max_num_batched_tokens=100", "model.max_candidates=128"])
 
 
+def test_an_engine_checks_a_config_built_in_python_as_load_config_does():
+    """msgspec does not type-check a struct built in Python: ``GREngine`` checks it (types, allowed values, the
+    attention backend) and says what is wrong in a ``ValueError``; numpy integers are accepted as ints."""
+    from msgspec.structs import replace
+
+    base = tiny_config()
+    bad = {
+        "`int`, got `bool`": replace(base, cache=replace(base.cache, num_gpu_pages=True)),
+        "`int`, got `float`": replace(base, cache=replace(base.cache, num_gpu_pages=64.0)),
+        "Invalid enum value 'foo'": replace(base, cache=replace(base.cache, mode="foo")),
+        "Invalid enum value 'float16'": replace(base, cache=replace(base.cache, host_dtype="float16")),
+        "attention_backend 'nope' is unknown": replace(base, attention_backend="nope"),
+    }
+    for message, config in bad.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            GREngine(config)
+    for alpha in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="model.attn_alpha must be finite"):
+            replace(base.model, attn_alpha=alpha)
+        with pytest.raises(ValueError, match="model.attn_alpha must be finite"):
+            load_config(None, [f"model.attn_alpha={'NaN' if alpha != alpha else 'Infinity'}"])
+    numpy_ints = replace(base, cache=replace(base.cache, num_gpu_pages=np.int64(base.cache.num_gpu_pages)))
+    assert GREngine(numpy_ints).kv.pool.num_pages == base.cache.num_gpu_pages
+
+
 BAD_SETTINGS = {
     "device=cdua": "device 'cdua' is not one of 'cpu', 'cuda', 'cuda:N' or 'auto'",
     "device=meta": "device 'meta' is not one of",

@@ -115,7 +115,7 @@ def test_programmatic_registration():
     registry.register("my_backend", MyBackend)
     engine = GREngine(msgspec.structs.replace(tiny_config(), attention_backend="my_backend"), backends=registry)
     assert type(engine.backend) is MyBackend
-    with pytest.raises(KeyError, match="my_backend"):  # other engines' registries are untouched
+    with pytest.raises(ValueError, match="my_backend"):  # other engines' registries are untouched
         GREngine(msgspec.structs.replace(tiny_config(), attention_backend="my_backend"))
 
 

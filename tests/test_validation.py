@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gr_engine import GenerateRequest, GREngine, RankOutput, RankRequest, RequestError
+from gr_engine import GenerateParams, GenerateRequest, GREngine, RankOutput, RankRequest, RequestError
 from tests.conftest import tiny_config
 
 
@@ -202,3 +202,42 @@ def test_scores_are_float32_arrays_per_candidate_and_task_and_are_written_as_lis
         writer.write(outputs)
     rows = [msgspec.json.decode(line) for line in (tmp_path / "out.jsonl").read_bytes().splitlines()]
     assert rows[0]["scores"] == ok.scores.tolist() and rows[1]["scores"] == []
+
+
+def test_params_that_are_not_generate_params_are_refused_alone():
+    """A dict (or any non-``GenerateParams``) as ``params`` is a clear error, raised by ``add_request`` and in each
+    output of ``generate``; requests already queued with good params are served."""
+    engine = GREngine(tiny_config())
+    engine.add_request(good(request_id="queued", user_id=2), GenerateParams(top_k=3))
+    with pytest.raises(RequestError, match="params must be a GenerateParams, got dict"):
+        engine.add_request(good(request_id="bad", user_id=3), params={"top_k": 3})
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [(o.request_id, o.error, len(o.item_ids)) for o in outputs] == [("queued", None, 3)]
+    for params in ({"top_k": 3}, 5):
+        [output] = engine.generate([good(request_id="g", user_id=4)], params, use_tqdm=False)
+        assert output.error == f"params must be a GenerateParams, got {type(params).__name__}"
+
+
+def test_rank_refuses_while_a_launched_step_is_unfinished_and_the_engine_stays_usable():
+    engine = GREngine(tiny_config())
+    engine.add_request(good(request_id="streamed", user_id=1))
+    step = engine.launch_step()
+    with pytest.raises(RuntimeError, match="finish_step"):
+        engine.rank([good(request_id="batch", user_id=2)], use_tqdm=False)
+    assert [o.request_id for o in engine.finish_step(step)] == ["streamed"]
+    assert not engine.has_unfinished_requests()
+    [output] = engine.rank([good(request_id="batch", user_id=2)], use_tqdm=False)  # not left "in flight"
+    assert output.ok
+
+
+def test_outputs_a_rank_call_collected_for_add_request_keep_the_loop_going():
+    """``rank`` may finish a request queued with ``add_request``; the documented loop still returns its output."""
+    engine = GREngine(tiny_config())
+    engine.add_request(good(request_id="streamed", user_id=1))
+    engine.rank([good(request_id="batch", user_id=2)], use_tqdm=False)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [o.request_id for o in outputs] == ["streamed"] and outputs[0].ok

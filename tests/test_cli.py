@@ -234,9 +234,9 @@ def test_an_engine_checks_a_config_built_in_python_as_load_config_does():
         with pytest.raises(ValueError, match=re.escape(message)):
             GREngine(config)
     for alpha in (float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="model.attn_alpha must be finite"):
+        with pytest.raises(ValueError, match=r"model\.attn_alpha must be finite"):
             replace(base.model, attn_alpha=alpha)
-        with pytest.raises(ValueError, match="model.attn_alpha must be finite"):
+        with pytest.raises(ValueError, match=r"model\.attn_alpha must be finite"):
             load_config(None, [f"model.attn_alpha={'NaN' if alpha != alpha else 'Infinity'}"])
     numpy_ints = replace(base, cache=replace(base.cache, num_gpu_pages=np.int64(base.cache.num_gpu_pages)))
     assert GREngine(numpy_ints).kv.pool.num_pages == base.cache.num_gpu_pages

@@ -45,6 +45,8 @@ def _add_file_job_args(parser: argparse.ArgumentParser) -> None:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import demo_config, run_demo
 
+    if args.users < 1 or args.visits < 1:
+        raise ValueError(f"--users and --visits must be at least 1, got {args.users} and {args.visits}")
     config = load_config(args.config, args.overrides, base=demo_config())
     run_demo(config, num_users=args.users, visits_per_user=args.visits, seed=args.seed)
     return 0
@@ -58,6 +60,8 @@ def _serve_file(args: argparse.Namespace, generate: bool) -> int:
     if args.workers is not None:
         if args.workers < 1:
             raise ValueError(f"--workers must be at least 1, got {args.workers}")
+        if args.partitions is not None and args.partitions < 1:  # before Ray starts (seconds)
+            raise ValueError(f"--partitions must be at least 1, got {args.partitions}")
         from .ray_job import serve_files_on_ray
 
         args.output_format = args.output_format or "parquet"
@@ -70,7 +74,7 @@ def _serve_file(args: argparse.Namespace, generate: bool) -> int:
     from tqdm.auto import tqdm
 
     from .engine import GREngine
-    from .io import RequestReader, file_format
+    from .io import RequestReader, file_format, serve_rows
     from .output_writer import OutputWriter
     from .outputs import GenerateOutput, RankOutput
     from .request import GenerateRequest, RankRequest
@@ -85,16 +89,17 @@ def _serve_file(args: argparse.Namespace, generate: bool) -> int:
     rows = failed = 0
     # The input opens first (a missing file fails before the engine is built), the output once the engine exists.
     with RequestReader(args.input, GenerateRequest if generate else RankRequest) as reader:
-        engine = GREngine(config)
+        try:
+            engine = GREngine(config)
+        except (RuntimeError, TypeError, OverflowError, MemoryError) as exc:  # e.g. a pool too large to allocate
+            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]  # torch appends C++ frames
+            raise ValueError(f"cannot build the engine: {first_line}") from exc
         t0 = time.perf_counter()
         with OutputWriter(args.output, GenerateOutput if generate else RankOutput) as writer, \
                 tqdm(total=reader.num_rows, desc="Retrieving" if generate else "Ranking", unit="req",
                      disable=args.no_progress) as bar:
             for chunk in reader:
-                valid = [p for p in chunk if isinstance(p, GenerateRequest)]
-                served = iter(engine.generate(valid, params, use_tqdm=False) if generate
-                              else engine.rank(valid, use_tqdm=False))
-                outputs = [next(served) if isinstance(p, GenerateRequest) else p for p in chunk]
+                outputs = serve_rows(engine, chunk, params)
                 writer.write(outputs)
                 rows += len(outputs)
                 failed += sum(o.error is not None for o in outputs)

@@ -236,6 +236,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             data = tomllib.loads(raw.decode()) if path.suffix.lower() == ".toml" else json.loads(raw)
         except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"cannot parse config file {path}: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {path} holds a JSON {type(data).__name__}, not an object of sections")
     elif base is not None:
         data = msgspec.to_builtins(base)
     data = apply_overrides(data, list(overrides or []))

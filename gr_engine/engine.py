@@ -358,6 +358,8 @@ class GREngine:
     def _output(self, state: RequestState, result: ChunkResult | None, error: str | None = None) -> Output:
         payload: RequestPayload = state.payload
         self.intake.finished(payload.request.request_id)
+        if error is None and payload.params is None and not np.isfinite(result.logits).all():
+            error = "the model produced non-finite scores (NaN or inf): check its weights and model settings"
         ok = error is None
         fields = dict(
             request_id=payload.request.request_id, user_id=state.user_id,

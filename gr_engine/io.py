@@ -16,12 +16,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from .outputs import GenerateOutput, RankOutput, output_user_id
-from .request import GenerateRequest, RankRequest
+from .request import GenerateParams, GenerateRequest, RankRequest
+
+if TYPE_CHECKING:
+    from .engine import GREngine
 
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 
@@ -36,6 +39,8 @@ CHUNK_ROWS = 256
 PARQUET_READ_BUFFER = 1 << 20
 
 Parsed = GenerateRequest | RankOutput | GenerateOutput
+Output = RankOutput | GenerateOutput
+_UTF8_BOM = b"\xef\xbb\xbf"
 
 
 def file_format(path: str | Path) -> str:
@@ -124,11 +129,15 @@ class RequestReader:
 
 def decode_line(number: int, line: bytes) -> Any:
     """JSONL line ``number`` (1-based) decoded, or a ``ValueError`` saying it is not valid JSON (for
-    :func:`parse_row`)."""
+    :func:`parse_row`). A UTF-8 byte-order mark before line 1 is skipped."""
+    if number == 1 and line.startswith(_UTF8_BOM):
+        line = line[len(_UTF8_BOM):]
     try:
         return msgspec.json.decode(line)
     except msgspec.DecodeError as exc:
         return ValueError(f"line {number} is not valid JSON: {exc}")
+    except RecursionError:  # msgspec's answer to values nested thousands deep
+        return ValueError(f"line {number} is not valid JSON: values nested too deeply")
 
 
 def parse_row(label: str, row: Any, request_type: type[GenerateRequest]) -> Parsed:
@@ -144,6 +153,29 @@ def parse_row(label: str, row: Any, request_type: type[GenerateRequest]) -> Pars
         request_id = fields.get("request_id")
         return failed(request_id=str(request_id) if request_id is not None else label,
                       user_id=output_user_id(fields.get("user_id")), error=f"invalid request: {exc}")
+
+
+def serve_rows(engine: GREngine, parsed: list[Parsed], params: GenerateParams | None) -> list[Output]:
+    """The outputs of a chunk of parsed rows (:class:`RequestReader`), in order: its requests ranked (``params``
+    ``None``) or retrieved by ``engine`` in one call, its failed rows as they are. Rows that repeat a ``request_id``
+    of the chunk are served too, under a stand-in id (the engine refuses a ``request_id`` already in flight) that
+    their outputs do not show: a file's duplicates are served wherever they fall."""
+    valid = [p for p in parsed if isinstance(p, GenerateRequest)]
+    seen: set[str] = set()
+    renamed: dict[int, str] = {}  # place in valid -> the request_id it was read with
+    for i, request in enumerate(valid):
+        if request.request_id in seen:
+            renamed[i] = request.request_id
+            stand_in = f"{request.request_id}#{i}"
+            while stand_in in seen:
+                stand_in += "#"
+            valid[i] = msgspec.structs.replace(request, request_id=stand_in)
+        seen.add(valid[i].request_id)
+    served = engine.rank(valid, use_tqdm=False) if params is None else engine.generate(valid, params, use_tqdm=False)
+    for i, request_id in renamed.items():
+        served[i].request_id = request_id
+    outputs = iter(served)
+    return [next(outputs) if isinstance(p, GenerateRequest) else p for p in parsed]
 
 
 def read_requests(path: str | Path, request_type: type[GenerateRequest] = RankRequest) -> list[Parsed]:

@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 import ray.data
 
 from .config import EngineConfig
-from .io import CHUNK_ROWS, parse_row
+from .io import CHUNK_ROWS, parse_row, serve_rows
 from .output_writer import array_as_lists, output_schema
 from .outputs import GenerateOutput, RankOutput
 from .ray_source import WIRE_SCHEMA, RequestFilesDatasource, wire_table
@@ -107,10 +107,7 @@ class EngineWorker:
             parsed = [parse_row(label, ValueError(error) if request is None else decoder.decode(request),
                                 self.request_type)
                       for label, request, error in zip(chunk["label"], chunk["request"], chunk["error"])]
-            valid = [p for p in parsed if isinstance(p, GenerateRequest)]
-            served = iter(self.engine.generate(valid, self.params, use_tqdm=False) if self.generate
-                          else self.engine.rank(valid, use_tqdm=False))
-            outputs = [next(served) if isinstance(p, GenerateRequest) else p for p in parsed]
+            outputs = serve_rows(self.engine, parsed, self.params if self.generate else None)
             rows = msgspec.to_builtins(outputs, enc_hook=array_as_lists)
             for row, order_of_row in zip(rows, chunk[ROW_ORDER]):
                 row["user_id"] = None if row["user_id"] is None else str(row["user_id"])

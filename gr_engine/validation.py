@@ -102,6 +102,10 @@ def parse_fields(request: Any, config: EngineConfig, *, ranking: bool) -> Reques
         raise RequestError(f"history fields differ in length: item_ids {len(items)}, action_ids {len(actions)}, "
                            f"timestamps {len(times)}")
     n = len(items)
+    if model.time_bias_buckets and n and int(times[-1]) - int(times[0]) > _INT64_MAX - 1:
+        # the bias buckets |t_query - t_key| + 1 in int64 (torch_ref and the kernels alike): it must not wrap
+        raise RequestError(f"timestamps span {int(times[-1]) - int(times[0])}: with a time bias (model."
+                           f"time_bias_buckets) the first and last event may be at most {_INT64_MAX - 1} apart")
     if n > model.max_history_len:
         raise RequestError(f"history of {n} events exceeds model.max_history_len ({model.max_history_len})")
     if not ranking and n == 0:

@@ -15,7 +15,7 @@ import torch
 
 from attention_backends import BackendRegistry
 from attention_backends.torch_ref import TorchRefBackend
-from gr_engine import EngineConfig, GenerateParams, GenerateRequest, GREngine
+from gr_engine import EngineConfig, GenerateParams, GenerateRequest, GREngine, RankRequest
 from gr_engine.cli import main
 from gr_engine.config import load_config
 from gr_engine.demo import run_demo
@@ -81,6 +81,46 @@ def test_rows_rejected_while_parsing_keep_their_user_id(tmp_path):
     assert [(p.request_id, p.user_id) for p in parsed] == [
         ("a", "u-1"), ("b", 7), ("c", None), ("line-4", None), ("e", None)]
     assert all("invalid request" in p.error for p in parsed)
+
+
+def test_a_file_job_serves_every_row_whatever_its_bytes_or_its_repeats(tmp_path):
+    """A line nested thousands deep is that line's error (msgspec raised RecursionError and the job died after the
+    rows written so far); a UTF-8 byte-order mark does not spoil line 1; a ``request_id`` repeated within a chunk
+    is served as one repeated in another chunk is (the engine refuses an id in flight: the second failed)."""
+    requests = requests_for(tiny_config(), n_users=4, visits=2)
+    lines = [msgspec.json.encode(r).decode() for r in requests]
+    repeat = json.loads(lines[1])
+    lines.insert(3, json.dumps({**repeat, "user_id": 99}))  # the id of line 2, another user, same chunk
+    lines.insert(4, '{"request_id": "deep", "item_ids": ' + "[" * 3000 + "]" * 3000 + "}")
+    (tmp_path / "in.jsonl").write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode() + b"\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["rank", "--input", str(tmp_path / "in.jsonl"), "--output", str(out), "--config",
+                 str(write_config(tmp_path)), "--no-progress"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == len(lines) and rows[4]["error"] == "line 5 is not valid JSON: values nested too deeply"
+    assert [r["error"] for i, r in enumerate(rows) if i != 4] == [None] * (len(lines) - 1)
+    assert rows[1]["request_id"] == rows[3]["request_id"] == repeat["request_id"] and rows[3]["user_id"] == 99
+    alone = GREngine(tiny_config()).rank([msgspec.convert(json.loads(lines[3]), RankRequest)], use_tqdm=False)
+    np.testing.assert_allclose(rows[3]["scores"], alone[0].scores, atol=1e-6)
+
+
+def test_bad_files_flags_and_sizes_are_one_line_errors(tmp_path, capsys):
+    (tmp_path / "in.jsonl").write_text("{}\n")
+    job = ["rank", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")]
+    (tmp_path / "list.json").write_text("[1, 2]")
+    assert main(["config", "--config", str(tmp_path / "list.json"), "--set", "cache.mode=recompute"]) == 2
+    one_line_error(capsys, "holds a JSON list, not an object of sections")
+    assert main([*job, "--set", "cache.num_gpu_pages=100000000000000000000000"]) == 2
+    one_line_error(capsys, "cannot build the engine")
+    (tmp_path / "w.safetensors").write_text("not safetensors")
+    assert main([*job, "--weights", str(tmp_path / "w.safetensors")]) == 2
+    one_line_error(capsys, "as safetensors")
+    assert main([*job, "--workers", "1", "--partitions", "0"]) == 2
+    one_line_error(capsys, "--partitions must be at least 1, got 0")
+    assert main(["demo", "--users", "0"]) == 2
+    one_line_error(capsys, "--users and --visits must be at least 1")
+    assert main(["config", "--set", "serving.max_queue_ms=NaN"]) == 2
+    one_line_error(capsys, "serving.max_queue_ms must be a finite number >= 0, got nan")
 
 
 def test_rank_exits_1_when_every_request_failed(tmp_path, capsys):

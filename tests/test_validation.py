@@ -241,3 +241,28 @@ def test_outputs_a_rank_call_collected_for_add_request_keep_the_loop_going():
     while engine.has_unfinished_requests():
         outputs += engine.step()
     assert [o.request_id for o in outputs] == ["streamed"] and outputs[0].ok
+
+
+def test_non_finite_scores_are_an_error_not_an_answer():
+    """A model whose scores overflow (here ``attn_alpha`` 1e30) answers each ranking request with an error."""
+    from msgspec.structs import replace
+
+    config = tiny_config()
+    engine = GREngine(replace(config, model=replace(config.model, attn_alpha=1e30)))
+    [output] = engine.rank([good()], use_tqdm=False)
+    assert output.error is not None and "non-finite scores" in output.error and output.scores.size == 0
+    assert GREngine(config).rank([good()], use_tqdm=False)[0].ok
+
+
+def test_with_a_time_bias_timestamps_must_not_span_more_than_int64():
+    """The bias buckets ``|t_query - t_key| + 1`` in int64: a history spanning more would wrap (wrong buckets in
+    every backend); refused with a clear error. Without a time bias any int64 timestamps are served."""
+    from msgspec.structs import replace
+
+    config = tiny_config()
+    biased = GREngine(replace(config, model=replace(config.model, time_bias_buckets=6)))
+    wide = good(timestamps=[-(2**63), 0, 2**63 - 1])
+    [output] = biased.rank([wide], use_tqdm=False)
+    assert "the first and last event may be at most 9223372036854775806 apart" in output.error
+    assert biased.rank([good(request_id="ok2", timestamps=[-(2**62), 0, 2**62 - 2])], use_tqdm=False)[0].ok
+    assert GREngine(config).rank([wide], use_tqdm=False)[0].ok

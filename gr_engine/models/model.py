@@ -142,9 +142,15 @@ class GRModel(nn.Module):
         """Read weights written by :meth:`save`; shapes must match this model's config.
 
         Raises:
-            ValueError: missing, unexpected or wrongly shaped tensors (the message lists them).
+            ValueError: a file that is not safetensors; missing, unexpected or wrongly shaped tensors (the message
+                lists them).
         """
-        tensors = load_file(str(path))
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"weights file {path} does not exist")
+        try:
+            tensors = load_file(str(path))
+        except Exception as exc:  # safetensors' own error type: a file that is not safetensors
+            raise ValueError(f"cannot read weights file {path} as safetensors: {exc}") from exc
         own = self.state_dict()
         missing = sorted(set(own) - set(tensors))
         unexpected = sorted(set(tensors) - set(own))

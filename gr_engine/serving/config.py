@@ -45,8 +45,8 @@ class ServingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         for name in ("max_batch_wait_ms", "max_queue_ms", "heartbeat_s", "health_timeout_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"serving.{name} must be >= 0, got {getattr(self, name)}")
+            if not 0 <= getattr(self, name) < float("inf"):  # NaN fails too
+                raise ValueError(f"serving.{name} must be a finite number >= 0, got {getattr(self, name)}")
         for name in ("max_pending_requests", "max_pending_tokens", "max_body_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"serving.{name} must be positive, got {getattr(self, name)}")

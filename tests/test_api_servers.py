@@ -73,11 +73,12 @@ def test_each_api_server_freezes_its_start_up_heap(server: Server) -> None:
 
 
 def test_each_api_server_admits_its_share(server: Server) -> None:
-    """``serving.max_pending_requests=64`` over two servers: each admits 32 requests at a time."""
+    """``serving.max_pending_requests=64`` over two servers: each admits 32 requests at a time (a body of more can
+    never be admitted: a 413, not a retryable 503)."""
     requests = make_stream(40, seed=67)
     response = httpx.post(f"{server.url}/v1/rank", content=body(requests), timeout=30)
-    assert response.status_code == 503 and response.headers["retry-after"] == "1"
-    assert "32 requests" in response.json()["error"]
+    assert response.status_code == 413 and "retry-after" not in response.headers
+    assert "32 requests" in response.json()["error"] and "split the call" in response.json()["error"]
     ok = httpx.post(f"{server.url}/v1/rank", content=body(requests[:30]), timeout=30)
     assert ok.status_code == 200
     for output, reference in zip(ok.json()["outputs"], recompute_scores(requests[:30])):
@@ -111,6 +112,42 @@ def test_killing_the_core_makes_every_health_503(tmp_path: Path) -> None:
         assert server.process.poll() is None  # the servers stay up and say why
     finally:
         assert server.stop() == 1  # the core did not stop cleanly
+
+
+def test_a_killed_launcher_leaves_no_body_unanswered_and_no_process_behind(tmp_path: Path) -> None:
+    """SIGKILL of the launcher under load: the core stops (its parent is gone) with requests pending; each API
+    server fails them (503) instead of waiting for answers that never come, and exits."""
+    server = Server(tmp_path, "serving.max_pending_requests=256", args=("--api-servers", "2"))
+    stream = make_stream(800, num_users=60, seed=131)
+    [core] = {answer["core_pid"] for answer in health_of_each(server.url, 200).values()}
+    api_servers = [int(pid) for pid in Path(f"/proc/{server.process.pid}/task/{server.process.pid}/children")
+                   .read_text().split() if int(pid) != core]
+
+    async def load() -> list[int]:
+        async with httpx.AsyncClient(timeout=40) as client:
+            async def worker(k: int) -> list[int]:
+                statuses = []
+                for i in range(k * 4, len(stream), 64):
+                    try:
+                        response = await client.post(f"{server.url}/v1/rank", content=body(stream[i:i + 4]))
+                    except (httpx.ConnectError, httpx.RemoteProtocolError):  # the servers are gone: not accepted
+                        break  # (a body accepted and never answered times out instead, failing the test)
+                    statuses.append(response.status_code)
+                return statuses
+
+            tasks = [asyncio.create_task(worker(k)) for k in range(16)]
+            await asyncio.sleep(1.0)
+            os.kill(server.process.pid, signal.SIGKILL)
+            return [status for statuses in await asyncio.gather(*tasks) for status in statuses]
+
+    statuses = asyncio.run(load())
+    assert statuses and set(statuses) <= {200, 503}
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+              for pid in [*api_servers, core]):
+        assert time.monotonic() < deadline, "an API server or the core outlived the launcher by 30 s"
+        time.sleep(0.2)
+    server.log.close()
 
 
 def test_sigterm_under_load_loses_nothing(tmp_path: Path) -> None:

@@ -39,7 +39,17 @@ logger = logging.getLogger(__name__)
 
 class EngineOverloaded(RuntimeError):
     """More work is pending than ``serving.max_pending_requests`` / ``max_pending_tokens`` allow, or the core's queue
-    would hold a request longer than ``serving.max_queue_ms``: retry later."""
+    would hold a request longer than ``serving.max_queue_ms``: retry later. ``refused``: the call's requests that
+    passed validation (the others got their own error outputs)."""
+
+    def __init__(self, message: str, refused: int = 0) -> None:
+        super().__init__(message)
+        self.refused = refused
+
+
+class CallTooLarge(ValueError):
+    """One call holds more requests or tokens than ``serving.max_pending_requests`` / ``max_pending_tokens`` admit
+    even with nothing pending: retrying cannot help, split the call."""
 
 
 class EngineDead(RuntimeError):
@@ -124,6 +134,7 @@ class AsyncGREngine:
         self._to_core: zmq.Socket | None = None
         self._reader: asyncio.Task | None = None
         self._ready = asyncio.Event()
+        self._closing: asyncio.Future | None = None  # set while (and after) close() runs: concurrent calls wait
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> AsyncGREngine:
@@ -132,6 +143,7 @@ class AsyncGREngine:
         Raises:
             EngineDead: the core exited before it was ready (its log says why).
         """
+        self._closing = None
         if self._handle is not None:
             try:
                 self._watch = ProcessWatch(self._handle.pid)
@@ -167,8 +179,18 @@ class AsyncGREngine:
     async def close(self, timeout_s: float = 60.0) -> None:
         """Let the core answer every accepted request, then leave it; a core this client started then completes its
         pending offloads and stops (one that takes longer than ``timeout_s`` is killed)."""
+        if self._closing is not None:  # a close already under way (or done): wait for it
+            await asyncio.shield(self._closing)
+            return
         if self._to_core is None:
             return
+        self._closing = asyncio.get_running_loop().create_future()
+        try:
+            await self._close(timeout_s)
+        finally:
+            self._closing.set_result(None)
+
+    async def _close(self, timeout_s: float) -> None:
         if self._core_alive() and self.state not in ("dead", "stopped"):
             self.state = "stopping"
             self._send(Shutdown())
@@ -262,6 +284,7 @@ class AsyncGREngine:
 
         Raises:
             EngineOverloaded: admitting them would exceed the pending bounds.
+            CallTooLarge: they exceed the pending bounds by themselves.
             EngineDead: the core is not running.
             ValueError: ``timeout_ms`` is NaN or negative (nothing is sent).
         """
@@ -300,15 +323,20 @@ class AsyncGREngine:
             messages.append((core_id, to_core(core_id, request, arrays, params, deadline), request, size))
             tokens += size
             waits[core_id] = i
+        if len(messages) > self.max_pending_requests or tokens > self.max_pending_tokens:
+            raise CallTooLarge(f"{len(messages)} requests ({tokens} tokens) in one call: over this client's "
+                               f"{self.max_pending_requests} requests / {self.max_pending_tokens} tokens even with "
+                               "nothing pending (serving.max_pending_requests / max_pending_tokens): split the call")
         if messages and (len(self._pending) + len(messages) > self.max_pending_requests
                          or self._pending_tokens + tokens > self.max_pending_tokens):
             raise EngineOverloaded(f"{len(self._pending)} requests ({self._pending_tokens} tokens) pending: over "
                                    f"this client's {self.max_pending_requests} requests / {self.max_pending_tokens} "
-                                   "tokens (serving.max_pending_requests / max_pending_tokens)")
+                                   "tokens (serving.max_pending_requests / max_pending_tokens)", len(messages))
         wait_s = self.queue_wait_s()
         if messages and self.max_queue_s and wait_s > self.max_queue_s:
             raise EngineOverloaded(f"the engine core's queue would hold a request ~{wait_s * 1e3:.0f} ms before a step "
-                                   f"takes it: over serving.max_queue_ms ({self.serving.max_queue_ms:g})")
+                                   f"takes it: over serving.max_queue_ms ({self.serving.max_queue_ms:g})",
+                                   len(messages))
         loop = asyncio.get_running_loop()
         futures = {}
         for core_id, message, request, size in messages:
@@ -324,6 +352,9 @@ class AsyncGREngine:
         except asyncio.CancelledError:
             self._abort([c for f, c in futures.items() if not f.done()], "cancelled by the caller", "cancelled")
             raise
+        failed = [future.exception() for future in done if future.exception() is not None]  # each one retrieved
+        if failed:
+            raise failed[0]
         for future in done:
             results[waits[futures[future]]] = future.result()
         if late:
@@ -337,11 +368,17 @@ class AsyncGREngine:
 
     def _abort(self, core_ids: list[int], reason: str, kind: str) -> None:
         """Tell the core to drop these requests if they have not started; their outputs are no longer awaited
-        (the core's answer for them still releases their admission)."""
+        (the core's answer for them still releases their admission). The observers see each as the caller does:
+        its error ``reason``, of kind ``kind``, now (not the core's later answer)."""
         for core_id in core_ids:
             pending = self._pending.get(core_id)
             if pending is not None and not pending.future.done():
                 pending.future.cancel()
+                failed_type = RankOutput if pending.ranking else GenerateOutput
+                output = failed_type(request_id=pending.request.request_id, user_id=pending.request.user_id,
+                                     error=reason, latency_s=time.monotonic() - pending.sent_s)
+                for observe in self.observers:
+                    observe(output, kind, 0.0)
         if core_ids and self._to_core is not None and self.state != "dead":
             self._send(Abort(core_ids=core_ids, reason=reason, kind=kind))
 
@@ -365,8 +402,9 @@ class AsyncGREngine:
                 self._sent_since_report = 0
             for message in report.outputs:
                 self._deliver(message)
-            if report.state == "stopped":
+            if report.state == "stopped":  # after a Shutdown nothing is pending; after its parent died, maybe
                 self.state = "stopped"
+                self._fail_all(EngineDead("the engine core stopped before answering"))
                 return
             if self.state in ("starting", "warming"):
                 self.state = report.state
@@ -378,6 +416,8 @@ class AsyncGREngine:
         if pending is None:
             return
         self._pending_tokens -= pending.tokens
+        if pending.future.cancelled():  # the caller gave up on it: observed then (_abort)
+            return
         output = engine_output(message, pending.request, pending.ranking, time.monotonic() - pending.sent_s)
         for observe in self.observers:
             observe(output, message.error_kind, message.queue_s)

@@ -24,6 +24,9 @@ class ServingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             cached history turns into onloads and throughput falls as the queue grows; 0 admits up to the two
             bounds above.
         max_body_bytes: largest HTTP request body accepted (HTTP 413 beyond it).
+        body_timeout_s: longest an HTTP request body may take to arrive (HTTP 408 beyond it): a client that stops
+            sending mid-body and keeps its connection open would otherwise hold its handler, and a graceful
+            shutdown, forever.
         heartbeat_s: the core reports its counters at least this often (s), stepping or idle.
         health_timeout_s: ``/health`` fails when the core has not reported for this long (s) after warm-up.
         warmup: compile and capture everything (:meth:`~gr_engine.GREngine.warmup`) before reporting ready.
@@ -38,13 +41,14 @@ class ServingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_pending_tokens: int = 64_000_000
     max_queue_ms: float = 50.0
     max_body_bytes: int = 64 * 2**20
+    body_timeout_s: float = 30.0
     heartbeat_s: float = 0.5
     health_timeout_s: float = 10.0
     warmup: bool = True
     step_log: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_wait_ms", "max_queue_ms", "heartbeat_s", "health_timeout_s"):
+        for name in ("max_batch_wait_ms", "max_queue_ms", "heartbeat_s", "health_timeout_s", "body_timeout_s"):
             if not 0 <= getattr(self, name) < float("inf"):  # NaN fails too
                 raise ValueError(f"serving.{name} must be a finite number >= 0, got {getattr(self, name)}")
         for name in ("max_pending_requests", "max_pending_tokens", "max_body_bytes"):

@@ -172,11 +172,17 @@ class ReplicaSet:
         return any(self.engines[r].is_healthy() for r in self.ring.replicas)
 
     def replica_states(self) -> list[dict[str, Any]]:
-        """Each replica: ``replica`` (index), ``device``, ``state`` (its client's, or ``"dead"``), ``core_pid``,
-        ``on_ring``."""
+        """Each replica: ``replica`` (index), ``device``, ``state`` (its client's; ``"dead"``; or ``"unresponsive"``
+        for a ready one that has not reported within ``serving.health_timeout_s``), ``core_pid``, ``on_ring``."""
         self._prune()
-        return [{"replica": i, "device": self.devices[i], "state": "dead" if i in self.dead else e.state,
-                 "core_pid": e.core_pid, "on_ring": i in self.ring} for i, e in self.engines.items()]
+
+        def state(i: int, engine: AsyncGREngine) -> str:
+            if i in self.dead:
+                return "dead"
+            return "unresponsive" if engine.state == "ready" and not engine.is_healthy() else engine.state
+
+        return [{"replica": i, "device": self.devices[i], "state": state(i, e), "core_pid": e.core_pid,
+                 "on_ring": i in self.ring} for i, e in self.engines.items()]
 
     def suspend(self, replica: int) -> None:
         """Take a live replica off the ring (drain it): its users go on to their next replica; its KV stays."""

@@ -124,8 +124,8 @@ class ReplicaRouter(ReplicaSet):
         if deadline is not None and deadline <= time.monotonic():
             return [self._failed(r, params, f"deadline exceeded ({timeout_ms:g} ms)", "timeout") for r in requests]
         try:
-            outputs = await self._send(replica, requests, params, (deadline - time.monotonic()) * 1000
-                                       if deadline is not None else None)
+            left_ms = None if deadline is None else max(deadline - time.monotonic(), 0.0) * 1000  # passed since?
+            outputs = await self._send(replica, requests, params, left_ms)
         except (EngineDead, EngineOverloaded) as exc:
             if isinstance(exc, EngineDead):
                 self._lose(replica)

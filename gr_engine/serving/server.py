@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -29,7 +29,7 @@ from ..config import EngineConfig
 from ..outputs import GenerateOutput, RankOutput, output_user_id
 from ..validation import RequestError
 from .bodies import JSON, BodyFormat, GenerateBody, RankBody, answer_format, request_format
-from .client import AsyncGREngine, CoreHandle, EngineDead, EngineOverloaded
+from .client import AsyncGREngine, CallTooLarge, CoreHandle, EngineDead, EngineOverloaded
 from .heap import freeze_heap
 from .metrics import CONTENT_TYPE, ServingMetrics
 from .router import ReplicaRouter
@@ -101,10 +101,11 @@ def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int 
         if declared is not None and declared.isdigit() and int(declared) > serving.max_body_bytes:
             raise _BodyTooLarge
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > serving.max_body_bytes:
-                raise _BodyTooLarge
+        async with asyncio.timeout(serving.body_timeout_s):  # a client stalled mid-body must not hold shutdown
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > serving.max_body_bytes:
+                    raise _BodyTooLarge
         return bytes(body)
 
     async def serve(request: Request, body_type: type, ranking: bool, failed_type: type) -> Response:
@@ -121,6 +122,12 @@ def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int 
         answering = answer_format(request.headers.get("accept"), content_type)
         try:
             body = decoding.decode_body(await read_body(request), body_type)
+        except ClientDisconnect:  # nobody to answer
+            return Response(status_code=400)
+        except TimeoutError:
+            metrics.count_refused("bad_request")
+            return _error(answering, 408, f"request body not received within serving.body_timeout_s "
+                                          f"({serving.body_timeout_s:g} s)")
         except _BodyTooLarge:
             metrics.count_refused("bad_request")
             return _error(answering, 413, f"request body over serving.max_body_bytes ({serving.max_body_bytes})")
@@ -145,8 +152,11 @@ def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int 
             else:
                 served = await engine.generate_many(parsed, body.params, body.timeout_ms)
         except EngineOverloaded as exc:
-            metrics.count_refused("overloaded", len(parsed))
+            metrics.count_refused("overloaded", exc.refused)
             return _error(answering, 503, str(exc), {"Retry-After": "1"})
+        except CallTooLarge as exc:  # retrying cannot help: not a 503
+            metrics.count_refused("bad_request", len(parsed))
+            return _error(answering, 413, str(exc))
         except EngineDead as exc:
             metrics.count_refused("unavailable", len(parsed))
             return _error(answering, 503, str(exc))
@@ -164,11 +174,12 @@ def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int 
         healthy = engine.is_healthy()
         where = {"replicas": engine.replica_states()} if isinstance(engine, ReplicaRouter) else \
             {"core_pid": engine.core_pid}
-        return _json({"status": "ok" if healthy else engine.state, **where, "server": server}, 200 if healthy else 503)
+        return _json({"status": "ok" if healthy else _unhealthy_state(engine), **where, "server": server},
+                     200 if healthy else 503)
 
     async def ready(request: Request) -> Response:
         is_ready = engine.state == "ready" and engine.is_healthy()
-        return _json({"status": "ready" if is_ready else engine.state}, 200 if is_ready else 503)
+        return _json({"status": "ready" if is_ready else _unhealthy_state(engine)}, 200 if is_ready else 503)
 
     async def show_config(request: Request) -> Response:
         return _json(config)
@@ -186,6 +197,12 @@ def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int 
     ])
     app.state.engine, app.state.metrics = engine, metrics
     return app
+
+
+def _unhealthy_state(engine: AsyncGREngine | ReplicaRouter) -> str:
+    """What ``/health`` and ``/ready`` say of an engine that is not healthy: its state, or ``"unresponsive"`` for
+    one that is ready but has not reported within ``serving.health_timeout_s``."""
+    return "unresponsive" if engine.state == "ready" else engine.state
 
 
 def serve(config: EngineConfig, host: str, port: int, replicas: int = 1) -> None:

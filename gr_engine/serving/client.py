@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import zmq
@@ -65,6 +66,12 @@ def deadline_after(now: float, timeout_ms: float | None) -> float | None:
     if not timeout_ms >= 0:  # NaN too
         raise ValueError(f"timeout_ms must be a number >= 0, got {timeout_ms}")
     return now + timeout_ms / 1000
+
+
+def reported_state(engine: Any) -> str:
+    """What ``/health`` and replica listings say of ``engine`` (anything with ``state`` and ``is_healthy()``): its
+    ``state``, or ``"unresponsive"`` for a ready one that is not healthy (silent past ``serving.health_timeout_s``)."""
+    return "unresponsive" if engine.state == "ready" and not engine.is_healthy() else engine.state
 
 
 #: Called with each answered request's output, its error kind (``None`` on success) and the core's queue seconds;

@@ -25,7 +25,7 @@ import torch
 from ..config import EngineConfig
 from ..outputs import GenerateOutput, RankOutput
 from ..routing import DEFAULT_VIRTUAL_NODES, HashRing
-from .client import AsyncGREngine, EngineDead, OutputObserver
+from .client import AsyncGREngine, EngineDead, OutputObserver, reported_state
 
 logger = logging.getLogger(__name__)
 
@@ -175,14 +175,8 @@ class ReplicaSet:
         """Each replica: ``replica`` (index), ``device``, ``state`` (its client's; ``"dead"``; or ``"unresponsive"``
         for a ready one that has not reported within ``serving.health_timeout_s``), ``core_pid``, ``on_ring``."""
         self._prune()
-
-        def state(i: int, engine: AsyncGREngine) -> str:
-            if i in self.dead:
-                return "dead"
-            return "unresponsive" if engine.state == "ready" and not engine.is_healthy() else engine.state
-
-        return [{"replica": i, "device": self.devices[i], "state": state(i, e), "core_pid": e.core_pid,
-                 "on_ring": i in self.ring} for i, e in self.engines.items()]
+        return [{"replica": i, "device": self.devices[i], "state": "dead" if i in self.dead else reported_state(e),
+                 "core_pid": e.core_pid, "on_ring": i in self.ring} for i, e in self.engines.items()]
 
     def suspend(self, replica: int) -> None:
         """Take a live replica off the ring (drain it): its users go on to their next replica; its KV stays."""

@@ -29,7 +29,7 @@ from ..config import EngineConfig
 from ..outputs import GenerateOutput, RankOutput, output_user_id
 from ..validation import RequestError
 from .bodies import JSON, BodyFormat, GenerateBody, RankBody, answer_format, request_format
-from .client import AsyncGREngine, CallTooLarge, CoreHandle, EngineDead, EngineOverloaded
+from .client import AsyncGREngine, CallTooLarge, CoreHandle, EngineDead, EngineOverloaded, reported_state
 from .heap import freeze_heap
 from .metrics import CONTENT_TYPE, ServingMetrics
 from .router import ReplicaRouter
@@ -174,12 +174,12 @@ def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int 
         healthy = engine.is_healthy()
         where = {"replicas": engine.replica_states()} if isinstance(engine, ReplicaRouter) else \
             {"core_pid": engine.core_pid}
-        return _json({"status": "ok" if healthy else _unhealthy_state(engine), **where, "server": server},
+        return _json({"status": "ok" if healthy else reported_state(engine), **where, "server": server},
                      200 if healthy else 503)
 
     async def ready(request: Request) -> Response:
         is_ready = engine.state == "ready" and engine.is_healthy()
-        return _json({"status": "ready" if is_ready else _unhealthy_state(engine)}, 200 if is_ready else 503)
+        return _json({"status": "ready" if is_ready else reported_state(engine)}, 200 if is_ready else 503)
 
     async def show_config(request: Request) -> Response:
         return _json(config)
@@ -197,12 +197,6 @@ def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int 
     ])
     app.state.engine, app.state.metrics = engine, metrics
     return app
-
-
-def _unhealthy_state(engine: AsyncGREngine | ReplicaRouter) -> str:
-    """What ``/health`` and ``/ready`` say of an engine that is not healthy: its state, or ``"unresponsive"`` for
-    one that is ready but has not reported within ``serving.health_timeout_s``."""
-    return "unresponsive" if engine.state == "ready" else engine.state
 
 
 def serve(config: EngineConfig, host: str, port: int, replicas: int = 1) -> None:

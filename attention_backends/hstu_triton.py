@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from .base import AttentionBackend, AttentionSpec, BackendSupport, GraphReplayable, PagedBatchMetadata, PlanWriter
 from .hstu_triton_kernels import INTERPRETED, append_rows, hstu_paged_attention_kernel, sum_partials_kernel, triton
@@ -188,7 +189,9 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
                metadata: HSTUTritonMetadata, time_bias: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
         """:meth:`AttentionBackend.attend`: ``q``, ``k``, ``v``, ``kv_cache`` fp16/bf16/fp32 with any strides but
         the last dim's, ``time_bias`` any float dtype (added in fp32); the output is contiguous. ``silu``: ``q``,
-        ``k``, ``v`` before HSTU's SiLU (:attr:`~.base.AttentionBackend.fuses_qkv_silu`)."""
+        ``k``, ``v`` before HSTU's SiLU (:attr:`~.base.AttentionBackend.fuses_qkv_silu`): ``q`` is activated by one
+        elementwise pass before the kernel (applied in the kernel, it held q in registers through the key loops:
+        benchmarks/results/README.md), candidates' own k/v as the kernel reads them."""
         m, c = metadata, metadata.common
         if time_bias is not None and c.timestamps is None:
             raise ValueError("time_bias needs the step's timestamps (PagedBatchMetadata.timestamps is None)")
@@ -197,6 +200,7 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
         num_tiles, num_items = m.tiles.shape[1], m.items.shape[1]
         if num_rows == 0 or num_items == 0:
             return out
+        q = F.silu(q) if silu else q
         q, k, v, kv_cache = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, kv_cache))
         config, block_m = m.config, m.config.block_m
         # Partials of split tiles, one [block_m, D] slab per (work item, head); unused without splits.
@@ -216,7 +220,7 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
             self.spec.alpha, 1.0 / self.spec.scaling_seqlen,
             HEAD_DIM=head_dim, PAGE_SIZE=kv_cache.shape[2], BLOCK_M=block_m, BLOCK_N=config.block_n,
             FAST_SILU=q.dtype != torch.float32 and q.is_cuda and not INTERPRETED,  # inline PTX: CUDA only
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TIME_BIAS=time_bias is not None, SILU_QKV=silu,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TIME_BIAS=time_bias is not None, SILU_OWN_KV=silu,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         if m.may_split:

@@ -128,15 +128,15 @@ def hstu_paged_attention_kernel(
     stride_page, stride_kv, stride_token, stride_head, stride_ot, stride_oh,
     num_tiles, num_items, num_heads, num_work, num_rounds, alpha, inv_scaling,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    FAST_SILU: tl.constexpr, PRECISION: tl.constexpr, TIME_BIAS: tl.constexpr, SILU_QKV: tl.constexpr,
+    FAST_SILU: tl.constexpr, PRECISION: tl.constexpr, TIME_BIAS: tl.constexpr, SILU_OWN_KV: tl.constexpr,
 ):
     """Persistent: program g of G takes (work item, head) pairs g, 2G-1-g, 2G+g, ... of the longest-first
     list (the snake order pairs long items with short ones) and computes, for each, its part of its query
     tile's key range for that head (``Tiles``, ``Items``: :class:`HSTUTritonMetadata`). ``TIME_BIAS``: add
     the bias of ``TimeBias [max_bucket + 1, H]`` (contiguous) from int64 ``QueryTimes [T]`` and ``KeyTimes``
-    (request ``b``'s from ``KeyStart[b]``, :class:`~.base.StepTimestamps`); else those are never read. ``SILU_QKV``:
-    ``Q``, ``K``, ``V`` hold projections before HSTU's SiLU (:func:`hstu_silu`d as they are read; the cache's keys
-    were by the append)."""
+    (request ``b``'s from ``KeyStart[b]``, :class:`~.base.StepTimestamps`); else those are never read. ``SILU_OWN_KV``:
+    ``K``, ``V`` hold projections before HSTU's SiLU, :func:`hstu_silu`d as candidates' own keys are read (``Q`` and
+    the cache hold activated values)."""
     program = tl.program_id(0)
     num_programs = tl.num_programs(0)
     for r in range(num_rounds):
@@ -171,8 +171,6 @@ def hstu_paged_attention_kernel(
 
             q_ptrs = Q + rows[:, None] * stride_qt + head * stride_qh + dims[None, :]
             q = tl.load(q_ptrs, mask=valid[:, None], other=0.0)
-            if SILU_QKV:
-                q = hstu_silu(q)
             acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
             kv_head = KV + head * stride_head
             bias_head = TimeBias + head
@@ -199,7 +197,7 @@ def hstu_paged_attention_kernel(
             own_v_ptrs = V + rows[:, None] * stride_vt + head * stride_vh + dims[None, :]
             own_k = tl.load(own_k_ptrs, mask=own[:, None], other=0.0)
             own_v = tl.load(own_v_ptrs, mask=own[:, None], other=0.0)
-            if SILU_QKV:
+            if SILU_OWN_KV:
                 own_k, own_v = hstu_silu(own_k), hstu_silu(own_v)
             own_logit = tl.sum(q.to(tl.float32) * own_k.to(tl.float32), axis=1) * alpha
             if TIME_BIAS:  # a candidate's own key has its time: bucket 0

@@ -82,15 +82,15 @@ def attention_builds() -> list[Build]:
     def build(label: str, tiles: TileConfig, **changes: Any) -> Build:
         constants = {"HEAD_DIM": DIM, "PAGE_SIZE": PAGE, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n,
                      "FAST_SILU": True, "PRECISION": "tf32", "TIME_BIAS": False,
-                     "SILU_QKV": True, **changes}
+                     "SILU_OWN_KV": True, **changes}
         return Build(label, attention.hstu_paged_attention_kernel, types, constants, tiles.num_warps,
                      tiles.num_stages, divisible)
 
     default = default_tile_config(spec)
     biased = default_tile_config(AttentionSpec(**{**spec.__dict__, "time_bias_buckets": 32}))
     return [
-        build("attention (engine: q/k/v unactivated)", default),
-        build("attention (activated q/k/v)", default, SILU_QKV=False),
+        build("attention (engine: own k/v unactivated)", default),
+        build("attention (activated own k/v)", default, SILU_OWN_KV=False),
         build("attention time bias", biased, TIME_BIAS=True),
         build("attention decode tiles", default_tile_config(spec, max_query_len=20)),
         build("attention 64 x 64, 4 warps, 3 stages (tile_sweep.py's two an SM)", TileConfig(64, 64, 4, 3, 2)),

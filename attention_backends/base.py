@@ -264,11 +264,6 @@ class AttentionBackend(abc.ABC):
     support: ClassVar[BackendSupport]
     #: Relative speed used by ``attention_backend="auto"`` (higher wins among usable backends).
     priority: ClassVar[int] = 0
-    #: Whether :meth:`append_kv` and :meth:`attend` take ``silu=True`` (``hstu`` kind): ``q``, ``k``, ``v`` are then
-    #: the layer's projections before HSTU's SiLU, which the backend applies as it reads them (``F.silu``'s formula,
-    #: ``x / (1 + exp(-x))`` in float32, rounded to their dtype), so the engine skips a pass over the ``[T, 4W]``
-    #: projection. Backends without it get activated projections and never that keyword.
-    fuses_qkv_silu: ClassVar[bool] = False
 
     def __init__(self, spec: AttentionSpec) -> None:
         reasons = self.reasons_unsupported(spec)

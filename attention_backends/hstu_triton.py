@@ -14,7 +14,6 @@ from typing import ClassVar
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .base import AttentionBackend, AttentionSpec, BackendSupport, GraphReplayable, PagedBatchMetadata, PlanWriter
 from .hstu_triton_kernels import INTERPRETED, append_rows, hstu_paged_attention_kernel, sum_partials_kernel, triton
@@ -67,7 +66,6 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
         kinds=frozenset({"hstu"}), head_dims=frozenset({16, 32, 64, 128, 256}), page_sizes=frozenset({16, 32, 64}),
         time_bias=True)
     priority: ClassVar[int] = 10
-    fuses_qkv_silu: ClassVar[bool] = True
 
     def __init__(self, spec: AttentionSpec, tiles: TileConfig | None = None) -> None:
         super().__init__(spec)
@@ -179,19 +177,15 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
                              self.spec.num_heads, self.processors(config), self.overhead_keys, self.min_tiles_per_split)
 
     def append_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  metadata: HSTUTritonMetadata, silu: bool = False) -> None:
-        """Row ``history_rows[i]`` of ``key`` and ``value`` to its page slot, read in place by the append kernel;
-        ``silu``: see :attr:`~.base.AttentionBackend.fuses_qkv_silu`."""
+                  metadata: HSTUTritonMetadata) -> None:
+        """Row ``history_rows[i]`` of ``key`` and ``value`` to its page slot, read in place by the append kernel."""
         c = metadata.common
-        append_rows(kv_cache, key, value, c.history_rows, c.append_pages, c.append_entries, silu)
+        append_rows(kv_cache, key, value, c.history_rows, c.append_pages, c.append_entries)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-               metadata: HSTUTritonMetadata, time_bias: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
+               metadata: HSTUTritonMetadata, time_bias: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`AttentionBackend.attend`: ``q``, ``k``, ``v``, ``kv_cache`` fp16/bf16/fp32 with any strides but
-        the last dim's, ``time_bias`` any float dtype (added in fp32); the output is contiguous. ``silu``: ``q``,
-        ``k``, ``v`` before HSTU's SiLU (:attr:`~.base.AttentionBackend.fuses_qkv_silu`): ``q`` is activated by one
-        elementwise pass before the kernel (applied in the kernel, it held q in registers through the key loops:
-        benchmarks/results/README.md), candidates' own k/v as the kernel reads them."""
+        the last dim's, ``time_bias`` any float dtype (added in fp32); the output is contiguous."""
         m, c = metadata, metadata.common
         if time_bias is not None and c.timestamps is None:
             raise ValueError("time_bias needs the step's timestamps (PagedBatchMetadata.timestamps is None)")
@@ -200,7 +194,6 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
         num_tiles, num_items = m.tiles.shape[1], m.items.shape[1]
         if num_rows == 0 or num_items == 0:
             return out
-        q = F.silu(q) if silu else q
         q, k, v, kv_cache = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, kv_cache))
         config, block_m = m.config, m.config.block_m
         # Partials of split tiles, one [block_m, D] slab per (work item, head); unused without splits.
@@ -220,7 +213,7 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
             self.spec.alpha, 1.0 / self.spec.scaling_seqlen,
             HEAD_DIM=head_dim, PAGE_SIZE=kv_cache.shape[2], BLOCK_M=block_m, BLOCK_N=config.block_n,
             FAST_SILU=q.dtype != torch.float32 and q.is_cuda and not INTERPRETED,  # inline PTX: CUDA only
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TIME_BIAS=time_bias is not None, SILU_OWN_KV=silu,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TIME_BIAS=time_bias is not None,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         if m.may_split:

@@ -56,16 +56,6 @@ def _silu(x, scale, FAST: tl.constexpr):
 
 
 @_jit
-def hstu_silu(x):
-    """HSTU's SiLU of a projection read in ``x``'s dtype: ``x / (1 + exp(-x))`` in float32 (the formula of torch's
-    ``F.silu``; Triton's exp and divide may differ from torch's in the last float32 bits, so a 16-bit result now and
-    then by one unit), rounded back to ``x``'s dtype. The model's fused gate (``gr_engine.models.fused_ops``) applies
-    it to u."""
-    x32 = x.to(tl.float32)
-    return (x32 / (1.0 + tl.exp(-x32))).to(x.dtype)
-
-
-@_jit
 def _time_bias(BiasHead, query_times, key_times, num_heads, max_bucket):
     """fp32 ``[M, N]`` bias ``BiasHead[bucket * num_heads]`` (``BiasHead``: a head's column of the contiguous
     ``[num_buckets, num_heads]`` table) of int64 ``query_times [M]`` and ``key_times [N]``, with ``bucket =
@@ -128,15 +118,13 @@ def hstu_paged_attention_kernel(
     stride_page, stride_kv, stride_token, stride_head, stride_ot, stride_oh,
     num_tiles, num_items, num_heads, num_work, num_rounds, alpha, inv_scaling,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    FAST_SILU: tl.constexpr, PRECISION: tl.constexpr, TIME_BIAS: tl.constexpr, SILU_OWN_KV: tl.constexpr,
+    FAST_SILU: tl.constexpr, PRECISION: tl.constexpr, TIME_BIAS: tl.constexpr,
 ):
     """Persistent: program g of G takes (work item, head) pairs g, 2G-1-g, 2G+g, ... of the longest-first
     list (the snake order pairs long items with short ones) and computes, for each, its part of its query
     tile's key range for that head (``Tiles``, ``Items``: :class:`HSTUTritonMetadata`). ``TIME_BIAS``: add
     the bias of ``TimeBias [max_bucket + 1, H]`` (contiguous) from int64 ``QueryTimes [T]`` and ``KeyTimes``
-    (request ``b``'s from ``KeyStart[b]``, :class:`~.base.StepTimestamps`); else those are never read. ``SILU_OWN_KV``:
-    ``K``, ``V`` hold projections before HSTU's SiLU, :func:`hstu_silu`d as candidates' own keys are read (``Q`` and
-    the cache hold activated values)."""
+    (request ``b``'s from ``KeyStart[b]``, :class:`~.base.StepTimestamps`); else those are never read."""
     program = tl.program_id(0)
     num_programs = tl.num_programs(0)
     for r in range(num_rounds):
@@ -197,8 +185,6 @@ def hstu_paged_attention_kernel(
             own_v_ptrs = V + rows[:, None] * stride_vt + head * stride_vh + dims[None, :]
             own_k = tl.load(own_k_ptrs, mask=own[:, None], other=0.0)
             own_v = tl.load(own_v_ptrs, mask=own[:, None], other=0.0)
-            if SILU_OWN_KV:
-                own_k, own_v = hstu_silu(own_k), hstu_silu(own_v)
             own_logit = tl.sum(q.to(tl.float32) * own_k.to(tl.float32), axis=1) * alpha
             if TIME_BIAS:  # a candidate's own key has its time: bucket 0
                 own_logit += tl.load(bias_head).to(tl.float32)
@@ -247,7 +233,6 @@ def _append_kernel(
     stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
     stride_page, stride_kv, stride_token, stride_head, stride_dim,
     NUM_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
-    SILU: tl.constexpr,
 ):
     """Program ``p`` appends rows ``p * ROWS ..`` (those below ``num_rows``) of ``Rows``, ``Pages``, ``Entries``:
     each row's ``[H, D]`` K and V, all its loads issued before any store (see :func:`append_rows`)."""
@@ -261,20 +246,17 @@ def _append_kernel(
     src = tl.load(Rows + slots, mask=live, other=0).to(tl.int64)[:, None, None]
     key = tl.load(Key + src * stride_kt + heads * stride_kh + dims * stride_kd, mask=valid)
     value = tl.load(Value + src * stride_vt + heads * stride_vh + dims * stride_vd, mask=valid)
-    if SILU:
-        key, value = hstu_silu(key), hstu_silu(value)
     dst = Cache + page * stride_page + entry * stride_token + heads * stride_head + dims * stride_dim
     tl.store(dst, key, mask=valid)
     tl.store(dst + stride_kv, value, mask=valid)
 
 
 def append_rows(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor,
-                pages: torch.Tensor, entries: torch.Tensor, silu: bool = False) -> None:
+                pages: torch.Tensor, entries: torch.Tensor) -> None:
     """:func:`~.paged.write_appended` of ``key[rows]``, ``value[rows]`` in one small launch that gathers as it
     writes: row ``rows[i]`` of ``key``, ``value`` (``[T, H, D]``, the cache's dtype, any strides) to entry
     ``entries[i]`` of page ``pages[i]`` of ``kv_cache`` (NHD), in place; ``rows``, ``pages``, ``entries`` int ``[N]``.
-    Duplicate targets must carry equal rows (a CUDA-graph step pads by repeating the last append). ``silu``: ``key`` and
-    ``value`` are projections before HSTU's SiLU, applied as they are read (:func:`hstu_silu`)."""
+    Duplicate targets must carry equal rows (a CUDA-graph step pads by repeating the last append)."""
     num_rows = rows.shape[0]
     _, num_heads, head_dim = key.shape
     if num_rows == 0:
@@ -283,5 +265,5 @@ def append_rows(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         kv_cache, key, value, rows, pages, entries, num_rows,
         *key.stride(), *value.stride(), *kv_cache.stride(),
         NUM_HEADS=num_heads, HEADS_POW2=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim, ROWS=APPEND_ROWS,
-        SILU=silu, num_warps=APPEND_WARPS,
+        num_warps=APPEND_WARPS,
     )

@@ -32,9 +32,11 @@ class TileConfig:
 
 def default_tile_config(spec: AttentionSpec, max_query_len: int | None = None) -> TileConfig:
     """Launch shape for ``spec`` (any valid one is correct); with ``max_query_len <= 32`` rows per request
-    (decode-like), 16 or 32 query rows per tile, sparing the padded rows' math. 16-bit 128 x 128 tiles without a
-    time bias pipeline 3 key tiles (benchmarks/tile_sweep.py on the H200: 4-6% over 2 at 8k and 16k prefill and a
-    recompute batch of 8; with the bias's extra loads 3 stages were 3% slower, so it keeps 2)."""
+    (decode-like), 16 or 32 query rows per tile over 4 warps, sparing the padded rows' math; 16-bit ones with
+    ``head_dim <= 128`` two programs an SM (their registers and shared memory fit two; on the H200 two gave 15-17%
+    more than one on a decode step of 8 users, benchmarks/tile_sweep.py). 16-bit 128 x 128 tiles without a time
+    bias pipeline 3 key tiles (4-6% over 2 at 8k and 16k prefill and a recompute batch of 8; with the bias's extra
+    loads 3 stages were 3% slower, so it keeps 2)."""
     if spec.dtype == torch.float32:
         config = TileConfig(block_m=32 if spec.head_dim >= 256 else 64, block_n=32, num_warps=4, num_stages=1)
     elif spec.head_dim >= 256:
@@ -42,11 +44,12 @@ def default_tile_config(spec: AttentionSpec, max_query_len: int | None = None) -
     else:
         stages = 2 if spec.time_bias_buckets or spec.head_dim > 128 else 3
         config = TileConfig(block_m=128, block_n=128, num_warps=8 if spec.head_dim >= 128 else 4, num_stages=stages)
-    block_m, num_warps, num_stages = config.block_m, config.num_warps, config.num_stages
+    block_m, num_warps, num_stages, programs = config.block_m, config.num_warps, config.num_stages, 1
     decode_m = None if max_query_len is None or max_query_len > 32 else 16 if max_query_len <= 16 else 32
-    if decode_m is not None and decode_m < block_m:  # a decode-like step (its shape was not swept: 2 stages)
+    if decode_m is not None and decode_m < block_m:  # a decode-like step
         block_m, num_warps, num_stages = decode_m, 4, min(num_stages, 2)
-    return TileConfig(block_m, max(config.block_n, spec.page_size), num_warps, num_stages)
+        programs = 2 if spec.dtype != torch.float32 and spec.head_dim <= 128 else 1  # as compiled and measured
+    return TileConfig(block_m, max(config.block_n, spec.page_size), num_warps, num_stages, programs)
 
 
 def plan_tile_map(query_start_loc: np.ndarray, num_history_rows: np.ndarray, kv_seq_lens: np.ndarray,

@@ -4,8 +4,8 @@
 
 Triton's compiler and the ``ptxas`` shipped in the triton wheel build each kernel for sm_90 at the shapes the engine
 launches for the bench's model (bf16, 4 heads x 128, pages of 32 tokens, d_model 512): ``hstu_triton``'s attention in
-its default launch shape (q/k/v unactivated, as the engine hands them over, and activated), with a time bias and in
-decode tiles, and the 64 x 64 shape ``tile_sweep.py`` times two programs an SM; the append; the LayerNorm (with and
+its default launch shape, with a time bias and in decode tiles (two programs an SM), and the 64 x 64 shape
+``tile_sweep.py`` times two programs an SM; the append; the LayerNorm (with and
 without the residual shift) and the gate. For each: ``ptxas -v``'s registers, spill stores and loads (bytes), the
 shared memory and how many programs fit on an SM (:func:`programs_per_sm`); with ``--sass``, how many local-memory
 loads and stores (``LDL``/``STL``, spills) sit in the basic blocks that hold the MMAs (``HGMMA``: the key loops). A
@@ -81,16 +81,14 @@ def attention_builds() -> list[Build]:
 
     def build(label: str, tiles: TileConfig, **changes: Any) -> Build:
         constants = {"HEAD_DIM": DIM, "PAGE_SIZE": PAGE, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n,
-                     "FAST_SILU": True, "PRECISION": "tf32", "TIME_BIAS": False,
-                     "SILU_OWN_KV": True, **changes}
+                     "FAST_SILU": True, "PRECISION": "tf32", "TIME_BIAS": False, **changes}
         return Build(label, attention.hstu_paged_attention_kernel, types, constants, tiles.num_warps,
                      tiles.num_stages, divisible)
 
     default = default_tile_config(spec)
     biased = default_tile_config(AttentionSpec(**{**spec.__dict__, "time_bias_buckets": 32}))
     return [
-        build("attention (engine: own k/v unactivated)", default),
-        build("attention (activated own k/v)", default, SILU_OWN_KV=False),
+        build("attention", default),
         build("attention time bias", biased, TIME_BIAS=True),
         build("attention decode tiles", default_tile_config(spec, max_query_len=20)),
         build("attention 64 x 64, 4 warps, 3 stages (tile_sweep.py's two an SM)", TileConfig(64, 64, 4, 3, 2)),
@@ -99,11 +97,11 @@ def attention_builds() -> list[Build]:
 
 def layer_builds() -> list[Build]:
     """The append and the row-wise kernels of an HSTU layer of the bench's model."""
-    append = Build("append (engine: SiLU applied)", attention._append_kernel,
+    append = Build("append", attention._append_kernel,
                    dict.fromkeys(("Cache", "Key", "Value"), "*bf16") | dict.fromkeys(("Rows", "Pages", "Entries"),
                                                                                       "*i32"),
                    {"NUM_HEADS": HEADS, "HEADS_POW2": HEADS, "HEAD_DIM": DIM, "ROWS": attention.APPEND_ROWS,
-                    "SILU": True, "stride_kd": 1, "stride_vd": 1, "stride_dim": 1},
+                    "stride_kd": 1, "stride_vd": 1, "stride_dim": 1},
                    attention.APPEND_WARPS, 1,
                    ("Cache", "Key", "Value", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_page",
                     "stride_kv", "stride_token", "stride_head"))
@@ -116,8 +114,8 @@ def layer_builds() -> list[Build]:
                             {"N": D_MODEL, "BLOCK": block, "ROWS": rows, "SHIFT": shift}, fused_ops.NUM_WARPS, 1,
                             ("X", "Out", "Shifted", "stride_x", "stride_out")))
     for concat in (False, True):
-        builds.append(Build(f"gate (concat_ua {concat}, u's SiLU)", fused_ops._gated_layer_norm_kernel, gate_types,
-                            {"N": D_MODEL, "BLOCK": block, "ROWS": rows, "CONCAT_UA": concat, "SILU_U": True},
+        builds.append(Build(f"gate (concat_ua {concat})", fused_ops._gated_layer_norm_kernel, gate_types,
+                            {"N": D_MODEL, "BLOCK": block, "ROWS": rows, "CONCAT_UA": concat},
                             fused_ops.NUM_WARPS, 1, ("Attn", "U", "Out", "stride_attn", "stride_u", "stride_out")))
     return builds
 

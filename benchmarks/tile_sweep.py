@@ -2,18 +2,16 @@
 
     python benchmarks/tile_sweep.py --out tile_sweep.json [--quick]
 
-For every launch shape of a grid (``block_m`` 64/128, ``block_n`` 64/128, ``num_warps`` 4/8, ``num_stages`` 2-4;
-the 64-row 4-warp shapes also two programs an SM, and the decode tiles 32 x 128 one and two; shapes Triton cannot
-compile are recorded as failed), times ``hstu_triton`` attention (4 heads x 128, bf16, page 32, q/k/v unactivated as
-the engine gives them, replayed from a CUDA graph: device time) over six steps: one 8k and one 16k full-history
-prefill, recompute's batch of 8 (whole histories of 1.5k-20k events, mean ~9.2k, plus 100 candidates each, nothing
-cached), a serving step of 8 returning users (4 new events and 100 candidates each over 2k-12.5k cached), the same
-users with 16 candidates (rows for the engine's decode tiles), and recompute's batch with a relative time bias (the
-kernel variant that loads the most per key tile: a shape must compile for it too). A persistent grid holds one
-program an SM unless ``programs_per_sm`` says more (``compile_check.py`` says how many fit).
-The default shape is timed once more on activated q/k/v (``silu`` false in its row): the cost of applying q's SiLU
-inside the kernel, which holds q in registers (compiled for sm_90, the default shape spills more with it). Reports
-TFLOP/s (causal FLOPs counted once) per shape. ``--quick``: seven shapes.
+For every launch shape of a grid (``block_m`` 64/128, ``block_n`` 64/128, ``num_warps`` 4/8, ``num_stages`` 2-4; the
+64-row 4-warp shapes also two programs an SM, and the decode tiles 32 x 128 one and two; shapes Triton cannot
+compile are recorded as failed), times ``hstu_triton`` attention (4 heads x 128, bf16, page 32, replayed from a CUDA
+graph: device time) over six steps: one 8k and one 16k full-history prefill, recompute's batch of 8 (whole histories
+of 1.5k-20k events, mean ~9.2k, plus 100 candidates each, nothing cached), a serving step of 8 returning users (4
+new events and 100 candidates each over 2k-12.5k cached), the same users with 16 candidates (rows for the engine's
+decode tiles), and recompute's batch with a relative time bias (the kernel variant that loads the most per key tile:
+a shape must compile for it too). A persistent grid holds one program an SM unless ``programs_per_sm`` says more
+(``compile_check.py`` says how many fit). Reports TFLOP/s (causal FLOPs counted once) per shape. ``--quick``: seven
+shapes.
 """
 
 from __future__ import annotations
@@ -67,11 +65,12 @@ def main() -> None:
     grid = [TileConfig(m, n, w, s) for m, n, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4))]
     grid += [dataclasses.replace(c, programs_per_sm=2) for c in grid if c.block_m == 64 and c.num_warps == 4]
     decode = default_tile_config(spec, max_query_len=20)
-    grid += [decode, dataclasses.replace(decode, programs_per_sm=2)]
+    decode_one = dataclasses.replace(decode, programs_per_sm=1)
+    grid += [decode_one, decode]
     default = default_tile_config(spec)
     if args.quick:
         grid = [default, TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3), TileConfig(64, 64, 4, 3, 2),
-                TileConfig(64, 64, 4, 2, 2), decode, dataclasses.replace(decode, programs_per_sm=2)]
+                TileConfig(64, 64, 4, 2, 2), decode_one, decode]
     steps = {name: make_step(*shape, device) for name, shape in STEPS.items()}
     steps[BIAS_STEP] = make_step(*STEPS["recompute_bs8"], device, timestamps=True)
     tflop = {name: step_tflop(*shape) for name, shape in STEPS.items()}
@@ -79,23 +78,21 @@ def main() -> None:
     bias_spec = dataclasses.replace(spec, time_bias_buckets=BIAS_BUCKETS)
     bias_table = torch.randn(BIAS_BUCKETS, HEADS, device=device, dtype=torch.float32)
     results = []
-    # every shape as the engine runs it (q/k/v unactivated, silu=True), and the default also on activated inputs:
-    # what applying q's SiLU inside the kernel costs (it holds q in registers)
-    for config, silu in [(config, True) for config in grid] + [(default, False)]:
-        row = {"config": list(dataclasses.astuple(config)), "silu": silu, "tflops": {}}
+    for config in grid:
+        row = {"config": list(dataclasses.astuple(config)), "tflops": {}}
         try:
             for name, (q, k, v, cache, meta) in steps.items():
                 biased = name == BIAS_STEP
                 backend = HSTUTritonBackend(bias_spec if biased else spec, tiles=config)
                 attend = functools.partial(backend.attend, q, k, v, cache, backend.build_metadata(meta),
-                                           time_bias=bias_table if biased else None, silu=silu)
+                                           time_bias=bias_table if biased else None)
                 seconds = triton.testing.do_bench_cudagraph(attend, rep=50, return_mode="median") / 1e3
                 row["tflops"][name] = tflop[name] / seconds
         except Exception as exc:  # a shape Triton cannot compile (e.g. out of shared memory)
             row["error"] = repr(exc)[:200]
         results.append(row)
         print(row, flush=True)
-    ok = [r for r in results if "error" not in r and r["silu"]]
+    ok = [r for r in results if "error" not in r]
     for name in steps:
         ok.sort(key=lambda r, name=name: -r["tflops"][name])
         print(name, "best", ok[0]["config"], f"{ok[0]['tflops'][name]:.0f} TFLOP/s")

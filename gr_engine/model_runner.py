@@ -25,7 +25,6 @@ from cache_engine import KVCacheManager
 from scheduler import ScheduledChunk
 
 from .models import GRModel
-from .models.layers import HSTULayer
 from .request import GenerateParams
 from .step_graphs import StagedStep, StepGraphs, run_segments
 from .step_results import PinnedBuffers, ScoreFetch, to_host
@@ -274,18 +273,16 @@ class ModelRunner:
 
         def segment(index: int) -> Callable[[torch.Tensor | None], torch.Tensor]:
             layer, layer_cache = model.layers[index], self.kv.kv_cache[index]
-            # HSTU layers hand q, k, v over unactivated to a backend that applies the SiLU as it reads them
-            silu = {"silu": True} if self.backend.fuses_qkv_silu and isinstance(layer, HSTULayer) else {}
 
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        time_bias: torch.Tensor | None) -> torch.Tensor:
-                self.backend.append_kv(layer_cache, k, v, backend, **silu)  # appends the rows at common.history_rows
-                return self.backend.attend(q, k, v, layer_cache, backend, time_bias=time_bias, **silu)
+                self.backend.append_kv(layer_cache, k, v, backend)  # appends the rows at common.history_rows
+                return self.backend.attend(q, k, v, layer_cache, backend, time_bias=time_bias)
 
             def run(x: torch.Tensor | None) -> torch.Tensor:
                 if x is None:
                     x = model.embed(**tokens)
-                x = layer(x, attend, silu_in_attend=True) if silu else layer(x, attend)
+                x = layer(x, attend)
                 return model.final_norm(x) if index == last else x
             return run
 

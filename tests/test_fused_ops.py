@@ -115,23 +115,6 @@ def test_layer_norm_and_shift_equals_torch(num_rows, width, dtype):
 
 
 @pytest.mark.parametrize("concat_ua", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_rows", [7, 300])
-def test_gated_attn_norm_applies_the_silu_of_u(num_rows, dtype, concat_ua):
-    """``silu_u``: ``u`` read before HSTU's SiLU (a column slice of the raw projection) gives the gate of ``F.silu(u)``
-    (the copied ``u`` too), within the gate's rounding and exp's last bits."""
-    from gr_engine.models.fused_ops import gated_attn_norm
-
-    gen = torch.Generator().manual_seed(num_rows + concat_ua)
-    attn = rows(num_rows, 64, dtype, gen)
-    weight, bias = affine(64, dtype, gen)
-    u = rows(num_rows, 256, dtype, gen)[:, :64]
-    got = gated_attn_norm(attn, u, weight, bias, EPS, concat_ua, silu_u=True)
-    assert_close(got, unfused_gate(attn, F.silu(u), weight, bias, concat_ua), GATE_TOL[dtype])
-    assert not torch.allclose(got, gated_attn_norm(attn, u, weight, bias, EPS, concat_ua), atol=0.1)
-
-
-@pytest.mark.parametrize("concat_ua", [False, True])
 def test_zero_rows_give_empty_outputs(concat_ua):
     from gr_engine.models.fused_ops import gated_attn_norm, layer_norm
 
@@ -192,28 +175,10 @@ def test_hstu_layer_fused_equals_unfused(concat_ua):
         assert_close(model.final_norm(x, fused=True), model.final_norm(x, fused=False), LN_TOL[torch.float32])
 
 
-@pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("concat_ua", [False, True])
-def test_hstu_layer_with_silu_in_attend_equals_the_layer(concat_ua, fused):
-    """``silu_in_attend``: the layer hands q, k, v over unactivated (its attend applies the SiLU, as a backend with
-    ``fuses_qkv_silu`` does) and activates u where it reads it; the output is the plain layer's."""
-    config = ModelConfig(num_items=50, d_model=64, num_layers=1, num_heads=2, head_dim=16, concat_ua=concat_ua)
-    layer = GRModel(config).to(DEVICE).layers[0]
-    x = rows(37, 64, torch.float32, torch.Generator().manual_seed(5))
-
-    def activating_attend(q, k, v, time_bias):
-        return dense_silu_attend(F.silu(q), F.silu(k), F.silu(v), time_bias)
-
-    with torch.no_grad():
-        expected = layer(x, dense_silu_attend, fused=False)
-        got = layer(x, activating_attend, fused=fused, silu_in_attend=True)
-    assert_close(got, expected, (1e-5, 1e-5))  # float32: the norms', gate's and exp's ulps through two Linears
-
-
 def test_fused_layer_runs_no_add_and_accumulates_the_output_gemm_in_place():
     """On the fused path the residual add is the output GEMM's own accumulation into ``x + bias`` (an in-place
-    ``addmm_``: an out-of-place ``addmm`` with a full input would copy it first), and with ``silu_in_attend`` no SiLU
-    runs over the projection: the torch ops the layer dispatches, attention left out."""
+    ``addmm_``: an out-of-place ``addmm`` with a full input would copy it first): the torch ops the layer dispatches,
+    attention left out."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     config = ModelConfig(num_items=50, d_model=64, num_layers=1, num_heads=2, head_dim=16)
@@ -227,9 +192,9 @@ def test_fused_layer_runs_no_add_and_accumulates_the_output_gemm_in_place():
             return func(*args, **(kwargs or {}))
 
     with torch.no_grad(), Ops():
-        layer(x, lambda q, k, v, time_bias: q.clone(), fused=True, silu_in_attend=True)
+        layer(x, lambda q, k, v, time_bias: q.clone(), fused=True)
     # (the interpreter's copies of kernel outputs aside: copy_ shows up here for them)
-    assert ops[-1] == "addmm_" and ops.count("addmm") == 1 and not {"add", "add_", "silu"} & set(ops), ops
+    assert ops[-1] == "addmm_" and ops.count("addmm") == 1 and not {"add", "add_"} & set(ops), ops
 
 
 def test_state_dict_names_are_unchanged():

@@ -136,31 +136,24 @@ def make_backend(spec: AttentionSpec, tiles: TileConfig | None = None, num_sms: 
     return backend
 
 
-def run_both(layout, spec, gen, tiles=None, num_sms=None, head_major_cache=False, times=None, silu=False):
+def run_both(layout, spec, gen, tiles=None, num_sms=None, head_major_cache=False, times=None):
     """Append + attend with both backends; returns (hstu_triton output, torch_ref output, output scale). With
-    ``times`` (see :func:`make_common`) both add a random ``[spec.time_bias_buckets, H]`` bias in ``spec.dtype``.
-    With ``silu`` the q/k/v drawn are projections before HSTU's SiLU: ``hstu_triton`` gets them as they are (and
-    ``silu=True``), the oracle their ``F.silu``; the appended K/V then agree within the dtype's rounding."""
+    ``times`` (see :func:`make_common`) both add a random ``[spec.time_bias_buckets, H]`` bias in ``spec.dtype``."""
     common, q, k, v, cache = make_batch(layout, spec, gen, head_major_cache=head_major_cache, times=times)
     table = None
     if times is not None:
         table = torch.randn(spec.time_bias_buckets, spec.num_heads, generator=gen).to(spec.device_type, spec.dtype)
     ref, ref_cache = TorchRefBackend(spec), cache.clone()
     ref_meta = ref.build_metadata(common)
-    ref_q, ref_k, ref_v = (torch.nn.functional.silu(x) for x in (q, k, v)) if silu else (q, k, v)
-    ref.append_kv(ref_cache, ref_k, ref_v, ref_meta)
+    ref.append_kv(ref_cache, k, v, ref_meta)
     # NaN slots are never valid keys; the oracle multiplies its masked-out weights by them, so give it zeros.
-    expected = ref.attend(ref_q, ref_k, ref_v, torch.nan_to_num(ref_cache, nan=0.0), ref_meta, time_bias=table)
+    expected = ref.attend(q, k, v, torch.nan_to_num(ref_cache, nan=0.0), ref_meta, time_bias=table)
 
     backend = make_backend(spec, tiles, num_sms)
     meta = backend.build_metadata(common)
-    fused = {"silu": True} if silu else {}
-    backend.append_kv(cache, k, v, meta, **fused)
-    if silu:  # exp's last bits may differ from torch's
-        torch.testing.assert_close(cache.nan_to_num(0.0), ref_cache.nan_to_num(0.0))
-    else:
-        assert torch.equal(cache.nan_to_num(0.0), ref_cache.nan_to_num(0.0))
-    got = backend.attend(q, k, v, cache, meta, time_bias=table, **fused)
+    backend.append_kv(cache, k, v, meta)
+    assert torch.equal(cache.nan_to_num(0.0), ref_cache.nan_to_num(0.0))
+    got = backend.attend(q, k, v, cache, meta, time_bias=table)
     assert got.dtype == q.dtype and got.shape == q.shape
     return got.float(), expected.float(), expected.float().abs().max().clamp(min=1e-6)
 
@@ -207,23 +200,6 @@ def test_random_batches_match_reference(seed):
 
 @needs_triton
 @cpu_only
-@pytest.mark.parametrize("num_sms", [1, 200])  # one program, and split key ranges (partials summed)
-@pytest.mark.parametrize("time_buckets", [0, 20])
-def test_silu_applied_by_the_kernels_matches_reference(num_sms, time_buckets):
-    """``silu=True`` (the engine's HSTU path): the append writes and the attention reads ``F.silu`` of the raw
-    projections, as the oracle fed activated ones."""
-    gen = torch.Generator().manual_seed(31 + num_sms + time_buckets)
-    spec = dataclasses.replace(make_spec(16, 2, 16, torch.float32), time_bias_buckets=time_buckets)
-    times = random_times(EDGE_BATCH, gen) if time_buckets else None
-    got, expected, scale = run_both(EDGE_BATCH, spec, gen, TileConfig(16, 16, 4, 1), num_sms, times=times, silu=True)
-    assert_close(got, expected, scale, 1e-5)
-    unactivated, _, _ = run_both(EDGE_BATCH, spec, torch.Generator().manual_seed(31 + num_sms + time_buckets),
-                                 TileConfig(16, 16, 4, 1), num_sms, times=times)
-    assert not torch.allclose(unactivated, got, atol=1e-3)  # the flag changes what is computed
-
-
-@needs_triton
-@cpu_only
 def test_programs_per_sm_multiplies_the_persistent_grid():
     """``TileConfig.programs_per_sm``: the grid and the split-KV plan count SMs x programs_per_sm processors (the
     plan of 3 an SM on 4 SMs is the plan of one on 12), and the output still equals the oracle's."""
@@ -264,14 +240,16 @@ def test_default_tiles_and_page_size_64():
 
 def test_default_pipeline_depth_is_the_swept_one():
     """3 key tiles in flight only where the tile sweep measured them faster: 16-bit 128 x 128 tiles of heads up to
-    128 wide without a time bias; 2 with the bias, for wider heads and for decode-like tiles; 1 in float32."""
+    128 wide without a time bias; 2 with the bias, for wider heads and for decode-like tiles; 1 in float32. Decode
+    tiles run two an SM in 16 bits, where the sweep measured it."""
     from attention_backends.hstu_triton_plan import TileConfig, default_tile_config
 
     bf16 = make_spec(32, 4, 128, torch.bfloat16, "cuda")
     assert default_tile_config(bf16) == TileConfig(128, 128, 8, 3)
     assert default_tile_config(dataclasses.replace(bf16, dtype=torch.float16)).num_stages == 3
     assert default_tile_config(with_time_bias(bf16, 32)) == TileConfig(128, 128, 8, 2)
-    assert default_tile_config(bf16, max_query_len=20) == TileConfig(32, 128, 4, 2)
+    assert default_tile_config(bf16, max_query_len=20) == TileConfig(32, 128, 4, 2, programs_per_sm=2)
+    assert default_tile_config(make_spec(32, 4, 128, torch.float32, "cuda"), max_query_len=20).programs_per_sm == 1
     assert default_tile_config(make_spec(32, 2, 256, torch.bfloat16, "cuda")).num_stages == 2
     assert default_tile_config(make_spec(32, 4, 128, torch.float32, "cuda")).num_stages == 1
 
@@ -388,41 +366,11 @@ def test_engine_with_time_bias_equals_recompute():
 
 @needs_triton
 @cpu_only
-def test_engine_applies_the_projection_silu_in_the_kernels():
-    """An ``hstu_triton`` engine hands q, k, v over unactivated (``fuses_qkv_silu``): no SiLU runs over the
-    ``[T, 4W]`` projection (only over ``u``, on the CPU path), and its scores are ``recompute``'s on ``torch_ref``."""
-    import msgspec
-
-    from gr_engine import GREngine
-    from tests.conftest import tiny_config, with_cache
-    from tests.test_engine_differential import max_diff, stream
-
-    config = tiny_config(page_size=16, head_dim=16, num_gpu_pages=60, max_history_len=128)
-    requests = stream(config, num_users=3, visits=3, seed=8)
-    expected = GREngine(with_cache(config, mode="recompute")).rank(requests, use_tqdm=False)
-    engine = GREngine(msgspec.structs.replace(config, attention_backend="hstu_triton"))
-    widths = []
-
-    class SiluWidths(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten.silu.default:
-                widths.append(args[0].shape[-1])
-            return func(*args, **(kwargs or {}))
-
-    with SiluWidths():
-        outputs = engine.rank(requests, use_tqdm=False)
-    width = config.model.num_heads * config.model.head_dim
-    assert width in widths and 4 * width not in widths, widths
-    assert max_diff(outputs, expected) <= 1e-5
-
-
-@needs_triton
-@cpu_only
 @pytest.mark.parametrize("concat_ua", [False, True])
 def test_engine_on_the_cuda_layer_path_equals_recompute(monkeypatch, concat_ua):
-    """The layers as on CUDA (every fused kernel: the input norm writing the residual plus the output bias, the gate
-    applying u's SiLU, q/k/v's SiLU in the attention and append kernels) in an ``hstu_triton`` engine with a pool small
-    enough to evict: scores equal ``recompute`` on ``torch_ref`` with torch's ops."""
+    """The layers as on CUDA (every fused kernel: the input norm writing the residual plus the output bias, the gate)
+    in an ``hstu_triton`` engine with a pool small enough to evict: scores equal ``recompute`` on ``torch_ref`` with
+    torch's ops."""
     import msgspec
 
     from gr_engine import GREngine
@@ -435,8 +383,7 @@ def test_engine_on_the_cuda_layer_path_equals_recompute(monkeypatch, concat_ua):
     requests = stream(config, num_users=4, visits=3, seed=9)
     expected = GREngine(with_cache(config, mode="recompute")).rank(requests, use_tqdm=False)
     layer_forward, norm_forward = HSTULayer.forward, FusedLayerNorm.forward
-    monkeypatch.setattr(HSTULayer, "forward", lambda self, x, attend, fused=None, silu_in_attend=False:
-                        layer_forward(self, x, attend, True, silu_in_attend))
+    monkeypatch.setattr(HSTULayer, "forward", lambda self, x, attend, fused=None: layer_forward(self, x, attend, True))
     monkeypatch.setattr(FusedLayerNorm, "forward", lambda self, x, fused=None: norm_forward(self, x, True))
     engine = GREngine(msgspec.structs.replace(config, attention_backend="hstu_triton"))
     outputs = engine.rank(requests, use_tqdm=False)
@@ -670,20 +617,6 @@ def test_gpu_bf16_matches_reference(layout, num_sms):
     assert_close(got, expected, scale, 1.5e-2)
 
 
-@pytest.mark.parametrize(("layout", "num_sms"), [
-    ([(0, 8192, 0)], None),  # full causal prefill
-    ([(16000, 256, 100), (4000, 0, 100), (0, 2048, 0), (9000, 17, 50)], None),  # split-KV, candidates
-    ([(12000, 4, 20), (5000, 0, 30), (31, 1, 0)], 1000),  # decode tiles, many parts
-])
-@pytest.mark.gpu
-@needs_cuda
-@needs_triton
-def test_gpu_bf16_silu_applied_by_the_kernels(layout, num_sms):
-    gen = torch.Generator().manual_seed(3 * len(layout))
-    got, expected, scale = run_both(layout, make_spec(32, 4, 128, torch.bfloat16), gen, num_sms=num_sms, silu=True)
-    assert_close(got, expected, scale, 1.5e-2)
-
-
 @pytest.mark.parametrize("layout", [
     [(0, 8192, 0)],  # full causal prefill
     [(2000, 4, 100), (5000, 4, 100), (12500, 4, 100), (31, 1, 0)],  # serving: split-KV, candidates
@@ -692,10 +625,10 @@ def test_gpu_bf16_silu_applied_by_the_kernels(layout, num_sms):
 @needs_cuda
 @needs_triton
 def test_gpu_bf16_two_programs_per_sm(layout):
-    """64 x 64 tiles over 4 warps, two programs an SM (as tile_sweep.py times them), on raw projections."""
+    """64 x 64 tiles over 4 warps, two programs an SM (as tile_sweep.py times them)."""
     gen = torch.Generator().manual_seed(len(layout) + 40)
     tiles = TileConfig(64, 64, 4, 3, programs_per_sm=2)
-    got, expected, scale = run_both(layout, make_spec(32, 4, 128, torch.bfloat16), gen, tiles, silu=True)
+    got, expected, scale = run_both(layout, make_spec(32, 4, 128, torch.bfloat16), gen, tiles)
     assert_close(got, expected, scale, 1.5e-2)
 
 

@@ -1,6 +1,6 @@
 """Row-wise Triton kernels of the HSTU layer's CUDA path (docs/design.md section 4): LayerNorm (optionally also
 writing ``x + shift``, the residual plus a bias), and the gate ``u * LN(attn)`` (with ``concat_ua``: ``[u, attn, u *
-LN(attn)]``) in one pass, optionally applying ``u``'s SiLU as it reads it.
+LN(attn)]``) in one pass.
 
 Each program normalises a tile of whole rows held in registers: statistics and arithmetic in float32, one read of each
 input and one write of the output, so both kernels run at memory bandwidth. They allocate only their output (its
@@ -18,8 +18,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from attention_backends.hstu_triton_kernels import hstu_silu  # the SiLU the attention kernels apply to q, k, v
 
 MAX_WIDTH = 4096
 """The widest row (``N``) the kernels take: a row is held in registers."""
@@ -66,20 +64,16 @@ def _layer_norm_kernel(X, Weight, Bias, Out, Shift, Shifted, num_rows, stride_x,
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _gated_layer_norm_kernel(Attn, U, Weight, Bias, Out, num_rows, stride_attn, stride_u, stride_out, eps,
-                             N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, CONCAT_UA: tl.constexpr,
-                             SILU_U: tl.constexpr):
+                             N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, CONCAT_UA: tl.constexpr):
     """Program ``p`` writes rows ``p * ROWS ..`` (+ ``ROWS``, those below ``num_rows``) of ``Out``: ``U * (LN(Attn) *
     Weight + Bias)``, or with ``CONCAT_UA`` ``[U, Attn, U * (LN(Attn) * Weight + Bias)]`` (``U`` and ``Attn`` copied
     exactly). ``Attn``, ``U``: ``[num_rows, N]``, ``Out``: ``[num_rows, N]`` or ``[num_rows, 3N]``, rows
-    ``stride_*`` values apart, unit column stride; ``BLOCK``: ``N`` rounded up to a power of two. ``SILU_U``: ``U``
-    holds the projection before HSTU's SiLU; ``U`` above means its :func:`hstu_silu`."""
+    ``stride_*`` values apart, unit column stride; ``BLOCK``: ``N`` rounded up to a power of two."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
     valid = (rows < num_rows) & (cols < N)
     attn = tl.load(Attn + rows * stride_attn + cols, mask=valid, other=0.0)
     u = tl.load(U + rows * stride_u + cols, mask=valid, other=0.0)
-    if SILU_U:
-        u = hstu_silu(u)
     gated = u.to(tl.float32) * _normalise(attn.to(tl.float32), Weight, Bias, cols, eps, N)
     out = Out + rows * stride_out + cols
     if CONCAT_UA:
@@ -138,9 +132,8 @@ def _layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: 
 
 
 def gated_attn_norm(attn: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
-                    concat_ua: bool, silu_u: bool = False) -> torch.Tensor:
-    """HSTU's output gate in one kernel: ``u * LN(attn)`` or, with ``concat_ua``, ``[u, attn, u * LN(attn)]``; with
-    ``silu_u``, ``u`` is the projection before HSTU's SiLU and ``silu(u)`` (as ``F.silu``) stands in for it.
+                    concat_ua: bool) -> torch.Tensor:
+    """HSTU's output gate in one kernel: ``u * LN(attn)`` or, with ``concat_ua``, ``[u, attn, u * LN(attn)]``.
 
     Args:
         attn: ``[T, W]`` attention output (heads flattened), bf16, fp16 or fp32 (``W <= MAX_WIDTH``), unit column
@@ -150,7 +143,6 @@ def gated_attn_norm(attn: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, b
         weight, bias: ``[W]`` contiguous, the attention norm's affine parameters, any float dtype (read as float32).
         eps: added to the variance.
         concat_ua: also output ``u`` and ``attn``, before the gate.
-        silu_u: apply SiLU to ``u`` as it is read (float32, rounded to ``u``'s dtype).
 
     Returns:
         ``[T, W]`` (``[T, 3W]`` with ``concat_ua``) contiguous, ``attn``'s dtype and device; the norm and the product in
@@ -166,7 +158,7 @@ def gated_attn_norm(attn: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, b
         block, rows = _tile(width)
         _gated_layer_norm_kernel[(triton.cdiv(num_rows, rows),)](
             attn, u, weight, bias, out, num_rows, attn.stride(0), u.stride(0), out.stride(0), eps,
-            N=width, BLOCK=block, ROWS=rows, CONCAT_UA=concat_ua, SILU_U=silu_u,
+            N=width, BLOCK=block, ROWS=rows, CONCAT_UA=concat_ua,
             num_warps=NUM_WARPS)
     return out
 

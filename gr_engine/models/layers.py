@@ -41,8 +41,7 @@ class FusedLayerNorm(nn.LayerNorm):
 class HSTULayer(nn.Module):
     """``u,v,q,k = silu(Linear(LN(x)))``; ``x + Linear(u * LN(attn(q, k, v)))``. On CUDA, ``LN(x)`` (with ``x`` plus
     the output bias, which the output GEMM adds its product to: no residual add of its own) is one kernel and ``u *
-    LN(attn)`` (or ``[u, attn, u * LN(attn)]``) another (:mod:`.fused_ops`); the SiLU is applied where the
-    projections are read when the attention can take them unactivated (``silu_in_attend``)."""
+    LN(attn)`` (or ``[u, attn, u * LN(attn)]``) another (:mod:`.fused_ops`)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -55,13 +54,9 @@ class HSTULayer(nn.Module):
         self.output = nn.Linear(3 * width if config.concat_ua else width, config.d_model)
         self.time_bias = _time_bias_table(config)
 
-    def forward(self, x: torch.Tensor, attend: AttendFn, fused: bool | None = None,
-                silu_in_attend: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attend: AttendFn, fused: bool | None = None) -> torch.Tensor:
         """Args: ``x`` ``[T, d_model]``; ``fused``: use :mod:`.fused_ops`' kernels (default: on CUDA; on CPU only
-        under Triton's interpreter, for tests); ``silu_in_attend``: ``attend`` takes ``q``, ``k``, ``v`` before the
-        SiLU and applies it itself (an attention backend's ``fuses_qkv_silu``), and ``u``'s SiLU is applied where
-        ``u`` is read (in the gate kernel when fused): no pass over the ``[T, 4W]`` projection of its own. Returns
-        ``[T, d_model]``."""
+        under Triton's interpreter, for tests). Returns ``[T, d_model]``."""
         fused = x.is_cuda if fused is None else fused
         heads = (self.num_heads, self.head_dim)
         if fused:  # LN(x) and the residual plus the output bias, in one kernel
@@ -71,15 +66,12 @@ class HSTULayer(nn.Module):
             normed, residual = layer_norm_and_shift(x, norm.weight, norm.bias, norm.eps, self.output.bias)
         else:
             normed = self.input_norm(x, fused)
-        projected = self.uvqk(normed)
-        u, v, q, k = (projected if silu_in_attend else F.silu(projected)).split(self.num_heads * self.head_dim, dim=-1)
+        u, v, q, k = F.silu(self.uvqk(normed)).split(self.num_heads * self.head_dim, dim=-1)
         attn = attend(q.unflatten(1, heads), k.unflatten(1, heads), v.unflatten(1, heads), self.time_bias).flatten(1)
         if fused:
-            y = gated_attn_norm(attn, u, self.attn_norm.weight, self.attn_norm.bias, self.attn_norm.eps, self.concat_ua,
-                                silu_u=silu_in_attend)
+            y = gated_attn_norm(attn, u, self.attn_norm.weight, self.attn_norm.bias, self.attn_norm.eps, self.concat_ua)
             # in place: the GEMM accumulates into the residual (an out-of-place addmm would first copy it)
             return residual.addmm_(y, self.output.weight.t())
-        u = F.silu(u) if silu_in_attend else u
         normed = self.attn_norm(attn)
         y = torch.cat([u, attn, u * normed], dim=-1) if self.concat_ua else u * normed
         return x + self.output(y)

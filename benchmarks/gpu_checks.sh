@@ -7,8 +7,8 @@
 #   kernels  the Triton kernels' own tests, compiled on CUDA (not marked gpu: on CPU they run in the interpreter), then
 #            cache_bench (the host tier's transfer bandwidth)
 #   cold     kernel_profile.py --cold-history 8192 (the bench's cold first visit) as configured, and with the visit on
-#            step graphs: one step in a 16384-row graph, chunks filling 4096-row graphs, or an 8192-row graph and a
-#            small one (about 4-6 minutes)
+#            step graphs: one step in an 8448-row graph (156 rows padded) or a 16384-row one, or an 8192-row graph
+#            and a small one (about 2-4 minutes)
 # Usage (device tool, with .whl carried):
 #   bash benchmarks/gpu_checks.sh <commit> [tests|warmup|kernels|cold ...]   (default: tests; one part a command)
 set -uo pipefail
@@ -37,7 +37,7 @@ for part in "$@"; do
           > "$out/cache_bench.log" 2>&1
         echo "cache_bench exit $?" ;;
       cold)
-        variants=("eager" "graphs16384 cuda_graph_max_rows=16384" "chunks4096 scheduler.max_chunk_tokens=3996"
+        variants=("eager" "graphs8448 cuda_graph_max_rows=8448" "graphs16384 cuda_graph_max_rows=16384"
                   "chunks8192 cuda_graph_max_rows=8192 scheduler.max_chunk_tokens=8092")
         for variant in "${variants[@]}"; do
           read -r name overrides <<< "$variant"

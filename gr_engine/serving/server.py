@@ -76,7 +76,8 @@ def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int 
     engine = router if router is not None else \
         ReplicaRouter(config, replicas) if replicas > 1 else AsyncGREngine(config, core)
     metrics = ServingMetrics(engine, server)
-    bodies = {"accepted": 0, "answered": 0}  # request bodies read, and answered (any status)
+    # request bodies begun, answered (any status), and abandoned by their client before it sent them whole
+    bodies = {"accepted": 0, "answered": 0, "gone": 0}
     name = "gr-engine" if core is None else f"gr-engine API server {server}"
 
     @contextlib.asynccontextmanager
@@ -93,8 +94,8 @@ def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int 
                 supervisor.cancel()
                 await asyncio.gather(supervisor, return_exceptions=True)
             await engine.close()
-            logger.info("%s: stopped; answered %d of %d request bodies accepted", name, bodies["answered"],
-                        bodies["accepted"])
+            logger.info("%s: stopped; answered %d of %d request bodies accepted; %d clients left before sending "
+                        "theirs", name, bodies["answered"], bodies["accepted"], bodies["gone"])
 
     async def read_body(request: Request) -> bytes:
         declared = request.headers.get("content-length")
@@ -111,19 +112,21 @@ def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int 
     async def serve(request: Request, body_type: type, ranking: bool, failed_type: type) -> Response:
         bodies["accepted"] += 1
         try:
-            return await answer(request, body_type, ranking, failed_type)
+            response = await answer(request, body_type, ranking, failed_type)
         finally:
-            bodies["answered"] += 1
             metrics.count_body()
+        bodies["gone" if response is None else "answered"] += 1
+        return Response(status_code=400) if response is None else response  # None: nobody to answer
 
-    async def answer(request: Request, body_type: type, ranking: bool, failed_type: type) -> Response:
+    async def answer(request: Request, body_type: type, ranking: bool, failed_type: type) -> Response | None:
+        """The body's response, or None if its client left before sending it whole."""
         content_type = request.headers.get("content-type")
         decoding = request_format(content_type)
         answering = answer_format(request.headers.get("accept"), content_type)
         try:
             body = decoding.decode_body(await read_body(request), body_type)
-        except ClientDisconnect:  # nobody to answer
-            return Response(status_code=400)
+        except ClientDisconnect:
+            return None
         except TimeoutError:
             metrics.count_refused("bad_request")
             return _error(answering, 408, f"request body not received within serving.body_timeout_s "

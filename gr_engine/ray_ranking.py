@@ -32,7 +32,7 @@ from .config import EngineConfig
 from .io import CHUNK_ROWS, parse_row, serve_rows
 from .output_writer import array_as_lists, output_schema
 from .outputs import GenerateOutput, RankOutput
-from .ray_source import WIRE_SCHEMA, RequestFilesDatasource, wire_table
+from .ray_source import WIRE_SCHEMA, RequestFilesDatasource, decode_request, wire_table
 from .request import GenerateParams, GenerateRequest, RankRequest
 
 #: The column that orders the input rows (int64, unique); a user's visits are served in its order and every output
@@ -101,10 +101,9 @@ class EngineWorker:
     def __call__(self, partition: pa.Table) -> Iterator[pa.Table]:
         """The outputs of ``partition``'s rows, a chunk of :data:`CHUNK_ROWS` input rows at a time."""
         order = pc.sort_indices(partition[ROW_ORDER]).to_numpy()
-        decoder = msgspec.msgpack.Decoder()
         for start in range(0, len(order), CHUNK_ROWS):
             chunk = partition.take(order[start:start + CHUNK_ROWS]).to_pydict()
-            parsed = [parse_row(label, ValueError(error) if request is None else decoder.decode(request),
+            parsed = [parse_row(label, ValueError(error) if request is None else decode_request(request),
                                 self.request_type)
                       for label, request, error in zip(chunk["label"], chunk["request"], chunk["error"])]
             outputs = serve_rows(self.engine, parsed, self.params if self.generate else None)

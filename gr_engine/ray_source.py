@@ -13,9 +13,15 @@ column         type        meaning
                            as in single-process jobs, prefixed by ``file name:`` when there are several files
 ``user_hash``  uint64      :func:`~gr_engine.routing.stable_hash` of the row's ``user_id``; null without a
                            valid one (such a row fails to parse anyway)
-``request``    binary      the decoded row as msgpack (null when it could not be decoded)
+``request``    binary      the decoded row as msgpack (:func:`encode_request`; null when it could not be
+                           decoded)
 ``error``      string      why the row could not be decoded (JSON syntax, a type msgpack cannot hold)
 =============  ==========  ================================================================================
+
+msgpack has no integers beyond 64 bits (outside ``[-2**63, 2**64)``), which JSON rows (and Python rows) may hold,
+e.g. a ``user_id`` of ``2**70``: such an int travels as a msgpack extension of its decimal digits
+(:data:`BIG_INT_EXT`) and :func:`decode_request` gives it back, so that the engine refuses the request as in a single
+process (``validation.parse_fields``), with its ``request_id`` and ``user_id``.
 
 Ray's ``read_json`` fails the whole read on one bad line and neither it nor ``read_parquet`` numbers rows, so the
 files are read here, each by one read task, in file order, a chunk of :data:`~gr_engine.io.CHUNK_ROWS` rows at a
@@ -47,7 +53,53 @@ WIRE_SCHEMA = pa.schema([("row_order", pa.int64()), ("label", pa.string()), ("us
 #: Bytes of a JSONL file read at a time.
 _READ_BYTES = 1 << 20
 
+#: msgpack extension code of an int outside msgpack's range in a wire row's ``request``: its decimal digits (ASCII).
+BIG_INT_EXT = 1
+
+_MSGPACK_INTS = (-(1 << 63), (1 << 64) - 1)  # the ints msgpack holds
+
 _encoder = msgspec.msgpack.Encoder()
+
+
+def _big_int(code: int, data: memoryview) -> int:
+    if code != BIG_INT_EXT:
+        raise ValueError(f"unknown msgpack extension {code} in a wire row")
+    return int(bytes(data))
+
+
+_decoder = msgspec.msgpack.Decoder(ext_hook=_big_int)
+
+
+def encode_request(row: Any) -> bytes:
+    """A decoded row (JSON values, or a Parquet row's) as a wire row's ``request``: msgpack, with any int beyond
+    64 bits as a :data:`BIG_INT_EXT`. Raises ``TypeError`` for a value msgpack has no form for."""
+    try:
+        return _encoder.encode(row)
+    except OverflowError:  # an int beyond 64 bits: rare, so only then is the row copied
+        return _encoder.encode(_big_ints_as_ext(row))
+
+
+def decode_request(data: bytes) -> Any:
+    """The row :func:`encode_request` encoded, ints beyond 64 bits included."""
+    return _decoder.decode(data)
+
+
+def _big_ints_as_ext(row: Any) -> Any:
+    """A copy of ``row`` with each int outside msgpack's range as a :data:`BIG_INT_EXT` (lists and tuples copied as
+    lists, dicts as dicts; dict keys as they are). Iterative: a row may be nested as deeply as the decoder allows."""
+    low, high = _MSGPACK_INTS
+    root = [row]
+    stack: list[Any] = [root]  # copies whose items are still to convert
+    while stack:
+        container = stack.pop()
+        for key in container.keys() if isinstance(container, dict) else range(len(container)):
+            value = container[key]
+            if isinstance(value, int) and not low <= value <= high:
+                container[key] = msgspec.msgpack.Ext(BIG_INT_EXT, str(value).encode())
+            elif isinstance(value, (list, tuple, dict)):
+                container[key] = copy = dict(value) if isinstance(value, dict) else list(value)
+                stack.append(copy)
+    return root[0]
 
 
 def wire_table(rows: Iterable[tuple[int, str, Any]]) -> pa.Table:
@@ -60,8 +112,8 @@ def wire_table(rows: Iterable[tuple[int, str, Any]]) -> pa.Table:
             error = str(row)
         else:
             try:
-                request = _encoder.encode(row)
-            except (TypeError, OverflowError) as exc:  # e.g. a Parquet column of a type msgpack has no form for
+                request = encode_request(row)
+            except (TypeError, OverflowError, ValueError) as exc:  # e.g. a type msgpack has no form for
                 error = f"invalid request: {exc}"
             user_id = output_user_id(row.get("user_id")) if isinstance(row, dict) else None
             user_hash = None if user_id is None else stable_hash(user_id)

@@ -57,6 +57,8 @@ def malformed_lines(template):
         json.dumps({**template, "request_id": "too-many",
                     "candidate_item_ids": list(range(CONFIG.model.max_candidates + 1))}),
         json.dumps({**template, "request_id": "oov", "item_ids": [10**6] * len(template["item_ids"])}),
+        json.dumps({**template, "request_id": "huge-user", "user_id": 2**70}),
+        json.dumps({**template, "request_id": "huge-item", "item_ids": [2**70] + template["item_ids"][1:]}),
     ]
 
 
@@ -104,7 +106,7 @@ def test_rank_on_two_workers_equals_single_process(ray_session, tmp_path):
                    "--config", str(config), "--workers", "2") == 0
     single = pq.read_table(tmp_path / "single.parquet").to_pylist()
     distributed = pq.read_table(tmp_path / "out").to_pylist()
-    assert len(single) > 2000 and sum(row["error"] is not None for row in single) == 7
+    assert len(single) > 2000 and sum(row["error"] is not None for row in single) == 9
     assert sum(row["num_gpu_cached_tokens"] > 0 for row in single) > 1000  # returning users hit their caches
     assert_same_outputs(distributed, single)
     # row_order is the line number of the (only) file: sorting by it gives the input order back
@@ -153,6 +155,37 @@ def test_rank_dataset_of_request_columns(ray_session):
     single = msgspec.to_builtins(outputs, enc_hook=array_as_lists)
     assert_same_outputs(distributed, single)
     assert sorted(row["row_order"] for row in distributed) == list(range(len(rows)))
+
+
+def test_an_integer_beyond_64_bits_is_its_rows_error_with_its_labels():
+    """msgpack holds no int beyond 64 bits: the wire row carries it all the same, so the engine refuses it as in one
+    process (``validation.parse_fields``), labelled by the row's request and user ids; its batch-mates are served.
+    (The wire rows used to hold msgpack's OverflowError instead, labelled ``line-N``.) No Ray cluster needed: the
+    worker is called here, on the wire rows of its partition."""
+    pytest.importorskip("ray")
+    from gr_engine.io import parse_row, serve_rows
+    from gr_engine.ray_ranking import ROW_ORDER, EngineWorker
+    from gr_engine.ray_source import wire_table
+
+    rows = stream(3, 2, seed=2)
+    template = rows[0]
+    rows[1:1] = [{**template, "request_id": "huge-user", "user_id": 2**70},
+                 {**template, "request_id": "huge-item", "item_ids": [2**70, -(2**64)] + template["item_ids"][2:]},
+                 {**template, "request_id": "huge-nested", "user_id": -(2**70), "extra": {"a": [[2**100]]}},
+                 {**template, "request_id": "uint64-user", "user_id": 2**64 - 1}]
+    wire = wire_table((order, f"line-{order}", row) for order, row in enumerate(rows, start=1))
+    assert wire["error"].null_count == len(rows)
+    distributed = pa.concat_tables(EngineWorker(CONFIG, False, None)(wire)).to_pylist()
+    assert [row[ROW_ORDER] for row in distributed] == list(range(1, len(rows) + 1))
+    parsed = [parse_row(f"line-{order}", row, RankRequest) for order, row in enumerate(rows, start=1)]
+    single = msgspec.to_builtins(serve_rows(GREngine(CONFIG), parsed, None), enc_hook=array_as_lists)
+    assert_same_outputs(distributed, single)
+    errors = {row["request_id"]: (row["user_id"], row["error"]) for row in distributed if row["error"]}
+    assert errors.keys() == {"huge-user", "huge-item", "huge-nested"}
+    assert errors["huge-user"] == (str(2**70), f"user_id {2**70} does not fit in 64 bits (signed or unsigned): "
+                                               f"the range is [{-(2**63)}, {2**64 - 1}]")
+    assert errors["huge-item"][0] == str(template["user_id"]) and f"item_ids contains {2**70}" in errors["huge-item"][1]
+    assert errors["huge-nested"][0] == str(-(2**70))
 
 
 def test_workers_without_ray_is_a_clear_error(tmp_path, monkeypatch, capsys):

@@ -27,7 +27,8 @@ pytest.importorskip("zmq")
 router_module = pytest.importorskip("gr_engine.serving.router")
 ReplicaRouter = router_module.ReplicaRouter
 CallTooLarge = pytest.importorskip("gr_engine.serving.client").CallTooLarge
-replica_devices = pytest.importorskip("gr_engine.serving.replicas").replica_devices
+replicas_module = pytest.importorskip("gr_engine.serving.replicas")
+replica_devices = replicas_module.replica_devices
 
 
 def replica_config() -> EngineConfig:
@@ -39,9 +40,9 @@ def replica_config() -> EngineConfig:
 class Served:
     """A started router on an event loop of its own, and which replica answered each request id."""
 
-    def __init__(self, replicas: int) -> None:
+    def __init__(self, replicas: int, config: EngineConfig | None = None) -> None:
         self.loop = asyncio.new_event_loop()
-        self.router = ReplicaRouter(replica_config(), replicas)
+        self.router = ReplicaRouter(config or replica_config(), replicas)
         self.answered: dict[str, list[int]] = {}  # request id -> replicas whose core answered it
         for replica, engine in self.router.engines.items():
             engine.observers.append(lambda output, kind, queue_s, replica=replica:
@@ -70,16 +71,17 @@ def served() -> Iterator[Served]:
     served.close()
 
 
-async def by_user(router: router_module.ReplicaRouter, requests: list[RankRequest], clients: int) -> list:
-    """Each request alone through ``router`` from ``clients`` concurrent clients, each user's requests in stream
-    order by one client; outputs in request order."""
+async def by_user(router: router_module.ReplicaRouter, requests: list[RankRequest], clients: int,
+                  timeout_ms: float | None = None) -> list:
+    """Each request alone through ``router`` (within ``timeout_ms``) from ``clients`` concurrent clients, each user's
+    requests in stream order by one client; outputs in request order."""
     outputs: list = [None] * len(requests)
     users = sorted({r.user_id for r in requests}, key=str)
 
     async def client(mine: set) -> None:
         for i, request in enumerate(requests):
             if request.user_id in mine:
-                outputs[i] = await router.rank(request)
+                outputs[i] = await router.rank(request, timeout_ms)
 
     await asyncio.gather(*(client(set(users[k::clients])) for k in range(clients)))
     return outputs
@@ -266,6 +268,128 @@ def test_a_dead_replica_restarted_gets_its_users_back_and_serves_them_exactly() 
         where = served.answered[request.request_id]
         assert where == ([1 - victim] if 50 <= i < 100 else [homes[i]]), (i, where)
     assert sum(home == victim for home in homes[100:]) > 0
+
+
+def test_a_stalled_replica_is_off_the_ring_while_silent_and_back_once_it_reports() -> None:
+    """A replica whose core is alive but stopped (SIGSTOP): a request it accepted before it was found silent gets its
+    deadline error, once (never sent again); once its listing says ``"unresponsive"`` it is off the ring, its users
+    are answered by their next replica within their deadline, exactly, and nothing more is sent to it; after SIGCONT
+    it reports again, is back on the ring by itself (``"ready"``), and its users return to it."""
+    config = replica_config()
+    config = msgspec.structs.replace(config, serving=msgspec.structs.replace(config.serving, heartbeat_s=0.2,
+                                                                             health_timeout_s=3.0))
+    served = Served(3, config)
+    router, stream = served.router, make_stream(150, num_users=18, seed=101)
+    victim = router.home_ring.route(stream[0].user_id)
+    engine = router.engines[victim]
+    homes = [router.home_ring.route(r.user_id) for r in stream]
+    nexts = [router.home_ring.preference(r.user_id, 2)[1] for r in stream]
+    late = msgspec.structs.replace(stream[0], request_id="late")
+
+    def listed() -> tuple[str, bool]:
+        entry = router.replica_states()[victim]
+        return entry["state"], entry["on_ring"]
+
+    async def wait_for(state: tuple[str, bool]) -> None:
+        deadline = time.monotonic() + 20
+        while listed() != state:
+            assert time.monotonic() < deadline, f"replica {victim} is {listed()}, not {state}"
+            await asyncio.sleep(0.05)
+
+    async def run() -> list:
+        outputs = await by_user(router, stream[:50], clients=6)
+        os.kill(engine.core_pid, signal.SIGSTOP)
+        try:
+            assert listed() == ("ready", True)  # not silent for long enough yet: it takes the request
+            [timed_out] = await router.rank_many([late], timeout_ms=1000)
+            assert timed_out.error == "deadline exceeded (1000 ms)", timed_out.error
+            await wait_for(("unresponsive", False))
+            assert router.unresponsive == {victim} and router.is_healthy() and router.state == "ready"
+            with pytest.raises(ValueError, match="unresponsive"):
+                router.resume(victim)
+            sent = router.counts.requests[victim]
+            outputs += await by_user(router, stream[50:100], clients=6, timeout_ms=10_000)
+            assert router.counts.requests[victim] == sent  # nothing more went to the silent replica
+        finally:
+            os.kill(engine.core_pid, signal.SIGCONT)
+        await wait_for(("ready", True))
+        assert router.unresponsive == set() and router.dead == set()
+        return outputs + await by_user(router, stream[100:], clients=6)
+
+    outputs = served.run_then_close(run())
+    assert_exact(outputs, stream, offline=False)
+    for i, request in enumerate(stream):
+        where = served.answered[request.request_id]
+        assert where == ([nexts[i]] if 50 <= i < 100 and homes[i] == victim else [homes[i]]), (i, where)
+    assert served.answered["late"] == [victim]  # its deadline error only: not resent, not answered after SIGCONT
+    assert sum(home == victim for home in homes[50:100]) > 0 and sum(home == victim for home in homes[100:]) > 0
+    assert router.counts.reroutes == sum(home == victim for home in homes[50:100]) and router.counts.retries == 0
+
+
+class Silent:
+    """A stand-in replica for :class:`ReplicaSet` whose health a test sets: ``silent`` (alive, not reporting) and
+    ``alive``."""
+
+    def __init__(self) -> None:
+        self.config, self.observers = tiny_config(), []
+        self.silent, self.alive = False, True
+
+    async def start(self) -> Silent:
+        return self
+
+    async def close(self, timeout_s: float = 60.0) -> None:
+        pass
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def is_healthy(self) -> bool:
+        return self.alive and not self.silent
+
+    @property
+    def state(self) -> str:
+        return "ready" if self.alive else "dead"
+
+    core_pid = None
+
+
+def test_silent_replicas_leave_the_ring_and_come_back_by_the_health_rule() -> None:
+    """The ring follows ``reported_state``: a silent replica is off it, and on it again once it reports; a suspended
+    one stays off; while none of the replicas that would take users reports, all of them stay on it; a silent one
+    that dies is dead (as any dead one)."""
+    engines = {i: Silent() for i in range(3)}
+    replicas = replicas_module.ReplicaSet(tiny_config(), 3, engines=engines)
+    asyncio.run(replicas.start())
+
+    def on_ring() -> list[int]:
+        replicas.replica_states()  # what /health lists: the ring is brought up to date first
+        return sorted(replicas.ring.replicas)
+
+    engines[1].silent = True
+    assert on_ring() == [0, 2] and replicas.unresponsive == {1}
+    assert [r["state"] for r in replicas.replica_states()] == ["ready", "unresponsive", "ready"]
+    engines[1].silent = False
+    assert on_ring() == [0, 1, 2] and replicas.unresponsive == set()
+
+    engines[1].silent = True  # silent, then suspended: it stays off the ring when it reports again
+    assert on_ring() == [0, 2]
+    replicas.suspend(1)
+    engines[1].silent = False
+    assert on_ring() == [0, 2] and replicas.unresponsive == set()
+    replicas.resume(1)
+    assert on_ring() == [0, 1, 2]
+
+    for engine in engines.values():  # none reports: no better replica to send users to, so all stay on
+        engine.silent = True
+    assert on_ring() == [0, 1, 2] and not replicas.is_healthy() and replicas.state == "ready"
+    engines[2].silent = False  # one reports: the others are off until they do
+    assert on_ring() == [2] and replicas.unresponsive == {0, 1} and replicas.is_healthy()
+    engines[2].alive = False  # the one reporting dies: the silent ones are all there is, back on the ring
+    assert on_ring() == [0, 1] and replicas.dead == {2} and replicas.unresponsive == set()
+    engines[0].silent = False
+    assert on_ring() == [0] and replicas.unresponsive == {1}
+    engines[1].alive = False  # silent, then dead: dead
+    assert on_ring() == [0] and replicas.dead == {1, 2} and replicas.unresponsive == set()
 
 
 def test_an_added_replica_takes_over_only_the_users_the_ring_gives_it() -> None:

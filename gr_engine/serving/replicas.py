@@ -4,10 +4,12 @@
 Each replica is an :class:`~.client.AsyncGREngine` with an engine-core process of its own, on a device of its own
 (:func:`replica_devices`), with its own KV tiers and its own admission bounds. The set starts and stops them, keeps
 the :class:`~gr_engine.routing.HashRing` of the live ones that the router sends users by, and changes it: a replica
-whose core has died is taken off the ring (its users go on to their next replica; its KV is gone with it); a dead
-replica can be started again (:meth:`ReplicaSet.restart`; the API server does so by itself,
-:meth:`ReplicaSet.supervise`), and its users then return to it; a live one can be taken off and put back
-(:meth:`ReplicaSet.suspend`, :meth:`ReplicaSet.resume`); one more can be added (:meth:`ReplicaSet.add_replica`).
+whose core has died is taken off the ring (its users go on to their next replica; its KV is gone with it); one whose
+core is alive but has stopped reporting (``"unresponsive"``, :func:`~.client.reported_state`) is off the ring while
+it stays silent, and back on it with its KV once it reports again; a dead replica can be started again
+(:meth:`ReplicaSet.restart`; the API server does so by itself, :meth:`ReplicaSet.supervise`), and its users then
+return to it; a live one can be taken off and put back (:meth:`ReplicaSet.suspend`, :meth:`ReplicaSet.resume`); one
+more can be added (:meth:`ReplicaSet.add_replica`).
 Routing requests over the ring is :class:`~.router.ReplicaRouter`'s job.
 """
 
@@ -101,11 +103,16 @@ class ReplicaSet:
     Attributes:
         engines: the replicas' clients, by replica index.
         devices: each replica's device, by index.
-        ring: the live replicas on the ring (a dead or suspended one is off it).
+        ring: the replicas that take users: the live ones, less the suspended ones and those in ``unresponsive``.
         home_ring: every replica (changed only by :meth:`add_replica`): ``home_ring.route(user)`` is the user's
             home replica and ``home_ring.preference(user)`` the order in which its next replicas take it over.
         counts: :class:`RouterCounts` (each replica's request count from its start; restarts counted here).
         dead: the replicas whose core has died.
+        unresponsive: the live replicas taken off the ring because they stopped reporting (their
+            :func:`~.client.reported_state` is ``"unresponsive"``, the rule of ``/health``); each goes back on the ring
+            once it reports again, and any that dies goes to ``dead``. Kept up to date before every call and by
+            :meth:`supervise` (:meth:`_prune`). While none of the live, unsuspended replicas reports, none of them
+            is off the ring for it (there is no better replica to send users to).
         started: between a successful :meth:`start` and :meth:`close`.
     """
 
@@ -127,6 +134,7 @@ class ReplicaSet:
         self.counts = RouterCounts(requests=dict.fromkeys(self.engines, 0))
         self.observers: list[OutputObserver] = []
         self.dead: set[int] = set()
+        self.unresponsive: set[int] = set()
         self.started = False
         for engine in self.engines.values():
             engine.observers.append(self._observe)
@@ -179,7 +187,11 @@ class ReplicaSet:
                  "core_pid": e.core_pid, "on_ring": i in self.ring} for i, e in self.engines.items()]
 
     def suspend(self, replica: int) -> None:
-        """Take a live replica off the ring (drain it): its users go on to their next replica; its KV stays."""
+        """Take a live replica off the ring (drain it): its users go on to their next replica; its KV stays. One off
+        the ring as ``unresponsive`` then stays off when it reports again."""
+        if replica in self.unresponsive:
+            self.unresponsive.discard(replica)
+            return
         if replica not in self.ring:
             raise ValueError(f"replica {replica} is not on the ring")
         if len(self.ring) == 1:
@@ -187,8 +199,11 @@ class ReplicaSet:
         self.ring.remove(replica)
 
     def resume(self, replica: int) -> None:
-        """Put a suspended replica back on the ring: its users return to it (it validates their older KV)."""
+        """Put a suspended replica back on the ring: its users return to it (it validates their older KV).
+        An ``unresponsive`` one is refused: it returns by itself once it reports again."""
         self._prune()
+        if replica in self.unresponsive:
+            raise ValueError(f"replica {replica} is unresponsive: it returns to the ring once it reports again")
         if replica not in self.engines or replica in self.ring or replica in self.dead:
             raise ValueError(f"replica {replica} is not a live replica off the ring")
         self.ring.add(replica)
@@ -259,9 +274,10 @@ class ReplicaSet:
 
     async def supervise(self, backoff_s: float = RESTART_BACKOFF_S) -> None:
         """Restart dead replicas (:meth:`restart`) for as long as it runs (the API server runs it beside the router;
-        cancel it before :meth:`close`), and over given engines poll each live one (``poll()``: its core's figures):
-        every :data:`SUPERVISE_POLL_S` seconds; after a failed restart the next try waits ``backoff_s`` seconds,
-        doubled at each further failure up to a minute."""
+        cancel it before :meth:`close`), take silent replicas off the ring and put them back once they report
+        (:meth:`_prune`, also run before every call), and over given engines poll each live one (``poll()``: its
+        core's figures): every :data:`SUPERVISE_POLL_S` seconds; after a failed restart the next try waits
+        ``backoff_s`` seconds, doubled at each further failure up to a minute."""
         wait = backoff_s
         while True:
             await asyncio.sleep(SUPERVISE_POLL_S)
@@ -281,16 +297,37 @@ class ReplicaSet:
                     break
 
     def _prune(self) -> None:
-        """Take every replica whose core has died off the ring."""
+        """Bring the ring up to date with the replicas' clients: take every replica whose core has died off it
+        (:meth:`_lose`); take every live one whose :func:`~.client.reported_state` is ``"unresponsive"`` off it
+        into ``unresponsive``, and put back every one there that reports again; unless none of the replicas that
+        would be on the ring reports, in which case they all are (no better replica to send users to)."""
+        if not self.started:
+            return
         for replica, engine in self.engines.items():
-            if self.started and replica not in self.dead and not engine.is_alive():
+            if replica not in self.dead and not engine.is_alive():
                 self._lose(replica)
+        serving = [r for r in self.engines if r in self.ring or r in self.unresponsive]  # live, not suspended
+        silent = {r for r in serving if reported_state(self.engines[r]) == "unresponsive"}
+        if len(silent) == len(serving):
+            silent = set()
+        for replica in serving:
+            if replica in silent and replica in self.ring:
+                self.ring.remove(replica)
+                self.unresponsive.add(replica)
+                logger.warning("replica %d (%s): unresponsive; its users go to their next replica until it reports "
+                               "(%d left on the ring)", replica, self.devices[replica], len(self.ring))
+            elif replica not in silent and replica in self.unresponsive:
+                self.unresponsive.discard(replica)
+                self.ring.add(replica)
+                logger.info("replica %d (%s): reporting again; its users are back on it", replica,
+                            self.devices[replica])
 
     def _lose(self, replica: int) -> None:
         """Mark ``replica`` dead and take it off the ring (its users go to their next replica); once only."""
         if replica in self.dead:
             return
         self.dead.add(replica)
+        self.unresponsive.discard(replica)
         if replica in self.ring:
             self.ring.remove(replica)
         logger.error("replica %d (%s): its engine core is dead; its users go to their next replica (%d left)",

@@ -7,9 +7,11 @@ the ring, dead replicas taken off it and started again) are :class:`~.replicas.R
 extends.
 
 Faults: a replica whose core has died is off the ring, and its users go on to their next replica, which recomputes
-what it lacks (the engine's prefix checks keep every answer exact). A request that its replica accepted but did not
-answer before dying is sent once more, to its user's next replica; if that fails too, its output carries the error
-(never lost, never waited on past its deadline).
+what it lacks (the engine's prefix checks keep every answer exact). So is a replica whose core is alive but has
+stopped reporting (``"unresponsive"`` in ``/health``), for as long as it stays silent: it is back on the ring once it
+reports again, and the requests it had accepted keep waiting on it until their deadline (they are never sent twice).
+A request that its replica accepted but did not answer before dying is sent once more, to its user's next replica;
+if that fails too, its output carries the error (never lost, never waited on past its deadline).
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ class ReplicaRouter(ReplicaSet):
             return list(zip(indices, await self._send(replica, requests, params, timeout_ms)))
         except EngineDead as exc:
             self._lose(replica)
+            self._prune()  # the retry goes by the ring as it is now (silent replicas off it)
             lost = f"replica {replica} died before answering ({exc})"
         self.counts.retries += len(requests)
         if not len(self.ring):

@@ -4,7 +4,9 @@ memory: ``gr-engine rank`` / ``generate``).
 One request per line (JSONL) or row (Parquet), with the fields of :class:`~gr_engine.request.RankRequest` (or
 :class:`~gr_engine.request.GenerateRequest`). A malformed row becomes an output in its place whose ``error`` says why,
 with the row's ``request_id`` and ``user_id`` where readable; without a ``request_id`` it is labelled ``line-N``
-(JSONL, 1-based; blank lines skipped but counted) or ``row-N`` (Parquet, 1-based).
+(JSONL, 1-based; blank lines skipped but counted) or ``row-N`` (Parquet, 1-based). A JSONL line longer than any valid
+request can be (:func:`max_line_bytes`) is such an error without being decoded, or even held whole (its
+``request_id`` is not read: it is labelled ``line-N``).
 
 :class:`RequestReader` yields chunks of at most :data:`CHUNK_ROWS` rows, and
 :class:`~gr_engine.output_writer.OutputWriter` appends each chunk's outputs: a job that reads a chunk, serves it and
@@ -24,6 +26,7 @@ from .outputs import GenerateOutput, RankOutput, output_user_id
 from .request import GenerateParams, GenerateRequest, RankRequest
 
 if TYPE_CHECKING:
+    from .config import EngineConfig
     from .engine import GREngine
 
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
@@ -37,6 +40,17 @@ CHUNK_ROWS = 256
 #: Bytes pyarrow reads of a Parquet column at a time. Without a buffer (and with its pre-buffering) pyarrow reads and
 #: decodes a whole row group, which another tool may have written with millions of rows.
 PARQUET_READ_BUFFER = 1 << 20
+
+#: Bytes of a JSONL file read at a time.
+READ_BYTES = 1 << 20
+
+#: The most bytes an int of a valid request takes in JSON, with its separator: 20 characters (-2**63 and 2**64 - 1
+#: have 20) and ", ".
+INT_BYTES = 22
+
+#: Bytes a valid request's line may take besides its ints: its ``request_id``, ``user_id``, keys, brackets,
+#: whitespace and any fields the request does not have (ignored when parsed, but read).
+ROW_SLACK_BYTES = 1 << 20
 
 Parsed = GenerateRequest | RankOutput | GenerateOutput
 Output = RankOutput | GenerateOutput
@@ -52,6 +66,15 @@ def file_format(path: str | Path) -> str:
     if FORMATS[suffix] == "parquet":
         import_pyarrow()
     return FORMATS[suffix]
+
+
+def max_line_bytes(config: EngineConfig) -> int:
+    """The longest JSONL line (in bytes, its newline not counted) of a request that ``config``'s engine could serve:
+    ``3 * model.max_history_len`` history ints and ``model.max_candidates`` candidates of :data:`INT_BYTES` each,
+    plus :data:`ROW_SLACK_BYTES`. A longer line is refused unread (:func:`jsonl_rows`): however it is written, it
+    holds too many ints, or ints padded with whitespace, or a megabyte of other fields."""
+    model = config.model
+    return (3 * model.max_history_len + model.max_candidates) * INT_BYTES + ROW_SLACK_BYTES
 
 
 def import_pyarrow() -> ModuleType:
@@ -76,15 +99,19 @@ class RequestReader:
         path: a ``.jsonl``/``.json``/``.ndjson`` or ``.parquet``/``.pq`` file.
         request_type: :class:`RankRequest` (rows need candidates) or :class:`GenerateRequest` (other fields, such
             as candidates, are ignored).
+        max_line_bytes: JSONL lines longer than this (bytes) are refused unread (:func:`jsonl_rows`); the engine's
+            bound is :func:`max_line_bytes` of its config. ``None``: no bound (a line is held and decoded whole).
 
     Attributes:
         num_rows: rows in the file (Parquet, from its metadata), or ``None`` (JSONL: unknown until read).
     """
 
-    def __init__(self, path: str | Path, request_type: type[GenerateRequest] = RankRequest) -> None:
+    def __init__(self, path: str | Path, request_type: type[GenerateRequest] = RankRequest,
+                 max_line_bytes: int | None = None) -> None:
         self.path = Path(path)
         self.format = file_format(self.path)
         self.request_type = request_type
+        self.max_line_bytes = max_line_bytes
         self.num_rows: int | None = None
         if self.format == "parquet":
             self._parquet = import_pyarrow().parquet.ParquetFile(self.path, buffer_size=PARQUET_READ_BUFFER,
@@ -112,9 +139,8 @@ class RequestReader:
                 yield f"row-{number}", row
 
     def _jsonl_rows(self) -> Iterator[tuple[str, Any]]:
-        for number, line in enumerate(self._jsonl, start=1):
-            if line.strip():
-                yield f"line-{number}", decode_line(number, line)
+        for number, row in jsonl_rows(self._jsonl, self.max_line_bytes):
+            yield f"line-{number}", row
 
     def close(self) -> None:
         """Close the file."""
@@ -125,6 +151,50 @@ class RequestReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def jsonl_rows(f: Any, max_bytes: int | None) -> Iterator[tuple[int, Any]]:
+    """``(1-based line number, row)`` of each non-blank line of the binary stream ``f`` (anything with
+    ``read(n)``), split at ``\\n`` as Python's binary files split lines. The row is :func:`decode_line`'s (the
+    decoded line or a ``ValueError``); for a line over ``max_bytes`` bytes (newline not counted), a ``ValueError``
+    saying so and quoting the line's first bytes: such a line is neither decoded nor held whole (its first
+    ``max_bytes`` bytes only, while it is read), so memory stays within ``max_bytes`` plus :data:`READ_BYTES`
+    whatever its length. ``max_bytes`` ``None``: no bound."""
+    number = size = 0  # size: bytes of the line being read, so far
+    pieces: list[bytes] = []  # its bytes, while they are at most max_bytes
+    head = b""  # its first _HEAD_BYTES bytes
+    blank = True  # whether it is whitespace so far
+    while block := f.read(READ_BYTES):
+        parts = block.split(b"\n")
+        for at, part in enumerate(parts, start=1 - len(parts)):  # the last part (at 0) is a line still open
+            size += len(part)
+            blank = blank and (not part or part.isspace())
+            if len(head) < _HEAD_BYTES:
+                head += part[:_HEAD_BYTES - len(head)]
+            if max_bytes is None or size <= max_bytes:
+                pieces.append(part)
+            elif pieces:
+                pieces = []
+            if at:
+                number += 1
+                if not blank:
+                    yield number, _line_row(number, pieces, head, size, max_bytes)
+                size, pieces, head, blank = 0, [], b"", True
+    if size and not blank:
+        yield number + 1, _line_row(number + 1, pieces, head, size, max_bytes)
+
+
+#: Bytes of an overlong line quoted in its error.
+_HEAD_BYTES = 60
+
+
+def _line_row(number: int, pieces: list[bytes], head: bytes, size: int, max_bytes: int | None) -> Any:
+    if max_bytes is None or size <= max_bytes:
+        return decode_line(number, pieces[0] if len(pieces) == 1 else b"".join(pieces))
+    return ValueError(f"line {number} is {size:,} bytes long, over the {max_bytes:,} bytes that any valid request "
+                      "takes (from model.max_history_len and model.max_candidates: gr_engine.io.max_line_bytes); "
+                      "refused without decoding it, so its request_id was not read; it begins "
+                      f"{head.decode('utf-8', 'replace')!r}")
 
 
 def decode_line(number: int, line: bytes) -> Any:
@@ -178,7 +248,8 @@ def serve_rows(engine: GREngine, parsed: list[Parsed], params: GenerateParams | 
     return [next(outputs) if isinstance(p, GenerateRequest) else p for p in parsed]
 
 
-def read_requests(path: str | Path, request_type: type[GenerateRequest] = RankRequest) -> list[Parsed]:
+def read_requests(path: str | Path, request_type: type[GenerateRequest] = RankRequest,
+                  max_line_bytes: int | None = None) -> list[Parsed]:
     """Every row of a (small) request file at once, parsed as :class:`RequestReader` does."""
-    with RequestReader(path, request_type) as reader:
+    with RequestReader(path, request_type, max_line_bytes) as reader:
         return [parsed for chunk in reader for parsed in chunk]

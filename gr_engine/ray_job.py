@@ -11,6 +11,7 @@ from typing import Any
 
 from .cli import finish_file_job
 from .config import EngineConfig, load_config
+from .io import max_line_bytes
 from .request import GenerateParams
 
 #: Output columns the job's summary reads back.
@@ -51,8 +52,9 @@ def serve_files_on_ray(args: argparse.Namespace, generate: bool) -> int:
         _start_ray(ray, config, args.workers)
     ray.data.DataContext.get_current().enable_progress_bars = not args.no_progress
     t0 = time.perf_counter()
-    outputs = rank_dataset(read_request_files([str(path.resolve()) for path in inputs]), config, args.workers,
-                           generate=generate, params=params, num_partitions=args.partitions)
+    requests = read_request_files([str(path.resolve()) for path in inputs], max_line_bytes(config))
+    outputs = rank_dataset(requests, config, args.workers, generate=generate, params=params,
+                           num_partitions=args.partitions)
     parquet = args.output_format == "parquet"
     (outputs.write_parquet if parquet else outputs.write_json)(str(out))
     rows = failed = hits = history = 0

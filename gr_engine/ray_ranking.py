@@ -40,11 +40,14 @@ from .request import GenerateParams, GenerateRequest, RankRequest
 ROW_ORDER = "row_order"
 
 
-def read_request_files(paths: str | list[str], **file_args: Any) -> ray.data.Dataset:
+def read_request_files(paths: str | list[str], max_line_bytes: int | None = None,
+                       **file_args: Any) -> ray.data.Dataset:
     """The request files under ``paths`` (files or folders of ``.jsonl`` and ``.parquet``) as wire rows
     (:mod:`gr_engine.ray_source`), ready for :func:`rank_dataset`; malformed rows become error outputs there, with
-    the labels a single-process job gives them. ``file_args`` go to Ray's ``FileBasedDatasource``."""
-    return ray.data.read_datasource(RequestFilesDatasource(paths, **file_args))
+    the labels a single-process job gives them. JSONL lines over ``max_line_bytes`` bytes are such rows, refused
+    unread (pass :func:`gr_engine.io.max_line_bytes` of the engine's config, as ``gr-engine rank --workers`` does;
+    ``None``: no bound). ``file_args`` go to Ray's ``FileBasedDatasource``."""
+    return ray.data.read_datasource(RequestFilesDatasource(paths, max_line_bytes, **file_args))
 
 
 def rank_dataset(ds: ray.data.Dataset, config: EngineConfig, num_workers: int, *, generate: bool = False,

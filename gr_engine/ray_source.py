@@ -40,7 +40,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from ray.data.datasource import FileBasedDatasource
 
-from .io import CHUNK_ROWS, FORMATS, PARQUET_READ_BUFFER, decode_line
+from .io import CHUNK_ROWS, FORMATS, PARQUET_READ_BUFFER, jsonl_rows
 from .outputs import output_user_id
 from .routing import stable_hash
 
@@ -49,9 +49,6 @@ ROW_BITS = 40
 
 WIRE_SCHEMA = pa.schema([("row_order", pa.int64()), ("label", pa.string()), ("user_hash", pa.uint64()),
                          ("request", pa.binary()), ("error", pa.string())])
-
-#: Bytes of a JSONL file read at a time.
-_READ_BYTES = 1 << 20
 
 #: msgpack extension code of an int outside msgpack's range in a wire row's ``request``: its decimal digits (ASCII).
 BIG_INT_EXT = 1
@@ -126,10 +123,12 @@ class RequestFilesDatasource(FileBasedDatasource):
     """The request files under ``paths`` (files or folders; only ``.jsonl``/``.json``/``.ndjson`` and
     ``.parquet``/``.pq`` names are read, names starting with ``_`` or ``.`` are skipped, as Ray lists folders) as
     wire rows. Use it with ``ray.data.read_datasource``; keyword arguments go to Ray's ``FileBasedDatasource``
-    (e.g. ``filesystem``)."""
+    (e.g. ``filesystem``). JSONL lines over ``max_line_bytes`` are refused unread, as in single-process jobs
+    (:func:`~gr_engine.io.jsonl_rows`; the engine's bound is :func:`~gr_engine.io.max_line_bytes` of its config)."""
 
-    def __init__(self, paths: str | list[str], **file_args: Any) -> None:
+    def __init__(self, paths: str | list[str], max_line_bytes: int | None = None, **file_args: Any) -> None:
         super().__init__(paths, file_extensions=[ext.lstrip(".") for ext in FORMATS], **file_args)
+        self._max_line_bytes = max_line_bytes
         files = sorted(self._paths())
         if len(files) >= 1 << (63 - ROW_BITS):
             raise ValueError(f"{len(files)} input files: at most {(1 << (63 - ROW_BITS)) - 1} can be ranked at once")
@@ -147,7 +146,7 @@ class RequestFilesDatasource(FileBasedDatasource):
         if _format(path) == "parquet":
             kind, rows = "row", _parquet_rows(f)
         else:
-            kind, rows = "line", ((number, decode_line(number, line)) for number, line in _lines(f) if line.strip())
+            kind, rows = "line", jsonl_rows(f, self._max_line_bytes)
         chunk: list[tuple[int, str, Any]] = []
         for number, row in rows:
             if number >= 1 << ROW_BITS:
@@ -172,16 +171,3 @@ def _parquet_rows(f: Any) -> Iterator[tuple[int, Any]]:
             for row in batch.to_pylist():
                 number += 1
                 yield number, row
-
-
-def _lines(f: Any) -> Iterator[tuple[int, bytes]]:
-    """``(1-based line number, line)`` of a byte stream, split at ``\\n`` as Python's binary files split lines."""
-    number, rest = 0, b""
-    while block := f.read(_READ_BYTES):
-        lines = (rest + block).split(b"\n")
-        rest = lines.pop()
-        for line in lines:
-            number += 1
-            yield number, line
-    if rest:
-        yield number + 1, rest

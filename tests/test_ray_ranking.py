@@ -59,6 +59,7 @@ def malformed_lines(template):
         json.dumps({**template, "request_id": "oov", "item_ids": [10**6] * len(template["item_ids"])}),
         json.dumps({**template, "request_id": "huge-user", "user_id": 2**70}),
         json.dumps({**template, "request_id": "huge-item", "item_ids": [2**70] + template["item_ids"][1:]}),
+        json.dumps({**template, "request_id": "overlong", "item_ids": list(range(3 * 10**5))}),  # 2 MB: unread
     ]
 
 
@@ -106,13 +107,15 @@ def test_rank_on_two_workers_equals_single_process(ray_session, tmp_path):
                    "--config", str(config), "--workers", "2") == 0
     single = pq.read_table(tmp_path / "single.parquet").to_pylist()
     distributed = pq.read_table(tmp_path / "out").to_pylist()
-    assert len(single) > 2000 and sum(row["error"] is not None for row in single) == 9
+    assert len(single) > 2000 and sum(row["error"] is not None for row in single) == 10
     assert sum(row["num_gpu_cached_tokens"] > 0 for row in single) > 1000  # returning users hit their caches
     assert_same_outputs(distributed, single)
     # row_order is the line number of the (only) file: sorting by it gives the input order back
     in_order = sorted(distributed, key=lambda row: row["row_order"])
     assert [row["request_id"] for row in in_order] == [row["request_id"] for row in single]
     lines = (tmp_path / "in.jsonl").read_text().splitlines()
+    [overlong] = [row for row in in_order if "bytes that any valid request takes" in (row["error"] or "")]
+    assert json.loads(lines[overlong["row_order"] - 1])["request_id"] == "overlong"  # not read: labelled line-N
     for row in in_order:
         if row["request_id"].startswith("line-"):
             assert row["request_id"] == f"line-{row['row_order']}"

@@ -171,6 +171,69 @@ def test_the_parquet_reader_streams_a_large_row_group(tmp_path, monkeypatch):
     assert held < size / 2, (held, size)  # about 13 MB of read buffers and pages; 40 MB unbuffered
 
 
+def overlong_input(tmp_path):
+    """Good rows around a line of a 1.2 M-event history (13.5 MB; the model takes 256): the file and that line's
+    number (the 4th line, in the first chunk of ``CHUNK`` rows)."""
+    requests = stream_requests()[:7]
+    long_row = {**msgspec.to_builtins(requests[0]), "request_id": "long", "item_ids": list(range(10**5, 13 * 10**5)),
+                "action_ids": [1] * 12 * 10**5, "timestamps": [7] * 12 * 10**5}
+    lines = [msgspec.json.encode(r) for r in requests]
+    lines.insert(3, msgspec.json.encode(long_row))
+    (tmp_path / "in.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    return tmp_path / "in.jsonl", 4, len(lines[3])
+
+
+def test_an_overlong_jsonl_line_is_refused_unread_in_its_place(tmp_path, monkeypatch):
+    """A line longer than any valid request can be (``io.max_line_bytes``) is its row's error before it is decoded,
+    labelled by its line (its request_id is not read), and its batch-mates are served; reading holds at most the
+    bound plus a read block, not the line (it used to be read whole and decoded: about 100 MB here)."""
+    import tracemalloc
+
+    source, number, size = overlong_input(tmp_path)
+    limit = gio.max_line_bytes(tiny_config())
+    assert limit < size and limit == (3 * 256 + 12) * 22 + 2**20  # max_history_len 256, max_candidates 12
+    monkeypatch.setattr(gio, "CHUNK_ROWS", CHUNK)
+    tracemalloc.start()
+    try:
+        with RequestReader(source, max_line_bytes=limit) as reader:
+            chunks = list(reader)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < limit + gio.READ_BYTES + 2**20, peak
+    [refused] = [p for chunk in chunks for p in chunk if isinstance(p, RankOutput)]
+    assert refused is chunks[0][number - 1] and refused.request_id == f"line-{number}" and refused.user_id is None
+    assert refused.error.startswith(f"line {number} is {size:,} bytes long, over the {limit:,} bytes that any valid "
+                                    "request takes")
+    assert refused.error.endswith("its request_id was not read; it begins "
+                                  + repr(source.read_bytes().split(b"\n")[number - 1][:60].decode()))
+    rows = run_job(tmp_path, monkeypatch, "rank", source, "out.parquet", CHUNK)
+    assert [r["request_id"] for r in rows] == [p.request_id for chunk in chunks for p in chunk]
+    assert rows[number - 1]["error"] == refused.error
+    served = [r for r in rows if r["request_id"] != f"line-{number}"]
+    expected = GREngine(tiny_config()).rank(stream_requests()[:7], use_tqdm=False)
+    assert [r["error"] for r in served] == [None] * 7
+    for row, exp in zip(served, expected):
+        np.testing.assert_allclose(row["scores"], exp.scores, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", [1, 3, 5, 64])
+def test_jsonl_lines_split_as_python_splits_them_whatever_the_read_block(block, monkeypatch):
+    """Lines split at b"\\n" across read blocks, blank lines skipped but counted, a last line without its newline;
+    a line over the bound (newline not counted) is refused, one at the bound is decoded."""
+    import io
+
+    monkeypatch.setattr(gio, "READ_BYTES", block)
+    data = b'\n  \n[1, 2]\r\n{"a": 12345}\n[1,2,3,4,5,6,7]\n\t\n"x"\n[10, 20]'
+    rows = list(gio.jsonl_rows(io.BytesIO(data), 12))
+    assert [(n, r) for n, r in rows if not isinstance(r, Exception)] == [(3, [1, 2]), (4, {"a": 12345}), (7, "x"),
+                                                                         (8, [10, 20])]
+    [(number, error)] = [(n, r) for n, r in rows if isinstance(r, Exception)]
+    assert number == 5 and str(error).startswith("line 5 is 15 bytes long, over the 12 bytes")
+    unbounded = dict(gio.jsonl_rows(io.BytesIO(data), None))
+    assert unbounded[5] == [1, 2, 3, 4, 5, 6, 7] and sorted(unbounded) == [3, 4, 5, 7, 8]
+
+
 def test_jsonl_row_count_is_unknown_and_parquet_one_is_read_from_metadata(tmp_path):
     source, labels = write_input(tmp_path, "parquet", stream_requests())
     with RequestReader(source) as reader:

@@ -35,7 +35,8 @@ class OutputWriter:
     Close it (or use it as a context manager) to finish the file; what was written before an error is kept.
 
     Args:
-        path: the output file (created or truncated here).
+        path: the output file (created or truncated here). A symbolic link is written through: its target is the
+            file written (and renamed, and deleted: see ``_user_ids_as_strings``), the link stays.
         output_type: :class:`RankOutput` or :class:`GenerateOutput`, the Parquet schema's columns.
     """
 
@@ -43,16 +44,18 @@ class OutputWriter:
         self.path = Path(path)
         self.format = file_format(self.path)
         self.output_type = output_type
+        # Deleting or renaming a link acts on the link: the file itself is written (and beside it, a rewrite's copy).
+        self._file = Path(os.path.realpath(self.path))
         if self.format == "jsonl":
             self._encoder = msgspec.json.Encoder(enc_hook=array_as_lists)
-            self._jsonl = self.path.open("wb")
+            self._jsonl = self._file.open("wb")
             return
         self._pa = import_pyarrow()
         self._user_ids = self._pa.int64()
         self._writer = None  # a pyarrow.parquet.ParquetWriter, opened by the first row group
         self._pending: list[Any] = []  # pyarrow Tables of the row group being gathered
         self._pending_rows = 0
-        self.path.unlink(missing_ok=True)  # an old file must not survive a job that writes no row
+        self._file.unlink(missing_ok=True)  # an old file must not survive a job that writes no row
 
     def write(self, outputs: Sequence[Output]) -> None:
         """Append ``outputs`` (of ``output_type``) after those written before."""
@@ -78,7 +81,7 @@ class OutputWriter:
             return
         self._flush()
         if self._writer is None:
-            self._writer = self._pa.parquet.ParquetWriter(self.path, self._schema())
+            self._writer = self._pa.parquet.ParquetWriter(self._file, self._schema())
         self._writer.close()
 
     def __enter__(self) -> OutputWriter:
@@ -97,7 +100,7 @@ class OutputWriter:
 
     def _write_group(self, table: Any) -> None:
         if self._writer is None:
-            self._writer = self._pa.parquet.ParquetWriter(self.path, self._schema())
+            self._writer = self._pa.parquet.ParquetWriter(self._file, self._schema())
         self._writer.write_table(table, row_group_size=len(table))
 
     def _user_ids_as_strings(self) -> None:
@@ -108,8 +111,8 @@ class OutputWriter:
             return
         self._writer.close()
         self._writer = None
-        written = self.path.with_name(self.path.name + ".int-user-ids")
-        os.replace(self.path, written)
+        written = self._file.with_name(self._file.name + ".int-user-ids")
+        os.replace(self._file, written)
         with self._pa.parquet.ParquetFile(written, buffer_size=PARQUET_READ_BUFFER, pre_buffer=False) as source:
             for group in range(source.num_row_groups):
                 self._write_group(source.read_row_group(group).cast(self._schema()))

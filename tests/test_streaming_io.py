@@ -280,6 +280,31 @@ def test_integer_user_ids_stay_integers_and_an_empty_job_has_the_schema(tmp_path
     assert empty.num_rows == 0 and empty.schema.names == list(RankOutput.__struct_fields__)
 
 
+@pytest.mark.parametrize("name", ["out.parquet", "out.jsonl"])
+def test_an_output_path_that_is_a_symlink_is_written_through(name, tmp_path, monkeypatch):
+    """The link stays a link and its target gets the rows, the rewrite of a Parquet file's user ids into strings
+    (a file renamed aside and back) included; nothing is left beside either. The Parquet writer used to delete the
+    link and write a regular file in its place."""
+    monkeypatch.setattr(gow, "ROW_GROUP_ROWS", 2)
+    (tmp_path / "data").mkdir()
+    target = tmp_path / "data" / name
+    target.write_bytes(b"stale")
+    link = tmp_path / name
+    link.symlink_to(target)
+    with OutputWriter(link, RankOutput) as writer:
+        writer.write(outputs_for([1, 2, 3]))
+        writer.write(outputs_for(["u-4"], start=3))
+    assert link.is_symlink() and link.resolve() == target.resolve()
+    assert [r["request_id"] for r in read_rows(target)] == ["r0", "r1", "r2", "r3"]
+    assert [r["user_id"] for r in read_rows(target)] == (["1", "2", "3", "u-4"] if name.endswith(".parquet")
+                                                         else [1, 2, 3, "u-4"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", name]
+    assert [p.name for p in (tmp_path / "data").iterdir()] == [name]
+    with OutputWriter(link, RankOutput):  # an empty job truncates the target, through the link
+        pass
+    assert link.is_symlink() and read_rows(target) == []
+
+
 def test_mixed_user_ids_from_the_command_line(tmp_path, monkeypatch):
     """Integer ids in the first chunks and a string id later: the Parquet output has every id as a string, as a
     one-chunk job writes it; JSONL keeps each id's type."""

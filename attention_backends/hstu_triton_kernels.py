@@ -235,15 +235,23 @@ def _append_kernel(
     NUM_HEADS: tl.constexpr, HEADS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
 ):
     """Program ``p`` appends rows ``p * ROWS ..`` (those below ``num_rows``) of ``Rows``, ``Pages``, ``Entries``:
-    each row's ``[H, D]`` K and V, all its loads issued before any store (see :func:`append_rows`)."""
+    each row's ``[H, D]`` K and V, all its loads issued before any store (see :func:`append_rows`). An entry equal
+    to the one before it in all three (a graph step's padding) would write the same values again: it is skipped."""
     slots = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = slots < num_rows
+    page = tl.load(Pages + slots, mask=live, other=0)
+    entry = tl.load(Entries + slots, mask=live, other=0)
+    src = tl.load(Rows + slots, mask=live, other=0)
+    has_previous = live & (slots > 0)
+    repeat = has_previous & (tl.load(Pages + slots - 1, mask=has_previous, other=-1) == page)
+    repeat &= tl.load(Entries + slots - 1, mask=has_previous, other=-1) == entry
+    repeat &= tl.load(Rows + slots - 1, mask=has_previous, other=-1) == src
     heads = tl.arange(0, HEADS_POW2)[None, :, None]
     dims = tl.arange(0, HEAD_DIM)[None, None, :]
-    valid = live[:, None, None] & (heads < NUM_HEADS) & (dims < HEAD_DIM)
-    page = tl.load(Pages + slots, mask=live, other=0).to(tl.int64)[:, None, None]
-    entry = tl.load(Entries + slots, mask=live, other=0).to(tl.int64)[:, None, None]
-    src = tl.load(Rows + slots, mask=live, other=0).to(tl.int64)[:, None, None]
+    valid = (live & ~repeat)[:, None, None] & (heads < NUM_HEADS) & (dims < HEAD_DIM)
+    page = page.to(tl.int64)[:, None, None]
+    entry = entry.to(tl.int64)[:, None, None]
+    src = src.to(tl.int64)[:, None, None]
     key = tl.load(Key + src * stride_kt + heads * stride_kh + dims * stride_kd, mask=valid)
     value = tl.load(Value + src * stride_vt + heads * stride_vh + dims * stride_vd, mask=valid)
     dst = Cache + page * stride_page + entry * stride_token + heads * stride_head + dims * stride_dim
@@ -256,7 +264,8 @@ def append_rows(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     """:func:`~.paged.write_appended` of ``key[rows]``, ``value[rows]`` in one small launch that gathers as it
     writes: row ``rows[i]`` of ``key``, ``value`` (``[T, H, D]``, the cache's dtype, any strides) to entry
     ``entries[i]`` of page ``pages[i]`` of ``kv_cache`` (NHD), in place; ``rows``, ``pages``, ``entries`` int ``[N]``.
-    Duplicate targets must carry equal rows (a CUDA-graph step pads by repeating the last append)."""
+    Duplicate targets must carry equal rows (a CUDA-graph step pads by repeating the last append: such repeats are
+    not written again)."""
     num_rows = rows.shape[0]
     _, num_heads, head_dim = key.shape
     if num_rows == 0:

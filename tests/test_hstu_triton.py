@@ -736,6 +736,12 @@ def test_append_kernel_equals_indexed_writes(head_major_cache):
     write_appended(expected, key[rows.long()], value[rows.long()], pages.long(), entries.long())
     append_rows(cache, key, value, rows, pages, entries)
     torch.testing.assert_close(cache, expected, rtol=0, atol=0)
+    # one row to two slots in a row: not a repeat (only an entry equal to the one before in row, page and entry is)
+    rows, pages, entries = (torch.tensor(x, dtype=torch.int32, device=DEVICE)
+                            for x in ([4, 4, 4], [1, 2, 2], [0, 0, 3]))
+    write_appended(expected, key[rows.long()], value[rows.long()], pages.long(), entries.long())
+    append_rows(cache, key, value, rows, pages, entries)
+    torch.testing.assert_close(cache, expected, rtol=0, atol=0)
     # more rows than one program writes: 19 appends into distinct slots, rows in any order
     slots = torch.randperm(12 * page, generator=gen)[:19]
     rows = torch.randint(0, 9, (19,), generator=gen).to(DEVICE, torch.int32)

@@ -74,7 +74,7 @@ def _serve_file(args: argparse.Namespace, generate: bool) -> int:
     from tqdm.auto import tqdm
 
     from .engine import GREngine
-    from .io import RequestReader, file_format, max_line_bytes, serve_rows
+    from .io import RequestReader, file_format, max_line_bytes, max_list_lengths, serve_rows
     from .output_writer import OutputWriter
     from .outputs import GenerateOutput, RankOutput
     from .request import GenerateRequest, RankRequest
@@ -88,7 +88,8 @@ def _serve_file(args: argparse.Namespace, generate: bool) -> int:
     config = load_config(args.config, overrides)
     rows = failed = 0
     # The input opens first (a missing file fails before the engine is built), the output once the engine exists.
-    with RequestReader(args.input, GenerateRequest if generate else RankRequest, max_line_bytes(config)) as reader:
+    with RequestReader(args.input, GenerateRequest if generate else RankRequest, max_line_bytes(config),
+                       max_list_lengths(config, ranking=not generate)) as reader:
         try:
             engine = GREngine(config)
         except (RuntimeError, TypeError, OverflowError, MemoryError) as exc:  # e.g. a pool too large to allocate

@@ -6,7 +6,9 @@ One request per line (JSONL) or row (Parquet), with the fields of :class:`~gr_en
 with the row's ``request_id`` and ``user_id`` where readable; without a ``request_id`` it is labelled ``line-N``
 (JSONL, 1-based; blank lines skipped but counted) or ``row-N`` (Parquet, 1-based). A JSONL line longer than any valid
 request can be (:func:`max_line_bytes`) is such an error without being decoded, or even held whole (its
-``request_id`` is not read: it is labelled ``line-N``).
+``request_id`` is not read: it is labelled ``line-N``). So is a Parquet row with a list longer than any valid request
+holds (:func:`max_list_lengths`): its lists are never made Python objects, and its ``request_id`` and ``user_id``
+label it (:func:`parquet_rows`).
 
 :class:`RequestReader` yields chunks of at most :data:`CHUNK_ROWS` rows, and
 :class:`~gr_engine.output_writer.OutputWriter` appends each chunk's outputs: a job that reads a chunk, serves it and
@@ -15,12 +17,13 @@ writes it before reading the next holds one chunk of requests.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import numpy as np
 
 from .outputs import GenerateOutput, RankOutput, output_user_id
 from .request import GenerateParams, GenerateRequest, RankRequest
@@ -52,6 +55,12 @@ INT_BYTES = 22
 #: whitespace and any fields the request does not have (ignored when parsed, but read).
 ROW_SLACK_BYTES = 1 << 20
 
+#: The ``config.model`` limit on each list field of a request. A longer list makes a request invalid
+#: (``validation.parse_fields``): history fields longer than ``max_history_len`` are too long or differ in length;
+#: candidates count for ranking only (retrieval ignores them).
+LIST_LIMITS = {"item_ids": "max_history_len", "action_ids": "max_history_len", "timestamps": "max_history_len",
+               "candidate_item_ids": "max_candidates"}
+
 Parsed = GenerateRequest | RankOutput | GenerateOutput
 Output = RankOutput | GenerateOutput
 _UTF8_BOM = b"\xef\xbb\xbf"
@@ -77,10 +86,22 @@ def max_line_bytes(config: EngineConfig) -> int:
     return (3 * model.max_history_len + model.max_candidates) * INT_BYTES + ROW_SLACK_BYTES
 
 
+def max_list_lengths(config: EngineConfig, ranking: bool = True) -> dict[str, int]:
+    """The most values each list field of a request that ``config``'s engine could serve holds (:data:`LIST_LIMITS`):
+    ``model.max_history_len`` for ``item_ids``, ``action_ids`` and ``timestamps``, ``model.max_candidates`` for
+    ``candidate_item_ids`` (only when ``ranking``: retrieval ignores candidates, however many). A Parquet row with a
+    longer list is refused before its lists are read (:func:`parquet_rows`)."""
+    model = config.model
+    return {field: getattr(model, limit) for field, limit in LIST_LIMITS.items()
+            if ranking or limit != "max_candidates"}
+
+
 def import_pyarrow() -> ModuleType:
-    """The ``pyarrow`` module with ``pyarrow.parquet`` loaded; ``ImportError`` saying how to install it."""
+    """The ``pyarrow`` module with ``pyarrow.parquet`` and ``pyarrow.compute`` loaded; ``ImportError`` saying how
+    to install it."""
     try:
         import pyarrow
+        import pyarrow.compute
         import pyarrow.parquet
     except ImportError as exc:
         raise ImportError("Parquet files need pyarrow: pip install 'gr-engine[io]'") from exc
@@ -101,17 +122,21 @@ class RequestReader:
             as candidates, are ignored).
         max_line_bytes: JSONL lines longer than this (bytes) are refused unread (:func:`jsonl_rows`); the engine's
             bound is :func:`max_line_bytes` of its config. ``None``: no bound (a line is held and decoded whole).
+        max_list_lengths: Parquet rows with a list column of these names holding more values than this gives it are
+            refused without reading their lists (:func:`parquet_rows`); the engine's bound is
+            :func:`max_list_lengths` of its config. ``None``: no bound (every row is converted whole).
 
     Attributes:
         num_rows: rows in the file (Parquet, from its metadata), or ``None`` (JSONL: unknown until read).
     """
 
     def __init__(self, path: str | Path, request_type: type[GenerateRequest] = RankRequest,
-                 max_line_bytes: int | None = None) -> None:
+                 max_line_bytes: int | None = None, max_list_lengths: Mapping[str, int] | None = None) -> None:
         self.path = Path(path)
         self.format = file_format(self.path)
         self.request_type = request_type
         self.max_line_bytes = max_line_bytes
+        self.max_list_lengths = max_list_lengths
         self.num_rows: int | None = None
         if self.format == "parquet":
             self._parquet = import_pyarrow().parquet.ParquetFile(self.path, buffer_size=PARQUET_READ_BUFFER,
@@ -132,11 +157,8 @@ class RequestReader:
             yield chunk
 
     def _parquet_rows(self, batch_rows: int) -> Iterator[tuple[str, Any]]:
-        number = 0
-        for batch in self._parquet.iter_batches(batch_size=batch_rows):
-            for row in batch.to_pylist():
-                number += 1
-                yield f"row-{number}", row
+        for number, row in parquet_rows(self._parquet, self.max_list_lengths, batch_rows):
+            yield f"row-{number}", row
 
     def _jsonl_rows(self) -> Iterator[tuple[str, Any]]:
         for number, row in jsonl_rows(self._jsonl, self.max_line_bytes):
@@ -197,6 +219,88 @@ def _line_row(number: int, pieces: list[bytes], head: bytes, size: int, max_byte
                       f"{head.decode('utf-8', 'replace')!r}")
 
 
+class RefusedRow(ValueError):
+    """A row refused before it was read whole (:func:`parquet_rows`): the message says why; ``request_id`` and
+    ``user_id`` are the labels read from it, as its failed output shows them (``None``: the row has none)."""
+
+    def __init__(self, message: str, request_id: str | None, user_id: int | str | None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        self.user_id = user_id
+
+
+def parquet_rows(source: Any, max_lengths: Mapping[str, int] | None,
+                 batch_rows: int | None = None) -> Iterator[tuple[int, Any]]:
+    """``(1-based row number, row)`` of each row of the ``pyarrow.parquet.ParquetFile`` ``source``, read
+    ``batch_rows`` rows (default :data:`CHUNK_ROWS`) at a time: the row as a dict, or a :class:`RefusedRow` for a row
+    with a list column named in ``max_lengths`` that holds more values than its bound there (the values of lists
+    nested in it counted too). Lengths are read from Arrow before any row is converted, so such a row's lists never
+    become Python objects (millions of values would be hundreds of MB of them): only its ``request_id`` and
+    ``user_id`` are read, to label it. ``max_lengths`` ``None``: no bound."""
+    pa = import_pyarrow()
+    number = 0
+    for batch in source.iter_batches(batch_size=batch_rows or CHUNK_ROWS):
+        refused = _overlong(batch, max_lengths) if max_lengths else {}
+        if refused:
+            kept = iter(batch.take(pa.array([i for i in range(batch.num_rows) if i not in refused],
+                                            type=pa.int64())).to_pylist())
+            rows = [_refused_row(batch, i, *refused[i]) if i in refused else next(kept)
+                    for i in range(batch.num_rows)]
+        else:
+            rows = batch.to_pylist()
+        for row in rows:
+            number += 1
+            yield number, row
+
+
+def _is_list(data_type: Any) -> bool:
+    types = import_pyarrow().types
+    return (types.is_list(data_type) or types.is_large_list(data_type) or types.is_fixed_size_list(data_type)
+            or types.is_list_view(data_type) or types.is_large_list_view(data_type))
+
+
+def _value_counts(column: Any) -> np.ndarray:
+    """How many values each row of the Arrow list array ``column`` holds (int64), the values of lists nested in
+    it included; a null list holds none."""
+    pc = import_pyarrow().compute
+    counts = pc.fill_null(pc.list_value_length(column), 0).to_numpy().astype(np.int64)
+    if _is_list(column.type.value_type):
+        nested = _value_counts(pc.list_flatten(column))
+        counts += np.bincount(pc.list_parent_indices(column).to_numpy(), weights=nested,
+                              minlength=len(column)).astype(np.int64)
+    return counts
+
+
+def _overlong(batch: Any, max_lengths: Mapping[str, int]) -> dict[int, tuple[str, int, int]]:
+    """``{row index: (field, values, bound)}`` of the rows of ``batch`` with a list column over its bound (the
+    first such field of ``max_lengths``; every column of a repeated name is checked, as each would be converted)."""
+    refused: dict[int, tuple[str, int, int]] = {}
+    for field, bound in max_lengths.items():
+        for index in batch.schema.get_all_field_indices(field):
+            column = batch.column(index)
+            if _is_list(column.type):
+                counts = _value_counts(column)
+                for i in np.flatnonzero(counts > bound).tolist():
+                    refused.setdefault(i, (field, int(counts[i]), bound))
+    return refused
+
+
+def _refused_row(batch: Any, i: int, field: str, count: int, bound: int) -> RefusedRow:
+    """Row ``i`` of ``batch`` refused for its list ``field``, labelled by its scalar ``request_id`` and
+    ``user_id`` columns (the last of a repeated name, as ``to_pylist`` keeps it; a nested one is not read)."""
+    labels: dict[str, Any] = {}
+    for name in ("request_id", "user_id"):
+        indices = batch.schema.get_all_field_indices(name)
+        column = batch.column(indices[-1]) if indices else None
+        nested = column is None or import_pyarrow().types.is_nested(column.type)
+        labels[name] = None if nested else column[i].as_py()
+    request_id = labels["request_id"]
+    limit = f"model.{LIST_LIMITS[field]}: " if field in LIST_LIMITS else ""
+    return RefusedRow(f"{field} holds {count:,} values, over the {bound:,} that any valid request holds ({limit}"
+                      "gr_engine.io.max_list_lengths); refused without reading the row's lists",
+                      None if request_id is None else str(request_id), output_user_id(labels["user_id"]))
+
+
 def decode_line(number: int, line: bytes) -> Any:
     """JSONL line ``number`` (1-based) decoded, or a ``ValueError`` saying it is not valid JSON (for
     :func:`parse_row`). A UTF-8 byte-order mark before line 1 is skipped."""
@@ -211,9 +315,13 @@ def decode_line(number: int, line: bytes) -> Any:
 
 
 def parse_row(label: str, row: Any, request_type: type[GenerateRequest]) -> Parsed:
-    """A decoded row (or the ``ValueError`` of one that could not be decoded) as a request of ``request_type``, or
-    as a failed output labelled by its ``request_id`` or, without one, by ``label``."""
+    """A decoded row (or the ``ValueError`` of one that could not be decoded, or the :class:`RefusedRow` of one
+    refused unread) as a request of ``request_type``, or as a failed output labelled by its ``request_id`` or,
+    without one, by ``label``."""
     failed = RankOutput if issubclass(request_type, RankRequest) else GenerateOutput
+    if isinstance(row, RefusedRow):
+        return failed(request_id=label if row.request_id is None else row.request_id, user_id=row.user_id,
+                      error=str(row))
     if isinstance(row, Exception):
         return failed(request_id=label, error=str(row))
     try:
@@ -249,7 +357,7 @@ def serve_rows(engine: GREngine, parsed: list[Parsed], params: GenerateParams | 
 
 
 def read_requests(path: str | Path, request_type: type[GenerateRequest] = RankRequest,
-                  max_line_bytes: int | None = None) -> list[Parsed]:
+                  max_line_bytes: int | None = None, max_list_lengths: Mapping[str, int] | None = None) -> list[Parsed]:
     """Every row of a (small) request file at once, parsed as :class:`RequestReader` does."""
-    with RequestReader(path, request_type, max_line_bytes) as reader:
+    with RequestReader(path, request_type, max_line_bytes, max_list_lengths) as reader:
         return [parsed for chunk in reader for parsed in chunk]

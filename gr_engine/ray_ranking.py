@@ -19,7 +19,7 @@ How rows reach the engines (docs/scale_out.md, "Offline ranking on Ray Data"):
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import msgspec
@@ -32,7 +32,7 @@ from .config import EngineConfig
 from .io import CHUNK_ROWS, parse_row, serve_rows
 from .output_writer import array_as_lists, output_schema
 from .outputs import GenerateOutput, RankOutput
-from .ray_source import WIRE_SCHEMA, RequestFilesDatasource, decode_request, wire_table
+from .ray_source import WIRE_SCHEMA, RequestFilesDatasource, wire_row, wire_table
 from .request import GenerateParams, GenerateRequest, RankRequest
 
 #: The column that orders the input rows (int64, unique); a user's visits are served in its order and every output
@@ -41,13 +41,15 @@ ROW_ORDER = "row_order"
 
 
 def read_request_files(paths: str | list[str], max_line_bytes: int | None = None,
-                       **file_args: Any) -> ray.data.Dataset:
+                       max_list_lengths: Mapping[str, int] | None = None, **file_args: Any) -> ray.data.Dataset:
     """The request files under ``paths`` (files or folders of ``.jsonl`` and ``.parquet``) as wire rows
     (:mod:`gr_engine.ray_source`), ready for :func:`rank_dataset`; malformed rows become error outputs there, with
     the labels a single-process job gives them. JSONL lines over ``max_line_bytes`` bytes are such rows, refused
     unread (pass :func:`gr_engine.io.max_line_bytes` of the engine's config, as ``gr-engine rank --workers`` does;
-    ``None``: no bound). ``file_args`` go to Ray's ``FileBasedDatasource``."""
-    return ray.data.read_datasource(RequestFilesDatasource(paths, max_line_bytes, **file_args))
+    ``None``: no bound), and so are Parquet rows with a list longer than ``max_list_lengths`` gives it, labelled by
+    their request and user ids (pass :func:`gr_engine.io.max_list_lengths` of the config; ``None``: no bound).
+    ``file_args`` go to Ray's ``FileBasedDatasource``."""
+    return ray.data.read_datasource(RequestFilesDatasource(paths, max_line_bytes, max_list_lengths, **file_args))
 
 
 def rank_dataset(ds: ray.data.Dataset, config: EngineConfig, num_workers: int, *, generate: bool = False,
@@ -106,8 +108,7 @@ class EngineWorker:
         order = pc.sort_indices(partition[ROW_ORDER]).to_numpy()
         for start in range(0, len(order), CHUNK_ROWS):
             chunk = partition.take(order[start:start + CHUNK_ROWS]).to_pydict()
-            parsed = [parse_row(label, ValueError(error) if request is None else decode_request(request),
-                                self.request_type)
+            parsed = [parse_row(label, wire_row(request, error), self.request_type)
                       for label, request, error in zip(chunk["label"], chunk["request"], chunk["error"])]
             outputs = serve_rows(self.engine, parsed, self.params if self.generate else None)
             rows = msgspec.to_builtins(outputs, enc_hook=array_as_lists)

@@ -14,8 +14,9 @@ column         type        meaning
 ``user_hash``  uint64      :func:`~gr_engine.routing.stable_hash` of the row's ``user_id``; null without a
                            valid one (such a row fails to parse anyway)
 ``request``    binary      the decoded row as msgpack (:func:`encode_request`; null when it could not be
-                           decoded)
-``error``      string      why the row could not be decoded (JSON syntax, a type msgpack cannot hold)
+                           decoded); for a row refused unread, only its ``request_id`` and ``user_id``
+``error``      string      why the row could not be decoded (JSON syntax, a type msgpack cannot hold) or was
+                           refused unread (a Parquet list over its bound: :class:`~gr_engine.io.RefusedRow`)
 =============  ==========  ================================================================================
 
 msgpack has no integers beyond 64 bits (outside ``[-2**63, 2**64)``), which JSON rows (and Python rows) may hold,
@@ -31,7 +32,7 @@ happens in the engine workers, exactly as single-process.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import PurePath
 from typing import Any
 
@@ -40,7 +41,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from ray.data.datasource import FileBasedDatasource
 
-from .io import CHUNK_ROWS, FORMATS, PARQUET_READ_BUFFER, jsonl_rows
+from .io import CHUNK_ROWS, FORMATS, PARQUET_READ_BUFFER, RefusedRow, jsonl_rows, parquet_rows
 from .outputs import output_user_id
 from .routing import stable_hash
 
@@ -81,6 +82,17 @@ def decode_request(data: bytes) -> Any:
     return _decoder.decode(data)
 
 
+def wire_row(request: bytes | None, error: str | None) -> Any:
+    """The row a wire row's ``request`` and ``error`` hold, for :func:`~gr_engine.io.parse_row`: the decoded row,
+    the ``ValueError`` of one that could not be decoded, or the :class:`~gr_engine.io.RefusedRow` of one refused
+    unread, with its labels."""
+    if error is None:
+        return decode_request(request)
+    if request is None:
+        return ValueError(error)
+    return RefusedRow(error, **decode_request(request))
+
+
 def _big_ints_as_ext(row: Any) -> Any:
     """A copy of ``row`` with each int outside msgpack's range as a :data:`BIG_INT_EXT` (lists and tuples copied as
     lists, dicts as dicts; dict keys as they are). Iterative: a row may be nested as deeply as the decoder allows."""
@@ -100,12 +112,16 @@ def _big_ints_as_ext(row: Any) -> Any:
 
 
 def wire_table(rows: Iterable[tuple[int, str, Any]]) -> pa.Table:
-    """Wire rows (:data:`WIRE_SCHEMA`) of ``(row_order, label, decoded row or the ValueError of an undecodable
-    one)`` triples."""
+    """Wire rows (:data:`WIRE_SCHEMA`) of ``(row_order, label, decoded row, the ValueError of an undecodable
+    one or the RefusedRow of one refused unread)`` triples."""
     columns: dict[str, list[Any]] = {name: [] for name in WIRE_SCHEMA.names}
     for order, label, row in rows:
         request = error = user_hash = None
-        if isinstance(row, Exception):
+        if isinstance(row, RefusedRow):  # its labels as its request, beside its error (wire_row)
+            error = str(row)
+            request = encode_request({"request_id": row.request_id, "user_id": row.user_id})
+            user_hash = None if row.user_id is None else stable_hash(row.user_id)
+        elif isinstance(row, Exception):
             error = str(row)
         else:
             try:
@@ -124,11 +140,15 @@ class RequestFilesDatasource(FileBasedDatasource):
     ``.parquet``/``.pq`` names are read, names starting with ``_`` or ``.`` are skipped, as Ray lists folders) as
     wire rows. Use it with ``ray.data.read_datasource``; keyword arguments go to Ray's ``FileBasedDatasource``
     (e.g. ``filesystem``). JSONL lines over ``max_line_bytes`` are refused unread, as in single-process jobs
-    (:func:`~gr_engine.io.jsonl_rows`; the engine's bound is :func:`~gr_engine.io.max_line_bytes` of its config)."""
+    (:func:`~gr_engine.io.jsonl_rows`; the engine's bound is :func:`~gr_engine.io.max_line_bytes` of its config),
+    and so are Parquet rows with a list longer than ``max_list_lengths`` gives it (:func:`~gr_engine.io.parquet_rows`;
+    the engine's bound is :func:`~gr_engine.io.max_list_lengths` of its config)."""
 
-    def __init__(self, paths: str | list[str], max_line_bytes: int | None = None, **file_args: Any) -> None:
+    def __init__(self, paths: str | list[str], max_line_bytes: int | None = None,
+                 max_list_lengths: Mapping[str, int] | None = None, **file_args: Any) -> None:
         super().__init__(paths, file_extensions=[ext.lstrip(".") for ext in FORMATS], **file_args)
         self._max_line_bytes = max_line_bytes
+        self._max_list_lengths = max_list_lengths
         files = sorted(self._paths())
         if len(files) >= 1 << (63 - ROW_BITS):
             raise ValueError(f"{len(files)} input files: at most {(1 << (63 - ROW_BITS)) - 1} can be ranked at once")
@@ -144,7 +164,7 @@ class RequestFilesDatasource(FileBasedDatasource):
         base = self._file_index[path] << ROW_BITS
         prefix = f"{PurePath(path).name}:" if self._named else ""
         if _format(path) == "parquet":
-            kind, rows = "row", _parquet_rows(f)
+            kind, rows = "row", _parquet_rows(f, self._max_list_lengths)
         else:
             kind, rows = "line", jsonl_rows(f, self._max_line_bytes)
         chunk: list[tuple[int, str, Any]] = []
@@ -163,11 +183,8 @@ def _format(path: str) -> str:
     return FORMATS[PurePath(path).suffix.lower()]
 
 
-def _parquet_rows(f: Any) -> Iterator[tuple[int, Any]]:
-    """``(1-based row number, row as a dict)`` of a Parquet file, a buffer of columns at a time."""
-    number = 0
+def _parquet_rows(f: Any, max_list_lengths: Mapping[str, int] | None) -> Iterator[tuple[int, Any]]:
+    """``(1-based row number, row)`` of a Parquet file, a buffer of columns at a time, as single-process jobs read
+    them (:func:`~gr_engine.io.parquet_rows`)."""
     with pq.ParquetFile(f, buffer_size=PARQUET_READ_BUFFER, pre_buffer=False) as source:
-        for batch in source.iter_batches(batch_size=CHUNK_ROWS):
-            for row in batch.to_pylist():
-                number += 1
-                yield number, row
+        yield from parquet_rows(source, max_list_lengths, CHUNK_ROWS)

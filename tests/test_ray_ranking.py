@@ -191,6 +191,38 @@ def test_an_integer_beyond_64_bits_is_its_rows_error_with_its_labels():
     assert errors["huge-nested"][0] == str(-(2**70))
 
 
+def test_a_parquet_row_over_the_models_lists_is_refused_as_in_one_process(tmp_path):
+    """The Ray reader refuses a Parquet row with a list over the model's limits (``io.max_list_lengths``) before
+    converting it, as a single process does: the same error, request id and user id; its batch-mates are served.
+    No Ray cluster needed: the datasource's read and the worker are called here."""
+    pytest.importorskip("ray")
+    from pyarrow.fs import LocalFileSystem
+
+    from gr_engine.io import max_list_lengths, read_requests, serve_rows
+    from gr_engine.ray_ranking import EngineWorker
+    from gr_engine.ray_source import RequestFilesDatasource
+
+    rows = [{**row, "user_id": str(row["user_id"])} for row in stream(3, 2, seed=2)]  # one type per column
+    template = rows[0]
+    rows[1:1] = [{**template, "request_id": "long", "user_id": "u-long", "item_ids": list(range(1000)),
+                  "action_ids": [1] * 1000, "timestamps": [7] * 1000},
+                 {**template, "request_id": "too-many", "candidate_item_ids": [1] * 13}]
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    limits = max_list_lengths(CONFIG)
+    source = RequestFilesDatasource(str(path), None, limits)
+    with LocalFileSystem().open_input_file(str(path)) as f:
+        wire = pa.concat_tables(source._read_stream(f, str(path)))
+    distributed = pa.concat_tables(EngineWorker(CONFIG, False, None)(wire)).to_pylist()
+    parsed = read_requests(path, RankRequest, None, limits)
+    single = msgspec.to_builtins(serve_rows(GREngine(CONFIG), parsed, None), enc_hook=array_as_lists)
+    assert_same_outputs(distributed, single)
+    errors = {row["request_id"]: (row["user_id"], row["error"]) for row in distributed if row["error"]}
+    assert errors.keys() == {"long", "too-many"} and errors["long"][0] == "u-long"
+    assert errors["long"][1].startswith("item_ids holds 1,000 values, over the 256 that any valid request holds")
+    assert errors["too-many"][1].startswith("candidate_item_ids holds 13 values, over the 12")
+
+
 def test_workers_without_ray_is_a_clear_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
     (tmp_path / "in.jsonl").write_text("")

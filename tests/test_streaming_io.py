@@ -217,6 +217,86 @@ def test_an_overlong_jsonl_line_is_refused_unread_in_its_place(tmp_path, monkeyp
         np.testing.assert_allclose(row["scores"], exp.scores, atol=1e-5)
 
 
+BIG = 3 * 10**6  # events of an overlong Parquet row's history (the model takes 256)
+
+
+def overlong_parquet(tmp_path):
+    """Two good rows of two users around a row of a 3 M-event history, in one row group: the file, the good
+    requests."""
+    visits = {r.request_id: r for r in stream_requests()}
+    good = [visits["u0-v0"], visits["u1-v0"]]
+    table = pa.Table.from_pylist(msgspec.to_builtins(good))
+    offsets = pa.array([0, BIG], type=pa.int32())
+    big = pa.table({"request_id": ["big"], "user_id": [77],
+                    "item_ids": pa.ListArray.from_arrays(offsets, pa.array(np.arange(BIG) + 10**5)),
+                    "action_ids": pa.ListArray.from_arrays(offsets, pa.array(np.ones(BIG, dtype=np.int64))),
+                    "timestamps": pa.ListArray.from_arrays(offsets, pa.array(np.full(BIG, 7))),
+                    "candidate_item_ids": pa.array([[1, 2]])}).select(table.column_names).cast(table.schema)
+    pq.write_table(pa.concat_tables([table.slice(0, 1), big, table.slice(1)]), tmp_path / "in.parquet")
+    return tmp_path / "in.parquet", good
+
+
+def test_a_parquet_row_over_the_models_lists_is_refused_unconverted_in_its_place(tmp_path, monkeypatch):
+    """A Parquet row whose history is longer than any valid request's (``io.max_list_lengths``) is its row's error,
+    labelled by its request and user ids, before its lists are made Python objects (they used to be, whole: a read
+    peak of 240 MB here, now about 30 KB; then the engine refused it); its batch-mates are served as alone."""
+    import tracemalloc
+
+    source, good = overlong_parquet(tmp_path)
+    limits = gio.max_list_lengths(tiny_config())
+    assert limits == {"item_ids": 256, "action_ids": 256, "timestamps": 256, "candidate_item_ids": 12}
+    monkeypatch.setattr(gio, "CHUNK_ROWS", CHUNK)
+    tracemalloc.start()
+    try:
+        with RequestReader(source, max_list_lengths=limits) as reader:
+            [chunk] = list(reader)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < BIG * 8 * 3 / 20, peak  # a twentieth of the lists' int64s
+    error = (f"item_ids holds {BIG:,} values, over the 256 that any valid request holds (model.max_history_len: "
+             "gr_engine.io.max_list_lengths); refused without reading the row's lists")
+    assert isinstance(chunk[1], RankOutput) and (chunk[1].request_id, chunk[1].user_id, chunk[1].error) == (
+        "big", 77, error)
+    assert chunk[0] == good[0] and chunk[2] == good[1]
+    rows = run_job(tmp_path, monkeypatch, "rank", source, "out.jsonl", CHUNK)
+    assert [(r["request_id"], r["user_id"], r["error"]) for r in rows] == [
+        ("u0-v0", good[0].user_id, None), ("big", 77, error), ("u1-v0", good[1].user_id, None)]
+    for row, request in zip(rows[::2], good):
+        [alone] = GREngine(tiny_config()).rank([request], use_tqdm=False)
+        np.testing.assert_allclose(row["scores"], alone.scores, atol=1e-5)
+
+
+def test_parquet_list_bounds_follow_the_requests_rules(tmp_path):
+    """Candidates over ``max_candidates`` are refused for ranking and ignored for retrieval; a list at its bound is
+    read; nested lists count their values; null lists and labels of other types are read as the engine would."""
+    template = {**msgspec.to_builtins(stream_requests()[0]), "user_id": "u-1"}  # a column has one type
+    rows = [{**template, "request_id": "at-bound", "item_ids": [1] * 256, "action_ids": [1] * 256,
+             "timestamps": [7] * 256},
+            {**template, "request_id": "many-candidates", "candidate_item_ids": [1] * 13},
+            {**template, "request_id": None, "user_id": "u-9", "timestamps": [7] * 300},
+            {**template, "request_id": "null-lists", "item_ids": None}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "flat.parquet")
+    ranked = gio.read_requests(tmp_path / "flat.parquet", max_list_lengths=gio.max_list_lengths(tiny_config()))
+    assert [(p.request_id, p.user_id, getattr(p, "error", None)) for p in ranked[1:3]] == [
+        ("many-candidates", "u-1", "candidate_item_ids holds 13 values, over the 12 that any valid "
+         "request holds (model.max_candidates: gr_engine.io.max_list_lengths); refused without reading the row's "
+         "lists"),
+        ("row-3", "u-9", "timestamps holds 300 values, over the 256 that any valid request holds (model."
+         "max_history_len: gr_engine.io.max_list_lengths); refused without reading the row's lists")]
+    assert ranked[0].request_id == "at-bound" and len(ranked[0].item_ids) == 256
+    assert "invalid request" in ranked[3].error  # a null list is read (as None) and refused by msgspec
+    retrieved = gio.read_requests(tmp_path / "flat.parquet", GenerateRequest,
+                                  max_list_lengths=gio.max_list_lengths(tiny_config(), ranking=False))
+    assert [type(p) is GenerateRequest for p in retrieved] == [True, True, False, False]
+    nested = pa.table({"request_id": ["a", "b"], "user_id": [1, 2],
+                       "item_ids": [[[1] * 200, [2] * 100], [[1] * 2]]})  # 302 values, then 3
+    pq.write_table(nested, tmp_path / "nested.parquet")
+    refused, unread = gio.read_requests(tmp_path / "nested.parquet", max_list_lengths={"item_ids": 256})
+    assert refused.error.startswith("item_ids holds 302 values, over the 256") and refused.user_id == 1
+    assert unread.request_id == "b" and unread.error.startswith("invalid request")
+
+
 @pytest.mark.parametrize("block", [1, 3, 5, 64])
 def test_jsonl_lines_split_as_python_splits_them_whatever_the_read_block(block, monkeypatch):
     """Lines split at b"\\n" across read blocks, blank lines skipped but counted, a last line without its newline;

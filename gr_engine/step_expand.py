@@ -11,8 +11,8 @@ device, into a buffer whose per-row fields hold exactly its own rows.
 The static buffer of a bucket of ``W`` rows for at most ``R`` requests holds, in :data:`FIELDS` order, each field at
 its capacity (``R + 1``, ``R`` or ``W`` entries), then ``max_pages`` page ids. Padding is inert: spare requests have no
 rows (``query_start_loc`` and ``kv_indptr`` repeat their last value, the other per-request fields are 0), spare append
-rows repeat the step's last append (the same values written to the same slot), other spare rows are 0; page ids
-beyond the step's are left as they were (``kv_indptr`` bounds every read).
+rows repeat the step's last append (the same slot and values: ``hstu_triton``'s append skips them), other spare
+rows are 0; page ids beyond the step's are left as they were (``kv_indptr`` bounds every read).
 
 This module imports Triton; :mod:`.step_graphs` and :mod:`.eager_layout` import it when they are built.
 """

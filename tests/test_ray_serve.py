@@ -7,8 +7,11 @@ history whatever the batch-mates)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import msgspec
@@ -155,6 +158,46 @@ def test_a_dead_replica_is_taken_off_the_ring_and_its_requests_retried_once() ->
     assert all("no replica is left" in output.error for output in asyncio.run(serve_twice()))
 
 
+class Reporting:
+    """A deployment handle whose ``health`` answers as :meth:`EngineReplica.health` does: ``reported``, no counters."""
+
+    def __init__(self) -> None:
+        self.reported, self.health = "ready", self
+
+    def remote(self) -> object:
+        async def answer() -> tuple[str, None]:
+            return self.reported, None
+        return answer()
+
+
+def test_the_polled_engine_state_decides_the_ring() -> None:
+    """A deployment polled ``"unresponsive"`` is listed so and off the ring, and back once polled ``"ready"``; one
+    polled ``"dead"`` (its core died, its actor lives) is dead and not recovered until its core answers again."""
+    router_module = pytest.importorskip("gr_engine.serving.router")
+    handles = [Reporting(), Reporting()]
+    replicas = {i: ray_serve._HandleReplica(handle, CONFIG) for i, handle in enumerate(handles)}
+    router = router_module.ReplicaRouter(CONFIG, 2, engines=replicas)
+
+    async def listed() -> list[tuple[str, bool]]:
+        await asyncio.gather(*(replica.poll() for replica in replicas.values()))
+        return [(r["state"], r["on_ring"]) for r in router.replica_states()]
+
+    async def run() -> None:
+        async with router:
+            handles[1].reported = "unresponsive"
+            assert await listed() == [("ready", True), ("unresponsive", False)] and router.is_healthy()
+            handles[1].reported = "ready"
+            assert await listed() == [("ready", True), ("ready", True)]
+            handles[1].reported = "dead"
+            assert await listed() == [("ready", True), ("dead", False)] and router.dead == {1}
+            assert not await replicas[1].recover()
+            handles[1].reported = "ready"
+            await router.restart(1)
+            assert await listed() == [("ready", True), ("ready", True)] and router.counts.restarts == 1
+
+    asyncio.run(run())
+
+
 def test_serve_ray_refuses_api_servers(capsys) -> None:
     from gr_engine.cli import main
 
@@ -220,3 +263,85 @@ def test_a_killed_engine_actor_loses_no_request_and_its_replica_comes_back(url: 
     assert back == sum(homes.route(r.user_id) == 1 for r in stream[40:]) > 0  # its users are back on it
     for replica in ("0", "1"):  # each core's figures, polled from its deployment
         assert total(samples, "gr_engine_step_seconds_count", replica=replica) > 0
+
+
+def engine_core_pid(app: str, deployment: str) -> int:
+    """The engine-core process of ``deployment``'s one replica in application ``app``: the child of its actor's
+    process that ``multiprocessing`` spawned (this host's, as the module's Ray is local)."""
+    [entry] = [a for a in ray.util.list_named_actors(all_namespaces=True)
+               if f"{app}#{deployment}#" in a["name"]]
+    actor = ray.get_actor(entry["name"], namespace=entry["namespace"])
+    parent = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=60)
+    cores = []
+    for proc in Path("/proc").iterdir():
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (proc / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue  # not a process, or gone
+        if ppid == parent and b"spawn_main" in command:
+            cores.append(int(proc.name))
+    [core] = cores
+    return core
+
+
+def test_a_silent_engine_core_is_off_the_ring_until_it_reports_again(url: str) -> None:
+    """A third application ("quiet": cores report every 0.2 s and count as silent after 3 s): engine-1's core is
+    stopped (SIGSTOP) while its actor runs. The ingress's ``/health`` lists that replica ``"unresponsive"`` and off
+    the ring (still 200: the other one serves); its users' new requests are answered exactly by their next replica
+    and none goes to it. After SIGCONT it is ``"ready"`` and on the ring again, the same core (Ray Serve did not
+    replace it: its health check fails only for a dead core), and its users return to it."""
+    quiet = msgspec.structs.replace(CONFIG, serving=msgspec.structs.replace(CONFIG.serving, heartbeat_s=0.2,
+                                                                            health_timeout_s=3.0))
+    serve.run(ray_serve.build_app(quiet, 2), name="quiet", route_prefix="/quiet")
+    base = f"{url}/quiet"
+    stream = make_stream(60, num_users=12, seed=17)
+    homes = [HashRing(range(2)).route(r.user_id) for r in stream]
+
+    def listed() -> list[tuple[str, bool]]:
+        return [(r["state"], r["on_ring"]) for r in httpx.get(f"{base}/health", timeout=60).json()["replicas"]]
+
+    def wait_for(states: list[tuple[str, bool]]) -> None:
+        deadline = time.monotonic() + 30
+        while (now := listed()) != states:
+            assert time.monotonic() < deadline, f"replicas are {now}, not {states}"
+            time.sleep(0.2)
+
+    try:
+        core = engine_core_pid("quiet", "engine-1")
+        responses = asyncio.run(by_user(base, stream[:20], clients=4))
+        os.kill(core, signal.SIGSTOP)
+        try:
+            wait_for([("ready", True), ("unresponsive", False)])
+            health = httpx.get(f"{base}/health", timeout=60)
+            assert health.status_code == 200 and health.json()["status"] == "ok", health.text
+            before = metric_samples(base)
+            responses += asyncio.run(by_user(base, stream[20:40], clients=4))
+            during = metric_samples(base)
+        finally:
+            os.kill(core, signal.SIGCONT)
+        wait_for([("ready", True), ("ready", True)])
+        back = metric_samples(base)
+        responses += asyncio.run(by_user(base, stream[40:], clients=4))
+        samples = metric_samples(base)
+        assert engine_core_pid("quiet", "engine-1") == core
+    finally:
+        serve.delete("quiet")
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+    outputs = [r.json()["outputs"][0] for r in responses]
+    offline = GREngine(quiet).rank(stream, use_tqdm=False)
+    for request, output, reference, alone in zip(stream, outputs, recompute_scores(stream), offline, strict=True):
+        assert output["error"] is None and output["request_id"] == request.request_id, output
+        np.testing.assert_allclose(np.array(output["scores"], dtype=np.float32), reference, atol=TOL, rtol=0)
+        np.testing.assert_allclose(np.array(output["scores"], dtype=np.float32), alone.scores, atol=TOL, rtol=0)
+
+    def sent(samples: dict, replica: str) -> float:
+        return total(samples, "gr_engine_router_requests_total", replica=replica)
+
+    moved = sum(home == 1 for home in homes[20:40])
+    assert moved > 0 and sent(during, "1") == sent(before, "1")  # nothing went to the silent replica
+    assert sent(during, "0") - sent(before, "0") == 20
+    assert total(during, "gr_engine_router_reroutes_total") - total(before, "gr_engine_router_reroutes_total") == moved
+    assert sent(samples, "1") - sent(back, "1") == sum(home == 1 for home in homes[40:]) > 0  # its users are back
+    assert total(samples, "gr_engine_router_retries_total") == 0
+    assert total(samples, "gr_engine_router_restarts_total") == 0

@@ -11,8 +11,12 @@
   outputs merged in input order. A handle call that fails because its replica's actor died takes that replica off
   the ring, and its requests are sent once more, to their users' next replica (else each output carries the
   error), as the router does for a dead engine core; once Ray Serve has replaced the actor, the replica is back on
-  the ring (:meth:`~.router.ReplicaRouter.supervise`), and the ingress's ``/metrics`` has each replica's core
-  figures, polled from the deployments.
+  the ring (:meth:`~.router.ReplicaRouter.supervise`). The ingress polls each deployment's engine state and core
+  figures (:meth:`EngineReplica.health`): a deployment whose core is alive but has stopped reporting is
+  ``"unresponsive"`` in ``/health`` and off the ring while it stays silent (its users go to their next replica; the
+  requests it had accepted keep their deadlines and are never sent again), and back on it, with its KV, once it
+  reports again, as with local replicas (:mod:`.replicas`); Ray Serve's health check fails only for a dead core, so
+  Serve does not replace a silent one. ``/metrics`` has each replica's core figures.
 
 Ray is an optional dependency (``pip install 'gr-engine[ray]'``): ``import gr_engine`` never imports this module.
 """
@@ -34,7 +38,7 @@ from starlette.applications import Starlette
 from ..config import EngineConfig
 from ..outputs import GenerateOutput, RankOutput
 from ..request import GenerateParams, GenerateRequest, RankRequest
-from .client import AsyncGREngine, EngineDead, EngineOverloaded, OutputObserver
+from .client import AsyncGREngine, EngineDead, EngineOverloaded, OutputObserver, reported_state
 from .protocol import CoreStats
 from .router import ReplicaRouter
 from .server import build_app as build_starlette_app
@@ -80,9 +84,17 @@ class EngineReplica:
         """The engine core's latest counters (``None`` before its first report)."""
         return self.engine.stats
 
+    def health(self) -> tuple[str, CoreStats | None]:
+        """What the ingress polls: the engine's state as ``/health`` gives it (:func:`~.client.reported_state`:
+        ``"ready"``; ``"unresponsive"`` while its core is alive but has not reported within
+        ``serving.health_timeout_s``; ``"dead"`` once the core has died) and the core's latest counters."""
+        return reported_state(self.engine), self.engine.stats
+
     def check_health(self) -> None:
         """Ray Serve's health check: raises ``RuntimeError`` once the engine core has died (Serve then replaces
-        this replica; the ingress has taken it off its ring at its first failed call)."""
+        this replica; the ingress has taken it off its ring at its first failed call or poll). A core that is
+        alive but silent (``"unresponsive"``) passes: replacing the replica would lose its KV cache for what may be
+        a pause; the ingress takes it off its ring instead, for as long as it stays silent (:meth:`health`)."""
         if not self.engine.is_alive():
             raise RuntimeError(f"the engine core is {self.engine.state}")
 
@@ -111,7 +123,10 @@ class _HandleReplica:
     :class:`~.client.AsyncGREngine` that the router uses, and the ``poll`` and ``recover`` of a given engine). Its
     engine's :class:`EngineOverloaded` and :class:`EngineDead` come through as themselves; a call that Ray could not
     complete (the replica's actor died or is unreachable) raises :class:`EngineDead`, and the replica counts as dead
-    until :meth:`recover` reaches its deployment again (Ray Serve replaces a dead replica's actor)."""
+    until :meth:`recover` reaches its deployment again (Ray Serve replaces a dead replica's actor). Its health is its
+    engine's as of the last :meth:`poll`: a deployment whose core is alive but silent is ``"unresponsive"``
+    (:func:`~.client.reported_state`), which takes it off the router's ring until a poll finds it reporting again.
+    """
 
     core_pid = None  # the core runs in another actor, perhaps on another node
 
@@ -119,22 +134,24 @@ class _HandleReplica:
         self.handle, self.config = handle, config
         self.observers: list[OutputObserver] = []
         self.alive = True
+        self.reported = "ready"  # its engine's reported_state, as of the last poll (its constructor awaited start)
         self.stats: CoreStats | None = None  # its core's latest counters, as of the last poll
 
     async def poll(self, timeout_s: float = RECOVER_TIMEOUT_S) -> None:
-        """Fetch the core's latest counters (for ``/metrics``): a replica that answers counts as alive, one Ray
+        """Fetch the engine's reported state and its core's latest counters (:meth:`EngineReplica.health`, for the
+        ring, ``/health`` and ``/metrics``): a replica that answers counts as alive unless its core has died, one Ray
         cannot reach as dead; one that takes over ``timeout_s`` keeps its state and counters."""
         try:
-            self.stats = await asyncio.wait_for(self.handle.stats.remote(), timeout_s)
-            self.alive = True
+            self.reported, self.stats = await asyncio.wait_for(self.handle.health.remote(), timeout_s)
+            self.alive = self.reported not in ("dead", "stopped")
         except RayError:
             self.alive = False
         except asyncio.TimeoutError:
             pass
 
     async def recover(self, timeout_s: float = RECOVER_TIMEOUT_S) -> bool:
-        """Whether the deployment answers again (Ray Serve has replaced its actor; waits at most ``timeout_s``):
-        then it counts as alive, with a new core holding no KV."""
+        """Whether the deployment answers again with a live core (Ray Serve has replaced its actor; waits at most
+        ``timeout_s``): then it counts as alive, with a new core holding no KV."""
         await self.poll(timeout_s)
         return self.alive
 
@@ -148,10 +165,12 @@ class _HandleReplica:
         return self.alive
 
     def is_healthy(self) -> bool:
-        return self.alive
+        """Whether it is alive and its engine, as of the last poll, was not ``"unresponsive"``."""
+        return self.alive and self.reported != "unresponsive"
 
     @property
     def state(self) -> str:
+        """``"ready"`` or ``"dead"`` (:func:`~.client.reported_state` gives ``"unresponsive"`` for a silent one)."""
         return "ready" if self.alive else "dead"
 
     async def rank_many(self, requests: Sequence[RankRequest], timeout_ms: float | None = None) -> list[RankOutput]:

@@ -174,7 +174,7 @@ def test_clients_attached_to_one_core_get_their_own_outputs() -> None:
         engines = [AsyncGREngine(config, handle) for _ in streams]
         for engine in engines:
             await engine.start()
-        assert all(engine.max_pending_requests == config.serving.max_pending_requests // 2 for engine in engines)
+        assert all(engine.admission.max_requests == config.serving.max_pending_requests // 2 for engine in engines)
 
         async def serve(engine: AsyncGREngine, stream: list[RankRequest]) -> list:
             return [output for i in range(0, len(stream), 4) for output in await engine.rank_many(stream[i:i + 4])]

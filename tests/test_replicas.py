@@ -26,7 +26,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("zmq")
 router_module = pytest.importorskip("gr_engine.serving.router")
 ReplicaRouter = router_module.ReplicaRouter
-CallTooLarge = pytest.importorskip("gr_engine.serving.client").CallTooLarge
+CallTooLarge = pytest.importorskip("gr_engine.serving.admission").CallTooLarge
 replicas_module = pytest.importorskip("gr_engine.serving.replicas")
 replica_devices = replicas_module.replica_devices
 

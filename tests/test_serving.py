@@ -626,7 +626,7 @@ def test_admission_counts_the_clients_own_sends_between_reports() -> None:
                 await asyncio.sleep(0.01)
             service = engine.stats.service_s
             assert service > 0 and engine.queue_wait_s() == 0.0
-            engine.max_queue_s = 5.5 * service  # so the 7th call is refused: 6 sent x service > the bound
+            engine.admission.max_queue_s = 5.5 * service  # so the 7th call is refused: 6 sent x service > the bound
             os.kill(engine.core_pid, signal.SIGSTOP)
             try:
                 tasks = []
@@ -644,7 +644,7 @@ def test_admission_counts_the_clients_own_sends_between_reports() -> None:
             outputs = await asyncio.gather(*tasks)
             for output, reference in zip(outputs, recompute_scores(first + burst)[len(first):]):
                 np.testing.assert_allclose(output.scores, reference, atol=TOL, rtol=0)
-            while engine.queue_wait_s() > engine.max_queue_s:  # a report after the answers resets the count
+            while engine.queue_wait_s() > engine.admission.max_queue_s:  # a report after the answers resets the count
                 assert time.monotonic() < deadline + 30
                 await asyncio.sleep(0.01)
             assert all(o.error is None for o in await engine.rank_many(later))

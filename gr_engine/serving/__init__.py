@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_EXPORTS = {"AsyncGREngine": "client", "CoreHandle": "client", "EngineDead": "client", "EngineOverloaded": "client",
+_EXPORTS = {"AsyncGREngine": "client", "CoreHandle": "client", "EngineDead": "client", "EngineOverloaded": "admission",
             "ReplicaRouter": "router", "ServingConfig": "config", "build_app": "server", "start_core": "core"}
 
 __all__ = list(_EXPORTS)

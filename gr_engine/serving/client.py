@@ -2,10 +2,10 @@
 
 The client validates each request's types, lengths and candidates (:mod:`gr_engine.validation`) in its own
 process, sends it to the core as raw bytes, and resolves the caller's await when the core reports its output.
-Admission is bounded (``serving.max_pending_requests`` and ``max_pending_tokens`` of requests sent and not yet
-answered by the core, split evenly among the clients of a shared core), and so is the core's queue
+Admission is bounded (:mod:`.admission`: ``serving.max_pending_requests`` and ``max_pending_tokens`` of requests
+sent and not yet answered by the core, split evenly among the clients of a shared core), and so is the core's queue
 (``serving.max_queue_ms`` of estimated wait, from the core's latest report): beyond either a call raises
-:class:`EngineOverloaded` at once. A client starts a core of its own, or attaches to a running one
+:class:`~.admission.EngineOverloaded` at once. A client starts a core of its own, or attaches to a running one
 (:class:`CoreHandle`, as each API server of ``gr-engine serve --api-servers N`` does). A call with ``timeout_ms``
 returns, for each request that has not finished by then, an output whose ``error`` says so (never a late answer),
 and the core drops it if it has not started; a cancelled call's requests are dropped the same way.
@@ -31,26 +31,12 @@ from ..config import EngineConfig
 from ..outputs import GenerateOutput, RankOutput, output_user_id
 from ..request import GenerateParams, GenerateRequest, RankRequest
 from ..validation import RequestError, check_candidates, parse_fields
+from .admission import Admission, Pending
 from .core import start_core
 from .process_watch import ProcessWatch
 from .protocol import Abort, CoreOutput, CoreReport, CoreRequest, CoreStats, Hello, Shutdown, engine_output, to_core
 
 logger = logging.getLogger(__name__)
-
-
-class EngineOverloaded(RuntimeError):
-    """More work is pending than ``serving.max_pending_requests`` / ``max_pending_tokens`` allow, or the core's queue
-    would hold a request longer than ``serving.max_queue_ms``: retry later. ``refused``: the call's requests that
-    passed validation (the others got their own error outputs)."""
-
-    def __init__(self, message: str, refused: int = 0) -> None:
-        super().__init__(message)
-        self.refused = refused
-
-
-class CallTooLarge(ValueError):
-    """One call holds more requests or tokens than ``serving.max_pending_requests`` / ``max_pending_tokens`` admit
-    even with nothing pending: retrying cannot help, split the call."""
 
 
 class EngineDead(RuntimeError):
@@ -96,15 +82,6 @@ class CoreHandle:
     clients: int = 1
 
 
-@dataclass
-class _Pending:
-    future: asyncio.Future
-    request: RankRequest | GenerateRequest
-    ranking: bool
-    tokens: int
-    sent_s: float
-
-
 class AsyncGREngine:
     """Serve requests through an engine-core process.
 
@@ -125,15 +102,9 @@ class AsyncGREngine:
         self.stats: CoreStats | None = None  # the core's latest counters
         self.observers: list[OutputObserver] = []
         self.last_report_s = 0.0  # time.monotonic() of the core's latest report
-        share = core.clients if core is not None else 1
-        self.max_pending_requests = max(1, self.serving.max_pending_requests // share)  # this client's admission
-        self.max_pending_tokens = max(1, self.serving.max_pending_tokens // share)
-        self.max_queue_s = self.serving.max_queue_ms / 1000  # refuse while the queue-wait estimate is above
-        self._sent_since_report = 0  # requests sent since the latest report's counters (not in its ``waiting``)
+        self.admission = Admission(self.serving, core.clients if core is not None else 1)  # its pending requests
         self._handle = core
         self._ids = itertools.count()
-        self._pending: dict[int, _Pending] = {}
-        self._pending_tokens = 0
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreReport)
         self._process: multiprocessing.process.BaseProcess | None = None  # the core, when this client started it
@@ -212,7 +183,7 @@ class AsyncGREngine:
                 logger.error("killing the engine core")
                 self._process.kill()
                 await asyncio.to_thread(self._process.join)
-        self._fail_all(EngineDead("the engine was closed"))
+        self.admission.fail_all(EngineDead("the engine was closed"))
         self._to_core.close(linger=0)
         self._from_core.close(linger=0)
         self._context.term()
@@ -260,17 +231,13 @@ class AsyncGREngine:
     @property
     def num_pending(self) -> int:
         """Requests sent to the core and not yet answered by it."""
-        return len(self._pending)
+        return len(self.admission.pending)
 
     # ------------------------------------------------------------------ requests
     def queue_wait_s(self) -> float:
-        """How long a request sent now would wait in the core before a step takes it (s): the core's latest
-        ``waiting`` plus what this client sent since that report, times its latest seconds per answered request
-        (:class:`~.protocol.CoreStats`); 0 before the first report. Calls are refused while it is over
-        ``serving.max_queue_ms``: between two reports the client's own sends count at once."""
-        if self.stats is None:
-            return 0.0
-        return (self.stats.waiting + self._sent_since_report) * self.stats.service_s
+        """How long a request sent now would wait in the core before a step takes it (s; calls are refused while it
+        is over ``serving.max_queue_ms``): :meth:`.admission.Admission.queue_wait_s` of the core's latest counters."""
+        return self.admission.queue_wait_s(self.stats)
 
     async def rank(self, request: RankRequest, timeout_ms: float | None = None) -> RankOutput:
         """Score one request's candidates (as :meth:`~gr_engine.GREngine.rank`); see :meth:`rank_many`."""
@@ -330,29 +297,14 @@ class AsyncGREngine:
             messages.append((core_id, to_core(core_id, request, arrays, params, deadline), request, size))
             tokens += size
             waits[core_id] = i
-        if len(messages) > self.max_pending_requests or tokens > self.max_pending_tokens:
-            raise CallTooLarge(f"{len(messages)} requests ({tokens} tokens) in one call: over this client's "
-                               f"{self.max_pending_requests} requests / {self.max_pending_tokens} tokens even with "
-                               "nothing pending (serving.max_pending_requests / max_pending_tokens): split the call")
-        if messages and (len(self._pending) + len(messages) > self.max_pending_requests
-                         or self._pending_tokens + tokens > self.max_pending_tokens):
-            raise EngineOverloaded(f"{len(self._pending)} requests ({self._pending_tokens} tokens) pending: over "
-                                   f"this client's {self.max_pending_requests} requests / {self.max_pending_tokens} "
-                                   "tokens (serving.max_pending_requests / max_pending_tokens)", len(messages))
-        wait_s = self.queue_wait_s()
-        if messages and self.max_queue_s and wait_s > self.max_queue_s:
-            raise EngineOverloaded(f"the engine core's queue would hold a request ~{wait_s * 1e3:.0f} ms before a step "
-                                   f"takes it: over serving.max_queue_ms ({self.serving.max_queue_ms:g})",
-                                   len(messages))
+        self.admission.check(len(messages), tokens, self.stats)
         loop = asyncio.get_running_loop()
         futures = {}
         for core_id, message, request, size in messages:
             future = loop.create_future()
-            self._pending[core_id] = _Pending(future, request, ranking, size, now)
-            self._pending_tokens += size
+            self.admission.add(core_id, Pending(future, request, ranking, size, now))
             futures[future] = core_id
             self._send(message)
-        self._sent_since_report += len(messages)
         try:
             timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             done, late = await asyncio.wait(futures, timeout=timeout) if futures else (set(), set())
@@ -378,7 +330,7 @@ class AsyncGREngine:
         (the core's answer for them still releases their admission). The observers see each as the caller does:
         its error ``reason``, of kind ``kind``, now (not the core's later answer)."""
         for core_id in core_ids:
-            pending = self._pending.get(core_id)
+            pending = self.admission.pending.get(core_id)
             if pending is not None and not pending.future.done():
                 pending.future.cancel()
                 failed_type = RankOutput if pending.ranking else GenerateOutput
@@ -406,12 +358,12 @@ class AsyncGREngine:
             self.last_report_s = time.monotonic()
             if report.stats is not None:
                 self.stats = report.stats
-                self._sent_since_report = 0
+                self.admission.reported()
             for message in report.outputs:
                 self._deliver(message)
             if report.state == "stopped":  # after a Shutdown nothing is pending; after its parent died, maybe
                 self.state = "stopped"
-                self._fail_all(EngineDead("the engine core stopped before answering"))
+                self.admission.fail_all(EngineDead("the engine core stopped before answering"))
                 return
             if self.state in ("starting", "warming"):
                 self.state = report.state
@@ -419,10 +371,9 @@ class AsyncGREngine:
                     self._ready.set()
 
     def _deliver(self, message: CoreOutput) -> None:
-        pending = self._pending.pop(message.core_id, None)
+        pending = self.admission.answered(message.core_id)
         if pending is None:
             return
-        self._pending_tokens -= pending.tokens
         if pending.future.cancelled():  # the caller gave up on it: observed then (_abort)
             return
         output = engine_output(message, pending.request, pending.ranking, time.monotonic() - pending.sent_s)
@@ -433,13 +384,6 @@ class AsyncGREngine:
 
     def _core_died(self) -> None:
         status = self._exit_status()
-        logger.error("the engine core exited (%s); failing %d pending requests", status, len(self._pending))
+        logger.error("the engine core exited (%s); failing %d pending requests", status, self.num_pending)
         self.state = "dead"
-        self._fail_all(EngineDead(f"the engine core exited ({status})"))
-
-    def _fail_all(self, error: Exception) -> None:
-        for pending in self._pending.values():
-            if not pending.future.done():
-                pending.future.set_exception(error)
-        self._pending.clear()
-        self._pending_tokens = 0
+        self.admission.fail_all(EngineDead(f"the engine core exited ({status})"))

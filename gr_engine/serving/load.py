@@ -212,7 +212,8 @@ async def open_loop(send: Send, requests: list[RankRequest], offsets: np.ndarray
 
 def engine_sender(engine: object, timeout_ms: float | None) -> Send:
     """Send requests through an :class:`~.client.AsyncGREngine` (``rank_many``)."""
-    from .client import EngineDead, EngineOverloaded
+    from .admission import EngineOverloaded
+    from .client import EngineDead
 
     async def send(batch: list[RankRequest]) -> list[str | None]:
         try:

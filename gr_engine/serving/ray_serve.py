@@ -38,7 +38,8 @@ from starlette.applications import Starlette
 from ..config import EngineConfig
 from ..outputs import GenerateOutput, RankOutput
 from ..request import GenerateParams, GenerateRequest, RankRequest
-from .client import AsyncGREngine, EngineDead, EngineOverloaded, OutputObserver, reported_state
+from .admission import EngineOverloaded
+from .client import AsyncGREngine, EngineDead, OutputObserver, reported_state
 from .protocol import CoreStats
 from .router import ReplicaRouter
 from .server import build_app as build_starlette_app

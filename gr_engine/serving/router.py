@@ -24,7 +24,8 @@ from typing import Any
 from ..outputs import GenerateOutput, RankOutput, output_user_id
 from ..request import GenerateParams, GenerateRequest, RankRequest
 from ..routing import HashRing
-from .client import EngineDead, EngineOverloaded, deadline_after
+from .admission import EngineOverloaded
+from .client import EngineDead, deadline_after
 from .replicas import ReplicaSet
 
 Request = RankRequest | GenerateRequest

@@ -28,8 +28,9 @@ from starlette.routing import Route
 from ..config import EngineConfig
 from ..outputs import GenerateOutput, RankOutput, output_user_id
 from ..validation import RequestError
+from .admission import CallTooLarge, EngineOverloaded
 from .bodies import JSON, BodyFormat, GenerateBody, RankBody, answer_format, request_format
-from .client import AsyncGREngine, CallTooLarge, CoreHandle, EngineDead, EngineOverloaded, reported_state
+from .client import AsyncGREngine, CoreHandle, EngineDead, reported_state
 from .heap import freeze_heap
 from .metrics import CONTENT_TYPE, ServingMetrics
 from .router import ReplicaRouter

@@ -6,9 +6,11 @@ One request per line (JSONL) or row (Parquet), with the fields of :class:`~gr_en
 with the row's ``request_id`` and ``user_id`` where readable; without a ``request_id`` it is labelled ``line-N``
 (JSONL, 1-based; blank lines skipped but counted) or ``row-N`` (Parquet, 1-based). A JSONL line longer than any valid
 request can be (:func:`max_line_bytes`) is such an error without being decoded, or even held whole (its
-``request_id`` is not read: it is labelled ``line-N``). So is a Parquet row with a list longer than any valid request
-holds (:func:`max_list_lengths`): its lists are never made Python objects, and its ``request_id`` and ``user_id``
-label it (:func:`parquet_rows`).
+``request_id`` is not read: it is labelled ``line-N``). Of a Parquet file only the columns of the request's fields are
+read (the request ignores others), and a row is such an error, never made Python objects, when a list holds more
+values than any valid request's (:func:`max_list_lengths`) or its strings more bytes than
+:data:`~gr_engine.row_bounds.MAX_STRING_BYTES` (:mod:`gr_engine.row_bounds`); its ``request_id`` and ``user_id``
+label it, unless too long to read (:func:`parquet_rows`).
 
 :class:`RequestReader` yields chunks of at most :data:`CHUNK_ROWS` rows, and
 :class:`~gr_engine.output_writer.OutputWriter` appends each chunk's outputs: a job that reads a chunk, serves it and
@@ -17,16 +19,16 @@ writes it before reading the next holds one chunk of requests.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import numpy as np
 
 from .outputs import GenerateOutput, RankOutput, output_user_id
 from .request import GenerateParams, GenerateRequest, RankRequest
+from .row_bounds import LIST_LIMITS, MAX_STRING_BYTES, RefusedRow, bounded_rows
 
 if TYPE_CHECKING:
     from .config import EngineConfig
@@ -52,14 +54,9 @@ READ_BYTES = 1 << 20
 INT_BYTES = 22
 
 #: Bytes a valid request's line may take besides its ints: its ``request_id``, ``user_id``, keys, brackets,
-#: whitespace and any fields the request does not have (ignored when parsed, but read).
+#: whitespace and any fields the request does not have (ignored when parsed, but read). A Parquet row's strings have
+#: the same bound (:data:`~gr_engine.row_bounds.MAX_STRING_BYTES`).
 ROW_SLACK_BYTES = 1 << 20
-
-#: The ``config.model`` limit on each list field of a request. A longer list makes a request invalid
-#: (``validation.parse_fields``): history fields longer than ``max_history_len`` are too long or differ in length;
-#: candidates count for ranking only (retrieval ignores them).
-LIST_LIMITS = {"item_ids": "max_history_len", "action_ids": "max_history_len", "timestamps": "max_history_len",
-               "candidate_item_ids": "max_candidates"}
 
 Parsed = GenerateRequest | RankOutput | GenerateOutput
 Output = RankOutput | GenerateOutput
@@ -87,10 +84,12 @@ def max_line_bytes(config: EngineConfig) -> int:
 
 
 def max_list_lengths(config: EngineConfig, ranking: bool = True) -> dict[str, int]:
-    """The most values each list field of a request that ``config``'s engine could serve holds (:data:`LIST_LIMITS`):
-    ``model.max_history_len`` for ``item_ids``, ``action_ids`` and ``timestamps``, ``model.max_candidates`` for
-    ``candidate_item_ids`` (only when ``ranking``: retrieval ignores candidates, however many). A Parquet row with a
-    longer list is refused before its lists are read (:func:`parquet_rows`)."""
+    """The most values each list field of a request that ``config``'s engine could serve holds
+    (:data:`~gr_engine.row_bounds.LIST_LIMITS`): ``model.max_history_len`` for ``item_ids``, ``action_ids`` and
+    ``timestamps``, ``model.max_candidates`` for ``candidate_item_ids`` (only when ``ranking``: retrieval ignores
+    candidates, however many). A Parquet row with a longer list is refused before its lists are read
+    (:func:`parquet_rows`), and so is one whose ``request_id`` or ``user_id`` holds more values than the largest of
+    these (:func:`~gr_engine.row_bounds.bounded_rows`)."""
     model = config.model
     return {field: getattr(model, limit) for field, limit in LIST_LIMITS.items()
             if ranking or limit != "max_candidates"}
@@ -119,24 +118,29 @@ class RequestReader:
     Args:
         path: a ``.jsonl``/``.json``/``.ndjson`` or ``.parquet``/``.pq`` file.
         request_type: :class:`RankRequest` (rows need candidates) or :class:`GenerateRequest` (other fields, such
-            as candidates, are ignored).
+            as candidates, are ignored: Parquet columns of other names are not read).
         max_line_bytes: JSONL lines longer than this (bytes) are refused unread (:func:`jsonl_rows`); the engine's
             bound is :func:`max_line_bytes` of its config. ``None``: no bound (a line is held and decoded whole).
         max_list_lengths: Parquet rows with a list column of these names holding more values than this gives it are
             refused without reading their lists (:func:`parquet_rows`); the engine's bound is
             :func:`max_list_lengths` of its config. ``None``: no bound (every row is converted whole).
+        max_string_bytes: Parquet rows whose strings take more bytes than this (all their columns together) are
+            refused without reading them (:func:`parquet_rows`); by default
+            :data:`~gr_engine.row_bounds.MAX_STRING_BYTES` (1 MiB). ``None``: no bound.
 
     Attributes:
         num_rows: rows in the file (Parquet, from its metadata), or ``None`` (JSONL: unknown until read).
     """
 
     def __init__(self, path: str | Path, request_type: type[GenerateRequest] = RankRequest,
-                 max_line_bytes: int | None = None, max_list_lengths: Mapping[str, int] | None = None) -> None:
+                 max_line_bytes: int | None = None, max_list_lengths: Mapping[str, int] | None = None,
+                 max_string_bytes: int | None = MAX_STRING_BYTES) -> None:
         self.path = Path(path)
         self.format = file_format(self.path)
         self.request_type = request_type
         self.max_line_bytes = max_line_bytes
         self.max_list_lengths = max_list_lengths
+        self.max_string_bytes = max_string_bytes
         self.num_rows: int | None = None
         if self.format == "parquet":
             self._parquet = import_pyarrow().parquet.ParquetFile(self.path, buffer_size=PARQUET_READ_BUFFER,
@@ -157,7 +161,8 @@ class RequestReader:
             yield chunk
 
     def _parquet_rows(self, batch_rows: int) -> Iterator[tuple[str, Any]]:
-        for number, row in parquet_rows(self._parquet, self.max_list_lengths, batch_rows):
+        for number, row in parquet_rows(self._parquet, self.request_type.__struct_fields__, self.max_list_lengths,
+                                        self.max_string_bytes, batch_rows):
             yield f"row-{number}", row
 
     def _jsonl_rows(self) -> Iterator[tuple[str, Any]]:
@@ -219,86 +224,23 @@ def _line_row(number: int, pieces: list[bytes], head: bytes, size: int, max_byte
                       f"{head.decode('utf-8', 'replace')!r}")
 
 
-class RefusedRow(ValueError):
-    """A row refused before it was read whole (:func:`parquet_rows`): the message says why; ``request_id`` and
-    ``user_id`` are the labels read from it, as its failed output shows them (``None``: the row has none)."""
-
-    def __init__(self, message: str, request_id: str | None, user_id: int | str | None) -> None:
-        super().__init__(message)
-        self.request_id = request_id
-        self.user_id = user_id
-
-
-def parquet_rows(source: Any, max_lengths: Mapping[str, int] | None,
-                 batch_rows: int | None = None) -> Iterator[tuple[int, Any]]:
+def parquet_rows(source: Any, fields: Collection[str], max_lengths: Mapping[str, int] | None,
+                 max_string_bytes: int | None, batch_rows: int | None = None) -> Iterator[tuple[int, Any]]:
     """``(1-based row number, row)`` of each row of the ``pyarrow.parquet.ParquetFile`` ``source``, read
-    ``batch_rows`` rows (default :data:`CHUNK_ROWS`) at a time: the row as a dict, or a :class:`RefusedRow` for a row
-    with a list column named in ``max_lengths`` that holds more values than its bound there (the values of lists
-    nested in it counted too). Lengths are read from Arrow before any row is converted, so such a row's lists never
-    become Python objects (millions of values would be hundreds of MB of them): only its ``request_id`` and
-    ``user_id`` are read, to label it. ``max_lengths`` ``None``: no bound."""
-    pa = import_pyarrow()
+    ``batch_rows`` rows (default :data:`CHUNK_ROWS`) at a time, only its columns named in ``fields`` (a request's
+    fields: it ignores others, so the file's other columns are not read, however large): the row as a dict of those
+    columns, or a :class:`~gr_engine.row_bounds.RefusedRow` for a row that holds more than ``max_lengths`` (a list's
+    values; ``None``: no bound) or ``max_string_bytes`` (bytes of strings; ``None``: no bound) allow
+    (:func:`~gr_engine.row_bounds.bounded_rows`). Sizes are read from Arrow before any row is converted, so such a
+    row never becomes Python objects (millions of list values would be hundreds of MB of ints, a 50 MB id 50 MB of
+    string; in Arrow a value is its own bytes, held while its batch is read): only its ``request_id`` and
+    ``user_id`` are read, to label it, where they are within ``max_string_bytes``."""
+    columns = [name for name in dict.fromkeys(source.schema_arrow.names) if name in fields]
     number = 0
-    for batch in source.iter_batches(batch_size=batch_rows or CHUNK_ROWS):
-        refused = _overlong(batch, max_lengths) if max_lengths else {}
-        if refused:
-            kept = iter(batch.take(pa.array([i for i in range(batch.num_rows) if i not in refused],
-                                            type=pa.int64())).to_pylist())
-            rows = [_refused_row(batch, i, *refused[i]) if i in refused else next(kept)
-                    for i in range(batch.num_rows)]
-        else:
-            rows = batch.to_pylist()
-        for row in rows:
+    for batch in source.iter_batches(batch_size=batch_rows or CHUNK_ROWS, columns=columns):
+        for row in bounded_rows(batch, max_lengths, max_string_bytes):
             number += 1
             yield number, row
-
-
-def _is_list(data_type: Any) -> bool:
-    types = import_pyarrow().types
-    return (types.is_list(data_type) or types.is_large_list(data_type) or types.is_fixed_size_list(data_type)
-            or types.is_list_view(data_type) or types.is_large_list_view(data_type))
-
-
-def _value_counts(column: Any) -> np.ndarray:
-    """How many values each row of the Arrow list array ``column`` holds (int64), the values of lists nested in
-    it included; a null list holds none."""
-    pc = import_pyarrow().compute
-    counts = pc.fill_null(pc.list_value_length(column), 0).to_numpy().astype(np.int64)
-    if _is_list(column.type.value_type):
-        nested = _value_counts(pc.list_flatten(column))
-        counts += np.bincount(pc.list_parent_indices(column).to_numpy(), weights=nested,
-                              minlength=len(column)).astype(np.int64)
-    return counts
-
-
-def _overlong(batch: Any, max_lengths: Mapping[str, int]) -> dict[int, tuple[str, int, int]]:
-    """``{row index: (field, values, bound)}`` of the rows of ``batch`` with a list column over its bound (the
-    first such field of ``max_lengths``; every column of a repeated name is checked, as each would be converted)."""
-    refused: dict[int, tuple[str, int, int]] = {}
-    for field, bound in max_lengths.items():
-        for index in batch.schema.get_all_field_indices(field):
-            column = batch.column(index)
-            if _is_list(column.type):
-                counts = _value_counts(column)
-                for i in np.flatnonzero(counts > bound).tolist():
-                    refused.setdefault(i, (field, int(counts[i]), bound))
-    return refused
-
-
-def _refused_row(batch: Any, i: int, field: str, count: int, bound: int) -> RefusedRow:
-    """Row ``i`` of ``batch`` refused for its list ``field``, labelled by its scalar ``request_id`` and
-    ``user_id`` columns (the last of a repeated name, as ``to_pylist`` keeps it; a nested one is not read)."""
-    labels: dict[str, Any] = {}
-    for name in ("request_id", "user_id"):
-        indices = batch.schema.get_all_field_indices(name)
-        column = batch.column(indices[-1]) if indices else None
-        nested = column is None or import_pyarrow().types.is_nested(column.type)
-        labels[name] = None if nested else column[i].as_py()
-    request_id = labels["request_id"]
-    limit = f"model.{LIST_LIMITS[field]}: " if field in LIST_LIMITS else ""
-    return RefusedRow(f"{field} holds {count:,} values, over the {bound:,} that any valid request holds ({limit}"
-                      "gr_engine.io.max_list_lengths); refused without reading the row's lists",
-                      None if request_id is None else str(request_id), output_user_id(labels["user_id"]))
 
 
 def decode_line(number: int, line: bytes) -> Any:
@@ -315,9 +257,9 @@ def decode_line(number: int, line: bytes) -> Any:
 
 
 def parse_row(label: str, row: Any, request_type: type[GenerateRequest]) -> Parsed:
-    """A decoded row (or the ``ValueError`` of one that could not be decoded, or the :class:`RefusedRow` of one
-    refused unread) as a request of ``request_type``, or as a failed output labelled by its ``request_id`` or,
-    without one, by ``label``."""
+    """A decoded row (or the ``ValueError`` of one that could not be decoded, or the
+    :class:`~gr_engine.row_bounds.RefusedRow` of one refused unread) as a request of ``request_type``, or as a
+    failed output labelled by its ``request_id`` or, without one, by ``label``."""
     failed = RankOutput if issubclass(request_type, RankRequest) else GenerateOutput
     if isinstance(row, RefusedRow):
         return failed(request_id=label if row.request_id is None else row.request_id, user_id=row.user_id,
@@ -357,7 +299,8 @@ def serve_rows(engine: GREngine, parsed: list[Parsed], params: GenerateParams | 
 
 
 def read_requests(path: str | Path, request_type: type[GenerateRequest] = RankRequest,
-                  max_line_bytes: int | None = None, max_list_lengths: Mapping[str, int] | None = None) -> list[Parsed]:
+                  max_line_bytes: int | None = None, max_list_lengths: Mapping[str, int] | None = None,
+                  max_string_bytes: int | None = MAX_STRING_BYTES) -> list[Parsed]:
     """Every row of a (small) request file at once, parsed as :class:`RequestReader` does."""
-    with RequestReader(path, request_type, max_line_bytes, max_list_lengths) as reader:
+    with RequestReader(path, request_type, max_line_bytes, max_list_lengths, max_string_bytes) as reader:
         return [parsed for chunk in reader for parsed in chunk]

@@ -34,6 +34,7 @@ from .output_writer import array_as_lists, output_schema
 from .outputs import GenerateOutput, RankOutput
 from .ray_source import WIRE_SCHEMA, RequestFilesDatasource, wire_row, wire_table
 from .request import GenerateParams, GenerateRequest, RankRequest
+from .row_bounds import MAX_STRING_BYTES
 
 #: The column that orders the input rows (int64, unique); a user's visits are served in its order and every output
 #: carries it, so that sorting by it restores input order.
@@ -41,15 +42,21 @@ ROW_ORDER = "row_order"
 
 
 def read_request_files(paths: str | list[str], max_line_bytes: int | None = None,
-                       max_list_lengths: Mapping[str, int] | None = None, **file_args: Any) -> ray.data.Dataset:
+                       max_list_lengths: Mapping[str, int] | None = None, *,
+                       request_type: type[GenerateRequest] = RankRequest,
+                       max_string_bytes: int | None = MAX_STRING_BYTES, **file_args: Any) -> ray.data.Dataset:
     """The request files under ``paths`` (files or folders of ``.jsonl`` and ``.parquet``) as wire rows
     (:mod:`gr_engine.ray_source`), ready for :func:`rank_dataset`; malformed rows become error outputs there, with
     the labels a single-process job gives them. JSONL lines over ``max_line_bytes`` bytes are such rows, refused
     unread (pass :func:`gr_engine.io.max_line_bytes` of the engine's config, as ``gr-engine rank --workers`` does;
-    ``None``: no bound), and so are Parquet rows with a list longer than ``max_list_lengths`` gives it, labelled by
-    their request and user ids (pass :func:`gr_engine.io.max_list_lengths` of the config; ``None``: no bound).
-    ``file_args`` go to Ray's ``FileBasedDatasource``."""
-    return ray.data.read_datasource(RequestFilesDatasource(paths, max_line_bytes, max_list_lengths, **file_args))
+    ``None``: no bound). Of Parquet files only the columns of ``request_type``'s fields are read (pass
+    :class:`GenerateRequest` for retrieval, which ignores candidates), and rows with a list longer than
+    ``max_list_lengths`` gives it (pass :func:`gr_engine.io.max_list_lengths` of the config; ``None``: no bound) or
+    more than ``max_string_bytes`` bytes of strings (``None``: no bound) are such rows, labelled by their request and
+    user ids. ``file_args`` go to Ray's ``FileBasedDatasource``."""
+    return ray.data.read_datasource(RequestFilesDatasource(paths, max_line_bytes, max_list_lengths,
+                                                           request_type=request_type,
+                                                           max_string_bytes=max_string_bytes, **file_args))
 
 
 def rank_dataset(ds: ray.data.Dataset, config: EngineConfig, num_workers: int, *, generate: bool = False,

@@ -14,9 +14,11 @@ column         type        meaning
 ``user_hash``  uint64      :func:`~gr_engine.routing.stable_hash` of the row's ``user_id``; null without a
                            valid one (such a row fails to parse anyway)
 ``request``    binary      the decoded row as msgpack (:func:`encode_request`; null when it could not be
-                           decoded); for a row refused unread, only its ``request_id`` and ``user_id``
+                           decoded; of a Parquet row, only its request fields' columns); for a row refused
+                           unread, only its ``request_id`` and ``user_id``
 ``error``      string      why the row could not be decoded (JSON syntax, a type msgpack cannot hold) or was
-                           refused unread (a Parquet list over its bound: :class:`~gr_engine.io.RefusedRow`)
+                           refused unread (a Parquet list or strings over their bounds:
+                           :class:`~gr_engine.row_bounds.RefusedRow`)
 =============  ==========  ================================================================================
 
 msgpack has no integers beyond 64 bits (outside ``[-2**63, 2**64)``), which JSON rows (and Python rows) may hold,
@@ -32,7 +34,7 @@ happens in the engine workers, exactly as single-process.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import PurePath
 from typing import Any
 
@@ -41,9 +43,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from ray.data.datasource import FileBasedDatasource
 
-from .io import CHUNK_ROWS, FORMATS, PARQUET_READ_BUFFER, RefusedRow, jsonl_rows, parquet_rows
+from .io import CHUNK_ROWS, FORMATS, PARQUET_READ_BUFFER, jsonl_rows, parquet_rows
 from .outputs import output_user_id
+from .request import GenerateRequest, RankRequest
 from .routing import stable_hash
+from .row_bounds import MAX_STRING_BYTES, RefusedRow
 
 #: Bits of ``row_order`` that number the rows of one file (up to 2**40 rows a file, 2**23 files).
 ROW_BITS = 40
@@ -84,7 +88,7 @@ def decode_request(data: bytes) -> Any:
 
 def wire_row(request: bytes | None, error: str | None) -> Any:
     """The row a wire row's ``request`` and ``error`` hold, for :func:`~gr_engine.io.parse_row`: the decoded row,
-    the ``ValueError`` of one that could not be decoded, or the :class:`~gr_engine.io.RefusedRow` of one refused
+    the ``ValueError`` of one that could not be decoded, or the :class:`~gr_engine.row_bounds.RefusedRow` of one refused
     unread, with its labels."""
     if error is None:
         return decode_request(request)
@@ -140,15 +144,20 @@ class RequestFilesDatasource(FileBasedDatasource):
     ``.parquet``/``.pq`` names are read, names starting with ``_`` or ``.`` are skipped, as Ray lists folders) as
     wire rows. Use it with ``ray.data.read_datasource``; keyword arguments go to Ray's ``FileBasedDatasource``
     (e.g. ``filesystem``). JSONL lines over ``max_line_bytes`` are refused unread, as in single-process jobs
-    (:func:`~gr_engine.io.jsonl_rows`; the engine's bound is :func:`~gr_engine.io.max_line_bytes` of its config),
-    and so are Parquet rows with a list longer than ``max_list_lengths`` gives it (:func:`~gr_engine.io.parquet_rows`;
-    the engine's bound is :func:`~gr_engine.io.max_list_lengths` of its config)."""
+    (:func:`~gr_engine.io.jsonl_rows`; the engine's bound is :func:`~gr_engine.io.max_line_bytes` of its config).
+    Of Parquet files only the columns of ``request_type``'s fields are read, and rows with a list longer than
+    ``max_list_lengths`` gives it (the engine's bound is :func:`~gr_engine.io.max_list_lengths` of its config) or
+    strings of more than ``max_string_bytes`` bytes are refused unread (:func:`~gr_engine.io.parquet_rows`)."""
 
     def __init__(self, paths: str | list[str], max_line_bytes: int | None = None,
-                 max_list_lengths: Mapping[str, int] | None = None, **file_args: Any) -> None:
+                 max_list_lengths: Mapping[str, int] | None = None, *,
+                 request_type: type[GenerateRequest] = RankRequest, max_string_bytes: int | None = MAX_STRING_BYTES,
+                 **file_args: Any) -> None:
         super().__init__(paths, file_extensions=[ext.lstrip(".") for ext in FORMATS], **file_args)
         self._max_line_bytes = max_line_bytes
         self._max_list_lengths = max_list_lengths
+        self._fields = request_type.__struct_fields__
+        self._max_string_bytes = max_string_bytes
         files = sorted(self._paths())
         if len(files) >= 1 << (63 - ROW_BITS):
             raise ValueError(f"{len(files)} input files: at most {(1 << (63 - ROW_BITS)) - 1} can be ranked at once")
@@ -164,7 +173,7 @@ class RequestFilesDatasource(FileBasedDatasource):
         base = self._file_index[path] << ROW_BITS
         prefix = f"{PurePath(path).name}:" if self._named else ""
         if _format(path) == "parquet":
-            kind, rows = "row", _parquet_rows(f, self._max_list_lengths)
+            kind, rows = "row", _parquet_rows(f, self._fields, self._max_list_lengths, self._max_string_bytes)
         else:
             kind, rows = "line", jsonl_rows(f, self._max_line_bytes)
         chunk: list[tuple[int, str, Any]] = []
@@ -183,8 +192,9 @@ def _format(path: str) -> str:
     return FORMATS[PurePath(path).suffix.lower()]
 
 
-def _parquet_rows(f: Any, max_list_lengths: Mapping[str, int] | None) -> Iterator[tuple[int, Any]]:
+def _parquet_rows(f: Any, fields: Collection[str], max_list_lengths: Mapping[str, int] | None,
+                  max_string_bytes: int | None) -> Iterator[tuple[int, Any]]:
     """``(1-based row number, row)`` of a Parquet file, a buffer of columns at a time, as single-process jobs read
     them (:func:`~gr_engine.io.parquet_rows`)."""
     with pq.ParquetFile(f, buffer_size=PARQUET_READ_BUFFER, pre_buffer=False) as source:
-        yield from parquet_rows(source, max_list_lengths, CHUNK_ROWS)
+        yield from parquet_rows(source, fields, max_list_lengths, max_string_bytes, CHUNK_ROWS)

@@ -223,6 +223,59 @@ def test_a_parquet_row_over_the_models_lists_is_refused_as_in_one_process(tmp_pa
     assert errors["too-many"][1].startswith("candidate_item_ids holds 13 values, over the 12")
 
 
+def read_wire(path, limits, **options):
+    """The wire rows the Ray reader makes of the file ``path`` (its read task, called here: no cluster needed) and
+    the peak of Python allocations while it reads (bytes)."""
+    import tracemalloc
+
+    from pyarrow.fs import LocalFileSystem
+
+    from gr_engine.ray_source import RequestFilesDatasource
+
+    source = RequestFilesDatasource(str(path), None, limits, **options)
+    tracemalloc.start()
+    try:
+        with LocalFileSystem().open_input_file(str(path)) as f:
+            wire = pa.concat_tables(source._read_stream(f, str(path)))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return wire, peak
+
+
+def test_the_ray_reader_reads_request_columns_and_refuses_long_strings_as_in_one_process(tmp_path):
+    """The Ray reader reads a Parquet file's request columns only (here not a column of 6 x 8 MiB blobs, nor
+    candidates for retrieval), and refuses a row of a 2 MiB ``request_id`` before converting it, labelled by its
+    row and user id, as one process does; its batch-mates are served. It used to convert and encode the blobs and
+    the id (a Python peak of 131 MB, now 15 KB)."""
+    pytest.importorskip("ray")
+    from gr_engine.io import max_list_lengths, read_requests, serve_rows
+    from gr_engine.ray_ranking import EngineWorker
+    from gr_engine.ray_source import decode_request
+
+    rows = [{**row, "user_id": str(row["user_id"])} for row in stream(3, 2, seed=2)]  # one type per column
+    rows[2] = {**rows[2], "request_id": "r" * (2 << 20), "user_id": "u-long"}
+    table = pa.Table.from_pylist(rows).append_column("blob", pa.array([b"x" * (8 << 20)] * len(rows)))
+    path = tmp_path / "in.parquet"
+    pq.write_table(table, path)
+    limits = max_list_lengths(CONFIG)
+    wire, peak = read_wire(path, limits)
+    assert peak < 10**6, peak
+    requests = [decode_request(request) for request in wire["request"].to_pylist()]
+    assert all("blob" not in request for request in requests)
+    distributed = pa.concat_tables(EngineWorker(CONFIG, False, None)(wire)).to_pylist()
+    single = msgspec.to_builtins(serve_rows(GREngine(CONFIG), read_requests(path, RankRequest, None, limits), None),
+                                 enc_hook=array_as_lists)
+    assert_same_outputs(distributed, single)
+    [refused] = [row for row in distributed if row["error"]]
+    assert (refused["request_id"], refused["user_id"]) == ("row-3", "u-long")
+    assert refused["error"].startswith(f"the row's strings take {(2 << 20) + 6:,} bytes (request_id: {2 << 20:,})")
+    retrieval, _ = read_wire(path, max_list_lengths(CONFIG, ranking=False), request_type=GenerateRequest)
+    read = [decode_request(request) for request, error in zip(retrieval["request"].to_pylist(),
+                                                             retrieval["error"].to_pylist()) if error is None]
+    assert len(read) == len(rows) - 1 and all(set(row) == set(GenerateRequest.__struct_fields__) for row in read)
+
+
 def test_workers_without_ray_is_a_clear_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
     (tmp_path / "in.jsonl").write_text("")

@@ -19,7 +19,7 @@ How rows reach the engines (docs/scale_out.md, "Offline ranking on Ray Data"):
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import msgspec
@@ -29,12 +29,12 @@ import pyarrow.compute as pc
 import ray.data
 
 from .config import EngineConfig
-from .io import CHUNK_ROWS, parse_row, serve_rows
+from .io import CHUNK_ROWS, max_list_lengths, parse_row, serve_rows
 from .output_writer import array_as_lists, output_schema
 from .outputs import GenerateOutput, RankOutput
 from .ray_source import WIRE_SCHEMA, RequestFilesDatasource, wire_row, wire_table
 from .request import GenerateParams, GenerateRequest, RankRequest
-from .row_bounds import MAX_STRING_BYTES
+from .row_bounds import MAX_STRING_BYTES, bounded_rows
 
 #: The column that orders the input rows (int64, unique); a user's visits are served in its order and every output
 #: carries it, so that sorting by it restores input order.
@@ -66,7 +66,11 @@ def rank_dataset(ds: ray.data.Dataset, config: EngineConfig, num_workers: int, *
     Args:
         ds: either :func:`read_request_files`'s wire rows, or rows whose columns are request fields (e.g. from
             ``ray.data.read_parquet``) plus :data:`ROW_ORDER` (int64, unique, the order of each user's visits; a
-            row without a ``request_id`` is labelled ``row-<row_order>``).
+            row without a ``request_id`` is labelled ``row-<row_order>``). Of such rows only the request's fields
+            are converted to Python (it ignores other columns), and a row with a list longer than any valid
+            request's (:func:`gr_engine.io.max_list_lengths` of ``config``) or more than
+            :data:`~gr_engine.row_bounds.MAX_STRING_BYTES` bytes of strings is not: it is that row's error output,
+            labelled by its request and user ids, as in a file job.
         config: the engine configuration of every actor (``weights_path`` must be readable where they run). With
             a CUDA device each actor gets one GPU from Ray and uses it as ``cuda``.
         num_workers: engine actors (at least 1).
@@ -89,7 +93,9 @@ def rank_dataset(ds: ray.data.Dataset, config: EngineConfig, num_workers: int, *
     elif params is not None:
         raise ValueError("params are for retrieval (generate=True)")
     resources = {"num_gpus": 1} if config.device.startswith("cuda") else {"num_cpus": 1}
-    return (ds.map_batches(_partitioned, batch_format="pyarrow", fn_kwargs={"num_partitions": num_partitions})
+    bounds = {"fields": (GenerateRequest if generate else RankRequest).__struct_fields__,
+              "max_lengths": max_list_lengths(config, ranking=not generate), "max_string_bytes": MAX_STRING_BYTES}
+    return (ds.map_batches(_partitioned, batch_format="pyarrow", fn_kwargs={"num_partitions": num_partitions, **bounds})
             .groupby("partition", num_partitions=num_partitions)
             .map_groups(EngineWorker, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=num_workers),
                         fn_constructor_kwargs={"config": config, "generate": generate, "params": params},
@@ -125,14 +131,15 @@ class EngineWorker:
             yield pa.Table.from_pylist(rows, schema=self.schema)
 
 
-def _partitioned(batch: pa.Table, num_partitions: int) -> pa.Table:
-    """``batch`` as wire rows (encoded here if its columns are request fields) with a ``partition`` column (int64):
-    the user's hash, else the row order, modulo ``num_partitions``. Checked per batch, so that no schema has to be
-    read before the job starts."""
+def _partitioned(batch: pa.Table, num_partitions: int, fields: Collection[str], max_lengths: Mapping[str, int],
+                 max_string_bytes: int) -> pa.Table:
+    """``batch`` as wire rows (encoded here if its columns are request fields: :func:`_as_wire` with ``fields``,
+    ``max_lengths`` and ``max_string_bytes``) with a ``partition`` column (int64): the user's hash, else the row
+    order, modulo ``num_partitions``. Checked per batch, so that no schema has to be read before the job starts."""
     if ROW_ORDER not in batch.column_names or batch[ROW_ORDER].null_count:
         raise ValueError(f"every row needs a {ROW_ORDER!r} (int64): the order of each user's visits")
     if batch.column_names != WIRE_SCHEMA.names:
-        batch = _as_wire(batch)
+        batch = _as_wire(batch, fields, max_lengths, max_string_bytes)
     divisor = np.uint64(num_partitions)
     by_user = (pc.fill_null(batch["user_hash"], 0).to_numpy() % divisor).astype(np.int64)
     by_row = batch[ROW_ORDER].to_numpy().astype(np.int64) % num_partitions
@@ -140,8 +147,12 @@ def _partitioned(batch: pa.Table, num_partitions: int) -> pa.Table:
     return batch.append_column("partition", pa.array(keys, type=pa.int64()))
 
 
-def _as_wire(batch: pa.Table) -> pa.Table:
-    """Rows of request-field columns plus :data:`ROW_ORDER` as wire rows (:data:`WIRE_SCHEMA`)."""
+def _as_wire(batch: pa.Table, fields: Collection[str], max_lengths: Mapping[str, int],
+             max_string_bytes: int) -> pa.Table:
+    """Rows of request-field columns plus :data:`ROW_ORDER` as wire rows (:data:`WIRE_SCHEMA`): only the columns
+    named in ``fields`` are converted, and a row over ``max_lengths`` (list values) or ``max_string_bytes`` (bytes of
+    strings) is not, but refused with its labels (:func:`~gr_engine.row_bounds.bounded_rows`)."""
     orders = batch[ROW_ORDER].to_pylist()
-    rows = batch.drop_columns([ROW_ORDER]).to_pylist()
+    requests = batch.select([i for i, name in enumerate(batch.column_names) if name in fields])
+    rows = bounded_rows(requests, max_lengths, max_string_bytes)
     return wire_table((order, f"row-{order}", row) for order, row in zip(orders, rows))

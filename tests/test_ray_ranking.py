@@ -276,6 +276,70 @@ def test_the_ray_reader_reads_request_columns_and_refuses_long_strings_as_in_one
     assert len(read) == len(rows) - 1 and all(set(row) == set(GenerateRequest.__struct_fields__) for row in read)
 
 
+class MappedBatches:
+    """Stands in for a Ray dataset in :func:`rank_dataset`: keeps the function and arguments it maps over each
+    batch, so that a batch can be given to them here (no cluster needed)."""
+
+    def map_batches(self, fn, *, batch_format, fn_kwargs):
+        self.fn, self.kwargs = fn, fn_kwargs
+        return self
+
+    def groupby(self, *args, **kwargs):
+        return self
+
+    def map_groups(self, *args, **kwargs):
+        return self
+
+    def __call__(self, batch):
+        return self.fn(batch, **self.kwargs)
+
+
+def test_rank_dataset_refuses_request_columns_over_the_bounds_before_converting_them():
+    """A dataset of request columns (not read by ``read_request_files``) is bounded as a file job is: a row of a
+    3 M-event history, or of a 2 MiB ``request_id``, is its row's error with its labels before it is converted to
+    Python (it used to be converted whole: a peak of 201 MB here, now 14 KB), and a column the request does not
+    have is not converted; the other rows are served as in one process."""
+    pytest.importorskip("ray")
+    import tracemalloc
+
+    from gr_engine.io import parse_row, serve_rows
+    from gr_engine.ray_ranking import ROW_ORDER, EngineWorker, rank_dataset
+    from gr_engine.ray_source import decode_request
+
+    big = 3 * 10**6
+    rows = [{**row, "user_id": str(row["user_id"])} for row in stream(3, 2, seed=2)]  # one type per column
+    template = {**rows[0], "user_id": "u-77"}
+    offsets = pa.array([0, big], type=pa.int32())
+    long_lists = pa.table({"request_id": ["big"], "user_id": ["u-77"],
+                           "item_ids": pa.ListArray.from_arrays(offsets, pa.array(np.arange(big) + 10**5)),
+                           "action_ids": pa.ListArray.from_arrays(offsets, pa.array(np.ones(big, dtype=np.int64))),
+                           "timestamps": pa.ListArray.from_arrays(offsets, pa.array(np.full(big, 7))),
+                           "candidate_item_ids": pa.array([[1, 2]])})
+    good = pa.Table.from_pylist(rows)
+    long_id = pa.Table.from_pylist([{**template, "request_id": "r" * (2 << 20)}]).cast(good.schema)
+    table = pa.concat_tables([good.slice(0, 2), long_lists.select(good.column_names).cast(good.schema), long_id,
+                              good.slice(2)])
+    table = table.append_column("extra", pa.array([[b"x"]] * len(table))).append_column(
+        ROW_ORDER, pa.array(np.arange(1, len(table) + 1)))
+    mapped = rank_dataset(MappedBatches(), CONFIG, 2)
+    tracemalloc.start()
+    try:
+        wire = mapped(table)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 10**6, peak
+    assert all("extra" not in decode_request(request) for request in wire["request"].to_pylist())
+    distributed = pa.concat_tables(EngineWorker(CONFIG, False, None)(wire)).to_pylist()
+    errors = {row["request_id"]: (row["user_id"], row["error"]) for row in distributed if row["error"]}
+    assert errors.keys() == {"big", "row-4"} and errors["big"][0] == errors["row-4"][0] == "u-77"
+    assert errors["big"][1].startswith(f"item_ids holds {big:,} values, over the 256 that any valid request holds")
+    assert errors["row-4"][1].startswith("the row's strings take")
+    parsed = [parse_row("", row, RankRequest) for row in rows]
+    single = msgspec.to_builtins(serve_rows(GREngine(CONFIG), parsed, None), enc_hook=array_as_lists)
+    assert_same_outputs([row for row in distributed if not row["error"]], single)
+
+
 def test_workers_without_ray_is_a_clear_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
     (tmp_path / "in.jsonl").write_text("")

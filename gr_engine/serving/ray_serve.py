@@ -81,10 +81,6 @@ class EngineReplica:
         """Retrieve items for ``requests`` (:meth:`AsyncGREngine.generate_many`); as :meth:`rank_many`."""
         return await self._answers(self.engine.generate_many(requests, params, timeout_ms))
 
-    def stats(self) -> CoreStats | None:
-        """The engine core's latest counters (``None`` before its first report)."""
-        return self.engine.stats
-
     def health(self) -> tuple[str, CoreStats | None]:
         """What the ingress polls: the engine's state as ``/health`` gives it (:func:`~.client.reported_state`:
         ``"ready"``; ``"unresponsive"`` while its core is alive but has not reported within

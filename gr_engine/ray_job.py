@@ -12,7 +12,7 @@ from typing import Any
 from .cli import finish_file_job
 from .config import EngineConfig, load_config
 from .io import max_line_bytes, max_list_lengths
-from .request import GenerateParams
+from .request import GenerateParams, GenerateRequest, RankRequest
 
 #: Output columns the job's summary reads back.
 _TALLY_COLUMNS = ["error", "num_gpu_cached_tokens", "num_host_cached_tokens", "num_computed_tokens"]
@@ -53,7 +53,8 @@ def serve_files_on_ray(args: argparse.Namespace, generate: bool) -> int:
     ray.data.DataContext.get_current().enable_progress_bars = not args.no_progress
     t0 = time.perf_counter()
     requests = read_request_files([str(path.resolve()) for path in inputs], max_line_bytes(config),
-                                  max_list_lengths(config, ranking=not generate))
+                                  max_list_lengths(config, ranking=not generate),
+                                  request_type=GenerateRequest if generate else RankRequest)
     outputs = rank_dataset(requests, config, args.workers, generate=generate, params=params,
                            num_partitions=args.partitions)
     parquet = args.output_format == "parquet"

@@ -124,8 +124,12 @@ def test_rank_on_two_workers_equals_single_process(ray_session, tmp_path):
 
 
 def test_generate_over_a_folder_of_parquet_files(ray_session, tmp_path):
-    """Two Parquet files, one user's visits spread over both: files in name order, rows in file order."""
-    rows = [{**row, "user_id": str(row["user_id"])} for row in stream(60, 4, seed=5)]  # one type per column
+    """Two Parquet files, one user's visits spread over both: files in name order, rows in file order. Retrieval
+    never reads candidates: a candidate column over the string bound (``row_bounds.MAX_STRING_BYTES``) refuses
+    no row."""
+    rows = [{**row, "user_id": str(row["user_id"]), "candidate_item_ids": ["c"]}  # one type per column
+            for row in stream(60, 4, seed=5)]
+    rows[3]["candidate_item_ids"] = ["c" * 2**21]
     folder = tmp_path / "in"
     folder.mkdir()
     half = len(rows) // 2

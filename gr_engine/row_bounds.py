@@ -38,9 +38,9 @@ _LABELS = ("request_id", "user_id")
 
 
 class RefusedRow(ValueError):
-    """A row refused before it was read whole (:func:`bounded_rows`): the message says why; ``request_id`` and
-    ``user_id`` are the labels read from it, as its failed output shows them (``None``: the row has none, or one
-    too long to read)."""
+    """A row refused before it was read whole (:func:`bounded_rows`, and a JSONL line over its bound:
+    :func:`gr_engine.io.jsonl_rows`): the message says why; ``request_id`` and ``user_id`` are the labels read from
+    it, as its failed output shows them (``None``: the row has none, or one that could not be read)."""
 
     def __init__(self, message: str, request_id: str | None, user_id: int | str | None) -> None:
         super().__init__(message)

@@ -14,7 +14,7 @@ import pytest
 
 import gr_engine.io as gio
 import gr_engine.output_writer as gow
-from gr_engine import GenerateParams, GenerateRequest, GREngine, RankOutput
+from gr_engine import GenerateParams, GenerateRequest, GREngine, RankOutput, RankRequest
 from gr_engine.cli import main
 from gr_engine.io import RequestReader
 from gr_engine.output_writer import OutputWriter
@@ -185,8 +185,9 @@ def overlong_input(tmp_path):
 
 def test_an_overlong_jsonl_line_is_refused_unread_in_its_place(tmp_path, monkeypatch):
     """A line longer than any valid request can be (``io.max_line_bytes``) is its row's error before it is decoded,
-    labelled by its line (its request_id is not read), and its batch-mates are served; reading holds at most the
-    bound plus a read block, not the line (it used to be read whole and decoded: about 100 MB here)."""
+    labelled by the request and user ids at the start of the line (they used to be left unread: ``line-4``), and its
+    batch-mates are served; reading holds at most the bound plus a read block, not the line (it used to be read
+    whole and decoded: about 100 MB here)."""
     import tracemalloc
 
     source, number, size = overlong_input(tmp_path)
@@ -202,19 +203,77 @@ def test_an_overlong_jsonl_line_is_refused_unread_in_its_place(tmp_path, monkeyp
         tracemalloc.stop()
     assert peak < limit + gio.READ_BYTES + 2**20, peak
     [refused] = [p for chunk in chunks for p in chunk if isinstance(p, RankOutput)]
-    assert refused is chunks[0][number - 1] and refused.request_id == f"line-{number}" and refused.user_id is None
+    user_id = stream_requests()[0].user_id
+    assert refused is chunks[0][number - 1] and (refused.request_id, refused.user_id) == ("long", user_id)
     assert refused.error.startswith(f"line {number} is {size:,} bytes long, over the {limit:,} bytes that any valid "
                                     "request takes")
-    assert refused.error.endswith("its request_id was not read; it begins "
+    assert refused.error.endswith("refused without decoding it (its request_id and user_id are looked for in its "
+                                  "first 65,536 bytes only); it begins "
                                   + repr(source.read_bytes().split(b"\n")[number - 1][:60].decode()))
     rows = run_job(tmp_path, monkeypatch, "rank", source, "out.parquet", CHUNK)
     assert [r["request_id"] for r in rows] == [p.request_id for chunk in chunks for p in chunk]
-    assert rows[number - 1]["error"] == refused.error
-    served = [r for r in rows if r["request_id"] != f"line-{number}"]
+    assert (rows[number - 1]["error"], rows[number - 1]["user_id"]) == (refused.error, user_id)
+    served = [r for r in rows if r["request_id"] != "long"]
     expected = GREngine(tiny_config()).rank(stream_requests()[:7], use_tqdm=False)
     assert [r["error"] for r in served] == [None] * 7
     for row, exp in zip(served, expected):
         np.testing.assert_allclose(row["scores"], exp.scores, atol=1e-5)
+
+
+HUGE = '"item_ids": [' + ", ".join(["123456"] * 40_000) + "]"  # 320 KB
+OVERLONG_LABELS = {  # an overlong line: the labels of its error, as (request_id or None, user_id)
+    '{"request_id": "first", "user_id": 7, ' + HUGE + "}": ("first", 7),
+    '{"user_id": "u-1", "x": [[1, {"a": []}], null, true, -2.5e3], "request_id": "after-junk", ' + HUGE + "}": (
+        "after-junk", "u-1"),
+    '{"request_\\u0069d": "escaped-key", "user_id": 18446744073709551615, ' + HUGE + "}": (
+        "escaped-key", 2**64 - 1),
+    '{' + HUGE + ', "request_id": "after-the-array", "user_id": 1}': (None, None),  # beyond the scanned prefix
+    '{"pad": "' + "x" * 70_000 + '", "request_id": "late", ' + HUGE + "}": (None, None),
+    '{"note": "\\"request_id\\": \\"in-a-string\\", \\"user_id\\": 5", ' + HUGE + "}": (None, None),
+    '{"note": "a backslash \\\\", "request_id": "after-escapes", ' + HUGE + "}": ("after-escapes", None),
+    '{"meta": {"request_id": "nested", "user_id": 9}, "rows": [{"user_id": 3}], ' + HUGE + "}": (None, None),
+    '{"request_id": "dup", "request_id": ["a"], "user_id": [1], ' + HUGE + "}": (None, None),  # lists: not read
+    '{"request_id": 42, "user_id": true, ' + HUGE + "}": ("42", None),  # labelled as a short row would be
+    '{"request_id": "not-json", "x": NaN, ' + HUGE + "}": (None, None),
+    '{"request_id": "bad-utf8", "x": "\udcff", ' + HUGE + "}": (None, None),  # the byte 0xff
+    '{"request_id": "closed"} {' + HUGE + "}": (None, None),
+    '[{"request_id": "in-a-list"}, ' + HUGE[12:]: (None, None),
+}
+
+
+@pytest.mark.parametrize("block", [7, 1 << 20])
+def test_an_overlong_lines_labels_are_read_only_where_they_are_sure(block, monkeypatch):
+    """An overlong line's ``request_id`` and ``user_id`` label its error where they are keys of its top-level
+    object within its first ``io.LABEL_SCAN_BYTES`` (64 KiB), read strictly as JSON: not after the long array, not
+    in a string or a nested object, not from a line whose beginning is not JSON (then it is ``line-N``, as before);
+    whatever the read block."""
+    import io
+
+    monkeypatch.setattr(gio, "READ_BYTES", block)
+    lines = [line.encode("utf-8", "surrogateescape") for line in OVERLONG_LABELS]
+    data = b"\xef\xbb\xbf" + b"\r\n".join(lines) + b"\r\n[1]\n"  # a byte-order mark before line 1, CRLF
+    rows = list(gio.jsonl_rows(io.BytesIO(data), 300_000))
+    assert [number for number, _ in rows] == list(range(1, len(lines) + 2)) and rows[-1][1] == [1]
+    got = [(row.request_id, row.user_id) for _, row in rows[:-1]]
+    assert got == list(OVERLONG_LABELS.values())
+    assert all(str(row).startswith(f"line {n} is ") for n, row in rows[:-1])
+    served = gio.parse_row("line-1", rows[0][1], RankRequest)
+    assert (served.request_id, served.user_id) == ("first", 7) and served.error.startswith("line 1 is 320,0")
+
+
+def test_overlong_labels_of_a_whole_line_and_of_a_cut_one():
+    """``io.overlong_labels`` of a whole line (an overlong line under a small bound) reads labels only from valid
+    JSON; of a line's beginning, not from a token that may go on beyond it."""
+    whole = b'{"request_id": "r", "user_id": 12}'
+    assert gio.overlong_labels(whole, complete=True) == ("r", 12)
+    assert gio.overlong_labels(whole[:-1], complete=True) == (None, None)  # not closed: not JSON
+    assert gio.overlong_labels(whole + b" x", complete=True) == (None, None)
+    assert gio.overlong_labels(whole[:-2]) == ("r", None)  # 1 of 12: the user id may go on
+    assert gio.overlong_labels(whole[:-1]) == ("r", None)  # 12 of 123?
+    assert gio.overlong_labels(whole[:-1] + b" ") == ("r", 12)
+    assert gio.overlong_labels(b'{"request_id": "r", "x": "cut \\u00') == ("r", None)  # cut in an escape
+    assert gio.overlong_labels(b'{"request_id": "r", "x": "bad \\q"') == (None, None)
+    assert gio.overlong_labels(b'{"request_id": "r", "x": [1,], "y": [') == (None, None)
 
 
 BIG = 3 * 10**6  # events of an overlong Parquet row's history (the model takes 256)

@@ -191,12 +191,14 @@ def jsonl_rows(f: Any, max_bytes: int | None) -> Iterator[tuple[int, Any]]:
     line is neither decoded nor held whole (its first ``max_bytes`` bytes only, while it is read, then its first
     :data:`LABEL_SCAN_BYTES`), so memory stays within ``max_bytes`` plus :data:`READ_BYTES` (and
     :data:`LABEL_SCAN_BYTES`) whatever its length.
-    ``max_bytes`` ``None``: no bound."""
+    ``max_bytes`` ``None``: no bound. A UTF-8 byte-order mark that begins the stream is skipped: line 1 is what
+    follows it (blank, if only whitespace does)."""
     number = size = 0  # size: bytes of the line being read, so far
     pieces: list[bytes] = []  # its bytes, while they are at most max_bytes
     head: bytearray | None = None  # once it is over max_bytes: its first LABEL_SCAN_BYTES bytes
     blank = True  # whether it is whitespace so far
-    while block := f.read(READ_BYTES):
+    block = _without_bom(f) or f.read(READ_BYTES)
+    while block:
         parts = block.split(b"\n")
         for at, part in enumerate(parts, start=1 - len(parts)):  # the last part (at 0) is a line still open
             size += len(part)
@@ -212,8 +214,17 @@ def jsonl_rows(f: Any, max_bytes: int | None) -> Iterator[tuple[int, Any]]:
                 if not blank:
                     yield number, _line_row(number, pieces, head, size, max_bytes)
                 size, pieces, head, blank = 0, [], None, True
+        block = f.read(READ_BYTES)
     if size and not blank:
         yield number + 1, _line_row(number + 1, pieces, head, size, max_bytes)
+
+
+def _without_bom(f: Any) -> bytes:
+    """The first bytes of the stream ``f``, up to three, less a UTF-8 byte-order mark."""
+    start = b""
+    while len(start) < len(_UTF8_BOM) and (more := f.read(len(_UTF8_BOM) - len(start))):
+        start += more
+    return b"" if start == _UTF8_BOM else start
 
 
 #: Bytes of an overlong line quoted in its error.
@@ -238,8 +249,6 @@ def _line_row(number: int, pieces: list[bytes], head: bytearray | None, size: in
         return decode_line(number, pieces[0] if len(pieces) == 1 else b"".join(pieces))
     begins = bytes(head[:_HEAD_BYTES]).decode("utf-8", "replace")
     complete = size == len(head)  # a line over a bound shorter than LABEL_SCAN_BYTES (in tests)
-    if number == 1 and head.startswith(_UTF8_BOM):
-        del head[:len(_UTF8_BOM)]
     return RefusedRow(f"line {number} is {size:,} bytes long, over the {max_bytes:,} bytes that any valid request "
                       "takes (from model.max_history_len and model.max_candidates: gr_engine.io.max_line_bytes); "
                       f"refused without decoding it (its request_id and user_id are looked for in its first "
@@ -354,9 +363,7 @@ def parquet_rows(source: Any, fields: Collection[str], max_lengths: Mapping[str,
 
 def decode_line(number: int, line: bytes) -> Any:
     """JSONL line ``number`` (1-based) decoded, or a ``ValueError`` saying it is not valid JSON (for
-    :func:`parse_row`). A UTF-8 byte-order mark before line 1 is skipped."""
-    if number == 1 and line.startswith(_UTF8_BOM):
-        line = line[len(_UTF8_BOM):]
+    :func:`parse_row`); a byte-order mark that begins the file is not part of line 1 (:func:`jsonl_rows`)."""
     try:
         return msgspec.json.decode(line)
     except msgspec.DecodeError as exc:

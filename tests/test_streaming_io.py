@@ -373,6 +373,24 @@ def test_jsonl_lines_split_as_python_splits_them_whatever_the_read_block(block, 
     assert unbounded[5] == [1, 2, 3, 4, 5, 6, 7] and sorted(unbounded) == [3, 4, 5, 7, 8]
 
 
+@pytest.mark.parametrize("block", [1, 2, 64])
+def test_a_byte_order_mark_begins_the_file_not_its_first_line(block, monkeypatch):
+    """A UTF-8 byte-order mark that begins the file is skipped before line 1 is read: a line 1 that is blank after
+    it is a blank line (it used to be an error row, "line 1 is not valid JSON"); a mark anywhere else is not JSON."""
+    import io
+
+    monkeypatch.setattr(gio, "READ_BYTES", block)
+    bom = b"\xef\xbb\xbf"
+    rows = list(gio.jsonl_rows(io.BytesIO(bom + b" \r\n[1]\n" + bom + b"[2]\n"), None))
+    assert rows[0] == (2, [1]) and rows[1][0] == 3 and "line 3 is not valid JSON" in str(rows[1][1])
+    assert list(gio.jsonl_rows(io.BytesIO(bom), None)) == list(gio.jsonl_rows(io.BytesIO(bom + b"\n"), 1)) == []
+    assert list(gio.jsonl_rows(io.BytesIO(bom + b'{"a": 1}'), None)) == [(1, {"a": 1})]
+    [(number, twice)] = gio.jsonl_rows(io.BytesIO(bom + bom + b"[1]"), None)
+    assert number == 1 and "line 1 is not valid JSON" in str(twice)
+    [(number, cut)] = gio.jsonl_rows(io.BytesIO(bom[:2]), None)
+    assert number == 1 and "line 1 is not valid JSON" in str(cut)
+
+
 def test_jsonl_row_count_is_unknown_and_parquet_one_is_read_from_metadata(tmp_path):
     source, labels = write_input(tmp_path, "parquet", stream_requests())
     with RequestReader(source) as reader:

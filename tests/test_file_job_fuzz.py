@@ -503,3 +503,58 @@ def check_parquet_job(drawn: tuple[pa.Table, list[Expect]], command: str, out_na
     with workdir() as folder:
         pq.write_table(table, folder / "in.parquet", row_group_size=row_group_rows)
         check_job(command, folder / "in.parquet", out_name, chunk_rows, expects)
+
+
+# ------------------------------------------------------------------------------------- an overlong line's labels
+
+LABEL_KEYS = st.sampled_from(["request_id", "user_id", "x", 'request_id"', "user_id ", "\\"])
+SCALARS = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False)
+           | st.text(st.sampled_from('ab"\\\n\x01é{}[]:, request_iduser_id\u2028'), max_size=8))
+JSON_VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3)
+                           | st.dictionaries(LABEL_KEYS, inner, max_size=3), max_leaves=10)
+
+
+def decoded_labels(line: bytes) -> tuple[str | None, Any]:
+    """The labels decoding a line gives (``io.parse_row``'s), but none for a ``request_id`` that is a list or an
+    object (``io.overlong_labels`` reads scalars only); ``(None, None)`` for a line that is not JSON."""
+    try:
+        row = msgspec.json.decode(line)
+    except msgspec.DecodeError:
+        return None, None
+    expect = error_expect(row)
+    nested = isinstance(row, dict) and isinstance(row.get("request_id"), (list, dict))
+    return None if nested else expect.request_id, expect.user_id
+
+
+def json_object(pairs: list[tuple[str, Any]], space: str) -> bytes:
+    return ("{" + space + f",{space}".join(f"{json.dumps(key)}{space}:{space}{json.dumps(value, ensure_ascii=False)}"
+                                          for key, value in pairs) + space + "}").encode()
+
+
+@settings(max_examples=300, derandomize=True, deadline=None, database=None)
+@given(pairs=st.lists(st.tuples(LABEL_KEYS, JSON_VALUES), max_size=5), space=st.sampled_from(["", " ", "\t", "\r "]),
+       data=st.data())
+def test_overlong_labels_are_those_of_decoding_the_line(pairs, space, data):
+    """``io.overlong_labels`` of a whole line gives its labels as decoding it would; of any beginning of it (keys
+    not repeated), a label only where decoding the whole line gives that label."""
+    line = json_object(pairs, space)
+    assert gio.overlong_labels(line, complete=True) == decoded_labels(line), line
+    if len({key for key, _ in pairs}) == len(pairs):  # a key repeated beyond the beginning is not seen
+        head = line[:data.draw(st.integers(0, len(line)))]
+        for got, want in zip(gio.overlong_labels(head), decoded_labels(line)):
+            assert got is None or got == want, (head, line)
+
+
+@settings(max_examples=300, derandomize=True, deadline=None, database=None)
+@given(pairs=st.lists(st.tuples(LABEL_KEYS, JSON_VALUES), max_size=5), data=st.data())
+def test_overlong_labels_of_a_line_that_is_not_json_are_none(pairs, data):
+    """A line spoiled by a few bytes: its labels are decoding's, so none where it is not JSON."""
+    line = bytearray(json_object(pairs, " "))
+    for _ in range(data.draw(st.integers(1, 3))):
+        at = data.draw(st.integers(0, len(line)))
+        if data.draw(st.booleans()) and at < len(line):
+            del line[at]
+        else:
+            line[at:at] = data.draw(st.sampled_from([b'"', b"\\", b",", b"}", b"{", b"[", b"]", b":", b"\xff", b"x",
+                                                      b"1", b" ", b"\x00", b"e", b"-", b"\\u12"]))
+    assert gio.overlong_labels(bytes(line), complete=True) == decoded_labels(bytes(line)), bytes(line)

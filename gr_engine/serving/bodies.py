@@ -7,7 +7,8 @@ fields are JSON's; in msgpack each integer array of a request (``item_ids``, ``a
 an array over the body's bytes (:func:`~.protocol.int64_array`: no per-element work). The answer is msgpack when the
 request's ``Accept`` names a msgpack type, or names no JSON type while its ``Content-Type`` is msgpack; a msgpack
 answer has JSON's fields, except that a ranking output's ``scores`` is a bin of little-endian float32 raw bytes,
-row-major, with ``scores_shape`` ``[num_candidates, num_tasks]`` beside it.
+row-major, with ``scores_shape`` ``[num_candidates, num_tasks]`` beside it, and that a failed request's ``user_id``
+beyond 64 bits (msgpack holds none) is ``None``.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class GenerateBody(msgspec.Struct, forbid_unknown_fields=True):
     timeout_ms: TimeoutMs | None = None
 
 
+_MSGPACK_INTS = (-(2**63), 2**64 - 1)  # the integers msgpack holds
 Ints = list[int] | memoryview  # a msgpack array of ints, or a bin of little-endian int64 raw bytes
 _ARRAYS = ("item_ids", "action_ids", "timestamps", "candidate_item_ids")
 
@@ -145,6 +147,9 @@ def packed_request(request: RankRequest | GenerateRequest) -> dict[str, Any]:
 
 
 def _packed_output(output: RankOutput | GenerateOutput) -> RankOutput | GenerateOutput | dict[str, Any]:
+    if isinstance(output.user_id, int) and not _MSGPACK_INTS[0] <= output.user_id <= _MSGPACK_INTS[1]:
+        # a failed request's user id beyond 64 bits (a JSON body's): msgpack cannot hold it, so it reads as unknown
+        output = msgspec.structs.replace(output, user_id=None)
     if not isinstance(output, RankOutput):
         return output
     fields = msgspec.structs.asdict(output)

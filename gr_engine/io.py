@@ -7,8 +7,8 @@ with the row's ``request_id`` and ``user_id`` where readable; without a ``reques
 (JSONL, 1-based; blank lines skipped but counted) or ``row-N`` (Parquet, 1-based). A JSONL line longer than any valid
 request can be (:func:`max_line_bytes`) is such an error without being decoded, or even held whole: its
 ``request_id`` and ``user_id`` label it only where they are top-level keys within its first :data:`LABEL_SCAN_BYTES`
-(:func:`overlong_labels`), else it is ``line-N``. Of a Parquet file only the columns of the request's fields are
-read (the request ignores others), and a row is such an error, never made Python objects, when a list holds more
+(:mod:`gr_engine.json_labels`), else it is ``line-N``. Of a Parquet file only the columns of the request's fields
+are read (the request ignores others), and a row is such an error, never made Python objects, when a list holds more
 values than any valid request's (:func:`max_list_lengths`) or its strings more bytes than
 :data:`~gr_engine.row_bounds.MAX_STRING_BYTES` (:mod:`gr_engine.row_bounds`); its ``request_id`` and ``user_id``
 label it, unless too long to read (:func:`parquet_rows`).
@@ -20,7 +20,6 @@ writes it before reading the next holds one chunk of requests.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from .json_labels import overlong_labels
 from .outputs import GenerateOutput, RankOutput, output_user_id
 from .request import GenerateParams, GenerateRequest, RankRequest
 from .row_bounds import LIST_LIMITS, MAX_STRING_BYTES, RefusedRow, bounded_rows
@@ -187,10 +187,10 @@ def jsonl_rows(f: Any, max_bytes: int | None) -> Iterator[tuple[int, Any]]:
     ``read(n)``), split at ``\\n`` as Python's binary files split lines. The row is :func:`decode_line`'s (the
     decoded line or a ``ValueError``); for a line over ``max_bytes`` bytes (newline not counted), a
     :class:`~gr_engine.row_bounds.RefusedRow` saying so, quoting the line's first bytes and labelled by the
-    ``request_id`` and ``user_id`` that :func:`overlong_labels` finds in its first :data:`LABEL_SCAN_BYTES`: such a
-    line is neither decoded nor held whole (its first ``max_bytes`` bytes only, while it is read, then its first
-    :data:`LABEL_SCAN_BYTES`), so memory stays within ``max_bytes`` plus :data:`READ_BYTES` (and
-    :data:`LABEL_SCAN_BYTES`) whatever its length.
+    ``request_id`` and ``user_id`` that :func:`~gr_engine.json_labels.overlong_labels` finds in its first
+    :data:`LABEL_SCAN_BYTES`: such a line is neither decoded nor held whole (its first ``max_bytes`` bytes only,
+    while it is read, then its first :data:`LABEL_SCAN_BYTES`), so memory stays within ``max_bytes`` plus
+    :data:`READ_BYTES` (and :data:`LABEL_SCAN_BYTES`) whatever its length.
     ``max_bytes`` ``None``: no bound. A UTF-8 byte-order mark that begins the stream is skipped: line 1 is what
     follows it (blank, if only whitespace does)."""
     number = size = 0  # size: bytes of the line being read, so far
@@ -231,8 +231,8 @@ def _without_bom(f: Any) -> bytes:
 _HEAD_BYTES = 60
 
 #: Bytes at the start of a JSONL line over :func:`max_line_bytes` in which its ``request_id`` and ``user_id`` are
-#: looked for (:func:`overlong_labels`): writers put them before the long lists (as ``RankRequest``'s fields are
-#: ordered), and this is the most held of such a line once it is over the bound.
+#: looked for (:func:`~gr_engine.json_labels.overlong_labels`): writers put them before the long lists (as
+#: ``RankRequest``'s fields are ordered), and this is the most held of such a line once it is over the bound.
 LABEL_SCAN_BYTES = 64 << 10
 
 
@@ -254,92 +254,6 @@ def _line_row(number: int, pieces: list[bytes], head: bytearray | None, size: in
                       f"refused without decoding it (its request_id and user_id are looked for in its first "
                       f"{LABEL_SCAN_BYTES:,} bytes only); it begins {begins!r}",
                       *overlong_labels(head, complete))
-
-
-_STRING = rb'"(?:[^"\\\x00-\x1f]++|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*+'
-
-#: A JSON token, after any whitespace: group 1 a structural character, else a string, number or literal.
-#: Possessive: matching is linear in the bytes it reads.
-_TOKEN = re.compile(rb"[ \t\n\r]*+(?:([][{}:,])|" + _STRING + rb'"'
-                    rb"|-?(?:0|[1-9][0-9]*+)(?:\.[0-9]++)?+(?:[eE][+-]?+[0-9]++)?+|true|false|null)")
-
-#: The rest of a prefix of valid JSON that ends within a token: whitespace, then the beginning of a string, number
-#: or literal.
-_CUT_TOKEN = re.compile(rb"[ \t\n\r]*+(?:" + _STRING + rb"(?:\\(?:u[0-9a-fA-F]{0,3})?)?+"
-                        rb"|-?[0-9]*+(?:\.[0-9]*+)?+(?:[eE][+-]?+[0-9]*+)?+|t(?:ru?)?|f(?:a(?:ls?)?)?|n(?:u(?:ll?)?)?)\Z")
-
-_LABELS = ("request_id", "user_id")
-
-#: A value that is not JSON (:func:`_scalar`).
-_INVALID = object()
-
-
-def overlong_labels(head: bytes | bytearray, complete: bool = False) -> tuple[str | None, int | str | None]:
-    """The ``request_id`` (``str`` of its value, as :func:`parse_row` labels a row) and ``user_id``
-    (:func:`~gr_engine.outputs.output_user_id`) of a JSONL line, from its first bytes ``head`` (the whole line if
-    ``complete``), where decoding the line would find them: as keys of its top-level object; ``None`` for one not
-    found. ``head`` is read token by token, strictly as JSON (UTF-8), up to its end (a token that may go on beyond
-    it is not read): a key nested in another value or within a string is not taken, a label whose value is a list or
-    an object is not read, and where ``head`` is not valid JSON, neither label is given. A key repeated beyond
-    ``head`` is not seen (a decoder keeps the last of repeated keys)."""
-    found: dict[str, Any] = {}
-    closers: list[bytes] = []  # the closing bracket of each open list or object, innermost last
-    want = "value"  # what comes next: a value, a key, the ":" after a key or the "," after a value
-    label = None  # the top-level key whose value comes next, if a label
-    pos = 0
-    while (match := _TOKEN.match(head, pos)) is not None and (complete or match.end() < len(head)):
-        token, structural, pos = match[0].lstrip(b" \t\r\n"), match[1], match.end()
-        if closers and structural == closers[-1] and (want == "comma" or want.endswith("-or-close")):
-            closers.pop()
-            if not closers:  # the top-level object ends: only whitespace may follow
-                if head[pos:].strip(b" \t\r\n"):
-                    return None, None
-                break
-            want = "comma"
-        elif want.startswith("value") and structural in (None, b"[", b"{"):
-            value = None if structural is not None else _scalar(token)  # a list or object is not read
-            if value is _INVALID:
-                return None, None
-            if label is not None:
-                found[label], label = value, None
-            if structural is not None:
-                closers.append(b"]" if structural == b"[" else b"}")
-                want = "value-or-close" if structural == b"[" else "key-or-close"
-            elif not closers:
-                return None, None  # the line is not an object
-            else:
-                want = "comma"
-        elif want.startswith("key") and structural is None and token.startswith(b'"'):
-            if len(closers) == 1:  # a key of the top-level object
-                name = _scalar(token)
-                if name is _INVALID:
-                    return None, None
-                label = name if name in _LABELS else None
-            want = "colon"
-        elif (want, structural) == ("colon", b":"):
-            want = "value"
-        elif (want, structural) == ("comma", b","):
-            want = "key" if closers[-1] == b"}" else "value"
-        else:
-            return None, None
-    else:  # head ends: within a token, or after one that may go on
-        if complete or (match is None and _CUT_TOKEN.match(head, pos) is None):
-            return None, None
-    try:
-        bytes(head[:pos]).decode()  # strings of other values are read unchecked: as JSON they are UTF-8
-    except UnicodeDecodeError:
-        return None, None
-    request_id = found.get("request_id")
-    return None if request_id is None else str(request_id), output_user_id(found.get("user_id"))
-
-
-def _scalar(token: bytes) -> Any:
-    """A string, number or literal token's value, or ``_INVALID`` (e.g. a number out of range, a string of invalid
-    UTF-8 or a lone surrogate)."""
-    try:
-        return msgspec.json.decode(token)
-    except msgspec.DecodeError:
-        return _INVALID
 
 
 def parquet_rows(source: Any, fields: Collection[str], max_lengths: Mapping[str, int] | None,

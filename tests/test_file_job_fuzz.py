@@ -36,6 +36,7 @@ from hypothesis import strategies as st
 import gr_engine.io as gio
 from gr_engine import GenerateParams, GenerateRequest, GREngine, RankRequest
 from gr_engine.cli import main
+from gr_engine.json_labels import overlong_labels
 from gr_engine.outputs import output_user_id
 from gr_engine.synthetic import synthetic_requests
 from tests.conftest import tiny_config, with_cache
@@ -516,7 +517,7 @@ JSON_VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3)
 
 def decoded_labels(line: bytes) -> tuple[str | None, Any]:
     """The labels decoding a line gives (``io.parse_row``'s), but none for a ``request_id`` that is a list or an
-    object (``io.overlong_labels`` reads scalars only); ``(None, None)`` for a line that is not JSON."""
+    object (``json_labels.overlong_labels`` reads scalars only); ``(None, None)`` for a line that is not JSON."""
     try:
         row = msgspec.json.decode(line)
     except msgspec.DecodeError:
@@ -535,13 +536,13 @@ def json_object(pairs: list[tuple[str, Any]], space: str) -> bytes:
 @given(pairs=st.lists(st.tuples(LABEL_KEYS, JSON_VALUES), max_size=5), space=st.sampled_from(["", " ", "\t", "\r "]),
        data=st.data())
 def test_overlong_labels_are_those_of_decoding_the_line(pairs, space, data):
-    """``io.overlong_labels`` of a whole line gives its labels as decoding it would; of any beginning of it (keys
+    """``overlong_labels`` of a whole line gives its labels as decoding it would; of any beginning of it (keys
     not repeated), a label only where decoding the whole line gives that label."""
     line = json_object(pairs, space)
-    assert gio.overlong_labels(line, complete=True) == decoded_labels(line), line
+    assert overlong_labels(line, complete=True) == decoded_labels(line), line
     if len({key for key, _ in pairs}) == len(pairs):  # a key repeated beyond the beginning is not seen
         head = line[:data.draw(st.integers(0, len(line)))]
-        for got, want in zip(gio.overlong_labels(head), decoded_labels(line)):
+        for got, want in zip(overlong_labels(head), decoded_labels(line)):
             assert got is None or got == want, (head, line)
 
 
@@ -557,4 +558,4 @@ def test_overlong_labels_of_a_line_that_is_not_json_are_none(pairs, data):
         else:
             line[at:at] = data.draw(st.sampled_from([b'"', b"\\", b",", b"}", b"{", b"[", b"]", b":", b"\xff", b"x",
                                                       b"1", b" ", b"\x00", b"e", b"-", b"\\u12"]))
-    assert gio.overlong_labels(bytes(line), complete=True) == decoded_labels(bytes(line)), bytes(line)
+    assert overlong_labels(bytes(line), complete=True) == decoded_labels(bytes(line)), bytes(line)

@@ -115,7 +115,7 @@ def test_rank_on_two_workers_equals_single_process(ray_session, tmp_path):
     assert [row["request_id"] for row in in_order] == [row["request_id"] for row in single]
     lines = (tmp_path / "in.jsonl").read_text().splitlines()
     [overlong] = [row for row in in_order if "bytes that any valid request takes" in (row["error"] or "")]
-    assert json.loads(lines[overlong["row_order"] - 1])["request_id"] == "overlong"  # not read: labelled line-N
+    assert json.loads(lines[overlong["row_order"] - 1])["request_id"] == "overlong"  # its leading ids label it
     for row in in_order:
         if row["request_id"].startswith("line-"):
             assert row["request_id"] == f"line-{row['row_order']}"

@@ -17,6 +17,7 @@ import gr_engine.output_writer as gow
 from gr_engine import GenerateParams, GenerateRequest, GREngine, RankOutput, RankRequest
 from gr_engine.cli import main
 from gr_engine.io import RequestReader
+from gr_engine.json_labels import overlong_labels
 from gr_engine.output_writer import OutputWriter
 from gr_engine.synthetic import synthetic_requests
 from tests.conftest import tiny_config, with_cache
@@ -262,18 +263,18 @@ def test_an_overlong_lines_labels_are_read_only_where_they_are_sure(block, monke
 
 
 def test_overlong_labels_of_a_whole_line_and_of_a_cut_one():
-    """``io.overlong_labels`` of a whole line (an overlong line under a small bound) reads labels only from valid
+    """``overlong_labels`` of a whole line (an overlong line under a small bound) reads labels only from valid
     JSON; of a line's beginning, not from a token that may go on beyond it."""
     whole = b'{"request_id": "r", "user_id": 12}'
-    assert gio.overlong_labels(whole, complete=True) == ("r", 12)
-    assert gio.overlong_labels(whole[:-1], complete=True) == (None, None)  # not closed: not JSON
-    assert gio.overlong_labels(whole + b" x", complete=True) == (None, None)
-    assert gio.overlong_labels(whole[:-2]) == ("r", None)  # 1 of 12: the user id may go on
-    assert gio.overlong_labels(whole[:-1]) == ("r", None)  # 12 of 123?
-    assert gio.overlong_labels(whole[:-1] + b" ") == ("r", 12)
-    assert gio.overlong_labels(b'{"request_id": "r", "x": "cut \\u00') == ("r", None)  # cut in an escape
-    assert gio.overlong_labels(b'{"request_id": "r", "x": "bad \\q"') == (None, None)
-    assert gio.overlong_labels(b'{"request_id": "r", "x": [1,], "y": [') == (None, None)
+    assert overlong_labels(whole, complete=True) == ("r", 12)
+    assert overlong_labels(whole[:-1], complete=True) == (None, None)  # not closed: not JSON
+    assert overlong_labels(whole + b" x", complete=True) == (None, None)
+    assert overlong_labels(whole[:-2]) == ("r", None)  # 1 of 12: the user id may go on
+    assert overlong_labels(whole[:-1]) == ("r", None)  # 12 of 123?
+    assert overlong_labels(whole[:-1] + b" ") == ("r", 12)
+    assert overlong_labels(b'{"request_id": "r", "x": "cut \\u00') == ("r", None)  # cut in an escape
+    assert overlong_labels(b'{"request_id": "r", "x": "bad \\q"') == (None, None)
+    assert overlong_labels(b'{"request_id": "r", "x": [1,], "y": [') == (None, None)
 
 
 BIG = 3 * 10**6  # events of an overlong Parquet row's history (the model takes 256)

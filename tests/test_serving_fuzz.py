@@ -15,9 +15,12 @@ traceback. Bounded (``max_examples``, derandomized) so that the file takes well 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import json
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -41,7 +44,9 @@ MSGPACK = "application/msgpack"
 NOT_UTF8 = [b"\xff", b"\xfe\xff", b"\x80", b"\xc3\x28", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80", b"\xc0\xaf"]
 JSON_LITERALS = {b"NaN", b"Infinity", b"-Infinity"}
 ARRAYS = ("item_ids", "action_ids", "timestamps", "candidate_item_ids")
-FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
+# GR_ENGINE_FUZZ_EXAMPLES=N: a longer search, seeded at random (the default is the same 60 bodies each run)
+_EXAMPLES = int(os.environ.get("GR_ENGINE_FUZZ_EXAMPLES", "0"))
+FUZZ = settings(max_examples=_EXAMPLES or 60, deadline=None, derandomize=not _EXAMPLES, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 
 
@@ -475,6 +480,13 @@ def posts(draw, ranking: bool) -> Post:
         content = content + b"\xff" if draw(st.booleans()) else (b"\xff" + content if fmt == "json" else b"\xc1")
     elif defect == "empty":
         content = b""
+    if fmt == "json" and defect == "none" and draw(st.integers(0, 7)) == 0:  # whitespace up to the size bound
+        size = draw(st.sampled_from([MAX_BODY - 1, MAX_BODY, MAX_BODY + 1]))
+        if len(content) < size:
+            lead = draw(st.integers(0, size - len(content)))
+            space = draw(st.sampled_from([b" ", b"\n", b"\t", b"\r"]))
+            content = b" " * lead + content + space * (size - len(content) - lead)
+            why = f"{size} bytes with whitespace"
     if defect != "none":
         statuses, why = (400,), f"body defect: {defect}"
     elif fmt == "json" and has_literal(body):
@@ -523,15 +535,18 @@ def send(server: Server, post: Post) -> httpx.Response:
     return httpx.post(server.url + post.path, content=content, headers=post.headers, timeout=60)
 
 
-def check(server: Server, post: Post) -> int:
-    """Send ``post``, check its answer; return how many request outputs it had."""
-    response = send(server, post)
+def verify(post: Post, response: httpx.Response, overload: bool = False) -> int:
+    """Check ``post``'s answer (``overload``: other bodies were in flight, so a body that would be served may get a
+    503 instead); return how many request outputs it had."""
     what = f"{post.why}: {[c.why for c in post.cases]}; {response.status_code} {response.content[:600]!r}"
     assert response.status_code != 500, what
     media = response.headers.get("content-type", "")
     decode = msgspec.msgpack.decode if media.startswith(MSGPACK) else msgspec.json.decode
     answer = decode(response.content)
     if post.deep and response.status_code == 400 and "nested too deeply" in str(answer.get("error")):
+        return 0
+    if overload and response.status_code == 503 and 200 in post.statuses:
+        assert response.headers["retry-after"] == "1" and "pending" in answer["error"], what
         return 0
     assert response.status_code in post.statuses, what
     assert media.startswith(post.answer), (media, what)
@@ -574,22 +589,30 @@ def check(server: Server, post: Post) -> int:
     return len(outputs)
 
 
-def fuzz(server: Server, ranking: bool) -> None:
-    """Run the fuzz of one endpoint; then the server is healthy and counted each output once."""
+@contextlib.contextmanager
+def still_healthy(server: Server) -> Iterator[list[int]]:
+    """Around a fuzz: yields ``[bodies sent, outputs answered]`` for it to count; afterwards the server is healthy,
+    ``/metrics`` parses and counted each body and each output once, and the log holds no traceback."""
     before = metric_samples(server.url)
-    answered = [0]
-
-    @FUZZ
-    @given(posts(ranking))
-    def run(post: Post) -> None:
-        answered[0] += check(server, post)
-
-    run()
+    counts = [0, 0]
+    yield counts
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     after = metric_samples(server.url)
-    assert total(after, "gr_engine_requests_total") - total(before, "gr_engine_requests_total") == answered[0]
+    assert total(after, "gr_engine_http_bodies_total") - total(before, "gr_engine_http_bodies_total") == counts[0]
+    assert total(after, "gr_engine_requests_total") - total(before, "gr_engine_requests_total") == counts[1]
     log = server.log_text()
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
+
+
+def fuzz(server: Server, ranking: bool) -> None:
+    with still_healthy(server) as counts:
+        @FUZZ
+        @given(posts(ranking))
+        def run(post: Post) -> None:
+            counts[0] += 1
+            counts[1] += verify(post, send(server, post))
+
+        run()
 
 
 def test_rank_fuzz(server: Server) -> None:
@@ -598,6 +621,24 @@ def test_rank_fuzz(server: Server) -> None:
 
 def test_generate_fuzz(server: Server) -> None:
     fuzz(server, ranking=False)
+
+
+def test_concurrent_bodies_fuzz(server: Server) -> None:
+    """Bodies of both endpoints at once: each answered as alone, except that one may be refused as overloaded."""
+    with still_healthy(server) as counts:
+        @settings(FUZZ, max_examples=_EXAMPLES // 3 or 20)
+        @given(st.lists(st.one_of(posts(True), posts(False)), min_size=2, max_size=6))
+        def run(batch: list[Post]) -> None:
+            async def post_all() -> list[httpx.Response]:
+                async with httpx.AsyncClient(timeout=60) as client:
+                    return await asyncio.gather(*(client.post(server.url + p.path, content=p.content,
+                                                              headers=p.headers) for p in batch))
+
+            for post, response in zip(batch, asyncio.run(post_all()), strict=True):
+                counts[0] += 1
+                counts[1] += verify(post, response, overload=True)
+
+        run()
 
 
 @pytest.mark.parametrize("ranking", [True, False])

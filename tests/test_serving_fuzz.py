@@ -21,7 +21,7 @@ import itertools
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import msgspec
@@ -291,8 +291,10 @@ def invalid_requests(draw, ranking: bool, fmt: str, index: int) -> Case:
         del fields[name]
         return Case(fields, None, rid if name != "request_id" else f"request-{index}", f"no {name}")
     if kind == "not_object":
+        others = [st.binary(max_size=16), st.just(msgspec.msgpack.Ext(1, b"\x01"))] if fmt == "msgpack" else []
         value = draw(st.one_of(st.integers(INT64_MIN, INT64_MAX), st.text(max_size=8), st.none(), st.booleans(),
-                               st.lists(ints(fmt), max_size=3), st.floats(allow_nan=False, allow_infinity=False)))
+                               st.lists(ints(fmt), max_size=3), st.floats(allow_nan=False, allow_infinity=False),
+                               *others))
         return Case(value, None, f"request-{index}", f"request = {value!r}")
     if kind == "deep":  # in a field it must be (fails), or in an unknown field (ignored): or too deep for the body
         depth = draw(st.one_of(st.integers(2, 100), st.integers(100, 3000)))
@@ -535,24 +537,28 @@ def send(server: Server, post: Post) -> httpx.Response:
     return httpx.post(server.url + post.path, content=content, headers=post.headers, timeout=60)
 
 
-def verify(post: Post, response: httpx.Response, overload: bool = False) -> int:
+def verify(post: Post, response: httpx.Response, overload: bool = False) -> tuple[int, int, int]:
     """Check ``post``'s answer (``overload``: other bodies were in flight, so a body that would be served may get a
-    503 instead); return how many request outputs it had."""
+    503 instead); return what ``/metrics`` must count of it: at least and at most so many ``requests_total``
+    (outputs; in a body refused whole, those that failed validation before admission), and ``request_errors_total``
+    (failed outputs; one for a malformed body; each request of a body refused whole, once)."""
     what = f"{post.why}: {[c.why for c in post.cases]}; {response.status_code} {response.content[:600]!r}"
     assert response.status_code != 500, what
     media = response.headers.get("content-type", "")
     decode = msgspec.msgpack.decode if media.startswith(MSGPACK) else msgspec.json.decode
     answer = decode(response.content)
+    failed_first = sum(c.request is None and c.admitted is False for c in post.cases)
+    refused_whole = (failed_first, failed_first + sum(c.admitted is None for c in post.cases), len(post.cases))
     if post.deep and response.status_code == 400 and "nested too deeply" in str(answer.get("error")):
-        return 0
+        return 0, 0, 1
     if overload and response.status_code == 503 and 200 in post.statuses:
         assert response.headers["retry-after"] == "1" and "pending" in answer["error"], what
-        return 0
+        return refused_whole
     assert response.status_code in post.statuses, what
     assert media.startswith(post.answer), (media, what)
     if response.status_code != 200:
         assert isinstance(answer, dict) and list(answer) == ["error"] and answer["error"], what
-        return 0
+        return refused_whole if "split the call" in answer["error"] else (0, 0, 1)
     assert list(answer) == ["outputs"], what
     outputs = answer["outputs"]
     assert len(outputs) == len(post.cases), what
@@ -586,31 +592,39 @@ def verify(post: Post, response: httpx.Response, overload: bool = False) -> int:
             assert reference.error is None, why
             np.testing.assert_allclose(output["scores"], reference.scores, atol=TOL, rtol=0, err_msg=why)
             assert same_items(output["item_ids"], reference.item_ids, np.asarray(reference.scores)), why
-    return len(outputs)
+    return len(outputs), len(outputs), sum(o["error"] is not None for o in outputs)
 
 
 @contextlib.contextmanager
-def still_healthy(server: Server) -> Iterator[list[int]]:
-    """Around a fuzz: yields ``[bodies sent, outputs answered]`` for it to count; afterwards the server is healthy,
-    ``/metrics`` parses and counted each body and each output once, and the log holds no traceback."""
+def still_healthy(server: Server) -> Iterator[Callable[[Post, httpx.Response, bool], None]]:
+    """Around a fuzz: yields ``verify`` for its bodies; afterwards the server is healthy, ``/metrics`` parses and
+    counted each body once and each request as :func:`verify` says, and the log holds no traceback."""
     before = metric_samples(server.url)
-    counts = [0, 0]
-    yield counts
+    counts = np.zeros(4, dtype=np.int64)  # bodies, requests (at least, at most), errors
+
+    def count(post: Post, response: httpx.Response, overload: bool = False) -> None:
+        counts[:] += (1, *verify(post, response, overload))
+
+    yield count
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     after = metric_samples(server.url)
-    assert total(after, "gr_engine_http_bodies_total") - total(before, "gr_engine_http_bodies_total") == counts[0]
-    assert total(after, "gr_engine_requests_total") - total(before, "gr_engine_requests_total") == counts[1]
+
+    def delta(name: str) -> float:
+        return total(after, name) - total(before, name)
+
+    assert delta("gr_engine_http_bodies_total") == counts[0]
+    assert counts[1] <= delta("gr_engine_requests_total") <= counts[2], (delta("gr_engine_requests_total"), counts)
+    assert delta("gr_engine_request_errors_total") == counts[3]
     log = server.log_text()
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
 
 
 def fuzz(server: Server, ranking: bool) -> None:
-    with still_healthy(server) as counts:
+    with still_healthy(server) as count:
         @FUZZ
         @given(posts(ranking))
         def run(post: Post) -> None:
-            counts[0] += 1
-            counts[1] += verify(post, send(server, post))
+            count(post, send(server, post))
 
         run()
 
@@ -625,7 +639,7 @@ def test_generate_fuzz(server: Server) -> None:
 
 def test_concurrent_bodies_fuzz(server: Server) -> None:
     """Bodies of both endpoints at once: each answered as alone, except that one may be refused as overloaded."""
-    with still_healthy(server) as counts:
+    with still_healthy(server) as count:
         @settings(FUZZ, max_examples=_EXAMPLES // 3 or 20)
         @given(st.lists(st.one_of(posts(True), posts(False)), min_size=2, max_size=6))
         def run(batch: list[Post]) -> None:
@@ -635,8 +649,7 @@ def test_concurrent_bodies_fuzz(server: Server) -> None:
                                                               headers=p.headers) for p in batch))
 
             for post, response in zip(batch, asyncio.run(post_all()), strict=True):
-                counts[0] += 1
-                counts[1] += verify(post, response, overload=True)
+                count(post, response, True)
 
         run()
 
@@ -671,3 +684,27 @@ def test_a_user_id_beyond_64_bits_fails_alone_in_a_msgpack_answer(server: Server
             assert same_items(outputs[3]["item_ids"], reference.item_ids, np.asarray(reference.scores))
             np.testing.assert_allclose(outputs[3]["scores"], reference.scores, atol=TOL, rtol=0)
     assert "Traceback" not in server.log_text()
+
+
+def test_a_body_refused_as_too_large_counts_each_request_once(server: Server) -> None:
+    """Found by the fuzz: a body of more valid requests than ``serving.max_pending_requests`` (a 413) counted its
+    requests that fail the API server's checks twice in ``request_errors_total``: as ``invalid`` (their outputs) and
+    again as ``bad_request`` with the refused ones. Now each is counted once, as for a 503."""
+    k = next(_users)
+    valid = [{"request_id": f"v{i}", "user_id": 10**9 + k * 100 + i, "item_ids": [1], "action_ids": [0],
+              "timestamps": [0], "candidate_item_ids": [2]} for i in range(65)]
+    decode_fails = [7, {"request_id": "x"}]
+    check_fails = [{**valid[0], "candidate_item_ids": []}, {**valid[0], "user_id": 2**70}]
+    core_fails = [{**valid[0], "item_ids": [-1]}]  # passes the API server's checks: refused with the valid ones
+    before = metric_samples(server.url)
+    response = httpx.post(f"{server.url}/v1/rank", timeout=30,
+                          content=msgspec.json.encode({"requests": valid + decode_fails + check_fails + core_fails}))
+    assert response.status_code == 413 and "split the call" in response.json()["error"]
+    after = metric_samples(server.url)
+
+    def delta(name: str, **labels: str) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    assert delta("gr_engine_request_errors_total", kind="bad_request") == 66
+    assert delta("gr_engine_request_errors_total", kind="invalid") == 4
+    assert delta("gr_engine_request_errors_total") == 70 and delta("gr_engine_requests_total") == 4

@@ -7,16 +7,19 @@ msgpack bins of a size not a multiple of 8, unknown fields, huge strings), and b
 ``Content-Type``, over ``serving.max_body_bytes``).
 
 Every body's answer is known in advance and checked exactly: its status (never a 500), its format (``Accept`` and
-``Content-Type``), one output per request in order; a valid request (each for a user of its own) gets the scores of
-offline ``recompute`` of it (float32: 1e-5), or for retrieval its items and scores; an invalid one an ``error``.
-Afterwards the server is healthy, ``/metrics`` parses and counted each answered request once, and its log holds no
-traceback. Bounded (``max_examples``, derandomized) so that the file takes well under a minute.
+``Content-Type``), one output per request in order; a valid request (a new user's, or again an earlier one's of the
+same body) gets the scores of offline ``recompute`` of it (float32: 1e-5), or for retrieval its items and scores; an
+invalid one an ``error``. Bodies are also sent several at once (then one may be refused as overloaded). Afterwards
+the server is healthy, ``/metrics`` parses and counted each body and each request once, and its log holds no
+traceback. Bounded (``max_examples``, derandomized) so that the file takes well under a minute;
+``GR_ENGINE_FUZZ_EXAMPLES=N`` searches longer, from a random seed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -44,9 +47,9 @@ MSGPACK = "application/msgpack"
 NOT_UTF8 = [b"\xff", b"\xfe\xff", b"\x80", b"\xc3\x28", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80", b"\xc0\xaf"]
 JSON_LITERALS = {b"NaN", b"Infinity", b"-Infinity"}
 ARRAYS = ("item_ids", "action_ids", "timestamps", "candidate_item_ids")
-# GR_ENGINE_FUZZ_EXAMPLES=N: a longer search, seeded at random (the default is the same 60 bodies each run)
+# GR_ENGINE_FUZZ_EXAMPLES=N: a longer search, seeded at random (the default is the same 100 bodies each run)
 _EXAMPLES = int(os.environ.get("GR_ENGINE_FUZZ_EXAMPLES", "0"))
-FUZZ = settings(max_examples=_EXAMPLES or 60, deadline=None, derandomize=not _EXAMPLES, database=None,
+FUZZ = settings(max_examples=_EXAMPLES or 100, deadline=None, derandomize=not _EXAMPLES, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 
 
@@ -58,8 +61,13 @@ def server(tmp_path_factory) -> Iterator[Server]:
     assert srv.stop() == 0
 
 
-_reference = GREngine(tiny_config(mode="recompute"))  # stateless: any request's scores from its history alone
 _users = itertools.count()
+
+
+@functools.cache
+def reference_engine() -> GREngine:
+    """Offline recompute: any request's answer from its own history alone."""
+    return GREngine(tiny_config(mode="recompute"))
 
 
 @dataclass
@@ -82,8 +90,7 @@ class Case:
 @dataclass
 class Post:
     """One body and the answer it must get: a status of ``statuses``; with ``deep`` also a 400 for values nested too
-    deeply;
-    with ``may_expire`` (``timeout_ms`` 0) a valid request may fail with "deadline exceeded" instead."""
+    deeply; with ``may_expire`` (``timeout_ms`` 0) a valid request may fail with "deadline exceeded" instead."""
 
     path: str
     content: bytes
@@ -321,6 +328,7 @@ def invalid_requests(draw, ranking: bool, fmt: str, index: int) -> Case:
         cut = draw(st.integers(1, 7))
         fields[name] = data + bytes(cut) if draw(st.booleans()) or len(data) < 8 else data[:-cut]
         return Case(fields, None, rid, f"{name}: {len(fields[name])} bytes")
+    # kind == "user": beyond 64 bits (JSON), or of a type msgpack has and a user id may not be
     value = draw(out_of_int64(fmt).filter(lambda v: v > UINT64_MAX or v < INT64_MIN)) if fmt == "json" else \
         draw(st.one_of(st.binary(max_size=8), st.floats(), st.booleans()))
     fields["user_id"] = value
@@ -395,7 +403,7 @@ def timeouts(draw, fmt: str) -> tuple[object, int, bool]:
     if choice == "good":
         return draw(st.one_of(good)), 200, False
     value = draw(st.one_of(bad))
-    if fmt == "msgpack" and value == math.inf:
+    if fmt == "msgpack" and value == math.inf:  # no deadline
         return value, 200, False
     return value, 400, False
 
@@ -566,9 +574,9 @@ def verify(post: Post, response: httpx.Response, overload: bool = False) -> tupl
     served = [msgspec.structs.replace(c.request, request_id=str(i)) for i, c in enumerate(post.cases)
               if c.request is not None]
     if post.params is None:
-        references = iter(o.scores for o in _reference.rank(served, use_tqdm=False))
+        references = iter(o.scores for o in reference_engine().rank(served, use_tqdm=False))
     else:
-        references = iter(_reference.generate(served, post.params, use_tqdm=False))
+        references = iter(reference_engine().generate(served, post.params, use_tqdm=False))
     for i, (case, output) in enumerate(zip(post.cases, outputs)):
         why = f"request {i} ({case.why}) of {what}"
         reference = next(references) if case.request is not None else None
@@ -597,8 +605,9 @@ def verify(post: Post, response: httpx.Response, overload: bool = False) -> tupl
 
 @contextlib.contextmanager
 def still_healthy(server: Server) -> Iterator[Callable[[Post, httpx.Response, bool], None]]:
-    """Around a fuzz: yields ``verify`` for its bodies; afterwards the server is healthy, ``/metrics`` parses and
-    counted each body once and each request as :func:`verify` says, and the log holds no traceback."""
+    """Around a fuzz: yields a function that checks a body's answer (:func:`verify`) and counts it; afterwards the
+    server is healthy, ``/metrics`` parses and counted each body once and each request as :func:`verify` says, and
+    the log holds no traceback."""
     before = metric_samples(server.url)
     counts = np.zeros(4, dtype=np.int64)  # bodies, requests (at least, at most), errors
 
@@ -640,7 +649,7 @@ def test_generate_fuzz(server: Server) -> None:
 def test_concurrent_bodies_fuzz(server: Server) -> None:
     """Bodies of both endpoints at once: each answered as alone, except that one may be refused as overloaded."""
     with still_healthy(server) as count:
-        @settings(FUZZ, max_examples=_EXAMPLES // 3 or 20)
+        @settings(FUZZ, max_examples=_EXAMPLES // 3 or 30)
         @given(st.lists(st.one_of(posts(True), posts(False)), min_size=2, max_size=6))
         def run(batch: list[Post]) -> None:
             async def post_all() -> list[httpx.Response]:
@@ -677,10 +686,10 @@ def test_a_user_id_beyond_64_bits_fails_alone_in_a_msgpack_answer(server: Server
             assert output["user_id"] == (None if accept == MSGPACK else user)
         assert outputs[3]["error"] is None and outputs[3]["user_id"] == request.user_id
         if ranking:
-            np.testing.assert_allclose(scores_of(outputs[3]), _reference.rank([request], use_tqdm=False)[0].scores,
-                                       atol=TOL, rtol=0)
+            [reference] = reference_engine().rank([request], use_tqdm=False)
+            np.testing.assert_allclose(scores_of(outputs[3]), reference.scores, atol=TOL, rtol=0)
         else:
-            [reference] = _reference.generate([request], use_tqdm=False)
+            [reference] = reference_engine().generate([request], use_tqdm=False)
             assert same_items(outputs[3]["item_ids"], reference.item_ids, np.asarray(reference.scores))
             np.testing.assert_allclose(outputs[3]["scores"], reference.scores, atol=TOL, rtol=0)
     assert "Traceback" not in server.log_text()
@@ -691,7 +700,7 @@ def test_a_body_refused_as_too_large_counts_each_request_once(server: Server) ->
     requests that fail the API server's checks twice in ``request_errors_total``: as ``invalid`` (their outputs) and
     again as ``bad_request`` with the refused ones. Now each is counted once, as for a 503."""
     k = next(_users)
-    valid = [{"request_id": f"v{i}", "user_id": 10**9 + k * 100 + i, "item_ids": [1], "action_ids": [0],
+    valid = [{"request_id": f"v{i}", "user_id": 2 * 10**9 + k * 100 + i, "item_ids": [1], "action_ids": [0],
               "timestamps": [0], "candidate_item_ids": [2]} for i in range(65)]
     decode_fails = [7, {"request_id": "x"}]
     check_fails = [{**valid[0], "candidate_item_ids": []}, {**valid[0], "user_id": 2**70}]

@@ -29,7 +29,12 @@ class EngineOverloaded(RuntimeError):
 
 class CallTooLarge(ValueError):
     """One call holds more requests or tokens than ``serving.max_pending_requests`` / ``max_pending_tokens`` admit
-    even with nothing pending: retrying cannot help, split the call."""
+    even with nothing pending: retrying cannot help, split the call. ``refused``: the call's requests that passed
+    validation (the others got their own error outputs)."""
+
+    def __init__(self, message: str, refused: int = 0) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 @dataclass
@@ -86,7 +91,7 @@ class Admission:
         if num_requests > self.max_requests or tokens > self.max_tokens:
             raise CallTooLarge(f"{num_requests} requests ({tokens} tokens) in one call: over this client's "
                                f"{self.max_requests} requests / {self.max_tokens} tokens even with nothing pending "
-                               "(serving.max_pending_requests / max_pending_tokens): split the call")
+                               "(serving.max_pending_requests / max_pending_tokens): split the call", num_requests)
         if not num_requests:
             return
         if len(self.pending) + num_requests > self.max_requests or self.tokens + tokens > self.max_tokens:

@@ -27,8 +27,7 @@ from starlette.routing import Route
 
 from ..config import EngineConfig
 from ..outputs import GenerateOutput, RankOutput, output_user_id
-from ..request import GenerateRequest, RankRequest
-from ..validation import RequestError, check_candidates, parse_fields
+from ..validation import RequestError
 from .admission import CallTooLarge, EngineOverloaded
 from .bodies import JSON, BodyFormat, GenerateBody, RankBody, answer_format, request_format
 from .client import AsyncGREngine, CoreHandle, EngineDead, reported_state
@@ -160,8 +159,7 @@ def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int 
             metrics.count_refused("overloaded", exc.refused)
             return _error(answering, 503, str(exc), {"Retry-After": "1"})
         except CallTooLarge as exc:  # retrying cannot help: not a 503
-            # as for a 503: the requests that failed validation were counted (invalid), the others are counted here
-            metrics.count_refused("bad_request", sum(valid(r, ranking) for r in parsed))
+            metrics.count_refused("bad_request", exc.refused)  # those that failed validation were counted (invalid)
             return _error(answering, 413, str(exc))
         except EngineDead as exc:
             metrics.count_refused("unavailable", len(parsed))
@@ -169,14 +167,6 @@ def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int 
         for i, output in zip(where, served, strict=True):
             outputs[i] = output
         return _answer(answering, answering.encode_outputs(outputs))
-
-    def valid(request: RankRequest | GenerateRequest, ranking: bool) -> bool:
-        """Whether ``request`` passes the client's checks (those that fail them get an output, counted as invalid)."""
-        try:
-            check_candidates(parse_fields(request, config, ranking=ranking), config)
-        except RequestError:
-            return False
-        return True
 
     async def rank(request: Request) -> Response:
         return await serve(request, RankBody, True, RankOutput)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -328,6 +329,34 @@ def test_health_turns_503_when_the_core_dies(tmp_path: Path) -> None:
         response = httpx.post(f"{server.url}/v1/rank", content=body(make_stream(1)), timeout=10)
         assert response.status_code == 503
         assert server.process.poll() is None  # the server itself stays up and says why
+    finally:
+        server.stop()
+
+
+def test_a_core_dying_mid_call_counts_each_request_once(tmp_path: Path) -> None:
+    """A body whose core dies while its requests are pending is a 503; its request that failed the API server's
+    checks is counted once (``invalid``, its output), the others once as ``unavailable``."""
+    server = Server(tmp_path)
+    try:
+        core_pid = httpx.get(f"{server.url}/health", timeout=10).json()["core_pid"]
+        stream = make_stream(2, seed=71)
+        bad = msgspec.structs.replace(stream[0], request_id="bad", candidate_item_ids=[])
+        before = metric_samples(server.url)
+        os.kill(core_pid, signal.SIGSTOP)  # the call's valid requests stay pending
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, f"{server.url}/v1/rank", content=body([*stream, bad]), timeout=30)
+            time.sleep(1.0)
+            os.kill(core_pid, signal.SIGKILL)
+            response = answer.result()
+        assert response.status_code == 503, response.text
+        after = metric_samples(server.url)
+
+        def delta(name: str, **labels: str) -> float:
+            return total(after, name, **labels) - total(before, name, **labels)
+
+        assert delta("gr_engine_request_errors_total", kind="invalid") == 1
+        assert delta("gr_engine_request_errors_total", kind="unavailable") == 2
+        assert delta("gr_engine_request_errors_total") == 3
     finally:
         server.stop()
 

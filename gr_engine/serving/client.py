@@ -40,7 +40,13 @@ logger = logging.getLogger(__name__)
 
 
 class EngineDead(RuntimeError):
-    """The engine-core process is not running (it exited, or the client was closed)."""
+    """The engine-core process is not running (it exited, or the client was closed). ``refused``: the call's requests
+    it left unanswered when the core died during the call (those that failed validation, or were answered, got their
+    outputs); ``None``: the call's every request (it was refused before any was looked at)."""
+
+    def __init__(self, message: str, refused: int | None = None) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 def deadline_after(now: float, timeout_ms: float | None) -> float | None:
@@ -313,6 +319,8 @@ class AsyncGREngine:
             raise
         failed = [future.exception() for future in done if future.exception() is not None]  # each one retrieved
         if failed:
+            if isinstance(failed[0], EngineDead):  # one instance fails every pending call: this call's count
+                raise EngineDead(str(failed[0]), refused=len(failed)) from failed[0]
             raise failed[0]
         for future in done:
             results[waits[futures[future]]] = future.result()

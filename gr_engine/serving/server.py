@@ -162,7 +162,7 @@ def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int 
             metrics.count_refused("bad_request", exc.refused)  # those that failed validation were counted (invalid)
             return _error(answering, 413, str(exc))
         except EngineDead as exc:
-            metrics.count_refused("unavailable", len(parsed))
+            metrics.count_refused("unavailable", len(parsed) if exc.refused is None else exc.refused)
             return _error(answering, 503, str(exc))
         for i, output in zip(where, served, strict=True):
             outputs[i] = output

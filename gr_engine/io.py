@@ -98,11 +98,9 @@ def max_list_lengths(config: EngineConfig, ranking: bool = True) -> dict[str, in
 
 
 def import_pyarrow() -> ModuleType:
-    """The ``pyarrow`` module with ``pyarrow.parquet`` and ``pyarrow.compute`` loaded; ``ImportError`` saying how
-    to install it."""
+    """The ``pyarrow`` module with ``pyarrow.parquet`` loaded; ``ImportError`` saying how to install it."""
     try:
         import pyarrow
-        import pyarrow.compute
         import pyarrow.parquet
     except ImportError as exc:
         raise ImportError("Parquet files need pyarrow: pip install 'gr-engine[io]'") from exc

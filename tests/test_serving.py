@@ -217,7 +217,7 @@ def test_out_of_range_fields_are_400_or_a_per_request_error_never_a_500(server: 
 
 
 def test_deadline_after_refuses_nan_and_negative_timeouts() -> None:
-    from gr_engine.serving.client import deadline_after
+    from gr_engine.serving.admission import deadline_after
 
     assert deadline_after(10.0, 250) == 10.25 and deadline_after(10.0, 0) == 10.0
     assert deadline_after(10.0, None) is None and deadline_after(10.0, float("inf")) is None

@@ -4,7 +4,7 @@ the bounds on them.
 :class:`Admission` owns the pending requests (by their client-side ``core_id``) and their tokens (history events plus
 candidates). A call is admitted whole or refused whole: :class:`CallTooLarge` when it exceeds the bounds by itself,
 :class:`EngineOverloaded` when the requests already pending, or the core's queue (its estimated wait, from its latest
-report plus what was sent since), leave no room for it.
+report plus what was sent since), leave no room for it. A call's deadline: :func:`deadline_after`.
 """
 
 from __future__ import annotations
@@ -128,3 +128,19 @@ class Admission:
                 pending.future.set_exception(error)
         self.pending.clear()
         self.tokens = 0
+
+
+def deadline_after(now: float, timeout_ms: float | None) -> float | None:
+    """The ``time.monotonic()`` deadline ``timeout_ms`` after ``now`` (s); ``None`` without one (``None`` or an
+    infinite ``timeout_ms``). Raises ``ValueError`` for a ``timeout_ms`` that is not a number >= 0 (NaN, negative),
+    before anything is sent."""
+    if timeout_ms is None or timeout_ms == float("inf"):
+        return None
+    if not timeout_ms >= 0:  # NaN too
+        raise ValueError(f"timeout_ms must be a number >= 0, got {timeout_ms}")
+    return now + timeout_ms / 1000
+
+
+def deadline_exceeded(timeout_ms: float) -> str:
+    """The ``error`` of a request unfinished ``timeout_ms`` after its call (``-0.0`` reads as 0)."""
+    return f"deadline exceeded ({timeout_ms + 0.0:g} ms)"

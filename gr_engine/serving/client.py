@@ -31,7 +31,7 @@ from ..config import EngineConfig
 from ..outputs import GenerateOutput, RankOutput, output_user_id
 from ..request import GenerateParams, GenerateRequest, RankRequest
 from ..validation import RequestError, check_candidates, parse_fields
-from .admission import Admission, Pending
+from .admission import Admission, Pending, deadline_after, deadline_exceeded
 from .core import start_core
 from .process_watch import ProcessWatch
 from .protocol import Abort, CoreOutput, CoreReport, CoreRequest, CoreStats, Hello, Shutdown, engine_output, to_core
@@ -47,17 +47,6 @@ class EngineDead(RuntimeError):
     def __init__(self, message: str, refused: int | None = None) -> None:
         super().__init__(message)
         self.refused = refused
-
-
-def deadline_after(now: float, timeout_ms: float | None) -> float | None:
-    """The ``time.monotonic()`` deadline ``timeout_ms`` after ``now`` (s); ``None`` without one (``None`` or an
-    infinite ``timeout_ms``). Raises ``ValueError`` for a ``timeout_ms`` that is not a number >= 0 (NaN, negative),
-    before anything is sent."""
-    if timeout_ms is None or timeout_ms == float("inf"):
-        return None
-    if not timeout_ms >= 0:  # NaN too
-        raise ValueError(f"timeout_ms must be a number >= 0, got {timeout_ms}")
-    return now + timeout_ms / 1000
 
 
 def reported_state(engine: Any) -> str:
@@ -325,12 +314,12 @@ class AsyncGREngine:
         for future in done:
             results[waits[futures[future]]] = future.result()
         if late:
-            self._abort([futures[f] for f in late], f"deadline exceeded ({timeout_ms:g} ms)", "timeout")
+            self._abort([futures[f] for f in late], deadline_exceeded(timeout_ms), "timeout")
             for future in late:
                 request = requests[waits[futures[future]]]
                 results[waits[futures[future]]] = failed_type(
                     request_id=request.request_id, user_id=request.user_id,
-                    error=f"deadline exceeded ({timeout_ms:g} ms)", latency_s=time.monotonic() - now)
+                    error=deadline_exceeded(timeout_ms), latency_s=time.monotonic() - now)
         return results
 
     def _abort(self, core_ids: list[int], reason: str, kind: str) -> None:

@@ -24,8 +24,8 @@ from typing import Any
 from ..outputs import GenerateOutput, RankOutput, output_user_id
 from ..request import GenerateParams, GenerateRequest, RankRequest
 from ..routing import HashRing
-from .admission import EngineOverloaded
-from .client import EngineDead, deadline_after
+from .admission import EngineOverloaded, deadline_after, deadline_exceeded
+from .client import EngineDead
 from .replicas import ReplicaSet
 
 Request = RankRequest | GenerateRequest
@@ -126,7 +126,7 @@ class ReplicaRouter(ReplicaSet):
         """The second and last send of requests whose replica died: their outputs, or errors saying both why."""
         self._count(replica, requests)
         if deadline is not None and deadline <= time.monotonic():
-            return [self._failed(r, params, f"deadline exceeded ({timeout_ms:g} ms)", "timeout") for r in requests]
+            return [self._failed(r, params, deadline_exceeded(timeout_ms), "timeout") for r in requests]
         try:
             left_ms = None if deadline is None else max(deadline - time.monotonic(), 0.0) * 1000  # passed since?
             outputs = await self._send(replica, requests, params, left_ms)
@@ -137,7 +137,7 @@ class ReplicaRouter(ReplicaSet):
                                  "unavailable") for r in requests]
         for output in outputs:  # the client names the time left it was given; the caller gave the call's
             if output.error is not None and output.error.startswith("deadline exceeded"):
-                output.error = f"deadline exceeded ({timeout_ms:g} ms)"
+                output.error = deadline_exceeded(timeout_ms)
         return outputs
 
     async def _send(self, replica: int, requests: list[Request], params: GenerateParams | None,

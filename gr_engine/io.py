@@ -11,7 +11,8 @@ request can be (:func:`max_line_bytes`) is such an error without being decoded, 
 are read (the request ignores others), and a row is such an error, never made Python objects, when a list holds more
 values than any valid request's (:func:`max_list_lengths`) or its strings more bytes than
 :data:`~gr_engine.row_bounds.MAX_STRING_BYTES` (:mod:`gr_engine.row_bounds`); its ``request_id`` and ``user_id``
-label it, unless too long to read (:func:`parquet_rows`).
+label it, unless too long to read; a Parquet row group that cannot be read (a damaged page) fails its unread rows, and
+the next group is read (:func:`parquet_rows`).
 
 :class:`RequestReader` yields chunks of at most :data:`CHUNK_ROWS` rows, and
 :class:`~gr_engine.output_writer.OutputWriter` appends each chunk's outputs: a job that reads a chunk, serves it and
@@ -143,8 +144,7 @@ class RequestReader:
         self.max_string_bytes = max_string_bytes
         self.num_rows: int | None = None
         if self.format == "parquet":
-            self._parquet = import_pyarrow().parquet.ParquetFile(self.path, buffer_size=PARQUET_READ_BUFFER,
-                                                           pre_buffer=False)
+            self._parquet = open_parquet(self.path)
             self.num_rows = self._parquet.metadata.num_rows
         else:
             self._jsonl = self.path.open("rb")
@@ -264,13 +264,40 @@ def parquet_rows(source: Any, fields: Collection[str], max_lengths: Mapping[str,
     (:func:`~gr_engine.row_bounds.bounded_rows`). Sizes are read from Arrow before any row is converted, so such a
     row never becomes Python objects (millions of list values would be hundreds of MB of ints, a 50 MB id 50 MB of
     string; in Arrow a value is its own bytes, held while its batch is read): only its ``request_id`` and
-    ``user_id`` are read, to label it, where they are within ``max_string_bytes``."""
+    ``user_id`` are read, to label it, where they are within ``max_string_bytes``. A row group that cannot be read
+    (a damaged page: its CRC, compression or encoding; :func:`open_parquet`) gives a ``RefusedRow`` labelled by
+    nothing (its failed output shows ``row-N``) for each of its rows not yet read, and the next group is read."""
     columns = [name for name in dict.fromkeys(source.schema_arrow.names) if name in fields]
+    damaged = (OSError, import_pyarrow().ArrowException)
     number = 0
-    for batch in source.iter_batches(batch_size=batch_rows or CHUNK_ROWS, columns=columns):
-        for row in bounded_rows(batch, max_lengths, max_string_bytes):
-            number += 1
-            yield number, row
+    for group in range(source.num_row_groups):
+        end = number + source.metadata.row_group(group).num_rows  # the group's last row
+        batches = source.iter_batches(batch_size=batch_rows or CHUNK_ROWS, row_groups=[group], columns=columns)
+        why = f"it holds fewer rows than the file's metadata says ({end - number})"
+        while True:
+            try:
+                batch = next(batches, None)
+            except damaged as exc:
+                why = str(exc)
+                break
+            if batch is None:
+                break
+            for row in bounded_rows(batch, max_lengths, max_string_bytes):
+                number += 1
+                yield number, row
+        for lost in range(number + 1, end + 1):  # the group's rows not yet read fail; the next group is read
+            yield lost, RefusedRow(f"row {lost} could not be read: row group {group} of the file is damaged ({why})",
+                                   None, None)
+        number = max(number, end)
+
+
+def open_parquet(source: Any) -> Any:
+    """The ``pyarrow.parquet.ParquetFile`` of ``source`` (a path or a random-access file) as file jobs read it: a
+    buffer of :data:`PARQUET_READ_BUFFER` bytes of a column at a time, and each page checked against its CRC where
+    the writer stored one (as :class:`~gr_engine.output_writer.OutputWriter` does), so that a damaged page fails
+    (:func:`parquet_rows`) rather than giving other values."""
+    return import_pyarrow().parquet.ParquetFile(source, buffer_size=PARQUET_READ_BUFFER, pre_buffer=False,
+                                                page_checksum_verification=True)
 
 
 def decode_line(number: int, line: bytes) -> Any:

@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from .io import PARQUET_READ_BUFFER, file_format, import_pyarrow
+from .io import file_format, import_pyarrow, open_parquet
 from .outputs import GenerateOutput, RankOutput, StepTimings
 
 Output = RankOutput | GenerateOutput
@@ -81,7 +81,7 @@ class OutputWriter:
             return
         self._flush()
         if self._writer is None:
-            self._writer = self._pa.parquet.ParquetWriter(self._file, self._schema())
+            self._writer = self._new_writer()
         self._writer.close()
 
     def __enter__(self) -> OutputWriter:
@@ -89,6 +89,11 @@ class OutputWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _new_writer(self) -> Any:
+        """A ``ParquetWriter`` of the output file that stores each page's CRC, which readers can check
+        (:func:`~gr_engine.io.open_parquet`)."""
+        return self._pa.parquet.ParquetWriter(self._file, self._schema(), write_page_checksum=True)
 
     def _schema(self) -> Any:
         return output_schema(self.output_type, self._user_ids)
@@ -100,7 +105,7 @@ class OutputWriter:
 
     def _write_group(self, table: Any) -> None:
         if self._writer is None:
-            self._writer = self._pa.parquet.ParquetWriter(self._file, self._schema())
+            self._writer = self._new_writer()
         self._writer.write_table(table, row_group_size=len(table))
 
     def _user_ids_as_strings(self) -> None:
@@ -113,7 +118,7 @@ class OutputWriter:
         self._writer = None
         written = self._file.with_name(self._file.name + ".int-user-ids")
         os.replace(self._file, written)
-        with self._pa.parquet.ParquetFile(written, buffer_size=PARQUET_READ_BUFFER, pre_buffer=False) as source:
+        with open_parquet(written) as source:
             for group in range(source.num_row_groups):
                 self._write_group(source.read_row_group(group).cast(self._schema()))
         written.unlink()  # only once copied: should the copy fail, the rows are still there

@@ -40,10 +40,9 @@ from typing import Any
 
 import msgspec
 import pyarrow as pa
-import pyarrow.parquet as pq
 from ray.data.datasource import FileBasedDatasource
 
-from .io import CHUNK_ROWS, FORMATS, PARQUET_READ_BUFFER, jsonl_rows, parquet_rows
+from .io import CHUNK_ROWS, FORMATS, jsonl_rows, open_parquet, parquet_rows
 from .outputs import output_user_id
 from .request import GenerateRequest, RankRequest
 from .routing import stable_hash
@@ -196,5 +195,5 @@ def _parquet_rows(f: Any, fields: Collection[str], max_list_lengths: Mapping[str
                   max_string_bytes: int | None) -> Iterator[tuple[int, Any]]:
     """``(1-based row number, row)`` of a Parquet file, a buffer of columns at a time, as single-process jobs read
     them (:func:`~gr_engine.io.parquet_rows`)."""
-    with pq.ParquetFile(f, buffer_size=PARQUET_READ_BUFFER, pre_buffer=False) as source:
+    with open_parquet(f) as source:
         yield from parquet_rows(source, fields, max_list_lengths, max_string_bytes, CHUNK_ROWS)

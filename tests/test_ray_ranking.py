@@ -280,6 +280,30 @@ def test_the_ray_reader_reads_request_columns_and_refuses_long_strings_as_in_one
     assert len(read) == len(rows) - 1 and all(set(row) == set(GenerateRequest.__struct_fields__) for row in read)
 
 
+def test_the_ray_reader_fails_a_damaged_row_groups_rows_and_reads_on(tmp_path):
+    """A flipped byte in the second row group's values: the Ray reader makes its rows error rows labelled
+    ``row-N``, as one process does, and serves the next group's (no cluster needed)."""
+    pytest.importorskip("ray")
+    from gr_engine.io import max_list_lengths, read_requests, serve_rows
+    from gr_engine.ray_ranking import EngineWorker
+    from tests.test_damaged_parquet import column_chunk, flipped
+
+    rows = [{**row, "user_id": str(row["user_id"])} for row in stream(3, 3, seed=2)]  # one type per column
+    clean = tmp_path / "clean.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), clean, row_group_size=3, write_page_checksum=True)
+    path = flipped(clean, column_chunk(clean, 1, "item_ids")[-1], tmp_path / "in.parquet")
+    limits = max_list_lengths(CONFIG)
+    wire, _ = read_wire(path, limits)
+    distributed = pa.concat_tables(EngineWorker(CONFIG, False, None)(wire)).to_pylist()
+    single = msgspec.to_builtins(serve_rows(GREngine(CONFIG), read_requests(path, RankRequest, None, limits), None),
+                                 enc_hook=array_as_lists)
+    assert_same_outputs(distributed, single)
+    failed = {row["request_id"]: row["error"] for row in distributed if row["error"]}
+    assert failed.keys() == {"row-4", "row-5", "row-6"}
+    assert all("row group 1 of the file is damaged" in error for error in failed.values())
+    assert len(distributed) == len(rows)
+
+
 class MappedBatches:
     """Stands in for a Ray dataset in :func:`rank_dataset`: keeps the function and arguments it maps over each
     batch, so that a batch can be given to them here (no cluster needed)."""

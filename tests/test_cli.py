@@ -121,6 +121,8 @@ def test_bad_files_flags_and_sizes_are_one_line_errors(tmp_path, capsys):
     one_line_error(capsys, "--users and --visits must be at least 1")
     assert main(["config", "--set", "serving.max_queue_ms=NaN"]) == 2
     one_line_error(capsys, "serving.max_queue_ms must be a finite number >= 0, got nan")
+    assert main(["config", "--set", "serving.max_reading_bytes=1000"]) == 2
+    one_line_error(capsys, "serving.max_reading_bytes (1000) must be at least serving.max_body_bytes (67108864)")
 
 
 def test_rank_exits_1_when_every_request_failed(tmp_path, capsys):

@@ -264,6 +264,59 @@ def test_overload_is_503_and_the_server_stays_up(server: Server) -> None:
         np.testing.assert_allclose(np.array(output["scores"], dtype=np.float32), reference, atol=TOL, rtol=0)
 
 
+def read_answer(connection: socket.socket) -> bytes:
+    """An HTTP answer read from ``connection`` until its JSON body ends (or the server closes it)."""
+    connection.settimeout(30)
+    answer = b""
+    while not answer.endswith(b"}") and (part := connection.recv(4096)):
+        answer += part
+    return answer
+
+
+def test_bodies_received_at_once_are_bounded(tmp_path: Path) -> None:
+    """Two clients send most of a 150 kB body and stall (300 kB of the 400 kB ``serving.max_reading_bytes``): a third
+    body declaring 150 kB, and a chunked one (no declared length) once it passes the 100 kB left, are refused at once
+    as overloaded (503, ``Retry-After``; counted); a stalled body completed is served, and the bytes of both stalled
+    bodies are free again once one is answered and the other's client left (a body of 150 kB is then served). Without
+    the bound, 16 clients each sending 31 MiB of a body grew the API server by 500 MiB, and more would grow it more."""
+    server = Server(tmp_path, "serving.max_body_bytes=200000", "serving.max_reading_bytes=400000")
+    size = 150_000
+    head = (b"POST /v1/rank HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {size}\r\n\r\n".encode())
+    requests = make_stream(2, seed=37)
+    whole = body(requests[:1])
+    whole += b" " * (size - len(whole))
+    try:
+        before = total(metric_samples(server.url), "gr_engine_request_errors_total", kind="overloaded")
+        stalled = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(2)]
+        for connection in stalled:
+            connection.sendall(head + whole[:1000])
+        time.sleep(0.5)  # both are being received
+        with socket.create_connection(("127.0.0.1", server.port)) as third:
+            third.sendall(head)
+            answer = read_answer(third)
+        assert answer.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in answer.lower(), answer
+        assert b"serving.max_reading_bytes" in answer, answer
+        chunked = httpx.post(f"{server.url}/v1/rank", content=iter([b" " * 20_000] * 9), timeout=30)
+        assert chunked.status_code == 503 and "max_reading_bytes" in chunked.json()["error"]
+        stalled[0].sendall(whole[1000:])
+        answer = read_answer(stalled[0])
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+        [output] = json.loads(answer.split(b"\r\n\r\n", 1)[1])["outputs"]
+        np.testing.assert_allclose(np.array(output["scores"], dtype=np.float32), recompute_scores(requests[:1])[0],
+                                   atol=TOL, rtol=0)
+        for connection in stalled:
+            connection.close()
+        time.sleep(0.5)
+        later = httpx.post(f"{server.url}/v1/rank", content=whole, timeout=30)
+        assert later.status_code == 200
+        after = total(metric_samples(server.url), "gr_engine_request_errors_total", kind="overloaded")
+        assert after - before == 2
+    finally:
+        assert server.stop() == 0
+    assert "Traceback" not in server.log_text()
+
+
 def test_deadline_gives_an_error_not_a_late_answer(server: Server) -> None:
     """Requests late at their deadline get an error, never a late answer, and ``/metrics`` counts each request as
     its caller saw it (the core's later answer to a timed-out request is not counted again)."""

@@ -24,6 +24,10 @@ class ServingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             cached history turns into onloads and throughput falls as the queue grows; 0 admits up to the two
             bounds above.
         max_body_bytes: largest HTTP request body accepted (HTTP 413 beyond it).
+        max_reading_bytes: most bytes of HTTP request bodies one API server receives at once (a body counts from
+            its first byte, or its declared ``Content-Length``, until it is whole): a body that would go over it is
+            refused as overloaded (HTTP 503 with ``Retry-After``), so that many clients sending large bodies at once
+            cannot exhaust the server's memory. At least ``max_body_bytes``.
         body_timeout_s: longest an HTTP request body may take to arrive (HTTP 408 beyond it): a client that stops
             sending mid-body and keeps its connection open would otherwise hold its handler, and a graceful
             shutdown, forever.
@@ -41,6 +45,7 @@ class ServingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_pending_tokens: int = 64_000_000
     max_queue_ms: float = 50.0
     max_body_bytes: int = 64 * 2**20
+    max_reading_bytes: int = 256 * 2**20
     body_timeout_s: float = 30.0
     heartbeat_s: float = 0.5
     health_timeout_s: float = 10.0
@@ -54,3 +59,6 @@ class ServingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for name in ("max_pending_requests", "max_pending_tokens", "max_body_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"serving.{name} must be positive, got {getattr(self, name)}")
+        if self.max_reading_bytes < self.max_body_bytes:  # else the largest bodies could never be received
+            raise ValueError(f"serving.max_reading_bytes ({self.max_reading_bytes}) must be at least "
+                             f"serving.max_body_bytes ({self.max_body_bytes})")

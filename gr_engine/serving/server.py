@@ -4,7 +4,8 @@ Endpoints: ``POST /v1/rank``, ``POST /v1/generate``, ``GET /health``, ``GET /rea
 ``GET /metrics``. Bodies are JSON or msgpack (:mod:`.bodies`), decoded by msgspec; each request of a body is decoded
 on its own, so a malformed one gets its ``error`` in its output while its batch-mates are served. A body that cannot
 be decoded, or has no ``requests`` list, is a 400; one over ``serving.max_body_bytes`` a 413; work beyond the
-admission bounds a 503 with ``Retry-After``. SIGTERM stops accepting connections, finishes what was accepted, lets
+admission bounds, or a body that would take the bodies being received over ``serving.max_reading_bytes``, a 503 with
+``Retry-After``. SIGTERM stops accepting connections, finishes what was accepted, lets
 the core complete its pending offloads, and exits 0. Several API-server processes over one core: :mod:`.launcher`;
 one API server over several engine-core replicas (``--replicas N``): :mod:`.router`.
 """
@@ -40,6 +41,10 @@ logger = logging.getLogger(__name__)
 
 class _BodyTooLarge(Exception):
     pass
+
+
+class _ServerBusy(Exception):
+    """Receiving the body would take the bodies being received over ``serving.max_reading_bytes``."""
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -79,6 +84,7 @@ def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int 
     metrics = ServingMetrics(engine, server)
     # request bodies begun, answered (any status), and abandoned by their client before it sent them whole
     bodies = {"accepted": 0, "answered": 0, "gone": 0}
+    receiving = {"bytes": 0}  # of the bodies being received (serving.max_reading_bytes)
     name = "gr-engine" if core is None else f"gr-engine API server {server}"
 
     @contextlib.asynccontextmanager
@@ -100,15 +106,29 @@ def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int 
 
     async def read_body(request: Request) -> bytes:
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > serving.max_body_bytes:
+        expected = int(declared) if declared is not None and declared.isdigit() else 0
+        if expected > serving.max_body_bytes:
             raise _BodyTooLarge
-        body = bytearray()
-        async with asyncio.timeout(serving.body_timeout_s):  # a client stalled mid-body must not hold shutdown
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > serving.max_body_bytes:
-                    raise _BodyTooLarge
-        return bytes(body)
+        reserve(expected)  # the declared length at once: the bytes on their way count before they arrive
+        held = expected
+        try:
+            body = bytearray()
+            async with asyncio.timeout(serving.body_timeout_s):  # a client stalled mid-body must not hold shutdown
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > serving.max_body_bytes:
+                        raise _BodyTooLarge
+                    if len(body) > held:  # a body without a length (chunked) counts as it arrives
+                        reserve(len(body) - held)
+                        held = len(body)
+            return bytes(body)
+        finally:
+            receiving["bytes"] -= held
+
+    def reserve(size: int) -> None:
+        if receiving["bytes"] + size > serving.max_reading_bytes:
+            raise _ServerBusy
+        receiving["bytes"] += size
 
     async def serve(request: Request, body_type: type, ranking: bool, failed_type: type) -> Response:
         bodies["accepted"] += 1
@@ -135,6 +155,11 @@ def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int 
         except _BodyTooLarge:
             metrics.count_refused("bad_request")
             return _error(answering, 413, f"request body over serving.max_body_bytes ({serving.max_body_bytes})")
+        except _ServerBusy:
+            metrics.count_refused("overloaded")
+            return _error(answering, 503, f"the server is receiving {receiving['bytes']} bytes of request bodies, "
+                                          f"near serving.max_reading_bytes ({serving.max_reading_bytes}): retry later",
+                          {"Retry-After": "1"})
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             metrics.count_refused("bad_request")
             return _error(answering, 400, f"invalid body: {exc}")

@@ -181,6 +181,7 @@ class PagedBatchMetadata:
 
     @property
     def num_requests(self) -> int:
+        """Requests of the step."""
         return len(self.kv_last_page_len)
 
     @classmethod

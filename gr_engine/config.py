@@ -89,6 +89,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @property
     def normaliser(self) -> int:
+        """The length HSTU attention divides its SiLU weights by: ``scaling_seqlen``, else ``max_history_len``."""
         return self.scaling_seqlen if self.scaling_seqlen is not None else self.max_history_len
 
     @property
@@ -98,10 +99,12 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @property
     def alpha(self) -> float:
+        """The factor of ``q k^T`` before the SiLU: ``attn_alpha``, else ``head_dim ** -0.5``."""
         return self.attn_alpha if self.attn_alpha is not None else self.head_dim**-0.5
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """``dtype`` as a ``torch.dtype``."""
         return getattr(torch, self.dtype)
 
 

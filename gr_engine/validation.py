@@ -35,6 +35,7 @@ class RequestArrays:
 
     @property
     def num_history(self) -> int:
+        """History events of the request."""
         return len(self.item_ids)
 
 

@@ -11,6 +11,8 @@ import numpy as np
 
 
 class RequestStatus(enum.IntEnum):
+    """Where a request is: waiting to be scheduled, in running steps, finished with its output, or failed."""
+
     WAITING = 0
     RUNNING = 1
     FINISHED = 2

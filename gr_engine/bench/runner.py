@@ -177,6 +177,7 @@ class Phase:
     flops: float = 0.0  # model FLOPs of the computed tokens (flops.step_flops)
 
     def report(self) -> dict:
+        """The phase's summary: batch latency spread (ms), per-step phase times, hit ratios, bytes moved, FLOPs."""
         lat = np.asarray(self.latencies) * 1e3
         batches, steps, tokens = max(len(lat), 1), max(self.steps, 1), max(self.history_tokens, 1)
         # Heavy-tailed: mean and p99 beside the median; per batch latency and bytes, in order (same batches per mode)

@@ -44,6 +44,7 @@ class GRModel(nn.Module):
 
     @property
     def candidate_action(self) -> int:
+        """The action id a candidate's token carries (``num_actions``: one past the real actions)."""
         return self.config.num_actions
 
     @torch.no_grad()

@@ -149,6 +149,8 @@ class Recorder:
         return now
 
     def result(self) -> dict:
+        """What was recorded: per-request latencies and outcomes, lags, users' waits, CPU seconds, first and last
+        arrival (s)."""
         return {"latency_ms": self.latency_ms, "schedule_latency_ms": self.schedule_latency_ms,
                 "outcomes": self.outcomes, "lag_ms": self.lag_ms, "user_waits": self.user_waits,
                 "cpu_s": time.process_time() - self.cpu0, "first_s": self.first, "last_s": self.last}

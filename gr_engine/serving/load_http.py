@@ -124,6 +124,7 @@ class Generators:
         return [pipe.recv() for pipe in self.pipes]
 
     def close(self) -> None:
+        """Stop the generator processes (each is given 10 s to exit)."""
         for pipe in self.pipes:
             pipe.send(("stop",))
         for proc in self.procs:

@@ -19,6 +19,7 @@ P99_TARGET_MS = 25.0
 
 
 def percentiles(values: Sequence[float], suffix: str = "_ms") -> dict[str, float | None]:
+    """p50, p90, p99, mean and max of ``values`` (keys suffixed by ``suffix``); ``None`` each for no values."""
     v = np.asarray(values, dtype=np.float64)
     if not len(v):
         return {f"{k}{suffix}": None for k in ("p50", "p90", "p99", "mean", "max")}

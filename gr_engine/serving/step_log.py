@@ -86,6 +86,8 @@ class StepLog:
             self._gc_s += time.perf_counter() - self._gc_start
 
     def header(self, frozen_objects: int, full_collection_s: float) -> None:
+        """Write the log's first line: objects frozen out of garbage collection at warm-up's end and the seconds a
+        full collection took then."""
         self._write(StepLogHeader(frozen_objects=frozen_objects, full_collection_s=full_collection_s))
 
     def step(self, start: float, seconds: float, metrics: StepMetrics | None, waiting: int,
@@ -109,6 +111,7 @@ class StepLog:
         self._file.write(self._encoder.encode(record) + b"\n")
 
     def close(self) -> None:
+        """Stop timing garbage collections and close the file."""
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
         self._file.close()

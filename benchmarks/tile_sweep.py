@@ -11,7 +11,9 @@ new events and 100 candidates each over 2k-12.5k cached), the same users with 16
 decode tiles), and recompute's batch with a relative time bias (the kernel variant that loads the most per key tile:
 a shape must compile for it too). A persistent grid holds one program an SM unless ``programs_per_sm`` says more
 (``compile_check.py`` says how many fit). Reports TFLOP/s (causal FLOPs counted once) per shape. ``--quick``: seven
-shapes.
+shapes. ``--overhead-keys 256,640,1280`` also times the steps with each split-KV program cost (the backend's
+``overhead_keys``, in keys: more splits the cheaper a program is taken to be) under the engine's own launch shapes
+(each step's :func:`default_tile_config`).
 """
 
 from __future__ import annotations
@@ -58,7 +60,10 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--quick", action="store_true", help="seven shapes only")
     parser.add_argument("--commit", default=None, help="commit id to record (the device copy has no .git)")
+    parser.add_argument("--overhead-keys", default="",
+                        help="comma-separated split-KV program costs (keys) to time every step at, engine shapes")
     args = parser.parse_args()
+    overheads = [int(v) for v in args.overhead_keys.split(",") if v.strip()]
     device = torch.device("cuda")
     spec = AttentionSpec(kind="hstu", num_heads=HEADS, head_dim=DIM, page_size=PAGE, dtype=torch.bfloat16,
                          device_type="cuda", alpha=DIM**-0.5, scaling_seqlen=20_000)
@@ -77,21 +82,27 @@ def main() -> None:
     tflop[BIAS_STEP] = tflop["recompute_bs8"]
     bias_spec = dataclasses.replace(spec, time_bias_buckets=BIAS_BUCKETS)
     bias_table = torch.randn(BIAS_BUCKETS, HEADS, device=device, dtype=torch.float32)
-    results = []
-    for config in grid:
-        row = {"config": list(dataclasses.astuple(config)), "tflops": {}}
+
+    def tflops(config: TileConfig | None, overhead_keys: int | None = None) -> dict:
+        """TFLOP/s of every step under launch shape ``config`` (``None``: the engine's for each step)."""
+        row: dict = {"tflops": {}}
         try:
             for name, (q, k, v, cache, meta) in steps.items():
                 biased = name == BIAS_STEP
                 backend = HSTUTritonBackend(bias_spec if biased else spec, tiles=config)
+                if overhead_keys is not None:
+                    backend.overhead_keys = overhead_keys
                 attend = functools.partial(backend.attend, q, k, v, cache, backend.build_metadata(meta),
                                            time_bias=bias_table if biased else None)
                 seconds = triton.testing.do_bench_cudagraph(attend, rep=50, return_mode="median") / 1e3
                 row["tflops"][name] = tflop[name] / seconds
         except Exception as exc:  # a shape Triton cannot compile (e.g. out of shared memory)
             row["error"] = repr(exc)[:200]
-        results.append(row)
         print(row, flush=True)
+        return row
+
+    results = [{"config": list(dataclasses.astuple(config)), **tflops(config)} for config in grid]
+    by_overhead = [{"overhead_keys": keys, **tflops(None, keys)} for keys in overheads]
     ok = [r for r in results if "error" not in r]
     for name in steps:
         ok.sort(key=lambda r, name=name: -r["tflops"][name])
@@ -99,10 +110,11 @@ def main() -> None:
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                            text=True).stdout.strip()
     out = {"gpu": torch.cuda.get_device_name(), "commit": commit or "unknown", "triton": triton.__version__,
-           "command": "python benchmarks/tile_sweep.py --out " + args.out + (" --quick" if args.quick else ""),
+           "command": "python benchmarks/tile_sweep.py --out " + args.out + (" --quick" if args.quick else "")
+           + (f" --overhead-keys {args.overhead_keys}" if overheads else ""),
            "config_fields": [f.name for f in dataclasses.fields(TileConfig)],
            "default": list(dataclasses.astuple(default)),
-           "step_tflop": tflop, "results": results}
+           "step_tflop": tflop, "results": results, "overhead_keys": by_overhead}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)
 

@@ -6,8 +6,9 @@ relative time bias) is *staged*: written in compact form into a pinned host buff
 expanded into the padded static buffers by one kernel launched just before the bucket's forward is replayed
 (:mod:`.step_expand`): the next step may be staged as soon as that kernel has read the buffer.
 
-Buckets are powers of two from 128 rows to ``max_rows``; graphs are captured when a bucket and launch shape first
-occur (after an eager warm-up on a side stream) or all at start-up (:meth:`.ModelRunner.capture_graphs`). A step
+Buckets are powers of two from 128 rows to ``max_rows`` (:func:`bucket_rows`); graphs are captured when a bucket and
+launch shape first occur (after an eager warm-up on a side stream) or all at start-up
+(:meth:`.ModelRunner.capture_graphs`). A step
 waiting for onloads replays one graph per layer, each after its layer's event, any other one graph; the last graph
 also runs the ranking head. All graphs share one memory pool. On CPU the padded forward runs eagerly instead.
 """
@@ -38,6 +39,11 @@ LENGTHS = {
 }
 TOKEN_FIELDS = ("item_ids", "action_ids", "positions")
 _VIEW_CACHE_SIZE = 4096  # (bucket, field, length) views of the static buffer kept
+
+
+def bucket_rows(max_rows: int) -> list[int]:
+    """The capture buckets (rows) of steps up to ``max_rows`` rows: powers of two from 128, then ``max_rows``."""
+    return [b for b in (128 * 2**i for i in range(16)) if b < max_rows] + [max_rows]
 
 Segment = Callable[[torch.Tensor | None], torch.Tensor]
 SegmentsFn = Callable[[dict[str, torch.Tensor], PagedBatchMetadata, Any], list[Segment]]
@@ -105,7 +111,7 @@ class StepGraphs:
                  max_requests: int, max_pages: int) -> None:
         self.backend, self.device, self.page_size = backend, indexed(device), page_size
         self.max_rows, self.max_requests, self.max_pages = max_rows, max_requests, max_pages
-        self.buckets = [b for b in (128 * 2**i for i in range(16)) if b < max_rows] + [max_rows]
+        self.buckets = bucket_rows(max_rows)
         from . import step_expand  # imports Triton: only engines with a graph-replayable backend get here
 
         self._step_expand = step_expand

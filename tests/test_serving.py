@@ -317,6 +317,24 @@ def test_bodies_received_at_once_are_bounded(tmp_path: Path) -> None:
     assert "Traceback" not in server.log_text()
 
 
+@pytest.mark.parametrize("api_servers", [1, 2])
+def test_a_port_in_use_is_a_clear_error_before_any_engine_starts(api_servers: int) -> None:
+    """``gr-engine serve`` on a port another socket listens on exits 2 with one line naming the address, and no engine
+    core was started (before, one API server built and warmed up its engine, then failed to bind); a port out of
+    range is a usage error."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "gr_engine", "serve", "--host", "127.0.0.1", "--port",
+                                 str(port), "--api-servers", str(api_servers), "--set", "serving.warmup=false"],
+                                capture_output=True, text=True, timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 2, result.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "in use" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "engine core" not in result.stderr, result.stderr
+    result = subprocess.run([sys.executable, "-m", "gr_engine", "serve", "--port", "99999"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and "a port is 0 to 65535, got 99999" in result.stderr, result.stderr
+
+
 def test_deadline_gives_an_error_not_a_late_answer(server: Server) -> None:
     """Requests late at their deadline get an error, never a late answer, and ``/metrics`` counts each request as
     its caller saw it (the core's later answer to a timed-out request is not counted again)."""

@@ -14,7 +14,7 @@ def add_commands(commands: argparse._SubParsersAction, add_config_args: Callable
     ``load`` resolves them into an :class:`~gr_engine.EngineConfig`)."""
     serve = commands.add_parser("serve", help="serve ranking and retrieval over HTTP (docs/serving.md)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: any free port)")
     serve.add_argument("--api-servers", type=int, default=1, metavar="N",
                        help="API-server processes sharing the port and one engine core (default 1); each admits "
                             "1/N of serving.max_pending_requests and max_pending_tokens")
@@ -133,3 +133,11 @@ def add_commands(commands: argparse._SubParsersAction, add_config_args: Callable
         return 0
 
     bench.set_defaults(run=run_bench_serve)
+
+
+def _port(text: str) -> int:
+    """``--port``'s value: an int in ``[0, 65535]``."""
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {port}")
+    return port

@@ -34,10 +34,10 @@ import msgspec
 from ..config import EngineConfig
 from .client import CoreHandle
 from .core import start_core
+from .server import build_app, listen, run_app
 
 logger = logging.getLogger(__name__)
 
-_BACKLOG = 2048  # uvicorn's default listen backlog
 _CORE_EXIT_S = 120.0  # how long the core may take to finish after the last API server has gone
 
 
@@ -45,11 +45,7 @@ def serve_many(config: EngineConfig, host: str, port: int, api_servers: int) -> 
     """Serve on ``host``:``port`` from ``api_servers`` (>= 2) API-server processes over one engine core until
     SIGTERM or Ctrl-C; the exit status (0: every process stopped cleanly)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
-    try:
-        listeners = _listen(host, port, api_servers)
-    except OSError as exc:
-        logger.error("gr-engine: cannot listen on %s:%d: %s", host, port, exc)
-        return 1
+    listeners = listen(host, port, api_servers)  # OSError (the address cannot be listened on) before the core starts
     port = listeners[0].getsockname()[1]
     with tempfile.TemporaryDirectory(prefix="gr-engine-") as folder, _multiprocess_metrics(Path(folder, "metrics")):
         address = f"ipc://{folder}/core"
@@ -65,22 +61,6 @@ def serve_many(config: EngineConfig, host: str, port: int, api_servers: int) -> 
             listener.close()  # each server holds its own now: once it has closed it, it gets no more connections
         logger.info("gr-engine: %d API servers on %s:%d, engine core pid %d", api_servers, host, port, core.pid)
         return _supervise(core, servers)
-
-
-def _listen(host: str, port: int, count: int) -> list[socket.socket]:
-    """``count`` listening sockets on one address (``SO_REUSEPORT``: the kernel spreads new connections over them);
-    port 0 picks a free port for all of them."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listeners = [socket.create_server((host, port), family=family, backlog=_BACKLOG, reuse_port=True)]
-    port = listeners[0].getsockname()[1]
-    try:
-        listeners += [socket.create_server((host, port), family=family, backlog=_BACKLOG, reuse_port=True)
-                      for _ in range(count - 1)]
-    except OSError:
-        for listener in listeners:
-            listener.close()
-        raise
-    return listeners
 
 
 @contextlib.contextmanager
@@ -147,8 +127,6 @@ def _supervise(core: multiprocessing.process.BaseProcess, servers: list[multipro
 
 def _api_server(config_json: bytes, core: CoreHandle, listener: socket.socket, index: int) -> None:
     """An API-server process: its app attached to ``core``, on uvicorn over the inherited ``listener``."""
-    from .server import build_app, run_app
-
     config = msgspec.json.decode(config_json, type=EngineConfig)
     threading.Thread(target=_stop_when_orphaned, args=(os.getppid(),), daemon=True).start()
     run_app(build_app(config, core, index), sockets=[listener])

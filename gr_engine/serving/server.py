@@ -230,22 +230,45 @@ def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int 
 
 def serve(config: EngineConfig, host: str, port: int, replicas: int = 1) -> None:
     """Run one API server, with a core of its own (or ``replicas`` of them), on ``host``:``port`` until SIGTERM or
-    Ctrl-C (:func:`run_app`)."""
-    run_app(build_app(config, replicas=replicas), host=host, port=port)
+    Ctrl-C (:func:`run_app`). The address is bound first: one that cannot be listened on raises ``OSError`` before
+    any engine is built (a warm-up of minutes is not spent on a port in use)."""
+    [listener] = listen(host, port)
+    run_app(build_app(config, replicas=replicas), [listener])
 
 
-def run_app(app: Starlette, sockets: list[socket.socket] | None = None, **where: Any) -> None:
-    """Run ``app`` on uvicorn, listening on ``sockets`` (already bound) or at ``where`` (``host``, ``port``), until
-    SIGTERM or Ctrl-C (uvicorn's graceful shutdown: accepted requests are answered), then return; exit 3 if the
-    application failed to start. (uvicorn raises the signal it caught again once it has shut down, to the handler
-    that was installed before it: a no-op here, so that a graceful stop exits 0.)"""
+#: Pending connections a listening socket holds (uvicorn's default).
+BACKLOG = 2048
+
+
+def listen(host: str, port: int, count: int = 1) -> list[socket.socket]:
+    """``count`` listening sockets on ``host``:``port``; several share it (``SO_REUSEPORT``: the kernel spreads new
+    connections over them), one does not (a server already on the port makes it fail). Port 0 picks a free port, the
+    same for all. Raises ``OSError`` naming the address when it cannot be listened on (in use, not this host's)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    shared = count > 1
+    listeners: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            listeners.append(socket.create_server((host, port), family=family, backlog=BACKLOG, reuse_port=shared))
+            port = listeners[0].getsockname()[1]
+    except OSError as exc:
+        for listener in listeners:
+            listener.close()
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    return listeners
+
+
+def run_app(app: Starlette, sockets: list[socket.socket]) -> None:
+    """Run ``app`` on uvicorn, listening on ``sockets`` (already bound: :func:`listen`), until SIGTERM or Ctrl-C
+    (uvicorn's graceful shutdown: accepted requests are answered), then return; exit 3 if the application failed to
+    start. (uvicorn raises the signal it caught again once it has shut down, to the handler that was installed before
+    it: a no-op here, so that a graceful stop exits 0.)"""
     import uvicorn
 
     for stop in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop, lambda *_: None)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
-    server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=False, timeout_graceful_shutdown=None,
-                                           **where))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=False, timeout_graceful_shutdown=None))
     server.run(sockets=sockets)
     if not server.started:
         sys.exit(3)  # uvicorn's exit status for a failed startup (its log says why)

@@ -127,6 +127,22 @@ def test_write_config_is_the_bench_engine(tmp_path: Path) -> None:
     assert written == expected
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--url", "http://127.0.0.1:1"], "cannot reach http://127.0.0.1:1: "),
+    (["--url", "127.0.0.1:8000"], "cannot reach 127.0.0.1:8000: "),
+    (["--in-process", "--rate", "nan"], "rates and --duration must be positive finite numbers"),
+    (["--in-process", "--rates", "10,inf"], "rates and --duration must be positive finite numbers"),
+    (["--in-process", "--timeout-ms", "-1"], "--timeout-ms must be a number >= 0, got -1.0"),
+])
+def test_bad_arguments_and_unreachable_servers_are_one_line_errors(args: list[str], message: str, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    """Each fails at once (before the trace is generated), exit 2, one line; an unreachable server used to end in a
+    traceback after the trace was generated, a NaN rate in "cannot convert float NaN to integer"."""
+    assert main(["bench-serve", "--quick", "--duration", "1", "--out", str(tmp_path / "out"), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "trace:" not in err, err
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[str]:
     """``gr-engine serve`` with the bench's quick gpu_only engine (written by ``--write-config``)."""

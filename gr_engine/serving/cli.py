@@ -85,6 +85,7 @@ def add_commands(commands: argparse._SubParsersAction, add_config_args: Callable
     add_config_args(bench)
 
     def run_bench_serve(args: argparse.Namespace) -> int:
+        import math
         import sys
         from pathlib import Path
 
@@ -106,8 +107,12 @@ def add_commands(commands: argparse._SubParsersAction, add_config_args: Callable
         if args.rate is not None and args.rates:
             raise ValueError("give --rate or --rates, not both")
         rates = tuple(float(r) for r in args.rates.split(",")) if args.rates else (args.rate or 50.0,)
-        if min(rates) <= 0 or args.duration <= 0 or args.processes < 1 or args.concurrency < 1:
-            raise ValueError("rates, --duration, --processes and --concurrency must be positive")
+        if not all(0 < value < math.inf for value in (*rates, args.duration)):  # NaN fails too
+            raise ValueError("rates and --duration must be positive finite numbers")
+        if args.processes < 1 or args.concurrency < 1:
+            raise ValueError("--processes and --concurrency must be at least 1")
+        if args.timeout_ms is not None and not args.timeout_ms >= 0:
+            raise ValueError(f"--timeout-ms must be a number >= 0, got {args.timeout_ms}")
         closed = args.closed_requests if args.closed_requests is not None else (16 if args.quick else 240)
         skip = args.skip_steady if args.skip_steady is not None else (0 if args.quick else 10_000)
         if skip < 0:

@@ -339,19 +339,15 @@ def run_bench(load: LoadSettings, config: EngineConfig | None, echo: Callable[[s
     of :func:`~.load_report.build_result` plus the settings and the trace's summary."""
     from .load_report import build_result
 
+    # the engine that serves (the server's: to compare runs by), known before the trace is generated
+    served = msgspec.to_builtins(config) if config is not None else server_config(load.url)
     settings = bench_settings(load.quick, load.users, load.seed)
     trace = generate_trace(settings.trace)
     echo(f"trace: {trace.summary()}")
     freeze_heap()  # this process's generator (and, in process, client) runs alongside the trace's objects
     if config is not None:
         phases, device = run_in_process(trace, load, config, echo), config.device
-        served = msgspec.to_builtins(config)
     else:
-        import httpx
-
-        if httpx.get(f"{load.url}/ready", timeout=30).status_code != 200:
-            raise ValueError(f"{load.url} is not ready (GET /ready)")
-        served = httpx.get(f"{load.url}/v1/config", timeout=30).json()  # the server's engine, to compare runs by
         device = served.get("device", "cpu")
         from .load_http import run_http
 
@@ -364,3 +360,17 @@ def run_bench(load: LoadSettings, config: EngineConfig | None, echo: Callable[[s
     result["trace"] = trace.summary()
     result["engine_config"] = served
     return result
+
+
+def server_config(url: str) -> dict:
+    """The engine configuration of the server at ``url`` (``GET /v1/config``) once ``GET /ready`` answers 200;
+    ``ValueError`` saying why not (not ready, not reachable, not a URL)."""
+    import httpx
+
+    try:
+        ready = httpx.get(f"{url}/ready", timeout=30)
+        if ready.status_code != 200:
+            raise ValueError(f"{url} is not ready (GET /ready answered {ready.status_code})")
+        return httpx.get(f"{url}/v1/config", timeout=30).json()
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        raise ValueError(f"cannot reach {url}: {exc}") from exc

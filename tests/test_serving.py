@@ -5,6 +5,7 @@ Every served score is checked against offline ``recompute`` of the same request 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import os
 import signal
@@ -183,6 +184,25 @@ def test_bad_input_gets_400_or_a_per_request_error(server: Server) -> None:
     np.testing.assert_allclose(np.array(outputs[0]["scores"], dtype=np.float32), reference[0], atol=TOL, rtol=0)
     np.testing.assert_allclose(np.array(outputs[4]["scores"], dtype=np.float32), reference[1], atol=TOL, rtol=0)
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_unknown_paths_methods_and_encodings_get_json_errors(server: Server) -> None:
+    """An unknown path (404) or method (405, with ``Allow``) answers ``{"error": ...}`` as every other error does
+    (they were Starlette's plain text); a compressed body (``Content-Encoding: gzip``) is a 415 saying so, counted
+    as a bad request (it was read as malformed JSON)."""
+    missing = httpx.get(f"{server.url}/v2/rank", timeout=10)
+    assert missing.status_code == 404 and missing.json() == {"error": "Not Found"}
+    wrong = httpx.get(f"{server.url}/v1/rank", timeout=10)
+    assert wrong.status_code == 405 and wrong.json() == {"error": "Method Not Allowed"}
+    assert wrong.headers["allow"] == "POST"
+    before = total(metric_samples(server.url), "gr_engine_request_errors_total", kind="bad_request")
+    compressed = httpx.post(f"{server.url}/v1/rank", content=gzip.compress(body(make_stream(2, seed=41))),
+                            headers={"content-encoding": "gzip"}, timeout=10)
+    assert compressed.status_code == 415 and "Content-Encoding 'gzip' is not supported" in compressed.json()["error"]
+    assert total(metric_samples(server.url), "gr_engine_request_errors_total", kind="bad_request") == before + 1
+    plain = httpx.post(f"{server.url}/v1/rank", content=body(make_stream(2, seed=41)),
+                       headers={"content-encoding": "identity"}, timeout=10)
+    assert plain.status_code == 200
 
 
 def test_out_of_range_fields_are_400_or_a_per_request_error_never_a_500(server: Server) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -144,6 +145,10 @@ def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int 
         content_type = request.headers.get("content-type")
         decoding = request_format(content_type)
         answering = answer_format(request.headers.get("accept"), content_type)
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        if encoding != "identity":  # read as it is, a compressed body would be "malformed"
+            metrics.count_refused("bad_request")
+            return _error(answering, 415, f"Content-Encoding {encoding!r} is not supported: send the body as it is")
         try:
             body = decoding.decode_body(await read_body(request), body_type)
         except ClientDisconnect:
@@ -216,7 +221,10 @@ def build_app(config: EngineConfig, core: CoreHandle | None = None, server: int 
     async def show_metrics(request: Request) -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    app = Starlette(lifespan=lifespan, routes=[
+    async def http_error(request: Request, exc: HTTPException) -> Response:  # unknown paths and methods: JSON too
+        return _json({"error": exc.detail}, exc.status_code, exc.headers)
+
+    app = Starlette(lifespan=lifespan, exception_handlers={HTTPException: http_error}, routes=[
         Route("/v1/rank", rank, methods=["POST"]),
         Route("/v1/generate", generate, methods=["POST"]),
         Route("/health", health, methods=["GET"]),

@@ -211,6 +211,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node[leaf] = json.loads(value)
         except json.JSONDecodeError:
             node[leaf] = value.strip()
+        except RecursionError:  # json's answer to values nested thousands deep
+            raise ValueError(f"override {key.strip()!r}: its value is nested too deeply") from None
     return data
 
 
@@ -239,6 +241,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             data = tomllib.loads(raw.decode()) if path.suffix.lower() == ".toml" else json.loads(raw)
         except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"cannot parse config file {path}: {exc}") from exc
+        except RecursionError:  # the parsers' answer to values nested thousands deep
+            raise ValueError(f"cannot parse config file {path}: values nested too deeply") from None
         if not isinstance(data, dict):
             raise ValueError(f"config file {path} holds a JSON {type(data).__name__}, not an object of sections")
     elif base is not None:

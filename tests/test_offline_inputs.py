@@ -1,0 +1,31 @@
+"""Bad inputs to the offline entry points (``gr-engine rank`` / ``generate`` / ``config``, ``GREngine``): a one-line
+error and exit status 2 for a bad argument or config, never a traceback or a wrong answer."""
+
+from __future__ import annotations
+
+import pytest
+
+from gr_engine.cli import main
+from gr_engine.config import load_config
+from tests.test_cli import one_line_error
+
+DEEP = 100_000  # brackets: far past Python's recursion limit
+
+
+@pytest.mark.parametrize("name, text", [("engine.json", "[" * DEEP + "]" * DEEP),
+                                        ("engine.toml", "a = " + "[" * DEEP + "]" * DEEP)], ids=["json", "toml"])
+def test_config_file_nested_too_deeply_is_a_config_error(name, text, tmp_path, capsys):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        load_config(path)
+    assert main(["config", "--config", str(path)]) == 2
+    one_line_error(capsys, "nested too deeply")
+
+
+def test_override_nested_too_deeply_is_a_config_error(capsys):
+    value = "[" * 5000 + "]" * 5000
+    with pytest.raises(ValueError, match=r"override 'model\.seed': its value is nested too deeply"):
+        load_config(None, [f"model.seed={value}"])
+    assert main(["config", "--set", f"model.seed={value}"]) == 2
+    one_line_error(capsys, "nested too deeply")

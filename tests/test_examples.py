@@ -1,16 +1,53 @@
-"""The README's examples run as a user runs them (``python examples/X.py`` from the repository root) and print what
-they promise: the offline ranking's cached scores equal recomputed ones, the retrieval's second visits reuse the
-cache. (``custom_backend.py`` runs in tests/test_plugins.py, with its plugin installed.)"""
+"""The README's examples run as a user runs them and do what they promise: its Python example (the visit's second
+call reuses 3 cached events and encodes 1), its ``curl`` body against ``gr-engine serve``, and ``python
+examples/X.py`` from the repository root (the offline ranking's cached scores equal recomputed ones, the retrieval's
+second visits reuse the cache; ``custom_backend.py`` runs in tests/test_plugins.py, with its plugin installed)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
+README = (REPO / "README.md").read_text()
+
+
+def test_readme_python_example_prints_what_its_comment_says() -> None:
+    [code] = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "README.md", "exec"), {})
+    assert printed.getvalue().split()[-2:] == ["3", "1"], printed.getvalue()  # "# ..., 3, 1"
+    assert "# ..., 3, 1" in code
+
+
+def test_readme_curl_example_is_served(tmp_path: Path) -> None:
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("zmq")
+    import httpx
+
+    from .test_serving import Server
+
+    [curl] = re.findall(r"^  curl (.*?)\n  ```", README, flags=re.S | re.M)
+    words = shlex.split(curl)
+    body = json.loads(words[words.index("-d") + 1])
+    server = Server(tmp_path)
+    try:
+        answer = httpx.post(f"{server.url}/v1/rank", json=body, timeout=30)
+    finally:
+        assert server.stop() == 0
+    assert answer.status_code == 200
+    [output] = answer.json()["outputs"]
+    assert output["error"] is None and output["request_id"] == "a" and len(output["scores"]) == 2
 
 
 def run_example(name: str) -> str:

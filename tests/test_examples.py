@@ -30,24 +30,31 @@ def test_readme_python_example_prints_what_its_comment_says() -> None:
     assert "# ..., 3, 1" in code
 
 
-def test_readme_curl_example_is_served(tmp_path: Path) -> None:
+def test_readme_curl_and_serving_msgpack_examples_are_served(tmp_path: Path) -> None:
+    """The README's ``curl`` body, and docs/serving.md's msgpack client (its URL pointed at the test's server)."""
     pytest.importorskip("uvicorn")
     pytest.importorskip("zmq")
     import httpx
+    import numpy as np
 
     from .test_serving import Server
 
     [curl] = re.findall(r"^  curl (.*?)\n  ```", README, flags=re.S | re.M)
     words = shlex.split(curl)
     body = json.loads(words[words.index("-d") + 1])
+    [client] = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "serving.md").read_text(), flags=re.S)
     server = Server(tmp_path)
     try:
         answer = httpx.post(f"{server.url}/v1/rank", json=body, timeout=30)
+        names: dict = {}
+        exec(compile(client.replace("http://127.0.0.1:8000", server.url), "serving.md", "exec"), names)
     finally:
         assert server.stop() == 0
     assert answer.status_code == 200
     [output] = answer.json()["outputs"]
     assert output["error"] is None and output["request_id"] == "a" and len(output["scores"]) == 2
+    assert names["out"]["error"] is None and names["scores"].shape == (2, 3)  # 2 candidates, the tiny model's 3 tasks
+    np.testing.assert_allclose(names["scores"], np.array(output["scores"], dtype=np.float32), atol=1e-5)
 
 
 def run_example(name: str) -> str:

@@ -73,7 +73,7 @@ def _serve_file(args: argparse.Namespace, generate: bool) -> int:
     [args.input] = args.input
     from tqdm.auto import tqdm
 
-    from .engine import GREngine
+    from .engine import build_engine
     from .io import RequestReader, file_format, max_line_bytes, max_list_lengths, serve_rows
     from .output_writer import OutputWriter
     from .outputs import GenerateOutput, RankOutput
@@ -90,11 +90,7 @@ def _serve_file(args: argparse.Namespace, generate: bool) -> int:
     # The input opens first (a missing file fails before the engine is built), the output once the engine exists.
     with RequestReader(args.input, GenerateRequest if generate else RankRequest, max_line_bytes(config),
                        max_list_lengths(config, ranking=not generate)) as reader:
-        try:
-            engine = GREngine(config)
-        except (RuntimeError, TypeError, OverflowError, MemoryError) as exc:  # e.g. a pool too large to allocate
-            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]  # torch appends C++ frames
-            raise ValueError(f"cannot build the engine: {first_line}") from exc
+        engine = build_engine(config)
         t0 = time.perf_counter()
         with OutputWriter(args.output, GenerateOutput if generate else RankOutput) as writer, \
                 tqdm(total=reader.num_rows, desc="Retrieving" if generate else "Ranking", unit="req",

@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 
 from .config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from .engine import GREngine
+from .engine import GREngine, build_engine
 from .synthetic import synthetic_requests
 
 
@@ -51,6 +51,10 @@ def run_demo(config: EngineConfig | None = None, num_users: int = 32, visits_per
         gpu_only_pages: GPU pool pages in ``gpu_only`` and ``hierarchical`` modes; default: room for about
             half the users.
         echo: where lines are printed.
+
+    Raises:
+        ValueError: an engine cannot be built on this machine, or a mode's engine fails a request (the stream fits
+            the model: the configuration cannot serve it, e.g. a GPU pool smaller than a history).
     """
     config = config or demo_config()
     requests = synthetic_requests(config.model, num_users, visits_per_user, first_history=(200, 1200),
@@ -67,15 +71,15 @@ def run_demo(config: EngineConfig | None = None, num_users: int = 32, visits_per
     for mode, pages in pools.items():
         cfg = msgspec.structs.replace(config, cache=msgspec.structs.replace(
             config.cache, mode=mode, num_gpu_pages=pages))
-        engine = GREngine(cfg)
+        engine = build_engine(cfg)
         engine.rank(requests[: config.scheduler.max_num_seqs], use_tqdm=False)  # warm-up
         engine = GREngine(cfg)
         t0 = time.perf_counter()
         outputs = engine.rank(requests, use_tqdm=False)
         seconds = time.perf_counter() - t0
         errors = [o.error for o in outputs if o.error]
-        if errors:
-            raise RuntimeError(f"demo requests failed in {mode} mode: {errors[0]}")
+        if errors:  # the demo's requests fit its model: the configuration cannot serve them
+            raise ValueError(f"demo requests failed in {mode} mode: {errors[0]}")
         scores = np.concatenate([np.asarray(o.scores) for o in outputs])
         reference = scores if reference is None else reference
         results.append(ModeResult(mode, seconds, 1e3 * seconds / len(requests), engine.stats.total_hit_ratio,

@@ -64,6 +64,16 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def build_engine(config: EngineConfig) -> GREngine:
+    """``GREngine(config)`` for a command: a failure to build it on this machine (e.g. a pool too large to allocate,
+    a size beyond 64 bits) is raised as a one-line ``ValueError`` (torch appends C++ frames to its messages)."""
+    try:
+        return GREngine(config)
+    except (RuntimeError, TypeError, OverflowError, MemoryError) as exc:
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"cannot build the engine: {first_line}") from exc
+
+
 class GREngine:
     """A serving engine for HSTU ranking with per-user KV caches that persist across visits.
 

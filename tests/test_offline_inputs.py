@@ -29,3 +29,13 @@ def test_override_nested_too_deeply_is_a_config_error(capsys):
         load_config(None, [f"model.seed={value}"])
     assert main(["config", "--set", f"model.seed={value}"]) == 2
     one_line_error(capsys, "nested too deeply")
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("cache.num_gpu_pages=100000000000000000000000", "cannot build the engine"),
+    ("cache.num_gpu_pages=1", "demo requests failed in recompute mode: history of"),
+])
+def test_demo_with_a_config_that_cannot_serve_it_is_a_one_line_error(setting, message, capsys):
+    assert main(["demo", "--users", "1", "--visits", "1", "--set", setting]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err

@@ -54,7 +54,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ``min(floor(log2(1 + |t_query - t_key|)), buckets - 1)`` (a candidate's time is its request's last
             event); 0 disables it. Computed inside attention from the timestamps, so cached K/V stay valid.
         dtype: parameter, activation and KV dtype.
-        seed: seed of the random initialisation (used when no weights file is given).
+        seed: seed of the random initialisation (used when no weights file is given); 64 bits, signed or unsigned.
     """
 
     architecture: Architecture = "hstu"
@@ -86,6 +86,8 @@ class ModelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"model.scaling_seqlen must be positive, got {self.scaling_seqlen}")
         if self.attn_alpha is not None and not math.isfinite(self.attn_alpha):
             raise ValueError(f"model.attn_alpha must be finite, got {self.attn_alpha}")
+        if not -2**63 <= self.seed < 2**64:  # torch's generator takes a 64-bit seed, signed or unsigned
+            raise ValueError(f"model.seed must fit in 64 bits, [{-2**63}, {2**64 - 1}], got {self.seed}")
 
     @property
     def normaliser(self) -> int:

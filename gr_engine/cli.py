@@ -47,6 +47,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     if args.users < 1 or args.visits < 1:
         raise ValueError(f"--users and --visits must be at least 1, got {args.users} and {args.visits}")
+    if args.seed < 0:  # numpy's generator of the synthetic stream takes none
+        raise ValueError(f"--seed must be at least 0, got {args.seed}")
     config = load_config(args.config, args.overrides, base=demo_config())
     run_demo(config, num_users=args.users, visits_per_user=args.visits, seed=args.seed)
     return 0

@@ -49,3 +49,7 @@ def test_model_seed_beyond_64_bits_is_a_config_error(seed, capsys):
     assert main(["demo", "--users", "1", "--visits", "1", "--set", f"model.seed={seed}"]) == 2
     one_line_error(capsys, "model.seed must fit in 64 bits")
 
+
+def test_demo_negative_seed_is_a_usage_error(capsys):
+    assert main(["demo", "--users", "1", "--visits", "1", "--seed", "-1"]) == 2
+    one_line_error(capsys, "--seed must be at least 0, got -1")

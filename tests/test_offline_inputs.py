@@ -43,7 +43,7 @@ def test_demo_with_a_config_that_cannot_serve_it_is_a_one_line_error(setting, me
 
 @pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
 def test_model_seed_beyond_64_bits_is_a_config_error(seed, capsys):
-    with pytest.raises(ValueError, match="model.seed must fit in 64 bits"):
+    with pytest.raises(ValueError, match=r"model\.seed must fit in 64 bits"):
         load_config(None, [f"model.seed={seed}"])
     assert load_config(None, [f"model.seed={2**64 - 1}"]).model.seed == 2**64 - 1  # torch takes it
     assert main(["demo", "--users", "1", "--visits", "1", "--set", f"model.seed={seed}"]) == 2

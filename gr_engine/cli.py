@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -146,6 +147,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.modes:
         changes["modes"], changes["tables_only"] = tuple(m.strip() for m in args.modes.split(",")), True
     if args.host_budget_gib is not None:
+        if not math.isfinite(args.host_budget_gib):  # int() raises for these (OverflowError for inf)
+            raise ValueError(f"--host-budget-gib must be a finite number, got {args.host_budget_gib}")
         changes["host_budget_bytes"] = int(args.host_budget_gib * 2**30)
     if args.users is not None:
         changes["trace"] = dataclasses.replace(settings.trace, num_users=args.users)

@@ -53,3 +53,9 @@ def test_model_seed_beyond_64_bits_is_a_config_error(seed, capsys):
 def test_demo_negative_seed_is_a_usage_error(capsys):
     assert main(["demo", "--users", "1", "--visits", "1", "--seed", "-1"]) == 2
     one_line_error(capsys, "--seed must be at least 0, got -1")
+
+
+@pytest.mark.parametrize("gib", ["inf", "nan"])
+def test_bench_host_budget_must_be_finite(gib, tmp_path, capsys):
+    assert main(["bench", "--quick", "--out", str(tmp_path), "--host-budget-gib", gib]) == 2
+    one_line_error(capsys, f"--host-budget-gib must be a finite number, got {gib}")

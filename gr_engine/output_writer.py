@@ -52,10 +52,11 @@ class OutputWriter:
             return
         self._pa = import_pyarrow()
         self._user_ids = self._pa.int64()
-        self._writer = None  # a pyarrow.parquet.ParquetWriter, opened by the first row group
         self._pending: list[Any] = []  # pyarrow Tables of the row group being gathered
         self._pending_rows = 0
-        self._file.unlink(missing_ok=True)  # an old file must not survive a job that writes no row
+        # Opened (and an old file truncated) now, as a JSONL file is: a path that cannot be written fails before any
+        # request is served, not at the first row group (4,096 rows later) or at the end of a shorter job.
+        self._writer = self._new_writer()
 
     def write(self, outputs: Sequence[Output]) -> None:
         """Append ``outputs`` (of ``output_type``) after those written before."""

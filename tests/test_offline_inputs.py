@@ -3,10 +3,15 @@ error and exit status 2 for a bad argument or config, never a traceback or a wro
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from gr_engine import io
 from gr_engine.cli import main
 from gr_engine.config import load_config
+from gr_engine.output_writer import OutputWriter
+from gr_engine.outputs import RankOutput
 from tests.test_cli import one_line_error
 
 DEEP = 100_000  # brackets: far past Python's recursion limit
@@ -59,3 +64,20 @@ def test_demo_negative_seed_is_a_usage_error(capsys):
 def test_bench_host_budget_must_be_finite(gib, tmp_path, capsys):
     assert main(["bench", "--quick", "--out", str(tmp_path), "--host-budget-gib", gib]) == 2
     one_line_error(capsys, f"--host-budget-gib must be a finite number, got {gib}")
+
+
+@pytest.mark.parametrize("suffix", ["parquet", "jsonl"])
+def test_an_output_that_cannot_be_written_fails_before_any_request_is_served(suffix, tmp_path, monkeypatch, capsys):
+    (tmp_path / "in.jsonl").write_text(json.dumps(
+        {"request_id": "a", "user_id": 1, "item_ids": [1], "action_ids": [0], "timestamps": [1],
+         "candidate_item_ids": [2]}) + "\n")
+    with pytest.raises(OSError):
+        OutputWriter(tmp_path / "missing" / f"out.{suffix}", RankOutput)
+
+    def served(*args):
+        raise AssertionError("a request was served for an output that cannot be written")
+
+    monkeypatch.setattr(io, "serve_rows", served)
+    assert main(["rank", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "missing" / f"out.{suffix}"),
+                 "--no-progress"]) == 2
+    one_line_error(capsys, "No such file or directory")

@@ -30,7 +30,7 @@ from .outputs import GenerateOutput, RankOutput, StepTimings, output_user_id
 from .request import GenerateParams, GenerateRequest, RankRequest
 from .step_graphs import StepGraphs
 from .step_results import ChunkResult, ScoreFetch
-from .validation import RequestError
+from .validation import RequestError, check_params
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class GREngine:
     def add_request(self, request: RankRequest | GenerateRequest, params: GenerateParams | None = None) -> int:
         """Queue a request (ranking if ``params`` is ``None``, else retrieval); return its sequence number (arrival
         order). Raises :class:`RequestError` if it is invalid or its ``request_id`` is already in flight."""
-        result = self.intake.add([request], params)[0]
+        result = self._add([request], params)[0]
         if isinstance(result, RequestError):
             raise result
         return result
@@ -167,6 +167,15 @@ class GREngine:
     def add_requests(self, requests: Sequence[RankRequest | GenerateRequest],
                      params: GenerateParams | None = None) -> list[int | RequestError]:
         """:meth:`add_request` for each, in one faster intake pass: sequence numbers or the refusing errors."""
+        return self._add(requests, params)
+
+    def _add(self, requests: Sequence[Any], params: GenerateParams | None) -> list[int | RequestError]:
+        """Intake (:meth:`~.intake.RequestIntake.add`) of requests whose ``params`` pass :func:`check_params`; else
+        each is refused with its error, and no step sees them."""
+        try:
+            check_params(params)
+        except RequestError as exc:
+            return [exc] * len(requests)
         return self.intake.add(requests, params)
 
     def abort_waiting(self, request_ids: Collection[str], error: str) -> list[Output]:
@@ -199,7 +208,7 @@ class GREngine:
         failed_type = RankOutput if params is None else GenerateOutput
         for start in range(0, len(requests), _INTAKE_BATCH):
             part = requests[start:start + _INTAKE_BATCH]
-            for i, (request, added) in enumerate(zip(part, self.intake.add(part, params), strict=True), start):
+            for i, (request, added) in enumerate(zip(part, self._add(part, params), strict=True), start):
                 if isinstance(added, RequestError):
                     results[i] = failed_type(request_id=str(getattr(request, "request_id", "")),
                                              user_id=output_user_id(getattr(request, "user_id", None)),

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from .config import EngineConfig
-from .request import GenerateRequest, RankRequest
+from .request import GenerateParams, GenerateRequest, RankRequest
 
 _INT64 = np.dtype(np.int64)
 _INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
@@ -123,6 +123,24 @@ def parse_fields(request: Any, config: EngineConfig, *, ranking: bool) -> Reques
         if len(candidates) > model.max_candidates:
             raise RequestError(f"{len(candidates)} candidates exceed model.max_candidates ({model.max_candidates})")
     return RequestArrays(items, actions, times, candidates)
+
+
+def check_params(params: Any) -> None:
+    """Raise :class:`RequestError` unless ``params`` is ``None`` (ranking) or :class:`GenerateParams` with an integer
+    ``top_k`` in ``[1, 2**63 - 1]`` (numpy's too; not a bool) and a bool ``exclude_history``. A struct built in Python
+    is not type-checked: ``top_k=1.5`` would fail its whole step, batch-mates too, and ``exclude_history="no"`` would
+    exclude."""
+    if params is None:
+        return
+    if not isinstance(params, GenerateParams):
+        raise RequestError(f"params must be a GenerateParams, got {type(params).__name__}")
+    top_k = params.top_k
+    if isinstance(top_k, (bool, np.bool_)) or not isinstance(top_k, (int, np.integer)):
+        raise RequestError(f"top_k must be an integer, got {type(top_k).__name__}")
+    if not 1 <= top_k <= _INT64_MAX:
+        raise RequestError(f"top_k must be in [1, {_INT64_MAX}], got {top_k}")
+    if not isinstance(params.exclude_history, (bool, np.bool_)):
+        raise RequestError(f"exclude_history must be a bool, got {type(params.exclude_history).__name__}")
 
 
 def check_candidates(arrays: RequestArrays, config: EngineConfig) -> None:

@@ -4,14 +4,17 @@ error and exit status 2 for a bad argument or config, never a traceback or a wro
 from __future__ import annotations
 
 import json
+import re
 
+import numpy as np
 import pytest
 
-from gr_engine import io
+from gr_engine import GenerateParams, GenerateRequest, GREngine, RequestError, io
 from gr_engine.cli import main
 from gr_engine.config import load_config
 from gr_engine.output_writer import OutputWriter
 from gr_engine.outputs import RankOutput
+from tests.conftest import tiny_config
 from tests.test_cli import one_line_error
 
 DEEP = 100_000  # brackets: far past Python's recursion limit
@@ -81,3 +84,40 @@ def test_an_output_that_cannot_be_written_fails_before_any_request_is_served(suf
     assert main(["rank", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "missing" / f"out.{suffix}"),
                  "--no-progress"]) == 2
     one_line_error(capsys, "No such file or directory")
+
+
+def mistyped_params(**fields) -> GenerateParams:
+    params = GenerateParams()
+    for name, value in fields.items():  # set after construction, as a caller may: nothing checks it there
+        setattr(params, name, value)
+    return params
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(top_k=1.5), "top_k must be an integer, got float"),
+    (dict(top_k=float("nan")), "top_k must be an integer, got float"),
+    (dict(top_k=True), "top_k must be an integer, got bool"),
+    (dict(top_k=0), r"top_k must be in \[1, 9223372036854775807\], got 0"),
+    (dict(exclude_history="no"), "exclude_history must be a bool, got str"),
+])
+def test_mistyped_generate_params_fail_their_request_not_its_batch_mates(fields, message):
+    engine = GREngine(tiny_config())
+    user = dict(item_ids=[1, 2, 3], action_ids=[0, 1, 2], timestamps=[1, 2, 3])
+    engine.add_request(GenerateRequest(request_id="good", user_id=1, **user), GenerateParams(top_k=5))
+    with pytest.raises(RequestError, match=message):
+        engine.add_request(GenerateRequest(request_id="bad", user_id=2, **user), mistyped_params(**fields))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    [good] = outputs
+    assert good.ok and len(good.item_ids) == 5
+    [bad] = engine.generate([GenerateRequest(request_id="bad", user_id=2, **user)], mistyped_params(**fields),
+                            use_tqdm=False)
+    assert re.search(message, bad.error)
+    [alone] = GREngine(tiny_config()).generate([GenerateRequest(request_id="good", user_id=1, **user)],
+                                               GenerateParams(top_k=5), use_tqdm=False)
+    assert good.item_ids == alone.item_ids
+    np.testing.assert_allclose(good.scores, alone.scores, atol=1e-6)
+    [numpy_typed] = engine.generate([GenerateRequest(request_id="np", user_id=3, **user)],
+                                    GenerateParams(top_k=np.int64(4), exclude_history=np.bool_(False)), use_tqdm=False)
+    assert numpy_typed.ok and len(numpy_typed.item_ids) == 4

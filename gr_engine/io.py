@@ -144,7 +144,10 @@ class RequestReader:
         self.max_string_bytes = max_string_bytes
         self.num_rows: int | None = None
         if self.format == "parquet":
-            self._parquet = open_parquet(self.path)
+            try:
+                self._parquet = open_parquet(self.path)
+            except (OSError, import_pyarrow().ArrowException) as exc:  # not Parquet, or its footer is damaged
+                raise ValueError(f"cannot read {self.path} as Parquet: {exc}") from exc
             self.num_rows = self._parquet.metadata.num_rows
         else:
             self._jsonl = self.path.open("rb")

@@ -155,3 +155,14 @@ def test_outputs_are_written_with_page_checksums(tmp_path):
         with open_parquet(flipped(path, offset, tmp_path / "flipped.parquet")) as source, \
                 pytest.raises((OSError, pa.ArrowException)):
             source.read(columns=["scores"])
+
+
+@pytest.mark.parametrize("content", [b"", b"PAR1 not parquet at all", b"x" * 100])
+def test_a_file_that_is_not_parquet_is_one_error_naming_it(content, tmp_path, capsys):
+    """An empty file, or one whose footer is missing, ends the job before any row with one line naming the file
+    (pyarrow's message alone, "Parquet file size is 0 bytes", did not say which)."""
+    source = tmp_path / "in.parquet"
+    source.write_bytes(content)
+    assert main(["rank", "--input", str(source), "--output", str(tmp_path / "out.jsonl"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot read {source} as Parquet: " in err and len(err.strip().splitlines()) == 1, err

@@ -193,7 +193,7 @@ def jsonl_rows(f: Any, max_bytes: int | None) -> Iterator[tuple[int, Any]]:
     while it is read, then its first :data:`LABEL_SCAN_BYTES`), so memory stays within ``max_bytes`` plus
     :data:`READ_BYTES` (and :data:`LABEL_SCAN_BYTES`) whatever its length.
     ``max_bytes`` ``None``: no bound. A UTF-8 byte-order mark that begins the stream is skipped: line 1 is what
-    follows it (blank, if only whitespace does)."""
+    follows it (blank, if only whitespace does); a UTF-16 or UTF-32 one raises ``ValueError`` (JSONL is UTF-8)."""
     number = size = 0  # size: bytes of the line being read, so far
     pieces: list[bytes] = []  # its bytes, while they are at most max_bytes
     head: bytearray | None = None  # once it is over max_bytes: its first LABEL_SCAN_BYTES bytes
@@ -225,6 +225,9 @@ def _without_bom(f: Any) -> bytes:
     start = b""
     while len(start) < len(_UTF8_BOM) and (more := f.read(len(_UTF8_BOM) - len(start))):
         start += more
+    if start[:2] in (b"\xff\xfe", b"\xfe\xff"):  # UTF-16's byte-order marks (UTF-32's begin with one too)
+        raise ValueError("the file is UTF-16 or UTF-32 (its first bytes are a byte-order mark): JSONL is UTF-8, "
+                         "re-encode it (e.g. iconv -f UTF-16 -t UTF-8)")
     return b"" if start == _UTF8_BOM else start
 
 

@@ -392,6 +392,20 @@ def test_a_byte_order_mark_begins_the_file_not_its_first_line(block, monkeypatch
     assert number == 1 and "line 1 is not valid JSON" in str(cut)
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32"])
+def test_a_utf16_or_utf32_jsonl_file_is_one_error_saying_so(encoding, tmp_path, capsys):
+    """A JSONL file written as UTF-16 (as some shells redirect output) or UTF-32, with its byte-order mark, ends the
+    job with one line saying so (each line used to be an error row "not valid JSON", with no hint why)."""
+    source = tmp_path / "in.jsonl"
+    source.write_text(msgspec.json.encode(stream_requests()[0]).decode() + "\n", encoding=encoding)
+    config = tmp_path / "engine.json"
+    config.write_text(msgspec.json.encode(tiny_config()).decode())
+    assert main(["rank", "--input", str(source), "--output", str(tmp_path / "out.jsonl"), "--config", str(config),
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "the file is UTF-16 or UTF-32" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_jsonl_row_count_is_unknown_and_parquet_one_is_read_from_metadata(tmp_path):
     source, labels = write_input(tmp_path, "parquet", stream_requests())
     with RequestReader(source) as reader:

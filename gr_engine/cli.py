@@ -137,8 +137,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             print(f"gr-engine bench: {refused}", file=sys.stderr)
             return 2
         result["report_command"] = "gr-engine " + " ".join(args.argv)
-        paths = write_results(result, out, raw=False)
-        print(json.dumps(summarize(result), indent=2))
+        try:
+            summary = summarize(result)
+            paths = write_results(result, out, raw=False)
+        except (KeyError, TypeError, AttributeError, IndexError) as exc:  # a hand-made or cut file lacks a field
+            print(f"gr-engine bench: {args.report_only} is not a complete bench result ({type(exc).__name__}: {exc})",
+                  file=sys.stderr)
+            return 2
+        print(json.dumps(summary, indent=2))
         print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
         return 0
     settings = quick_settings() if args.quick else BenchSettings()

@@ -104,6 +104,22 @@ def test_report_only_refuses_what_is_not_a_bench_result(tmp_path, capsys):
     assert "not a gr-engine bench result" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("content, message", [
+    ('{"modes": {"a": {}}, "simulated": 1}', "is not a complete gr-engine bench result (KeyError: 'batch_sizes')"),
+    ('{"modes": {"a": {"batch_sizes": {"8": {}}}}, "simulated": 1}', "is not a complete bench result"),
+    ("[" * 100_000, "values nested too deeply"),
+])
+def test_report_only_of_a_hand_made_or_cut_file_is_one_error(content, message, tmp_path, capsys):
+    """Files that pass the first look (``modes`` and ``simulated``) but lack what the report reads, or are nested
+    too deeply to parse: one line, exit 2, nothing written (they were tracebacks)."""
+    bad = tmp_path / "bench.json"
+    bad.write_text(content)
+    assert main(["bench", "--report-only", str(bad), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_modes_runs_only_those_modes_tables(tmp_path, capsys):
     """``--modes``: the chosen modes' Tables 1-2 and the run's peaks, without the sweeps, length scan, score drift and
     simulations; the report and summary are written from what ran."""

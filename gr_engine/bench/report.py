@@ -381,13 +381,18 @@ def load_result(path: Path) -> dict:
         result = json.loads(Path(path).read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise ValueError(f"{path} is not a gr-engine bench result: values nested too deeply") from exc
     if not isinstance(result, dict) or not isinstance(result.get("modes"), dict) or "simulated" not in result:
         raise ValueError(f"{path} is not a gr-engine bench result (bench.json: no 'modes' and 'simulated')")
-    for entry in result["modes"].values():
-        entry["batch_sizes"] = _int_keys(entry["batch_sizes"])
-    for key in ("chunk_sweep", "budget_sweep", "lengths"):
-        if key in result:
-            result[key] = {mode: _int_keys(values) for mode, values in result[key].items()}
+    try:
+        for entry in result["modes"].values():
+            entry["batch_sizes"] = _int_keys(entry["batch_sizes"])
+        for key in ("chunk_sweep", "budget_sweep", "lengths"):
+            if key in result:
+                result[key] = {mode: _int_keys(values) for mode, values in result[key].items()}
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:  # a hand-made or cut file
+        raise ValueError(f"{path} is not a complete gr-engine bench result ({type(exc).__name__}: {exc})") from exc
     return result
 
 

@@ -9,6 +9,7 @@ import argparse
 import functools
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -156,6 +157,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if not math.isfinite(args.host_budget_gib):  # int() raises for these (OverflowError for inf)
             raise ValueError(f"--host-budget-gib must be a finite number, got {args.host_budget_gib}")
         changes["host_budget_bytes"] = int(args.host_budget_gib * 2**30)
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if changes["host_budget_bytes"] > memory:  # else the host tier fails to allocate after modes have run
+            raise ValueError(f"--host-budget-gib {args.host_budget_gib:g} is over this machine's memory "
+                             f"({memory / 2**30:.0f} GiB)")
     if args.users is not None:
         changes["trace"] = dataclasses.replace(settings.trace, num_users=args.users)
     if args.cache:

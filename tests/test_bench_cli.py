@@ -64,6 +64,7 @@ def test_cache_fields_the_bench_sets_itself_are_refused(field, tmp_path, capsys,
     ("--users", "0", "--users"), ("--users", "-3", "--users"), ("--window", "0", "--window"),
     ("--window", "7", "--window"), ("--host-budget-gib", "0", "--host-budget-gib"),
     ("--host-budget-gib", "-1", "--host-budget-gib"),
+    ("--host-budget-gib", "1e30", "is over this machine's memory"),  # failed after modes had run
     ("--users", "4", "too few for the measured windows"),  # the trace is generated, nothing is run
 ])
 def test_nonsense_sizes_fail_with_a_clear_message(option, value, message, tmp_path, capsys):

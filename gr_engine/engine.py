@@ -235,8 +235,8 @@ class GREngine:
                                 bar.update(1)
                 pending = launched
         finally:
-            if pending is not None:  # (only when something raised: every request was answered otherwise)
-                self._collect(pending)
+            if pending is not None:  # requests added through add_request (or, when something raised, these too)
+                self._undelivered += [output for _, output in self._collect(pending)]
             if bar is not None:
                 bar.close()
         return results

@@ -1,0 +1,39 @@
+"""Misuse of the Python APIs: each gets a clear exception or a per-request ``error``, and leaves the engine serving
+later requests with ``recompute``'s scores."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gr_engine import GREngine, RankRequest
+from tests.conftest import tiny_config, with_cache
+
+
+def request(request_id: str, user: int, n: int) -> RankRequest:
+    """User ``user``'s first ``n`` events (the same events on every visit), ranking three candidates."""
+    rng = np.random.default_rng(user)
+    return RankRequest(request_id=request_id, user_id=user, item_ids=rng.integers(0, 200, n).tolist(),
+                       action_ids=rng.integers(0, 8, n).tolist(), timestamps=list(range(n)),
+                       candidate_item_ids=[3, 1, 4])
+
+
+def assert_recomputed(outputs, requests) -> None:
+    """Each output is ``recompute``'s for its request (float32 within 1e-5)."""
+    reference = GREngine(with_cache(tiny_config(), mode="recompute")).rank(requests, use_tqdm=False)
+    assert [o.request_id for o in outputs] == [r.request_id for r in requests]
+    for output, expected in zip(outputs, reference, strict=True):
+        assert output.error is None and expected.error is None
+        np.testing.assert_allclose(output.scores, expected.scores, rtol=0, atol=1e-5)
+
+
+def test_rank_keeps_the_outputs_of_add_request_requests_it_stepped():
+    engine = GREngine(tiny_config())
+    added = [request("a1", 1, 8), request("a2", 1, 12)]  # one user: two steps, the second after rank's own
+    for r in added:
+        engine.add_request(r)
+    ranked = [request("b", 2, 8)]
+    assert_recomputed(engine.rank(ranked, use_tqdm=False), ranked)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert_recomputed(outputs, added)

@@ -154,7 +154,11 @@ class GREngine:
         return self.scheduler.num_unfinished - len(self.scheduler.running)
 
     def step(self) -> list[Output]:
-        """Run one engine step; return the outputs of requests that finished (or failed) in it."""
+        """Run one engine step; return the outputs of requests that finished (or failed) in it. Refused while steps of
+        :meth:`launch_step` are unfinished (its own step would be finished before them)."""
+        if self._launched:
+            raise RuntimeError(f"{len(self._launched)} step(s) of launch_step() not finished: finish_step() them "
+                               "before step()")
         return self.finish_step(self.launch_step())
 
     def finish_step(self, step: LaunchedStep) -> list[Output]:

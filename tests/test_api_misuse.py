@@ -4,6 +4,7 @@ later requests with ``recompute``'s scores."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from gr_engine import GREngine, RankRequest
 from tests.conftest import tiny_config, with_cache
@@ -37,3 +38,19 @@ def test_rank_keeps_the_outputs_of_add_request_requests_it_stepped():
     while engine.has_unfinished_requests():
         outputs += engine.step()
     assert_recomputed(outputs, added)
+
+
+def test_step_while_a_launched_step_is_unfinished_is_refused_before_launching():
+    engine = GREngine(tiny_config())
+    first = [request("a", 1, 8)]
+    engine.add_request(first[0])
+    launched = engine.launch_step()
+    later = [request("b", 2, 8)]
+    engine.add_request(later[0])
+    with pytest.raises(RuntimeError, match="finish_step"):
+        engine.step()
+    assert_recomputed(engine.finish_step(launched), first)
+    assert_recomputed(engine.step(), later)  # its step was not launched and lost: the engine goes on
+    assert not engine.has_unfinished_requests()
+    again = [request("c", 3, 8)]
+    assert_recomputed(engine.rank(again, use_tqdm=False), again)

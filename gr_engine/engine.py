@@ -184,7 +184,10 @@ class GREngine:
 
     def abort_waiting(self, request_ids: Collection[str], error: str) -> list[Output]:
         """Drop the requests among ``request_ids`` (added with :meth:`add_request`) that no step has started;
-        return their outputs, whose ``error`` is ``error``. Requests already running are left to finish."""
+        return their outputs, whose ``error`` is ``error``. Requests already running are left to finish. A string for
+        ``request_ids`` raises ``TypeError`` (its characters would be taken for ids)."""
+        if isinstance(request_ids, str):
+            raise TypeError(f"request_ids must be a collection of request ids, not the string {request_ids!r}")
         ids = set(request_ids)
         dropped = self.scheduler.drop_waiting(lambda state: state.payload.request.request_id in ids)
         if dropped and not self.scheduler.num_unfinished:

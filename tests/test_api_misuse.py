@@ -54,3 +54,13 @@ def test_step_while_a_launched_step_is_unfinished_is_refused_before_launching():
     assert not engine.has_unfinished_requests()
     again = [request("c", 3, 8)]
     assert_recomputed(engine.rank(again, use_tqdm=False), again)
+
+
+def test_abort_waiting_refuses_a_string_of_ids():
+    engine = GREngine(tiny_config())
+    waiting = [request("a", 1, 8), request("b", 2, 8), request("ab", 3, 8)]
+    engine.add_requests(waiting)
+    with pytest.raises(TypeError, match="collection"):
+        engine.abort_waiting("ab", "aborted")  # not ids "a" and "b"
+    assert [o.request_id for o in engine.abort_waiting(["ab"], "aborted")] == ["ab"]
+    assert_recomputed(engine.step(), waiting[:2])

@@ -234,7 +234,8 @@ EPILOG = """examples:
   gr-engine rank --input requests/ --output scores/ --workers 4
   gr-engine config --config engine.toml --set cache.mode=recompute
 
-demo, rank, generate and config take --config FILE (.json or .toml) and repeated --set section.key=value.
+demo, rank, generate, config, serve and bench-serve take --config FILE (.json or .toml) and repeated
+--set section.key=value.
 Run gr-engine COMMAND --help for a command's options."""
 
 
@@ -247,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="run the CPU demo with a tiny synthetic model (up to minutes)")
     demo.add_argument("--users", type=int, default=32, help="synthetic users (default 32)")
     demo.add_argument("--visits", type=int, default=6, help="visits per user (default 6)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int, default=0, help="seed of the synthetic users' histories (default 0)")
     _add_config_args(demo)
     demo.set_defaults(run=_cmd_demo)
 
@@ -273,12 +274,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run nothing: rebuild bench.md, summary.json (and bench.png) from a saved bench.json")
     bench.add_argument("--quick", action="store_true", help="a tiny CPU run of every part (seconds)")
     bench.add_argument("--device", help="override the device (default: cuda; cpu with --quick)")
-    bench.add_argument("--backend", help="attention backend (default: auto)")
-    bench.add_argument("--users", type=int, help="users in the generated trace")
-    bench.add_argument("--window", type=int, help="measured requests per mode and batch size")
+    bench.add_argument("--backend", help="attention backend (default: auto; torch_ref with --quick)")
+    bench.add_argument("--users", type=int, help="users in the generated trace (default 1000; 16 with --quick)")
+    bench.add_argument("--window", type=int,
+                       help="measured requests per mode and batch size (default 480; 16 with --quick)")
     bench.add_argument("--modes", metavar="MODE,...", help="only these cache modes' latency tables (Tables 1-2), "
                        "without the sweeps, length scan, score drift and policy simulations (a shorter run)")
-    bench.add_argument("--host-budget-gib", type=float, help="host chunk pool size (default 64)")
+    bench.add_argument("--host-budget-gib", type=float,
+                       help="host chunk pool size (default 64; 1/16, i.e. 64 MiB, with --quick)")
     bench.add_argument("--host-dtype", choices=["kv", "float8_e4m3fn"], help="host chunk dtype (default float8_e4m3fn)")
     bench.add_argument("--cache", action="append", default=[], metavar="KEY=VALUE",
                        help="set a cache field for every engine (repeatable), e.g. --cache prefetch=true")

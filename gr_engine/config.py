@@ -219,9 +219,12 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                base: EngineConfig | None = None, backends: BackendRegistry | None = None) -> EngineConfig:
+                base: EngineConfig | None = None, backends: BackendRegistry | None = None, *,
+                this_machine: bool = True) -> EngineConfig:
     """Build an :class:`EngineConfig` from an optional JSON/TOML file and ``key=value`` overrides, and check
-    that this machine can run it (:func:`check_device`, :func:`check_attention_backend`).
+    that this machine can run it (:func:`check_device`, :func:`check_attention_backend`) unless ``this_machine`` is
+    false (a config written here for another machine, e.g. a GPU's on a CPU-only one: the values are checked, not the
+    device's and attention backend's presence here).
 
     Args:
         path: a config file, JSON (``.json``) or TOML (``.toml``); its values replace ``base``'s entirely.
@@ -252,8 +255,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data = apply_overrides(data, list(overrides or []))
     try:
         config = msgspec.convert(data, EngineConfig)
-        check_device(config.device, require_available=True)
-        check_attention_backend(config.attention_backend, backends)
+        check_device(config.device, require_available=this_machine)
+        if this_machine:
+            check_attention_backend(config.attention_backend, backends)
     except (msgspec.ValidationError, ValueError) as exc:
         raise ValueError(f"invalid config: {exc}") from exc
     return config

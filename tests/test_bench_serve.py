@@ -133,6 +133,7 @@ def test_write_config_is_the_bench_engine(tmp_path: Path) -> None:
     (["--in-process", "--rate", "nan"], "rates and --duration must be positive finite numbers"),
     (["--in-process", "--rates", "10,inf"], "rates and --duration must be positive finite numbers"),
     (["--in-process", "--timeout-ms", "-1"], "--timeout-ms must be a number >= 0, got -1.0"),
+    (["--in-process", "--users", "0"], "the trace needs at least one user (--users), got 0"),  # was the default
 ])
 def test_bad_arguments_and_unreachable_servers_are_one_line_errors(args: list[str], message: str, tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture) -> None:
@@ -141,6 +142,16 @@ def test_bad_arguments_and_unreachable_servers_are_one_line_errors(args: list[st
     assert main(["bench-serve", "--quick", "--duration", "1", "--out", str(tmp_path / "out"), *args]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "trace:" not in err, err
+
+
+def test_write_config_of_the_gpu_bench_on_any_machine(tmp_path: Path) -> None:
+    """Without ``--quick`` the bench's engine is a GPU's (device cuda): it is written on a machine without CUDA too
+    (it used to fail there, "device 'cuda' requested but CUDA is not available"); its values are still checked."""
+    path = tmp_path / "engine.json"
+    assert main(["bench-serve", "--mode", "hierarchical", "--write-config", str(path)]) == 0
+    assert json.loads(path.read_text())["device"] == "cuda"
+    assert main(["bench-serve", "--mode", "hierarchical", "--write-config", str(path), "--set",
+                 "cache.num_gpu_pages=-1"]) == 2
 
 
 @pytest.fixture(scope="module")

@@ -58,7 +58,7 @@ def add_commands(commands: argparse._SubParsersAction, add_config_args: Callable
     bench.add_argument("--in-process", action="store_true",
                        help="drive an AsyncGREngine in this process instead of HTTP (engine: --config/--set, "
                             "default the bench's for --mode)")
-    bench.add_argument("--rate", type=float, help="offered load (requests/s)")
+    bench.add_argument("--rate", type=float, help="offered load (requests/s; default 50 without --rates)")
     bench.add_argument("--rates", help="a sweep of offered loads, comma-separated (requests/s)")
     bench.add_argument("--duration", type=float, default=10.0, help="seconds per rate (default 10)")
     bench.add_argument("--processes", type=int, default=1, help="load-generator processes over HTTP (default 1)")
@@ -96,8 +96,9 @@ def add_commands(commands: argparse._SubParsersAction, add_config_args: Callable
         from .load_report import write_report
 
         settings = bench_settings(args.quick, args.users, args.seed)
-        if args.write_config or args.in_process:
-            config = load_config(args.config, args.overrides, base=bench_engine_config(settings, args.mode))
+        if args.write_config or args.in_process:  # a config written here may be for a GPU machine
+            config = load_config(args.config, args.overrides, base=bench_engine_config(settings, args.mode),
+                                 this_machine=not args.write_config)
         if args.write_config:
             Path(args.write_config).write_bytes(msgspec.json.format(msgspec.json.encode(config)))
             print(f"wrote {args.write_config} ({args.mode})", file=sys.stderr)

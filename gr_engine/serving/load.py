@@ -72,7 +72,7 @@ class LoadSettings:
 def bench_settings(quick: bool, users: int | None = None, seed: int = 0) -> BenchSettings:
     """The bench's settings (``--quick``: its CPU-sized ones), with ``users`` and the trace ``seed``."""
     settings = quick_settings() if quick else BenchSettings()
-    trace = dataclasses.replace(settings.trace, seed=seed, **({"num_users": users} if users else {}))
+    trace = dataclasses.replace(settings.trace, seed=seed, **({"num_users": users} if users is not None else {}))
     return dataclasses.replace(settings, trace=trace)
 
 

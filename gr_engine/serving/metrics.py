@@ -39,14 +39,16 @@ class ServingMetrics:
     (by ``kind``, including ``overloaded`` and ``bad_request``, which never reach the engine),
     ``request_latency_seconds`` and ``request_queue_seconds`` (histograms), ``http_bodies_total`` (request bodies
     answered, by ``server``); from the core: ``step_seconds`` (histogram), ``requests_running`` and
-    ``requests_waiting`` (gauges), ``computed_tokens_total``, ``gpu_hit_tokens_total``, ``host_hit_tokens_total``,
-    ``gpu_pages_used``, ``gpu_pages_free``, ``host_bytes_used``, ``onloaded_bytes_total``, ``offloaded_bytes_total``,
+    ``requests_waiting`` (gauges), ``queue_wait_seconds`` (the queue-wait estimate admission uses),
+    ``computed_tokens_total``, ``gpu_hit_tokens_total``, ``host_hit_tokens_total``, ``gpu_pages_used``,
+    ``gpu_pages_free``, ``host_bytes_used``, ``onloaded_bytes_total``, ``offloaded_bytes_total``,
     ``finished_requests_total``, ``history_tokens_total``, the cache's counters (``evicted_users_total``,
     ``evicted_tokens_total``, ``truncated_tokens_total``, ``prefetched_tokens_total``, ``host_evicted_users_total``,
     ``onloaded_tokens_total``, ``offloaded_tokens_total``, ``tail_persisted_tokens_total``, ``lost_tokens_total``,
-    ``deferred_offloads_total``), ``kernel_compilations_total``, ``kernel_cache_loads_total``,
-    ``graph_captures_total`` (behind a router: each replica's, labelled ``replica``, plus
-    ``router_requests_total{replica}``, ``router_reroutes_total`` and ``router_retries_total``).
+    ``deferred_offloads_total``, ``unfinished_copy_tokens_total``), ``kernel_compilations_total``,
+    ``kernel_cache_loads_total``, ``graph_captures_total`` (behind a router: each replica's, labelled ``replica``,
+    plus ``router_requests_total{replica}``, ``router_reroutes_total``, ``router_retries_total`` and
+    ``router_restarts_total``).
     """
 
     def __init__(self, engine: AsyncGREngine | ReplicaRouter, server: int = 0) -> None:

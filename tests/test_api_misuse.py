@@ -3,11 +3,17 @@ later requests with ``recompute``'s scores."""
 
 from __future__ import annotations
 
+import asyncio
+
+import msgspec
 import numpy as np
 import pytest
 
-from gr_engine import GREngine, RankRequest
+from gr_engine import EngineConfig, GREngine, RankRequest
 from tests.conftest import tiny_config, with_cache
+
+pytest.importorskip("zmq")
+AsyncGREngine = pytest.importorskip("gr_engine.serving.client").AsyncGREngine
 
 
 def request(request_id: str, user: int, n: int) -> RankRequest:
@@ -16,6 +22,12 @@ def request(request_id: str, user: int, n: int) -> RankRequest:
     return RankRequest(request_id=request_id, user_id=user, item_ids=rng.integers(0, 200, n).tolist(),
                        action_ids=rng.integers(0, 8, n).tolist(), timestamps=list(range(n)),
                        candidate_item_ids=[3, 1, 4])
+
+
+def serving_config() -> EngineConfig:
+    """The tiny config for a client's own core, without warm-up (seconds to start on CPU)."""
+    config = tiny_config(num_gpu_pages=96)
+    return msgspec.structs.replace(config, serving=msgspec.structs.replace(config.serving, warmup=False))
 
 
 def assert_recomputed(outputs, requests) -> None:
@@ -64,3 +76,22 @@ def test_abort_waiting_refuses_a_string_of_ids():
         engine.abort_waiting("ab", "aborted")  # not ids "a" and "b"
     assert [o.request_id for o in engine.abort_waiting(["ab"], "aborted")] == ["ab"]
     assert_recomputed(engine.step(), waiting[:2])
+
+
+def test_a_started_client_refuses_a_second_start_and_serves_once_started_again():
+    engine = AsyncGREngine(serving_config())
+    first, second, third = [request("a", 1, 8)], [request("b", 1, 12)], [request("c", 1, 16)]
+
+    async def serve(requests: list[RankRequest], start_twice: bool = False) -> list:
+        async with engine:
+            if start_twice:
+                with pytest.raises(RuntimeError, match="close"):
+                    await engine.start()  # (it started a second core, and the client went back to "starting")
+            return await engine.rank_many(requests)
+
+    async def twice() -> None:
+        assert_recomputed(await serve(first, start_twice=True), first)
+        assert_recomputed(await serve(second), second)  # started again after close (the same event loop)
+
+    asyncio.run(twice())
+    assert_recomputed(asyncio.run(serve(third)), third)  # and on another event loop

@@ -106,7 +106,7 @@ class AsyncGREngine:
         self._watch: ProcessWatch | None = None  # the core, when attached
         self._to_core: zmq.Socket | None = None
         self._reader: asyncio.Task | None = None
-        self._ready = asyncio.Event()
+        self._ready: asyncio.Event | None = None  # set once the core is ready (a new one each start)
         self._closing: asyncio.Future | None = None  # set while (and after) close() runs: concurrent calls wait
 
     # ------------------------------------------------------------------ lifecycle
@@ -115,8 +115,12 @@ class AsyncGREngine:
 
         Raises:
             EngineDead: the core exited before it was ready (its log says why).
+            RuntimeError: the client is started already (:meth:`close` it first; it may start again then).
         """
+        if self._to_core is not None:
+            raise RuntimeError(f"the engine client is {self.state}: close() it before starting it again")
         self._closing = None
+        self._ready = asyncio.Event()  # (not the last start's: set, and maybe bound to another event loop)
         if self._handle is not None:
             try:
                 self._watch = ProcessWatch(self._handle.pid)

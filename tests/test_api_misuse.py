@@ -9,7 +9,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from gr_engine import EngineConfig, GREngine, RankRequest
+from gr_engine import EngineConfig, GenerateParams, GREngine, RankRequest
 from tests.conftest import tiny_config, with_cache
 
 pytest.importorskip("zmq")
@@ -95,3 +95,18 @@ def test_a_started_client_refuses_a_second_start_and_serves_once_started_again()
 
     asyncio.run(twice())
     assert_recomputed(asyncio.run(serve(third)), third)  # and on another event loop
+
+
+def test_generate_params_changed_in_python_fail_their_requests_not_the_core():
+    fractional = GenerateParams(top_k=2)
+    fractional.top_k = 1.5  # (not checked on assignment)
+    later = [request("b", 2, 12)]
+
+    async def serve() -> None:
+        async with AsyncGREngine(serving_config()) as engine:
+            for params, error in ((fractional, "top_k must be an integer"), ({"top_k": 2}, "must be a GenerateParams")):
+                [output] = await engine.generate_many([request("a", 1, 8)], params)
+                assert output.request_id == "a" and error in output.error
+            assert_recomputed(await engine.rank_many(later), later)  # the core was not killed by a message
+
+    asyncio.run(serve())

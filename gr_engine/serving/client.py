@@ -30,7 +30,7 @@ import zmq.asyncio
 from ..config import EngineConfig
 from ..outputs import GenerateOutput, RankOutput, output_user_id
 from ..request import GenerateParams, GenerateRequest, RankRequest
-from ..validation import RequestError, check_candidates, parse_fields
+from ..validation import RequestError, check_candidates, check_params, parse_fields
 from .admission import Admission, Pending, deadline_after, deadline_exceeded
 from .core import start_core
 from .process_watch import ProcessWatch
@@ -283,6 +283,7 @@ class AsyncGREngine:
         tokens = 0
         for i, request in enumerate(requests):
             try:
+                check_params(params)  # (the core could not decode a GenerateParams changed in Python: top_k=1.5)
                 arrays = parse_fields(request, self.config, ranking=ranking)
                 check_candidates(arrays, self.config)
             except RequestError as exc:

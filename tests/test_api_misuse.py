@@ -14,6 +14,7 @@ from tests.conftest import tiny_config, with_cache
 
 pytest.importorskip("zmq")
 AsyncGREngine = pytest.importorskip("gr_engine.serving.client").AsyncGREngine
+ReplicaRouter = pytest.importorskip("gr_engine.serving.router").ReplicaRouter
 
 
 def request(request_id: str, user: int, n: int) -> RankRequest:
@@ -110,3 +111,15 @@ def test_generate_params_changed_in_python_fail_their_requests_not_the_core():
             assert_recomputed(await engine.rank_many(later), later)  # the core was not killed by a message
 
     asyncio.run(serve())
+
+
+def test_a_started_router_refuses_a_second_start_and_keeps_serving():
+    served = [request("a", 1, 8), request("b", 2, 8)]
+
+    async def serve() -> list:
+        async with ReplicaRouter(serving_config(), 2) as router:
+            with pytest.raises(RuntimeError, match="close"):
+                await router.start()  # (it closed every replica: "the router is not started")
+            return await router.rank_many(served)
+
+    assert_recomputed(asyncio.run(serve()), served)

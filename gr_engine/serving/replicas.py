@@ -144,7 +144,10 @@ class ReplicaSet:
 
         Raises:
             EngineDead: a replica's core exited before it was ready (the others are stopped again).
+            RuntimeError: the set is started already (:meth:`close` it first).
         """
+        if self.started:  # (each replica would refuse, and the failed start would close them all)
+            raise RuntimeError("the replicas are started: close() them before starting them again")
         results = await asyncio.gather(*(e.start() for e in self.engines.values()), return_exceptions=True)
         failed = [(i, r) for i, r in zip(self.engines, results) if isinstance(r, BaseException)]
         if failed:

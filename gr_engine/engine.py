@@ -22,11 +22,11 @@ from scheduler import RequestState, ScheduledChunk, Scheduler, SchedulerOutput
 
 from .compile_watch import CompileWatch, StallCounts
 from .config import EngineConfig, check_config
-from .intake import RequestIntake
+from .intake import RequestIntake, request_labels
 from .metrics import EngineStats, PhaseTimer, StepMetrics
 from .model_runner import ModelRunner, RequestPayload
 from .models import GRModel
-from .outputs import GenerateOutput, RankOutput, StepTimings, output_user_id
+from .outputs import GenerateOutput, RankOutput, StepTimings
 from .request import GenerateParams, GenerateRequest, RankRequest
 from .step_graphs import StepGraphs
 from .step_results import ChunkResult, ScoreFetch
@@ -217,9 +217,8 @@ class GREngine:
             part = requests[start:start + _INTAKE_BATCH]
             for i, (request, added) in enumerate(zip(part, self._add(part, params), strict=True), start):
                 if isinstance(added, RequestError):
-                    results[i] = failed_type(request_id=str(getattr(request, "request_id", "")),
-                                             user_id=output_user_id(getattr(request, "user_id", None)),
-                                             error=str(added))
+                    request_id, user_id = request_labels(request)
+                    results[i] = failed_type(request_id=request_id, user_id=user_id, error=str(added))
                 else:
                     index[added] = i
         # No bar object at all without tqdm: even a disabled one costs host time per call.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,8 +17,18 @@ from scheduler import RequestState, Scheduler
 from .config import EngineConfig
 from .metrics import EngineStats
 from .model_runner import RequestPayload
+from .outputs import output_user_id
 from .request import GenerateParams
 from .validation import RequestError, check_candidates, check_events, parse_fields, values_valid
+
+
+def request_labels(request: Any) -> tuple[str, int | str | None]:
+    """The ``request_id`` and ``user_id`` that a refused request's output reports: its fields, or its keys where it is
+    a mapping (a request given as a dict); ``""`` and ``None`` where it has none (``user_id``: see
+    :func:`~.outputs.output_user_id`)."""
+    if isinstance(request, Mapping):
+        return str(request.get("request_id", "")), output_user_id(request.get("user_id"))
+    return str(getattr(request, "request_id", "")), output_user_id(getattr(request, "user_id", None))
 
 
 class RequestIntake:

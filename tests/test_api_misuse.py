@@ -123,3 +123,23 @@ def test_a_started_router_refuses_a_second_start_and_keeps_serving():
             return await router.rank_many(served)
 
     assert_recomputed(asyncio.run(serve()), served)
+
+
+def test_an_object_that_is_not_a_request_is_labelled_by_its_keys():
+    valid = request("ok", 1, 8)
+    call = [{"request_id": "d", "user_id": 7}, None, valid, {"user_id": True}]
+
+    def assert_labelled(outputs: list) -> None:
+        assert [(o.request_id, o.user_id) for o in outputs] == [("d", 7), ("", None), ("ok", 1), ("", None)]
+        assert all("expected a RankRequest" in o.error for o in outputs[:2] + outputs[3:])
+        assert_recomputed(outputs[2:3], [valid])
+
+    assert_labelled(GREngine(tiny_config()).rank(call, use_tqdm=False))
+
+    async def serve() -> None:
+        async with AsyncGREngine(serving_config()) as engine:
+            assert_labelled(await engine.rank_many(call, ))
+        async with ReplicaRouter(serving_config(), 2) as router:
+            assert_labelled(await router.rank_many(call))
+
+    asyncio.run(serve())

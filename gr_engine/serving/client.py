@@ -28,7 +28,8 @@ import zmq
 import zmq.asyncio
 
 from ..config import EngineConfig
-from ..outputs import GenerateOutput, RankOutput, output_user_id
+from ..intake import request_labels
+from ..outputs import GenerateOutput, RankOutput
 from ..request import GenerateParams, GenerateRequest, RankRequest
 from ..validation import RequestError, check_candidates, check_params, parse_fields
 from .admission import Admission, Pending, deadline_after, deadline_exceeded
@@ -287,8 +288,8 @@ class AsyncGREngine:
                 arrays = parse_fields(request, self.config, ranking=ranking)
                 check_candidates(arrays, self.config)
             except RequestError as exc:
-                results[i] = failed_type(request_id=str(getattr(request, "request_id", "")), error=str(exc),
-                                         user_id=output_user_id(getattr(request, "user_id", None)))
+                request_id, user_id = request_labels(request)
+                results[i] = failed_type(request_id=request_id, user_id=user_id, error=str(exc))
                 for observe in self.observers:
                     observe(results[i], "invalid", 0.0)
                 continue

@@ -21,7 +21,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..outputs import GenerateOutput, RankOutput, output_user_id
+from ..intake import request_labels
+from ..outputs import GenerateOutput, RankOutput
 from ..request import GenerateParams, GenerateRequest, RankRequest
 from ..routing import HashRing
 from .admission import EngineOverloaded, deadline_after, deadline_exceeded
@@ -156,8 +157,8 @@ class ReplicaRouter(ReplicaSet):
 
     def _failed(self, request: Request, params: GenerateParams | None, error: str, kind: str) -> Output:
         """The output of a request that no replica answered, carrying ``error``; observed with error kind ``kind``."""
-        output = (RankOutput if params is None else GenerateOutput)(
-            request_id=str(getattr(request, "request_id", "")), user_id=output_user_id(_user_of(request)), error=error)
+        request_id, user_id = request_labels(request)
+        output = (RankOutput if params is None else GenerateOutput)(request_id=request_id, user_id=user_id, error=error)
         self._observe(output, kind, 0.0)
         return output
 

@@ -113,13 +113,15 @@ def test_generate_params_changed_in_python_fail_their_requests_not_the_core():
     asyncio.run(serve())
 
 
-def test_a_started_router_refuses_a_second_start_and_keeps_serving():
+def test_a_started_router_refuses_a_second_start_and_an_iterator_and_keeps_serving():
     served = [request("a", 1, 8), request("b", 2, 8)]
 
     async def serve() -> list:
         async with ReplicaRouter(serving_config(), 2) as router:
             with pytest.raises(RuntimeError, match="close"):
                 await router.start()  # (it closed every replica: "the router is not started")
+            with pytest.raises(TypeError, match="sequence"):
+                await router.rank_many(iter(served))  # (routing consumed it: "Set of Tasks/Futures is empty")
             return await router.rank_many(served)
 
     assert_recomputed(asyncio.run(serve()), served)

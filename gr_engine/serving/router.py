@@ -77,6 +77,8 @@ class ReplicaRouter(ReplicaSet):
 
     async def _submit(self, requests: Sequence[Request], params: GenerateParams | None,
                       timeout_ms: float | None) -> list:
+        if not isinstance(requests, Sequence):  # (routing an iterator would consume it: nothing would be sent)
+            raise TypeError(f"requests must be a sequence (a list), got {type(requests).__name__}")
         if not self.started:
             raise EngineDead("the router is not started")
         self._prune()

@@ -1,7 +1,9 @@
 """What users send: ranking and retrieval requests, and retrieval parameters.
 
 History fields are parallel sequences, one entry per event, oldest first. Besides lists of ints they
-may be 1-D integer numpy arrays (no copy is made when validating those).
+may be 1-D integer numpy arrays (no copy is made when validating those: an int64 array is read in place, so it must
+not change until its request's output is returned; the engine hashes the history at intake and reads it again when
+it computes it, and a change in between would cache KV under the old values' hashes).
 """
 
 from __future__ import annotations

@@ -270,6 +270,36 @@ def test_a_dead_replica_restarted_gets_its_users_back_and_serves_them_exactly() 
     assert sum(home == victim for home in homes[100:]) > 0
 
 
+def test_a_router_closed_and_started_again_puts_every_replica_back_on_the_ring() -> None:
+    """A replica that died before :meth:`close` starts afresh with the others on the next :meth:`start` (it stayed in
+    ``dead``, off the ring, until ``supervise`` restarted an engine already running): its users are served by it
+    again, exactly."""
+    served = Served(2)
+    router, stream = served.router, make_stream(60, num_users=12, seed=89)
+    victim = router.ring.route(stream[0].user_id)
+    homes = [router.home_ring.route(r.user_id) for r in stream]
+
+    async def run() -> list:
+        outputs = await by_user(router, stream[:20], clients=4)
+        os.kill(router.engines[victim].core_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while router.engines[victim].is_alive():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        outputs += await by_user(router, stream[20:40], clients=4)  # all on the other replica
+        assert router.dead == {victim} and victim not in router.ring
+        await router.close()
+        await router.start()
+        assert router.dead == set() and sorted(router.ring.replicas) == [0, 1]
+        return outputs + await by_user(router, stream[40:], clients=4)
+
+    outputs = served.run_then_close(run())
+    assert_exact(outputs, stream, offline=False)
+    for i, request in enumerate(stream[40:], start=40):
+        assert served.answered[request.request_id] == [homes[i]], (i, served.answered[request.request_id])
+    assert victim in homes[40:]
+
+
 def test_a_stalled_replica_is_off_the_ring_while_silent_and_back_once_it_reports() -> None:
     """A replica whose core is alive but stopped (SIGSTOP): a request it accepted before it was found silent gets its
     deadline error, once (never sent again); once its listing says ``"unresponsive"`` it is off the ring, its users

@@ -140,7 +140,8 @@ class ReplicaSet:
             engine.observers.append(self._observe)
 
     async def start(self: _Set) -> _Set:
-        """Start every replica's core and wait until all have warmed up.
+        """Start every replica's core and wait until all have warmed up; every replica is then on the ring (one that
+        died, was suspended or stopped reporting before a :meth:`close` starts afresh).
 
         Raises:
             EngineDead: a replica's core exited before it was ready (the others are stopped again).
@@ -154,6 +155,11 @@ class ReplicaSet:
             await self.close()
             i, error = failed[0]
             raise EngineDead(f"replica {i} ({self.devices[i]}) did not start: {error}") from error
+        self.dead.clear()
+        self.unresponsive.clear()
+        for replica in self.engines:
+            if replica not in self.ring:
+                self.ring.add(replica)
         self.started = True
         return self
 

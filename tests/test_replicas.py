@@ -239,6 +239,15 @@ def test_a_killed_replica_loses_no_request_and_its_users_move_on() -> None:
     assert moved >= router.counts.retries
 
 
+async def kill_core(router, replica: int) -> None:
+    """SIGKILL ``replica``'s engine core and wait until its client sees it dead (at most 30 s)."""
+    os.kill(router.engines[replica].core_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while router.engines[replica].is_alive():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+
+
 def test_a_dead_replica_restarted_gets_its_users_back_and_serves_them_exactly() -> None:
     """After its core is killed, a replica's users are served by their next replica; :meth:`restart` starts a new
     core on the replica's device and puts it back on the ring: its users return to it, where their history is
@@ -252,11 +261,7 @@ def test_a_dead_replica_restarted_gets_its_users_back_and_serves_them_exactly() 
         outputs = await by_user(router, stream[:50], clients=8)
         with pytest.raises(ValueError, match="not dead"):
             await router.restart(victim)
-        os.kill(router.engines[victim].core_pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while router.engines[victim].is_alive():
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.01)
+        await kill_core(router, victim)
         outputs += await by_user(router, stream[50:100], clients=8)  # all on the other replica
         await router.restart(victim)
         return outputs + await by_user(router, stream[100:], clients=8)
@@ -281,11 +286,7 @@ def test_a_router_closed_and_started_again_puts_every_replica_back_on_the_ring()
 
     async def run() -> list:
         outputs = await by_user(router, stream[:20], clients=4)
-        os.kill(router.engines[victim].core_pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while router.engines[victim].is_alive():
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.01)
+        await kill_core(router, victim)
         outputs += await by_user(router, stream[20:40], clients=4)  # all on the other replica
         assert router.dead == {victim} and victim not in router.ring
         await router.close()

@@ -282,9 +282,15 @@ class AsyncGREngine:
         results: list = [None] * len(requests)
         messages, waits = [], {}
         tokens = 0
+        try:  # once a call (the core could not decode a GenerateParams changed in Python: top_k=1.5)
+            check_params(params)
+            bad_params = None
+        except RequestError as exc:
+            bad_params = exc  # each request fails with it, as GREngine's do
         for i, request in enumerate(requests):
             try:
-                check_params(params)  # (the core could not decode a GenerateParams changed in Python: top_k=1.5)
+                if bad_params is not None:
+                    raise bad_params
                 arrays = parse_fields(request, self.config, ranking=ranking)
                 check_candidates(arrays, self.config)
             except RequestError as exc:

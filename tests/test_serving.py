@@ -565,6 +565,32 @@ def test_cancelled_requests_that_have_not_started_are_dropped() -> None:
     asyncio.run(run())
 
 
+def test_an_undecodable_message_is_dropped_and_the_core_keeps_serving() -> None:
+    """Bytes that are not a message of this version (a stray process on the core's socket) are logged and dropped;
+    the core keeps serving its clients exactly."""
+    import zmq
+
+    from gr_engine.serving import AsyncGREngine
+
+    async def run() -> None:
+        async with AsyncGREngine(tiny_config(num_gpu_pages=96)) as engine:
+            first = make_stream(10, seed=29)
+            await engine.rank_many(first[:5])
+            context = zmq.Context()
+            stray = context.socket(zmq.DEALER)
+            stray.connect(f"ipc://{engine._dir.name}/core")
+            stray.send(b"\xc1 not msgpack")
+            stray.send(msgspec.msgpack.encode({"type": "nothing"}))
+            stray.close(linger=1000)
+            context.term()
+            outputs = await asyncio.wait_for(engine.rank_many(first[5:]), 60)
+            for output, reference in zip(outputs, recompute_scores(first[5:])):
+                np.testing.assert_allclose(output.scores, reference, atol=TOL, rtol=0)
+            assert engine._process.is_alive()
+
+    asyncio.run(run())
+
+
 def test_abort_waiting_between_steps() -> None:
     """The engine-side hook of the core: waiting requests dropped between steps; the rest are served exactly."""
     engine = GREngine(tiny_config(num_gpu_pages=96))

@@ -195,7 +195,11 @@ class EngineCore:
                 identity, frame = self._inputs.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            message = self._decoder.decode(frame.buffer)
+            try:
+                message = self._decoder.decode(frame.buffer)
+            except msgspec.DecodeError as error:  # not from a client of this version: nobody to answer
+                logger.error("engine core: an undecodable message of %d bytes dropped: %s", len(frame.buffer), error)
+                continue
             if isinstance(message, Hello):
                 self._join(identity.bytes, message.address)
                 continue

@@ -161,8 +161,8 @@ def hstu_paged_attention_kernel(
             q = tl.load(q_ptrs, mask=valid[:, None], other=0.0)
             acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
             kv_head = KV + head * stride_head
-            # Offsets within a page, once per work item: their arithmetic left the key loops (~9% fewer
-            # instructions a key tile; 6-8% more TFLOP/s on prefill and recompute, benchmarks/results/README.md).
+            # Each key's offset within its page is the same in every key tile: computed here, once per work
+            # item, not in the key loops (benchmarks/results/README.md, "in-page offsets hoisted").
             in_page = (tl.arange(0, BLOCK_N) % PAGE_SIZE * stride_token)[:, None] + dims[None, :]
             bias_head = TimeBias + head
             query_times = rows  # without the time bias, these are placeholders that are never read

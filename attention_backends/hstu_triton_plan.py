@@ -11,8 +11,8 @@ from .base import AttentionSpec
 
 # Split-KV: at most MAX_SPLITS parts per tile, MAX_PROGRAMS_PER_SM (item, head) pairs per processor (this
 # sizes the partial buffer), parts of at least MIN_TILES_PER_SPLIT key tiles; each program costs as much
-# time as SPLIT_OVERHEAD_KEYS keys (prologue, partial write and read): 128 or 256 made the serving step 13% slower than
-# 640, 1,280 and 2,560 alike (benchmarks/results/README.md, the H100 session).
+# time as SPLIT_OVERHEAD_KEYS keys (prologue, partial write and read; 640 lies on the measured plateau,
+# benchmarks/results/README.md).
 MAX_SPLITS, MAX_PROGRAMS_PER_SM, MIN_TILES_PER_SPLIT, SPLIT_OVERHEAD_KEYS = 32, 4, 4, 640
 
 

@@ -45,6 +45,22 @@ def test_tile_sweep_imports_and_counts_causal_flops_once(monkeypatch):
     assert module.step_tflop([0], [10], [3]) == pytest.approx(4 * width * (55 + 3 * 11) / 1e12)
 
 
+def test_kernel_ab_loads_a_copy_of_the_kernels_module(monkeypatch, tmp_path):
+    """kernel_ab.py's baseline is a file outside the package: loaded on its own, it gives that file's kernel."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    module = load("kernel_ab.py")
+    source = BENCHMARKS.parent / "attention_backends" / "hstu_triton_kernels.py"
+    copy = tmp_path / "old_kernels.py"
+    copy.write_text(source.read_text())
+    from attention_backends import hstu_triton_kernels
+
+    kernel = module.load_kernel(str(copy))
+    assert kernel is not hstu_triton_kernels.hstu_paged_attention_kernel
+    assert kernel.arg_names == hstu_triton_kernels.hstu_paged_attention_kernel.arg_names
+
+
 def test_gpu_checks_script_parses():
     assert subprocess.run(["bash", "-n", str(BENCHMARKS / "gpu_checks.sh")]).returncode == 0
 

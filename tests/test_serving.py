@@ -581,6 +581,7 @@ def test_an_undecodable_message_is_dropped_and_the_core_keeps_serving() -> None:
             stray.connect(f"ipc://{engine._dir.name}/core")
             stray.send(b"\xc1 not msgpack")
             stray.send(msgspec.msgpack.encode({"type": "nothing"}))
+            stray.send_multipart([b"two", b"frames"])
             stray.close(linger=1000)
             context.term()
             outputs = await asyncio.wait_for(engine.rank_many(first[5:]), 60)

@@ -192,13 +192,15 @@ class EngineCore:
         requests: list[tuple[_Client, CoreRequest]] = []
         while True:
             try:
-                identity, frame = self._inputs.recv_multipart(zmq.NOBLOCK, copy=False)
+                identity, *body = self._inputs.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            try:
-                message = self._decoder.decode(frame.buffer)
-            except msgspec.DecodeError as error:  # not from a client of this version: nobody to answer
-                logger.error("engine core: an undecodable message of %d bytes dropped: %s", len(frame.buffer), error)
+            try:  # a client sends one frame, a message of this version; anything else has nobody to answer
+                if len(body) != 1:
+                    raise msgspec.DecodeError(f"{len(body)} frames, not 1")
+                message = self._decoder.decode(body[0].buffer)
+            except msgspec.DecodeError as error:
+                logger.error("engine core: an undecodable message dropped: %s", error)
                 continue
             if isinstance(message, Hello):
                 self._join(identity.bytes, message.address)

@@ -3,7 +3,7 @@
     python benchmarks/kernel_ab.py --baseline OLD_KERNELS.py --out kernel_ab.json [--rounds 3]
 
 ``OLD_KERNELS.py`` is a copy of ``attention_backends/hstu_triton_kernels.py`` as it was (``git show
-REV:attention_backends/hstu_triton_kernels.py > old.py``; the device copy of the tree has no history). Each round
+REV:attention_backends/hstu_triton_kernels.py > old.py``, made before the tree goes to the GPU machine). Each round
 times the baseline's ``hstu_paged_attention_kernel`` and then the current one on every step of ``tile_sweep.py``
 (8k and 16k prefill, recompute's batch of 8, the serving and decode steps, the time-bias batch), each in the engine's
 own launch shape for the step, replayed from a CUDA graph (device time). Reports TFLOP/s per round and the largest

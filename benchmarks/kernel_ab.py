@@ -14,18 +14,16 @@ gives 0).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import importlib.util
 import json
 
 import torch
 import triton.testing
-from kernel_bench import DIM, HEADS, PAGE, make_step  # sibling scripts
-from tile_sweep import BIAS_BUCKETS, BIAS_STEP, STEPS, step_tflop
+from kernel_bench import HEADS  # sibling scripts
+from tile_sweep import BIAS_BUCKETS, BIAS_SPEC, BIAS_STEP, SPEC, make_steps
 
 import attention_backends.hstu_triton as hstu_triton
-from attention_backends import AttentionSpec
 
 
 def load_kernel(path: str):
@@ -44,14 +42,8 @@ def main() -> None:
     parser.add_argument("--commit", default=None, help="the current tree's commit, to record")
     args = parser.parse_args()
     device = torch.device("cuda")
-    spec = AttentionSpec(kind="hstu", num_heads=HEADS, head_dim=DIM, page_size=PAGE, dtype=torch.bfloat16,
-                         device_type="cuda", alpha=DIM**-0.5, scaling_seqlen=20_000)
-    bias_spec = dataclasses.replace(spec, time_bias_buckets=BIAS_BUCKETS)
     bias_table = torch.randn(BIAS_BUCKETS, HEADS, device=device, dtype=torch.float32)
-    steps = {name: make_step(*shape, device) for name, shape in STEPS.items()}
-    steps[BIAS_STEP] = make_step(*STEPS["recompute_bs8"], device, timestamps=True)
-    tflop = {name: step_tflop(*shape) for name, shape in STEPS.items()}
-    tflop[BIAS_STEP] = tflop["recompute_bs8"]
+    steps, tflop = make_steps(device)
     kernels = {"baseline": load_kernel(args.baseline), "current": hstu_triton.hstu_paged_attention_kernel}
     reference: dict[str, torch.Tensor] = {}
     results = {label: {"tflops": {name: [] for name in steps}, "max_abs_diff": {}} for label in kernels}
@@ -62,7 +54,7 @@ def main() -> None:
                 row = results[label]
                 for name, (q, k, v, cache, meta) in steps.items():
                     biased = name == BIAS_STEP
-                    backend = hstu_triton.HSTUTritonBackend(bias_spec if biased else spec)
+                    backend = hstu_triton.HSTUTritonBackend(BIAS_SPEC if biased else SPEC)
                     attend = functools.partial(backend.attend, q, k, v, cache, backend.build_metadata(meta),
                                                time_bias=bias_table if biased else None)
                     output = attend().float()

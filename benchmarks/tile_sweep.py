@@ -47,12 +47,25 @@ STEPS = {
 }
 BIAS_STEP = "recompute_bs8_time_bias"  # STEPS["recompute_bs8"] with timestamps and a time-bias table
 BIAS_BUCKETS = 64
+#: The bench model's attention (bf16, 4 heads x 128, pages of 32), without and with a relative time bias.
+SPEC = AttentionSpec(kind="hstu", num_heads=HEADS, head_dim=DIM, page_size=PAGE, dtype=torch.bfloat16,
+                     device_type="cuda", alpha=DIM**-0.5, scaling_seqlen=20_000)
+BIAS_SPEC = dataclasses.replace(SPEC, time_bias_buckets=BIAS_BUCKETS)
 
 
 def step_tflop(cached: list[int], new: list[int], candidates: list[int]) -> float:
     """Attention TFLOP of a step: ``4 * H * D`` per attended (query, key) pair."""
     history = np.asarray(cached) + np.asarray(new)
     return 4 * HEADS * DIM * float(attended_pairs(cached, history, candidates).sum()) / 1e12
+
+
+def make_steps(device: torch.device) -> tuple[dict[str, tuple], dict[str, float]]:
+    """Every timed step's inputs (:func:`kernel_bench.make_step`) and attention TFLOP, the time-bias batch too."""
+    steps = {name: make_step(*shape, device) for name, shape in STEPS.items()}
+    steps[BIAS_STEP] = make_step(*STEPS["recompute_bs8"], device, timestamps=True)
+    tflop = {name: step_tflop(*shape) for name, shape in STEPS.items()}
+    tflop[BIAS_STEP] = tflop["recompute_bs8"]
+    return steps, tflop
 
 
 def main() -> None:
@@ -65,22 +78,16 @@ def main() -> None:
     args = parser.parse_args()
     overheads = [int(v) for v in args.overhead_keys.split(",") if v.strip()]
     device = torch.device("cuda")
-    spec = AttentionSpec(kind="hstu", num_heads=HEADS, head_dim=DIM, page_size=PAGE, dtype=torch.bfloat16,
-                         device_type="cuda", alpha=DIM**-0.5, scaling_seqlen=20_000)
     grid = [TileConfig(m, n, w, s) for m, n, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4))]
     grid += [dataclasses.replace(c, programs_per_sm=2) for c in grid if c.block_m == 64 and c.num_warps == 4]
-    decode = default_tile_config(spec, max_query_len=20)
+    decode = default_tile_config(SPEC, max_query_len=20)
     decode_one = dataclasses.replace(decode, programs_per_sm=1)
     grid += [decode_one, decode]
-    default = default_tile_config(spec)
+    default = default_tile_config(SPEC)
     if args.quick:
         grid = [default, TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3), TileConfig(64, 64, 4, 3, 2),
                 TileConfig(64, 64, 4, 2, 2), decode_one, decode]
-    steps = {name: make_step(*shape, device) for name, shape in STEPS.items()}
-    steps[BIAS_STEP] = make_step(*STEPS["recompute_bs8"], device, timestamps=True)
-    tflop = {name: step_tflop(*shape) for name, shape in STEPS.items()}
-    tflop[BIAS_STEP] = tflop["recompute_bs8"]
-    bias_spec = dataclasses.replace(spec, time_bias_buckets=BIAS_BUCKETS)
+    steps, tflop = make_steps(device)
     bias_table = torch.randn(BIAS_BUCKETS, HEADS, device=device, dtype=torch.float32)
 
     def tflops(config: TileConfig | None, overhead_keys: int | None = None) -> dict:
@@ -89,7 +96,7 @@ def main() -> None:
         try:
             for name, (q, k, v, cache, meta) in steps.items():
                 biased = name == BIAS_STEP
-                backend = HSTUTritonBackend(bias_spec if biased else spec, tiles=config)
+                backend = HSTUTritonBackend(BIAS_SPEC if biased else SPEC, tiles=config)
                 if overhead_keys is not None:
                     backend.overhead_keys = overhead_keys
                 attend = functools.partial(backend.attend, q, k, v, cache, backend.build_metadata(meta),

@@ -88,7 +88,8 @@ def _attend_key_tile(
         page = tl.load(Pages + position // PAGE_SIZE, mask=in_seq, other=0)
     else:
         page = tl.load(Pages + position // PAGE_SIZE)
-    k_ptrs = KvHead + page.to(tl.int64)[:, None] * stride_page + in_page
+    # Page ids are >= 0: zero-extended, the 64-bit offset needs no sign arithmetic.
+    k_ptrs = KvHead + page.to(tl.uint32).to(tl.int64)[:, None] * stride_page + in_page
     if MASKED:
         k = tl.load(k_ptrs, mask=in_seq[:, None], other=0.0)
         v = tl.load(k_ptrs + stride_kv, mask=in_seq[:, None], other=0.0)

@@ -145,7 +145,11 @@ def cold_run(history: int, visits: int, quick: bool, overrides: list[str]) -> di
     config = load_config(None, overrides, base=engine_config(settings, cache_config(settings, "recompute"), 1))
     with GREngine(config) as engine:
         cuda = engine.device.type == "cuda"
-        engine.warmup(use_tqdm=False)
+        reserved = torch.cuda.memory_reserved(engine.device) if cuda else 0
+        t0 = time.perf_counter()
+        captured = engine.warmup(use_tqdm=False)
+        warmup_s = time.perf_counter() - t0
+        warmup_bytes = torch.cuda.memory_reserved(engine.device) - reserved if cuda else 0
         unprofiled, wall, outputs = [], [], []
         for i, request in enumerate(requests[:visits + 2]):  # two unmeasured, then ``visits`` timed
             t0 = time.perf_counter()
@@ -176,7 +180,8 @@ def cold_run(history: int, visits: int, quick: bool, overrides: list[str]) -> di
     largest = max(step_rows)
     cold = {"history": history, "step_rows": rows, "largest_step_rows": largest,
             "steps_per_visit": len(step_rows) / visits, "visit_step_rows": step_rows[:len(step_rows) // visits],
-            "overrides": list(overrides),
+            "overrides": list(overrides), "warmup_s": warmup_s, "warmup_graphs": captured,
+            "warmup_reserved_bytes": warmup_bytes,
             "cuda_graph_max_rows": config.cuda_graph_max_rows, "step_graphs": graphs,
             "eager": not graphs or largest > config.cuda_graph_max_rows, "attention_backend": backend,
             "wall_ms": wall, "wall_ms_median": float(np.median(wall)), "unprofiled_wall_ms": unprofiled,
@@ -318,6 +323,8 @@ def cold_markdown(cold: dict, what: str) -> list[str]:
              f"- wall per visit (median, perf counter): {cold['wall_ms_median']:.3f} ms profiled, "
              f"{cold['unprofiled_wall_ms_median']:.3f} ms unprofiled ("
              + ", ".join(f"{v:.3f}" for v in cold["unprofiled_wall_ms"]) + ")",
+             f"- warm-up: {cold['warmup_s']:.1f} s, {cold['warmup_graphs']} (bucket, launch shape) forwards "
+             f"captured, {cold['warmup_reserved_bytes'] / 2**20:.0f} MiB more reserved by torch's allocator",
              f"- medians per visit: span {cold['span_ms_median']:.3f} ms, {cold['kernels_median']:.0f} {what}s, "
              f"{what} time {cold['kernel_ms_median']:.3f} ms, busy {cold['busy_ms_median']:.3f} ms, host gaps "
              f"{cold['gap_ms_median']:.3f} ms ({cold['gap_fraction_median']:.1%}: before the first "

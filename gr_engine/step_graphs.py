@@ -6,7 +6,7 @@ relative time bias) is *staged*: written in compact form into a pinned host buff
 expanded into the padded static buffers by one kernel launched just before the bucket's forward is replayed
 (:mod:`.step_expand`): the next step may be staged as soon as that kernel has read the buffer.
 
-Buckets are powers of two from 128 rows to ``max_rows`` (:func:`bucket_rows`); graphs are captured when a bucket and
+Buckets are powers of two from 128 rows, finer above 4,096 (:func:`bucket_rows`), to ``max_rows``; graphs are captured when a bucket and
 launch shape first occur (after an eager warm-up on a side stream) or all at start-up
 (:meth:`.ModelRunner.capture_graphs`). A step
 waiting for onloads replays one graph per layer, each after its layer's event, any other one graph; the last graph
@@ -41,9 +41,21 @@ TOKEN_FIELDS = ("item_ids", "action_ids", "positions")
 _VIEW_CACHE_SIZE = 4096  # (bucket, field, length) views of the static buffer kept
 
 
+#: Buckets up to this many rows are powers of two (a small step's time is mostly launches: padding costs little).
+FINE_FROM_ROWS = 4096
+#: Buckets a doubling above :data:`FINE_FROM_ROWS`, evenly spaced: a long step is padded by at most 1/16 of its rows.
+FINE_STEPS = 16
+
+
 def bucket_rows(max_rows: int) -> list[int]:
-    """The capture buckets (rows) of steps up to ``max_rows`` rows: powers of two from 128, then ``max_rows``."""
-    return [b for b in (128 * 2**i for i in range(16)) if b < max_rows] + [max_rows]
+    """The capture buckets (rows) of steps up to ``max_rows`` rows: powers of two from 128 to
+    :data:`FINE_FROM_ROWS`, then :data:`FINE_STEPS` evenly spaced buckets per doubling (4,352, 4,608, ..., 8,192,
+    8,704, ...), then ``max_rows``."""
+    buckets = [128]
+    while buckets[-1] < max_rows:
+        last = buckets[-1]
+        buckets.append(2 * last if last < FINE_FROM_ROWS else last + (1 << (last.bit_length() - 1)) // FINE_STEPS)
+    return buckets[:-1] + [max_rows]
 
 Segment = Callable[[torch.Tensor | None], torch.Tensor]
 SegmentsFn = Callable[[dict[str, torch.Tensor], PagedBatchMetadata, Any], list[Segment]]

@@ -104,6 +104,7 @@ def test_kernel_profile_cold_visits(tmp_path):
     assert cold["steps_per_visit"] == 1 and cold["visit_step_rows"] == [108]
     assert cold["cuda_graph_max_rows"] == 16384 and cold["overrides"] == ["cuda_graph_max_rows=16384"]
     assert cold["eager"] and not cold["step_graphs"] and cold["graph_launches"] == 0  # CPU: no step graphs
+    assert cold["warmup_s"] > 0 and cold["warmup_graphs"] == 0 and cold["warmup_reserved_bytes"] == 0
     assert result["batch"] == 1 and result["batches"] == 3 and cold["visits"] == 3
     assert len(cold["per_visit"]) == len(cold["wall_ms"]) == 3 and len(cold["unprofiled_wall_ms"]) == 3
     # a visit longer than a chunk runs in steps, recorded as the engine ran them (the candidates with the last)

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from gr_engine import GREngine
-from gr_engine.step_graphs import StepGraphs
+from gr_engine.step_graphs import StepGraphs, bucket_rows
 from tests.conftest import requires_cuda, tiny_config, with_cache
 from tests.test_engine_differential import max_diff, stream
 
@@ -119,6 +119,17 @@ def test_fits_bounds():
     assert not graphs.fits(64, 4, 1, 101)
     assert StepGraphs(engine.backend, engine.device, 4, 1000, 4, 10).buckets == [128, 256, 512, 1000]
     assert not StepGraphs.supported(engine.backend)  # torch_ref: eager only
+
+
+def test_bucket_rows_are_fine_above_4096():
+    """Powers of two to 4,096 rows, then 16 buckets a doubling: a long step is padded by at most 1/16 of its rows."""
+    assert bucket_rows(4096) == [128, 256, 512, 1024, 2048, 4096]
+    assert bucket_rows(5000) == [128, 256, 512, 1024, 2048, 4096, 4352, 4608, 4864, 5000]
+    buckets = bucket_rows(16384)
+    assert buckets[5:] == list(range(4096, 8192, 256)) + list(range(8192, 16385, 512))
+    for rows in range(4097, 16385, 37):
+        bucket = next(b for b in buckets if b >= rows)
+        assert bucket - rows < rows / 16
 
 
 @needs_hstu_triton

@@ -6,11 +6,11 @@ relative time bias) is *staged*: written in compact form into a pinned host buff
 expanded into the padded static buffers by one kernel launched just before the bucket's forward is replayed
 (:mod:`.step_expand`): the next step may be staged as soon as that kernel has read the buffer.
 
-Buckets are powers of two from 128 rows, finer above 4,096 (:func:`bucket_rows`), to ``max_rows``; graphs are captured when a bucket and
-launch shape first occur (after an eager warm-up on a side stream) or all at start-up
-(:meth:`.ModelRunner.capture_graphs`). A step
-waiting for onloads replays one graph per layer, each after its layer's event, any other one graph; the last graph
-also runs the ranking head. All graphs share one memory pool. On CPU the padded forward runs eagerly instead.
+Buckets are powers of two from 128 rows, finer above 4,096 (:func:`bucket_rows`), to ``max_rows``; graphs are
+captured when a bucket and launch shape first occur (after an eager warm-up on a side stream) or all at start-up
+(:meth:`.ModelRunner.capture_graphs`). A step waiting for onloads replays one graph per layer, each after its
+layer's event, any other one graph; the last graph also runs the ranking head. All graphs share one memory pool. On
+CPU the padded forward runs eagerly instead.
 """
 
 from __future__ import annotations

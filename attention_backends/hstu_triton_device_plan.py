@@ -17,7 +17,6 @@ import triton.language as tl
 from .hstu_triton_plan import MAX_PROGRAMS_PER_SM, MAX_SPLITS, TileConfig
 
 _MAX_ONE_HOT = 1 << 15  # most (item, tile) pairs one program holds at once
-_SEARCH_STEPS = tl.constexpr(24)  # bisection steps: part lengths below 2**24 key tiles
 _LAST = tl.constexpr(1 << 62)  # sorts after every item
 
 
@@ -30,10 +29,11 @@ def fits(num_tiles: int, num_items: int, max_requests: int) -> bool:
 @triton.jit
 def _kth_longest(full, rem, part_len, k, bmax, entries, S: tl.constexpr):
     """Per plan (row): the ``k``-th longest (0-based) of its ``entries`` part lengths: ``full [S, T]`` parts of
-    ``part_len`` and one of ``rem`` per tile, zeros for the rest."""
+    ``part_len`` and one of ``rem`` per tile, zeros for the rest. Bisection until every row's range is one value:
+    ``log2(bmax + 2)`` steps (further steps would leave ``lo`` as it is: ``mid == lo`` is good)."""
     lo = tl.zeros([S], dtype=tl.int32)  # count(parts >= lo) > k always holds
     hi = tl.zeros([S], dtype=tl.int32) + bmax + 1  # count(parts >= hi) > k never holds
-    for _ in range(_SEARCH_STEPS):
+    while tl.max(hi - lo, 0) > 1:
         mid = (lo + hi) // 2
         at_least = tl.sum(full * (part_len >= mid[:, None]) + (rem >= mid[:, None]), 1)  # for mid >= 1
         good = tl.where(mid == 0, entries, at_least) > k

@@ -17,6 +17,7 @@ import triton.language as tl
 from .hstu_triton_plan import MAX_PROGRAMS_PER_SM, MAX_SPLITS, TileConfig
 
 _MAX_ONE_HOT = 1 << 15  # most (item, tile) pairs one program holds at once
+PLAN_WARPS = 8  # the one program's warps
 _LAST = tl.constexpr(1 << 62)  # sorts after every item
 
 
@@ -146,8 +147,17 @@ def write_plan(plan: torch.Tensor, query_start_loc: torch.Tensor, num_history_ro
     :func:`~.hstu_triton_plan.padded_plan`; check :func:`fits` first) on the current stream, graph-capturable.
     ``query_start_loc [B + 1]``, ``num_history_rows [B]``, ``kv_seq_lens [B]``: int32, spare requests (after the
     real ones) without rows; the rest as for ``plan_tile_map``."""
-    max_requests = num_history_rows.shape[0]
-    constants = dict(
+    constants = plan_constants(num_history_rows.shape[0], tiles, num_tiles, num_items, num_heads, num_sms,
+                               overhead_keys, min_tiles_per_split)
+    # Costs round each product and sum as numpy does: no fused multiply-adds.
+    _plan_kernel[(1,)](query_start_loc, num_history_rows, kv_seq_lens, plan, **constants, num_warps=PLAN_WARPS,
+                       enable_fp_fusion=False)
+
+
+def plan_constants(max_requests: int, tiles: TileConfig, num_tiles: int, num_items: int, num_heads: int,
+                   num_sms: int, overhead_keys: int, min_tiles_per_split: int) -> dict[str, int | float]:
+    """The plan kernel's ``tl.constexpr`` arguments for a key's capacities (as :func:`write_plan`'s)."""
+    return dict(
         MAX_REQUESTS=max_requests, R_P2=triton.next_power_of_2(max_requests), BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, TILES_CAP=num_tiles, T_P2=triton.next_power_of_2(num_tiles), ITEMS_CAP=num_items,
         I_P2=triton.next_power_of_2(num_items), MIN_ITEMS=-(-MAX_PROGRAMS_PER_SM * num_sms // num_heads),
@@ -155,6 +165,3 @@ def write_plan(plan: torch.Tensor, query_start_loc: torch.Tensor, num_history_ro
         OVERHEAD=float(np.float32(overhead_keys / tiles.block_n * num_heads / num_sms)),
         MIN_TILES=min_tiles_per_split, RANK0=(num_sms - 1) // num_heads, RANK1=num_sms // num_heads, S=MAX_SPLITS,
     )
-    # Costs round each product and sum as numpy does: no fused multiply-adds.
-    _plan_kernel[(1,)](query_start_loc, num_history_rows, kv_seq_lens, plan, **constants, num_warps=8,
-                       enable_fp_fusion=False)

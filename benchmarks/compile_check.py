@@ -5,12 +5,12 @@
 Triton's compiler and the ``ptxas`` shipped in the triton wheel build each kernel for sm_90 at the shapes the engine
 launches for the bench's model (bf16, 4 heads x 128, pages of 32 tokens, d_model 512): ``hstu_triton``'s attention in
 its default launch shape, with a time bias and in decode tiles (two programs an SM), and the 64 x 64 shape
-``tile_sweep.py`` times two programs an SM; the append; the LayerNorm (with and
-without the residual shift) and the gate. For each: ``ptxas -v``'s registers, spill stores and loads (bytes), the
-shared memory and how many programs fit on an SM (:func:`programs_per_sm`); with ``--sass``, how many local-memory
-loads and stores (``LDL``/``STL``, spills) sit in the basic blocks that hold the MMAs (``HGMMA``: the key loops). A
-kernel that does not compile is reported with its error. No GPU is needed, so compile errors and spills show before a
-device session; how fast a kernel runs still takes the GPU (``tile_sweep.py``).
+``tile_sweep.py`` times two programs an SM; the append; the LayerNorm (with and without the residual shift) and the
+gate; the device tile plan of a cold visit's and a serving step's graph. For each: ``ptxas -v``'s registers, spill
+stores and loads (bytes), the shared memory and how many programs fit on an SM (:func:`programs_per_sm`); with
+``--sass``, how many local-memory loads and stores (``LDL``/``STL``, spills) sit in the basic blocks that hold the MMAs
+(``HGMMA``: the key loops). A kernel that does not compile is reported with its error. No GPU is needed, so compile
+errors and spills show before a device session; how fast a kernel runs still takes the GPU (``tile_sweep.py``).
 
 It must import Triton without ``TRITON_INTERPRET`` (it removes the variable before importing anything).
 """
@@ -36,8 +36,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from attention_backends import AttentionSpec
+from attention_backends import hstu_triton_device_plan as device_plan
 from attention_backends import hstu_triton_kernels as attention
-from attention_backends.hstu_triton_plan import TileConfig, default_tile_config
+from attention_backends.hstu_triton_plan import (
+    MAX_PROGRAMS_PER_SM,
+    MIN_TILES_PER_SPLIT,
+    SPLIT_OVERHEAD_KEYS,
+    TileConfig,
+    default_tile_config,
+)
 from gr_engine.models import fused_ops
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -58,6 +65,7 @@ class Build:
     num_warps: int
     num_stages: int = 1
     divisible: tuple[str, ...] = ()
+    fp_fusion: bool = True
     report: dict[str, Any] = field(default_factory=dict)
 
     def source(self) -> ASTSource:
@@ -120,11 +128,30 @@ def layer_builds() -> list[Build]:
     return builds
 
 
+def plan_builds(num_sms: int = 132) -> list[Build]:
+    """The device tile plan (``hstu_triton_device_plan``) of the graph buckets a cold 8,192-event visit (8,704 rows,
+    one request) and a serving step (4,096 rows, 64 requests) replay on an H200, the default launch shape."""
+    spec = AttentionSpec(kind="hstu", num_heads=HEADS, head_dim=DIM, page_size=PAGE, dtype=torch.bfloat16,
+                         device_type="cuda", alpha=DIM**-0.5, scaling_seqlen=20_000)
+    tiles = default_tile_config(spec)
+    builds = []
+    for label, rows, requests in (("cold visit", 8704, 1), ("serving step", 4096, 64)):
+        num_tiles = (rows + requests * (tiles.block_m - 1)) // tiles.block_m  # as HSTUTritonBackend.graph_plan
+        num_items = max(num_tiles, -(-MAX_PROGRAMS_PER_SM * num_sms * tiles.programs_per_sm // HEADS))
+        constants = device_plan.plan_constants(requests, tiles, num_tiles, num_items, HEADS, num_sms,
+                                               SPLIT_OVERHEAD_KEYS, MIN_TILES_PER_SPLIT)
+        builds.append(Build(f"device plan ({label}: {rows} rows, {requests} requests)", device_plan._plan_kernel,
+                            dict.fromkeys(("QueryStartLoc", "NumHistory", "SeqLens", "Plan"), "*i32"), constants,
+                            device_plan.PLAN_WARPS, fp_fusion=False))
+    return builds
+
+
 def compile_one(build: Build, sass: bool) -> dict[str, Any]:
     """Compile ``build`` for sm_90 and read ``ptxas -v`` (and, with ``sass``, the cubin's SASS)."""
     try:
         compiled = triton.compile(build.source(), target=TARGET,
-                                  options={"num_warps": build.num_warps, "num_stages": build.num_stages})
+                                  options={"num_warps": build.num_warps, "num_stages": build.num_stages,
+                                           "enable_fp_fusion": build.fp_fusion})
     except Exception as exc:  # a kernel that does not compile for the GPU: the point of the check
         return {"label": build.label, "ok": False, "error": str(exc)[:1000]}
     report: dict[str, Any] = {"label": build.label, "ok": True, "num_warps": build.num_warps,
@@ -182,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sass", action="store_true", help="count spills inside the MMA loops (nvdisasm)")
     parser.add_argument("--out", default=None, help="write the reports as JSON")
     args = parser.parse_args(argv)
-    reports = [compile_one(build, args.sass) for build in attention_builds() + layer_builds()]
+    reports = [compile_one(build, args.sass) for build in attention_builds() + layer_builds() + plan_builds()]
     for r in reports:
         if not r["ok"]:
             print(f"{r['label']}: FAILED {r['error'][:300]}")

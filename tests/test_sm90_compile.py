@@ -35,10 +35,11 @@ def test_kernels_compile_for_sm90(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     kernels = {k["label"]: k for k in json.loads(out.read_text())["kernels"]}
-    assert len(kernels) == 9 and all(k["ok"] for k in kernels.values())
+    assert len(kernels) == 11 and all(k["ok"] for k in kernels.values())
     for label, kernel in kernels.items():
         assert 0 < kernel["registers"] <= 255 and kernel["shared_bytes"] <= 227 * 1024, label  # an H200 SM's limits
-        if not label.startswith("attention") or label == "attention decode tiles":
+        # (the device plan is one program a step holding [items, tiles] one-hot arrays: it may spill)
+        if not label.startswith(("attention", "device plan")) or label == "attention decode tiles":
             assert kernel["spill_store_bytes"] == kernel["spill_load_bytes"] == 0, label
     # tile_sweep.py's shape of two programs an SM must fit two (else its grid's second half waits)
     assert kernels["attention 64 x 64, 4 warps, 3 stages (tile_sweep.py's two an SM)"]["programs_per_sm"] >= 2

@@ -61,6 +61,31 @@ def test_kernel_ab_loads_a_copy_of_the_kernels_module(monkeypatch, tmp_path):
     assert kernel.arg_names == hstu_triton_kernels.hstu_paged_attention_kernel.arg_names
 
 
+def test_plan_ab_loads_a_copy_of_the_plan_module_and_pads_its_cases(monkeypatch, tmp_path):
+    """plan_ab.py's baseline is a copy of the device-plan module loaded inside the package (its relative imports
+    resolve); each case's step fits its bucket, spare requests without rows."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    module = load("plan_ab.py")
+    from attention_backends import hstu_triton_device_plan
+
+    copy = tmp_path / "old_plan.py"
+    copy.write_text(Path(hstu_triton_device_plan.__file__).read_text())
+    baseline = module.load_plan_module(str(copy))
+    assert baseline.write_plan is not hstu_triton_device_plan.write_plan
+    assert baseline.TileConfig is hstu_triton_device_plan.TileConfig  # the package's own plan module, imported once
+    for rows, requests, real in module.CASES.values():
+        num_tiles, num_items, step = module.padded_step(rows, requests, real, "cpu")
+        qsl = step["query_start_loc"].tolist()
+        assert len(qsl) == requests + 1 and qsl[0] == 0 and qsl[-1] == sum(h + c for h, c, _ in real) <= rows
+        assert qsl[len(real):] == [qsl[-1]] * (requests + 1 - len(real))  # spare requests: no rows
+        assert step["kv_seq_lens"].tolist()[:len(real)] == [h + cached for h, _, cached in real]
+        assert num_items >= num_tiles >= -(-qsl[-1] // module.tile_config().block_m)
+    with pytest.raises(ValueError, match="do not fit"):
+        module.padded_step(128, 1, [(200, 0, 0)], "cpu")
+
+
 def test_gpu_checks_script_parses():
     assert subprocess.run(["bash", "-n", str(BENCHMARKS / "gpu_checks.sh")]).returncode == 0
 

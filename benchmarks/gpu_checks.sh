@@ -7,12 +7,16 @@
 #   kernels  the Triton kernels' own tests, compiled on CUDA (not marked gpu: on CPU they run in the interpreter), then
 #            cache_bench (the host tier's transfer bandwidth)
 #   cold     kernel_profile.py --cold-history 8192 (the bench's cold first visit) as configured, and with the visit on
-#            step graphs: one step in an 8448-row graph (156 rows padded) or a 16384-row one, or an 8192-row graph
-#            and a small one (about 2-4 minutes)
+#            step graphs: one step in an 8448-row graph (156 rows padded), with graphs up to 16384 rows (its bucket
+#            then 8704 rows; the warm-up's time and memory recorded), or an 8192-row graph and a small one (about 2-4
+#            minutes)
+#   ab       kernel_ab.py and plan_ab.py against baseline copies made before the tree travels, untracked in the
+#            repository root: ab_kernels.py (git show REV:attention_backends/hstu_triton_kernels.py) and ab_plan.py
+#            (git show REV:attention_backends/hstu_triton_device_plan.py); either may be absent (about 2-3 minutes)
 # Usage (device tool, with .whl carried):
-#   bash benchmarks/gpu_checks.sh <commit> [tests|warmup|kernels|cold ...]   (default: tests; one part a command)
+#   bash benchmarks/gpu_checks.sh <commit> [tests|warmup|kernels|cold|ab ...]   (default: tests; one part a command)
 set -uo pipefail
-commit=${1:?usage: gpu_checks.sh <commit> [tests|warmup|kernels|cold ...]}
+commit=${1:?usage: gpu_checks.sh <commit> [tests|warmup|kernels|cold|ab ...]}
 shift
 out=${OUT:?set OUT to the results folder}
 source .whl/activate.sh
@@ -48,6 +52,17 @@ for part in "$@"; do
           echo "cold $name: exit $?"
           grep -m1 "wall per visit" "$out/cold_$name/kernel_profile.md"
         done ;;
+      ab)
+        if [ -f ab_kernels.py ]; then
+          (cd benchmarks && timeout 200 python kernel_ab.py --baseline ../ab_kernels.py --out "$out/kernel_ab.json" \
+            --commit "$commit") > "$out/kernel_ab.log" 2>&1
+          echo "kernel_ab exit $?"; tail -2 "$out/kernel_ab.log"
+        fi
+        if [ -f ab_plan.py ]; then
+          timeout 120 python benchmarks/plan_ab.py --baseline ab_plan.py --out "$out/plan_ab.json" --commit "$commit" \
+            > "$out/plan_ab.log" 2>&1
+          echo "plan_ab exit $?"; tail -15 "$out/plan_ab.log"
+        fi ;;
       *) echo "unknown part $part"; exit 2 ;;
     esac
 done

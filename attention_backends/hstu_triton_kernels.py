@@ -181,19 +181,21 @@ def hstu_paged_attention_kernel(
                                        True, PAGE_SIZE, BLOCK_N, HEAD_DIM, FAST_SILU, PRECISION, TIME_BIAS)
             out = acc * inv_scaling
 
-            # Candidates also attend to their own k/v (added once, by part 0).
+            # Candidates also attend to their own k/v (added once, by part 0), in the tiles that hold any: a
+            # scalar branch, so history-only tiles (all of a prefill's) skip it.
             # (scalars are broadcast to the row vector before combining masks: Triton >= 3.9's interpreter
             # rejects a mask built from a vector and a scalar comparison)
-            own = valid & (slots >= num_hist) & (tl.zeros_like(slots) + split == 0)
-            own_k_ptrs = K + rows[:, None] * stride_kt + head * stride_kh + dims[None, :]
-            own_v_ptrs = V + rows[:, None] * stride_vt + head * stride_vh + dims[None, :]
-            own_k = tl.load(own_k_ptrs, mask=own[:, None], other=0.0)
-            own_v = tl.load(own_v_ptrs, mask=own[:, None], other=0.0)
-            own_logit = tl.sum(q.to(tl.float32) * own_k.to(tl.float32), axis=1) * alpha
-            if TIME_BIAS:  # a candidate's own key has its time: bucket 0
-                own_logit += tl.load(bias_head).to(tl.float32)
-            own_weight = tl.where(own, _silu(own_logit, 1.0, False) * inv_scaling, 0.0)
-            out += own_weight[:, None] * own_v.to(tl.float32)
+            if (split == 0) & (tl.minimum(first + BLOCK_M, num_rows) > num_hist):
+                own = valid & (slots >= num_hist)
+                own_k_ptrs = K + rows[:, None] * stride_kt + head * stride_kh + dims[None, :]
+                own_v_ptrs = V + rows[:, None] * stride_vt + head * stride_vh + dims[None, :]
+                own_k = tl.load(own_k_ptrs, mask=own[:, None], other=0.0)
+                own_v = tl.load(own_v_ptrs, mask=own[:, None], other=0.0)
+                own_logit = tl.sum(q.to(tl.float32) * own_k.to(tl.float32), axis=1) * alpha
+                if TIME_BIAS:  # a candidate's own key has its time: bucket 0
+                    own_logit += tl.load(bias_head).to(tl.float32)
+                own_weight = tl.where(own, _silu(own_logit, 1.0, False) * inv_scaling, 0.0)
+                out += own_weight[:, None] * own_v.to(tl.float32)
 
             out_ptrs = Out + rows[:, None] * stride_ot + head * stride_oh + dims[None, :]
             whole = valid & (tl.zeros_like(slots) + num_splits == 1)

@@ -18,11 +18,11 @@ import torch
 from .base import AttentionBackend, AttentionSpec, BackendSupport, GraphReplayable, PagedBatchMetadata, PlanWriter
 from .hstu_triton_kernels import INTERPRETED, append_rows, hstu_paged_attention_kernel, sum_partials_kernel, triton
 from .hstu_triton_plan import (
-    MAX_PROGRAMS_PER_SM,
     MIN_TILES_PER_SPLIT,
     SPLIT_OVERHEAD_KEYS,
     TileConfig,
     default_tile_config,
+    padded_capacities,
     padded_plan,
     plan_tile_map,
     uncut_sizes,
@@ -128,8 +128,8 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
             if planned is not None:
                 return planned
         config = self._config(longest)
-        num_tiles = (max_rows + max_requests * (config.block_m - 1)) // config.block_m  # plan_tile_map's bound
-        num_items = max(num_tiles, -(-MAX_PROGRAMS_PER_SM * self.processors(config) // self.spec.num_heads))
+        num_tiles, num_items = padded_capacities(max_rows, max_requests, config.block_m, self.spec.num_heads,
+                                                 self.processors(config))
         if self.plan_on_device:
             from .hstu_triton_device_plan import fits
 

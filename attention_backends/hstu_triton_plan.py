@@ -168,6 +168,14 @@ def _cheapest_cut(blocks: np.ndarray, in_use: np.ndarray, num_items: int, block_
     return parts[best], part_len[best]
 
 
+def padded_capacities(max_rows: int, max_requests: int, block_m: int, num_heads: int,
+                      num_processors: int) -> tuple[int, int]:
+    """``(num_tiles, num_items)`` a padded plan holds for any step of at most ``max_rows`` rows in ``max_requests``
+    requests: :func:`plan_tile_map`'s bounds at those capacities."""
+    num_tiles = (max_rows + max_requests * (block_m - 1)) // block_m
+    return num_tiles, max(num_tiles, -(-MAX_PROGRAMS_PER_SM * num_processors // num_heads))
+
+
 def padded_plan(tiles: np.ndarray, items: np.ndarray, num_tiles: int, num_items: int) -> np.ndarray:
     """:func:`plan_tile_map`'s ``tiles [5, n]``, ``items [2, m]`` as one int32 ``[5 * num_tiles + 2 * num_items]``
     padded to the capacities: spare tiles have request ``-1`` and zeros, spare items tile ``-1``, part 0."""

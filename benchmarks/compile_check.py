@@ -39,11 +39,11 @@ from attention_backends import AttentionSpec
 from attention_backends import hstu_triton_device_plan as device_plan
 from attention_backends import hstu_triton_kernels as attention
 from attention_backends.hstu_triton_plan import (
-    MAX_PROGRAMS_PER_SM,
     MIN_TILES_PER_SPLIT,
     SPLIT_OVERHEAD_KEYS,
     TileConfig,
     default_tile_config,
+    padded_capacities,
 )
 from gr_engine.models import fused_ops
 
@@ -136,8 +136,8 @@ def plan_builds(num_sms: int = 132) -> list[Build]:
     tiles = default_tile_config(spec)
     builds = []
     for label, rows, requests in (("cold visit", 8704, 1), ("serving step", 4096, 64)):
-        num_tiles = (rows + requests * (tiles.block_m - 1)) // tiles.block_m  # as HSTUTritonBackend.graph_plan
-        num_items = max(num_tiles, -(-MAX_PROGRAMS_PER_SM * num_sms * tiles.programs_per_sm // HEADS))
+        num_tiles, num_items = padded_capacities(rows, requests, tiles.block_m, HEADS,
+                                                 num_sms * tiles.programs_per_sm)
         constants = device_plan.plan_constants(requests, tiles, num_tiles, num_items, HEADS, num_sms,
                                                SPLIT_OVERHEAD_KEYS, MIN_TILES_PER_SPLIT)
         builds.append(Build(f"device plan ({label}: {rows} rows, {requests} requests)", device_plan._plan_kernel,

@@ -26,11 +26,11 @@ import torch
 from attention_backends import AttentionSpec
 from attention_backends import hstu_triton_device_plan as current
 from attention_backends.hstu_triton_plan import (
-    MAX_PROGRAMS_PER_SM,
     MIN_TILES_PER_SPLIT,
     SPLIT_OVERHEAD_KEYS,
     TileConfig,
     default_tile_config,
+    padded_capacities,
 )
 
 HEADS, DIM, PAGE = 4, 128, 32
@@ -52,18 +52,18 @@ def load_plan_module(path: str) -> ModuleType:
     return module
 
 
-def padded_step(rows: int, requests: int, real: list[tuple[int, int, int]],
-                device: str) -> tuple[int, int, dict[str, torch.Tensor]]:
+def padded_step(rows: int, requests: int, real: list[tuple[int, int, int]], device: str,
+                num_sms: int = 132) -> tuple[int, int, dict[str, torch.Tensor]]:
     """A bucket's capacities in tiles and items (as ``HSTUTritonBackend.graph_plan`` sizes them for the default
-    tiles and an H200's 132 SMs) and the padded int32 ``query_start_loc [R + 1]``, ``num_history_rows [R]`` and
-    ``kv_seq_lens [R]`` the plan reads (spare requests without rows)."""
+    tiles and ``num_sms`` SMs: :func:`~attention_backends.hstu_triton_plan.padded_capacities`) and the padded int32
+    ``query_start_loc [R + 1]``, ``num_history_rows [R]`` and ``kv_seq_lens [R]`` the plan reads (spare requests
+    without rows)."""
     tiles = tile_config()
     spare = requests - len(real)
     per_request = np.array([h + c for h, c, _ in real] + [0] * spare)
     if per_request.sum() > rows:
         raise ValueError(f"{per_request.sum()} rows do not fit a {rows}-row bucket")
-    num_tiles = (rows + requests * (tiles.block_m - 1)) // tiles.block_m
-    num_items = max(num_tiles, -(-MAX_PROGRAMS_PER_SM * processors(tiles) // HEADS))
+    num_tiles, num_items = padded_capacities(rows, requests, tiles.block_m, HEADS, processors(tiles, num_sms))
     arrays = {"query_start_loc": np.concatenate([[0], np.cumsum(per_request)]),
               "num_history_rows": np.array([h for h, _, _ in real] + [0] * spare),
               "kv_seq_lens": np.array([h + cached for h, _, cached in real] + [0] * spare)}
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     default_warps = current.PLAN_WARPS
     try:
         for case, (rows, requests, real) in CASES.items():
-            num_tiles, num_items, step = padded_step(rows, requests, real, "cuda")
+            num_tiles, num_items, step = padded_step(rows, requests, real, "cuda", num_sms)
             reference, row = None, {}
             for label, module, warps in variants:
                 if warps is not None:

@@ -22,8 +22,9 @@ from types import ModuleType
 
 import numpy as np
 import torch
+from kernel_bench import HEADS  # sibling scripts: the bench model's attention
+from tile_sweep import SPEC
 
-from attention_backends import AttentionSpec
 from attention_backends import hstu_triton_device_plan as current
 from attention_backends.hstu_triton_plan import (
     MIN_TILES_PER_SPLIT,
@@ -33,7 +34,6 @@ from attention_backends.hstu_triton_plan import (
     padded_capacities,
 )
 
-HEADS, DIM, PAGE = 4, 128, 32
 #: name -> (bucket rows, bucket requests, real requests as (new history rows, candidates, cached tokens)).
 CASES: dict[str, tuple[int, int, list[tuple[int, int, int]]]] = {
     "cold visit: 8,192 events + 100 candidates in 8,704 rows, 1 request": (8704, 1, [(8192, 100, 0)]),
@@ -72,9 +72,7 @@ def padded_step(rows: int, requests: int, real: list[tuple[int, int, int]], devi
 
 def tile_config() -> TileConfig:
     """The bench model's default launch shape."""
-    return default_tile_config(AttentionSpec(kind="hstu", num_heads=HEADS, head_dim=DIM, page_size=PAGE,
-                                             dtype=torch.bfloat16, device_type="cuda", alpha=DIM**-0.5,
-                                             scaling_seqlen=20_000))
+    return default_tile_config(SPEC)
 
 
 def processors(tiles: TileConfig, num_sms: int = 132) -> int:

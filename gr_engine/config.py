@@ -132,7 +132,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     attention_backend: str = "torch_ref"
     weights_path: str | None = None
     sync_phases: bool = False
-    cuda_graph_max_rows: int = 4096
+    cuda_graph_max_rows: int = 16384
     serving: ServingConfig = msgspec.field(default_factory=ServingConfig)
 
     def __post_init__(self) -> None:

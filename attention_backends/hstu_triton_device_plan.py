@@ -17,7 +17,7 @@ import triton.language as tl
 from .hstu_triton_plan import MAX_PROGRAMS_PER_SM, MAX_SPLITS, TileConfig
 
 _MAX_ONE_HOT = 1 << 15  # most (item, tile) pairs one program holds at once
-PLAN_WARPS = 32  # the one program's warps (fastest of 4-32 on the H200: benchmarks/results/plan_ab.json)
+PLAN_WARPS = 32  # the one program's warps (fastest of 4-32 on the H200: benchmarks/results/plan_ab_b1ae0f4.json)
 _LAST = tl.constexpr(1 << 62)  # sorts after every item
 
 

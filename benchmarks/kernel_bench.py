@@ -3,7 +3,9 @@
     python benchmarks/kernel_bench.py --out benchmarks/results/kernels.json
 
 - Full-history prefill (one request, T new history rows, causal) at T = 1k, 4k, 8k, 16k; TFLOP/s with
-  causal FLOPs counted once (``2 * 2 * H * D * T^2 / 2``).
+  causal FLOPs counted once (``2 * 2 * H * D * T^2 / 2``). ``hstu_triton`` is timed launched from Python (L2
+  flushed before each call, as ``do_bench`` does) and replayed from a CUDA graph (back to back, device time: how
+  the engine runs a step of at most ``cuda_graph_max_rows`` rows).
 - Delta queries: 8 requests, each 256 new history rows + 100 candidates over a cached paged history of
   1k..16k tokens; the fraction of HBM bandwidth achieved reading the paged history
   (history K/V bytes / time / measured device-copy bandwidth). At 356 query rows per request this shape
@@ -93,7 +95,8 @@ def main() -> None:
     hbm = device_copy_bandwidth(device)
     result = {"gpu": torch.cuda.get_device_name(), "commit": commit or "unknown", "torch": torch.__version__,
               "triton": triton.__version__, "heads": HEADS, "head_dim": DIM, "page_size": PAGE, "dtype": "bfloat16",
-              "hbm_copy_GBps": hbm / 1e9, "hstu_triton_prefill_tflops": {}, "torch_ref_prefill_tflops": {},
+              "hbm_copy_GBps": hbm / 1e9, "hstu_triton_prefill_tflops": {},
+              "hstu_triton_prefill_graph_tflops": {}, "torch_ref_prefill_tflops": {},
               "sdpa_prefill_tflops": {}, "prefill_ms": {}, "delta_hbm_fraction": {}, "delta_ms": {},
               "delta_torch_ref_ms": {}, "decode_hbm_fraction": {}, "decode_ms": {},
               "time_bias_ms": {}}
@@ -101,14 +104,17 @@ def main() -> None:
         flops = 2 * HEADS * DIM * t * t
         step = make_step([0], [t], [0], device)
         tri = time_backend(triton_backend, step)
+        tri_graph = time_backend(triton_backend, step, graph=True)
         ref = time_backend(ref_backend, step)
         q = torch.randn(1, HEADS, t, DIM, device=device, dtype=torch.bfloat16)
         sdpa = triton.testing.do_bench(lambda q=q: F.scaled_dot_product_attention(q, q, q, is_causal=True),
                                        return_mode="median") / 1e3
         result["hstu_triton_prefill_tflops"][t] = flops / tri / 1e12
+        result["hstu_triton_prefill_graph_tflops"][t] = flops / tri_graph / 1e12
         result["torch_ref_prefill_tflops"][t] = flops / ref / 1e12
         result["sdpa_prefill_tflops"][t] = flops / sdpa / 1e12
-        result["prefill_ms"][t] = {"hstu_triton": tri * 1e3, "torch_ref": ref * 1e3, "sdpa": sdpa * 1e3}
+        result["prefill_ms"][t] = {"hstu_triton": tri * 1e3, "hstu_triton_graph": tri_graph * 1e3,
+                                   "torch_ref": ref * 1e3, "sdpa": sdpa * 1e3}
         del step
         torch.cuda.empty_cache()
         print(t, result["prefill_ms"][t], flush=True)

@@ -167,8 +167,9 @@ class ModelRunner:
     def capture_graphs(self, pages: np.ndarray, use_tqdm: bool = True) -> int:
         """Replay (so capture, on CUDA) a synthetic step of every bucket and launch shape before serving
         (:meth:`GREngine.warmup <gr_engine.GREngine.warmup>`), sparing the first such step seconds of capture and
-        compilation. Each bucket is filled with uncached history rows in requests of at most 1, 2, 4, ... rows (the
-        launch shape depends on the longest); on CUDA each shape is replayed as one graph and as one per layer.
+        compilation. Each bucket is filled with uncached history rows in requests of at most 1, 2, 4, ... rows, and
+        as one request (the launch shape depends on the longest); on CUDA each shape is replayed as one graph and as
+        one per layer.
 
         Args:
             pages: int32 ``[P]`` free page ids of the pool, which are written (a bucket needing more is skipped).
@@ -186,8 +187,10 @@ class ModelRunner:
             waits.append([done] * num_layers)
         keys = set()
         for bucket in tqdm(graphs.buckets, desc="Capturing step graphs", disable=not use_tqdm):
-            for shift in range(bucket.bit_length()):  # longest requests of 1, 2, 4, ... <= bucket rows
-                step = _synthetic_step(bucket, 1 << shift, pages, graphs.page_size)
+            # longest requests of 1, 2, 4, ... rows below the bucket, and one of the whole bucket (the only shape
+            # of a bucket between powers of two that one request a step can take)
+            for longest in [1 << shift for shift in range((bucket - 1).bit_length())] + [bucket]:
+                step = _synthetic_step(bucket, longest, pages, graphs.page_size)
                 if step is None or not graphs.fits(bucket, len(step[0]["num_history_rows"]), bucket,
                                                    len(step[0]["kv_indices"])):
                     continue

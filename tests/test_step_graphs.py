@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from gr_engine import GREngine
+from gr_engine.model_runner import _synthetic_step
 from gr_engine.step_graphs import StepGraphs, bucket_rows
 from tests.conftest import requires_cuda, tiny_config, with_cache
 from tests.test_engine_differential import max_diff, stream
@@ -334,6 +335,26 @@ def test_warmup_covers_every_shape_served_and_writes_only_free_pages():
     assert max_diff(got, expected) <= 1e-4
     assert served and served <= warmed
     engine.kv.check_invariants()
+
+
+@needs_hstu_triton
+def test_warmup_covers_one_request_in_a_bucket_between_powers_of_two():
+    """An engine of one request a step: its steps above 4,096 rows land in buckets between powers of two, which
+    requests of 1, 2, 4, ... rows cannot fill; warm-up must still stage (so capture) each of them as one request."""
+    config = tiny_config(mode="recompute", num_gpu_pages=320, page_size=16, max_num_seqs=1,
+                         max_num_batched_tokens=5000, head_dim=16)
+    engine = graph_engine(config, max_rows=4608)
+    graphs = engine.runner.graphs
+    assert graphs.buckets[-3:] == [4096, 4352, 4608]
+    warmed = set()
+    graphs.replay = lambda step, *args: warmed.add((step.bucket, step.plan_key))  # staging only, no forward
+    pages = np.arange(320, dtype=np.int32)
+    assert engine.runner.capture_graphs(pages, use_tqdm=False) == len(warmed)
+    assert {bucket for bucket, _ in warmed} == set(graphs.buckets)
+    for rows in (4100, 4400, 4608):  # one visit of that many uncached rows, as the scheduler would stage it
+        layout, tokens = _synthetic_step(rows, rows, pages, config.cache.page_size)
+        staged = graphs.stage(layout, tokens)
+        assert (staged.bucket, staged.plan_key) in warmed
 
 
 @pytest.mark.gpu

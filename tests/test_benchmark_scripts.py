@@ -171,3 +171,17 @@ def test_kernel_profile_cold_visits(tmp_path):
     assert "## Cold first visits" in (tmp_path / "kernel_profile.md").read_text()
     with pytest.raises(SystemExit):  # the closed-loop batches take no config overrides
         module.main(["--quick", "--set", "cuda_graph_max_rows=0", "--out", str(tmp_path)])
+
+
+def test_warmup_cost_quick_runs_each_case(tmp_path):
+    """warmup_cost.py on CPU: one record per case, in order; no step graphs there, so nothing is captured."""
+    module = load("warmup_cost.py")
+    assert module.parse_cases("hierarchical:8:4096,recompute:1:16384") == [("hierarchical", 8, 4096),
+                                                                            ("recompute", 1, 16384)]
+    out = tmp_path / "warmup_cost.json"
+    module.main(["--quick", "--out", str(out), "--cases", "hierarchical:2:256,recompute:1:512"])
+    result = json.loads(out.read_text())
+    assert [(c["mode"], c["batch"], c["max_rows"]) for c in result["cases"]] == [("hierarchical", 2, 256),
+                                                                                 ("recompute", 1, 512)]
+    assert all(c["captured"] == 0 and c["warmup_s"] > 0 and c["reserved_mib"] == 0 for c in result["cases"])
+    assert result["command"].endswith("--quick")

@@ -31,6 +31,11 @@ about 3x slower than a dev box. The device work is left out through the engine's
   (which chunks to persist or load, slots, evictions) runs as usual; the transfer engine's own host work (index
   arrays, launches) is not counted.
 
+``--cold-history N`` (implies ``--graph-path``) serves first visits of N-event users alone (``recompute``, one request
+a step, steps up to 16,384 rows staged for graphs), as the bench's ``cold_{N}_ms``, with the bench model's attention
+shape (4 heads x 128, bf16) and an H200's 132 SMs, so that each step gets the GPU's tile plan (on the device); prints
+the median visit's wall time and phases: the host's part of a cold visit, less its CUDA calls.
+
 ``--bench-trace`` (implies ``--graph-path``) serves the benchmark's own trace and windows instead
 (:meth:`~gr_engine.bench.runner.BenchRun.windows` at batch size 8: 1,000 users, ten strata, the GPU budget of
 ``gr-engine bench`` and as many host slots as its 64 GiB of FP8 chunks) and prints the median and mean host time of
@@ -46,12 +51,14 @@ import gc
 import os
 import pstats
 import sys
+import time
 from typing import Any
 
+import msgspec
 import numpy as np
 
 # Before anything imports Triton: its interpreter serves hstu_triton on the CPU.
-if "--graph-path" in sys.argv or "--bench-trace" in sys.argv:
+if {"--graph-path", "--bench-trace", "--cold-history"} & set(sys.argv):
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
@@ -150,6 +157,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--graph-path", action="store_true", help="the GPU path's host work (see above)")
     parser.add_argument("--bench-trace", action="store_true", help="the benchmark's trace and windows (see above)")
+    parser.add_argument("--cold-history", type=int, default=0, metavar="N",
+                        help="first visits of N-event users, one a step (see above)")
     parser.add_argument("--gpu-pages", type=int, default=None,
                         help="KV pages (default: all histories fit for unlimited; about 60%% of them otherwise, "
                              "like the benchmark's GPU hit ratio, so users are evicted and onloaded)")
@@ -158,6 +167,10 @@ def main() -> None:
                         max_history_len=20_000, max_candidates=100, num_tasks=8, ranking_hidden=16, dtype="float32")
     if args.bench_trace:
         bench_trace(model, args.mode, args.profile)
+        return
+    if args.cold_history:
+        cold_visits(msgspec.structs.replace(model, num_heads=4, head_dim=128, dtype="bfloat16"), args.cold_history,
+                    args.batches, args.profile)
         return
     backend = "hstu_triton" if args.graph_path else "torch_ref"
     pages = args.gpu_pages or (40_000 if args.mode == "unlimited" else 3_600)
@@ -205,6 +218,44 @@ def main() -> None:
           f"{np.median(host):.3f}, intake {np.median([p['intake'] for p in per_batch]):.3f}"
           + (f"; {graphs.num_replays} steps staged for graphs" if graphs is not None else ""))
     if args.profile:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+
+
+def cold_visits(model: ModelConfig, history: int, visits: int, profile: bool) -> None:
+    """``--cold-history``: ``visits`` first visits of ``history``-event users with 100 candidates, each alone, on the
+    GPU path's host work (5 more first, unmeasured)."""
+    config = EngineConfig(model=model, device="cpu", attention_backend="hstu_triton", cuda_graph_max_rows=16_384,
+                          cache=CacheConfig(mode="recompute", page_size=32, num_gpu_pages=-(-(history + 100) // 16)),
+                          scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=163_840))
+    engine = GREngine(config, model=host_only_model(model))
+    engine.backend.num_sms = 132  # an H200's: the tile plan's capacities as on the GPU (planned on the device)
+    graphs = use_graph_path(engine)
+    rng = np.random.default_rng(0)
+    requests = [RankRequest(request_id=str(i), user_id=i, item_ids=rng.integers(0, model.num_items, history),
+                            action_ids=rng.integers(0, model.num_actions, history),
+                            timestamps=np.cumsum(rng.integers(0, 100, history)),
+                            candidate_item_ids=rng.integers(0, model.num_items, 100)) for i in range(visits + 5)]
+    for request in requests[:5]:
+        engine.rank([request], use_tqdm=False)
+    gc.collect()
+    gc.freeze()
+    profiler = cProfile.Profile()
+    walls, phases = [], []
+    for request in requests[5:]:
+        before = dict(engine.stats.phase_seconds)
+        if profile:
+            profiler.enable()
+        t0 = time.perf_counter()
+        engine.rank([request], use_tqdm=False)
+        walls.append((time.perf_counter() - t0) * 1e3)
+        if profile:
+            profiler.disable()
+        phases.append({k: (v - before.get(k, 0.0)) * 1e3 for k, v in engine.stats.phase_seconds.items()})
+    median = phases[int(np.argsort(walls)[len(walls) // 2])]
+    print(f"cold first visits of {history} events, one a step ({len(walls)} measured, {graphs.num_replays} steps "
+          f"staged for graphs): wall per visit median {np.median(walls):.3f} ms; phases (ms) of the median visit: "
+          f"{ {k: round(v, 3) for k, v in median.items()} }")
+    if profile:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 
 

@@ -28,6 +28,19 @@ def test_graph_path_probe_stages_steps_and_serves_every_request(mode):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (interpreted)")
+def test_cold_history_probe_stages_each_first_visit_as_one_step():
+    """``--cold-history``: every first visit (5 unmeasured, then ``--batches``) is served as one step staged for
+    graphs, and the wall time and phases of the median visit are reported."""
+    run = subprocess.run([sys.executable, str(PROBE), "--cold-history", "600", "--batches", "4"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    found = re.search(r"\((\d+) measured, (\d+) steps staged for graphs\): wall per visit median ([\d.]+) ms",
+                      run.stdout)
+    assert found and (int(found.group(1)), int(found.group(2))) == (4, 9) and float(found.group(3)) > 0, run.stdout
+    assert "'strip'" in run.stdout and "failed" not in run.stdout + run.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (interpreted)")
 def test_bench_trace_probe_serves_the_benchmarks_windows():
     """``--bench-trace``: the benchmark's trace and windows run through (every request served, the host tier's
     bookkeeping keeping the benchmark's hit ratio) and report the host time of steps 1-7 per batch."""

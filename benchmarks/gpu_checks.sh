@@ -13,10 +13,15 @@
 #   ab       kernel_ab.py and plan_ab.py against baseline copies made before the tree travels, untracked in the
 #            repository root: ab_kernels.py (git show REV:attention_backends/hstu_triton_kernels.py) and ab_plan.py
 #            (git show REV:attention_backends/hstu_triton_device_plan.py); either may be absent (about 2-3 minutes)
+#   bench    gr-engine bench --modes recompute,hierarchical (issue 29's figures and the headline's two modes; about
+#            7 minutes: a command of its own), its folder packed as bench_<commit>.tgz
+#   kernelbench  kernel_bench.py -> kernels.json (about 2 minutes)
+# Parts that write folders (cold, bench) pack them into one .tgz each: a command returns only a few files.
 # Usage (device tool, with .whl carried):
-#   bash benchmarks/gpu_checks.sh <commit> [tests|warmup|kernels|cold|ab ...]   (default: tests; one part a command)
+#   bash benchmarks/gpu_checks.sh <commit> [tests|warmup|kernels|cold|ab|bench|kernelbench ...]
+#   (default: tests; one part a command)
 set -uo pipefail
-commit=${1:?usage: gpu_checks.sh <commit> [tests|warmup|kernels|cold|ab ...]}
+commit=${1:?usage: gpu_checks.sh <commit> [tests|warmup|kernels|cold|ab|bench|kernelbench ...]}
 shift
 out=${OUT:?set OUT to the results folder}
 source .whl/activate.sh
@@ -51,7 +56,9 @@ for part in "$@"; do
             --commit "$commit" "${sets[@]}" > "$out/cold_$name.log" 2>&1
           echo "cold $name: exit $?"
           grep -m1 "wall per visit" "$out/cold_$name/kernel_profile.md"
-        done ;;
+          grep -m1 "warm-up" "$out/cold_$name/kernel_profile.md"
+        done
+        (cd "$out" && tar czf "cold_$commit.tgz" cold_* --remove-files) ;;
       ab)
         if [ -f ab_kernels.py ]; then
           (cd benchmarks && timeout 200 python kernel_ab.py --baseline ../ab_kernels.py --out "$out/kernel_ab.json" \
@@ -63,6 +70,20 @@ for part in "$@"; do
             > "$out/plan_ab.log" 2>&1
           echo "plan_ab exit $?"; tail -15 "$out/plan_ab.log"
         fi ;;
+      bench)
+        timeout 520 python -m gr_engine bench --modes recompute,hierarchical --out "$out/bench_$commit" \
+          --commit "$commit" > "$out/bench_$commit.log" 2>&1
+        echo "bench exit $?"
+        grep -E "^(recompute|hierarchical) " "$out/bench_$commit.log"
+        grep -E '"(cold_8192_ms|recompute_mfu_bs8|recompute_prepare_strip_ms_bs8|speedup_bs8_mean|speedup_bs8)"' \
+          "$out/bench_$commit/summary.json"
+        (cd "$out" && tar czf "bench_$commit.tgz" "bench_$commit" --remove-files) ;;
+      kernelbench)
+        timeout 240 python benchmarks/kernel_bench.py --out "$out/kernels.json" --commit "$commit" \
+          > "$out/kernel_bench.log" 2>&1
+        echo "kernel_bench exit $?"
+        python -c "import json, sys; d = json.load(open(sys.argv[1])); print({k: d[k] for k in d if 'prefill' in k})" \
+          "$out/kernels.json" ;;
       *) echo "unknown part $part"; exit 2 ;;
     esac
 done

@@ -31,9 +31,10 @@ about 3x slower than a dev box. The device work is left out through the engine's
   (which chunks to persist or load, slots, evictions) runs as usual; the transfer engine's own host work (index
   arrays, launches) is not counted.
 
-``--cold-history N`` (implies ``--graph-path``) serves first visits of N-event users alone (``recompute``, one request
-a step, steps up to 16,384 rows staged for graphs), as the bench's ``cold_{N}_ms``, with the bench model's attention
-shape (4 heads x 128, bf16) and an H200's 132 SMs, so that each step gets the GPU's tile plan (on the device); prints
+``--cold-history N`` (implies ``--graph-path``) serves first visits of N-event users alone (``recompute`` unless
+``--mode`` says otherwise: a caching mode also hashes and keeps each history; one request a step, steps up to
+16,384 rows staged for graphs), as the bench's ``cold_{N}_ms``, with the bench model's attention shape (4 heads x
+128, bf16) and an H200's 132 SMs, so that each step gets the GPU's tile plan (on the device); prints
 the median visit's wall time and phases: the host's part of a cold visit, less its CUDA calls.
 
 ``--bench-trace`` (implies ``--graph-path``) serves the benchmark's own trace and windows instead
@@ -152,7 +153,8 @@ def use_graph_path(engine: GREngine) -> HostOnlyGraphs:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", default="unlimited", choices=["recompute", "gpu_only", "hierarchical", "unlimited"])
+    parser.add_argument("--mode", choices=["recompute", "gpu_only", "hierarchical", "unlimited"],
+                        help="cache mode (default: unlimited; recompute with --cold-history)")
     parser.add_argument("--batches", type=int, default=50)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--graph-path", action="store_true", help="the GPU path's host work (see above)")
@@ -163,14 +165,15 @@ def main() -> None:
                         help="KV pages (default: all histories fit for unlimited; about 60%% of them otherwise, "
                              "like the benchmark's GPU hit ratio, so users are evicted and onloaded)")
     args = parser.parse_args()
+    args.mode = args.mode or ("recompute" if args.cold_history else "unlimited")
     model = ModelConfig(num_items=1_000_000, num_actions=256, d_model=16, num_layers=8, num_heads=1, head_dim=16,
                         max_history_len=20_000, max_candidates=100, num_tasks=8, ranking_hidden=16, dtype="float32")
     if args.bench_trace:
         bench_trace(model, args.mode, args.profile)
         return
     if args.cold_history:
-        cold_visits(msgspec.structs.replace(model, num_heads=4, head_dim=128, dtype="bfloat16"), args.cold_history,
-                    args.batches, args.profile)
+        cold_visits(msgspec.structs.replace(model, num_heads=4, head_dim=128, dtype="bfloat16"), args.mode,
+                    args.cold_history, args.batches, args.profile)
         return
     backend = "hstu_triton" if args.graph_path else "torch_ref"
     pages = args.gpu_pages or (40_000 if args.mode == "unlimited" else 3_600)
@@ -221,11 +224,12 @@ def main() -> None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 
 
-def cold_visits(model: ModelConfig, history: int, visits: int, profile: bool) -> None:
+def cold_visits(model: ModelConfig, mode: str, history: int, visits: int, profile: bool) -> None:
     """``--cold-history``: ``visits`` first visits of ``history``-event users with 100 candidates, each alone, on the
-    GPU path's host work (5 more first, unmeasured)."""
+    GPU path's host work (5 more first, unmeasured), in cache ``mode`` (a caching mode also hashes each history)."""
     config = EngineConfig(model=model, device="cpu", attention_backend="hstu_triton", cuda_graph_max_rows=16_384,
-                          cache=CacheConfig(mode="recompute", page_size=32, num_gpu_pages=-(-(history + 100) // 16)),
+                          cache=CacheConfig(mode=mode, page_size=32, num_gpu_pages=-(-(history + 100) // 16),
+                                            host_budget_bytes=2**26),
                           scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=163_840))
     engine = GREngine(config, model=host_only_model(model))
     engine.backend.num_sms = 132  # an H200's: the tile plan's capacities as on the GPU (planned on the device)
@@ -252,9 +256,9 @@ def cold_visits(model: ModelConfig, history: int, visits: int, profile: bool) ->
             profiler.disable()
         phases.append({k: (v - before.get(k, 0.0)) * 1e3 for k, v in engine.stats.phase_seconds.items()})
     median = phases[int(np.argsort(walls)[len(walls) // 2])]
-    print(f"cold first visits of {history} events, one a step ({len(walls)} measured, {graphs.num_replays} steps "
-          f"staged for graphs): wall per visit median {np.median(walls):.3f} ms; phases (ms) of the median visit: "
-          f"{ {k: round(v, 3) for k, v in median.items()} }")
+    print(f"{mode}, cold first visits of {history} events, one a step ({len(walls)} measured, "
+          f"{graphs.num_replays} steps staged for graphs): wall per visit median {np.median(walls):.3f} ms; "
+          f"phases (ms) of the median visit: { {k: round(v, 3) for k, v in median.items()} }")
     if profile:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 

@@ -28,12 +28,14 @@ def test_graph_path_probe_stages_steps_and_serves_every_request(mode):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (interpreted)")
-def test_cold_history_probe_stages_each_first_visit_as_one_step():
+@pytest.mark.parametrize("mode", [None, "hierarchical"])
+def test_cold_history_probe_stages_each_first_visit_as_one_step(mode):
     """``--cold-history``: every first visit (5 unmeasured, then ``--batches``) is served as one step staged for
-    graphs, and the wall time and phases of the median visit are reported."""
-    run = subprocess.run([sys.executable, str(PROBE), "--cold-history", "600", "--batches", "4"],
-                         capture_output=True, text=True, timeout=300)
+    graphs, and the wall time and phases of the median visit are reported (recompute unless ``--mode`` is given)."""
+    run = subprocess.run([sys.executable, str(PROBE), "--cold-history", "600", "--batches", "4"]
+                         + (["--mode", mode] if mode else []), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith(f"{mode or 'recompute'}, cold first visits of 600 events"), run.stdout
     found = re.search(r"\((\d+) measured, (\d+) steps staged for graphs\): wall per visit median ([\d.]+) ms",
                       run.stdout)
     assert found and (int(found.group(1)), int(found.group(2))) == (4, 9) and float(found.group(3)) > 0, run.stdout

@@ -50,6 +50,8 @@ from gr_engine.models import fused_ops
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 HEADS, DIM, PAGE, D_MODEL = 4, 128, 32, 512
+SPEC = AttentionSpec(kind="hstu", num_heads=HEADS, head_dim=DIM, page_size=PAGE, dtype=torch.bfloat16,
+                     device_type="cuda", alpha=DIM**-0.5, scaling_seqlen=20_000)
 
 
 @dataclass
@@ -77,8 +79,6 @@ class Build:
 
 def attention_builds() -> list[Build]:
     """``hstu_paged_attention_kernel`` in the engine's launch shapes for the bench's model."""
-    spec = AttentionSpec(kind="hstu", num_heads=HEADS, head_dim=DIM, page_size=PAGE, dtype=torch.bfloat16,
-                         device_type="cuda", alpha=DIM**-0.5, scaling_seqlen=20_000)
     types = {**dict.fromkeys(("Q", "K", "V", "KV", "Out", "TimeBias"), "*bf16"), "Partial": "*fp32",
              **dict.fromkeys(("Tiles", "Items", "QueryStartLoc", "NumHistory", "SeqLens", "KvIndptr", "KvIndices",
                               "QueryTimes", "KeyTimes", "KeyStart"), "*i32"),
@@ -93,12 +93,12 @@ def attention_builds() -> list[Build]:
         return Build(label, attention.hstu_paged_attention_kernel, types, constants, tiles.num_warps,
                      tiles.num_stages, divisible)
 
-    default = default_tile_config(spec)
-    biased = default_tile_config(AttentionSpec(**{**spec.__dict__, "time_bias_buckets": 32}))
+    default = default_tile_config(SPEC)
+    biased = default_tile_config(AttentionSpec(**{**SPEC.__dict__, "time_bias_buckets": 32}))
     return [
         build("attention", default),
         build("attention time bias", biased, TIME_BIAS=True),
-        build("attention decode tiles", default_tile_config(spec, max_query_len=20)),
+        build("attention decode tiles", default_tile_config(SPEC, max_query_len=20)),
         build("attention 64 x 64, 4 warps, 3 stages (tile_sweep.py's two an SM)", TileConfig(64, 64, 4, 3, 2)),
     ]
 
@@ -131,9 +131,7 @@ def layer_builds() -> list[Build]:
 def plan_builds(num_sms: int = 132) -> list[Build]:
     """The device tile plan (``hstu_triton_device_plan``) of the graph buckets a cold 8,192-event visit (8,704 rows,
     one request) and a serving step (4,096 rows, 64 requests) replay on an H200, the default launch shape."""
-    spec = AttentionSpec(kind="hstu", num_heads=HEADS, head_dim=DIM, page_size=PAGE, dtype=torch.bfloat16,
-                         device_type="cuda", alpha=DIM**-0.5, scaling_seqlen=20_000)
-    tiles = default_tile_config(spec)
+    tiles = default_tile_config(SPEC)
     builds = []
     for label, rows, requests in (("cold visit", 8704, 1), ("serving step", 4096, 64)):
         num_tiles, num_items = padded_capacities(rows, requests, tiles.block_m, HEADS,

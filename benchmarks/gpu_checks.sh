@@ -6,7 +6,7 @@
 #            an empty Triton cache (about 4-5 minutes)
 #   kernels  the Triton kernels' own tests, compiled on CUDA (not marked gpu: on CPU they run in the interpreter), then
 #            cache_bench (the host tier's transfer bandwidth)
-#   cold     kernel_profile.py --cold-history 8192 (the bench's cold first visit) as configured, and with the visit on
+#   cold     kernel_profile.py --cold-history 8192 (the bench's cold first visit) as configured ("default"), and with the visit on
 #            step graphs: one step in an 8448-row graph (156 rows padded), with graphs up to 16384 rows (its bucket
 #            then 8704 rows; the warm-up's time and memory recorded), or an 8192-row graph and a small one (about 2-4
 #            minutes)
@@ -46,7 +46,7 @@ for part in "$@"; do
           > "$out/cache_bench.log" 2>&1
         echo "cache_bench exit $?" ;;
       cold)
-        variants=("eager" "graphs8448 cuda_graph_max_rows=8448" "graphs16384 cuda_graph_max_rows=16384"
+        variants=("default" "graphs8448 cuda_graph_max_rows=8448" "graphs16384 cuda_graph_max_rows=16384"
                   "chunks8192 cuda_graph_max_rows=8192 scheduler.max_chunk_tokens=8092")
         for variant in "${variants[@]}"; do
           read -r name overrides <<< "$variant"

@@ -261,17 +261,18 @@ class ModelRunner:
         """
         if isinstance(step, StagedStep):
             return self.graphs.replay(step, self._segments, self._rank_head, layer_ready)
-        states = run_segments(self._segments(step.tokens, step.common, step.backend), layer_ready)
+        states = run_segments(self._segments(step.tokens, step.common, step.backend, None), layer_ready)
         return states, self._rank_head(states, step.common.candidate_rows)
 
     def _rank_head(self, states: torch.Tensor, candidate_rows: torch.Tensor) -> torch.Tensor:
         """Float32 ``[C, num_tasks]`` logits of the candidates at int32 ``candidate_rows [C]`` of ``states``."""
         return self.model.rank_logits(states.index_select(0, candidate_rows)).float()
 
-    def _segments(self, tokens: dict[str, torch.Tensor], common: PagedBatchMetadata,
-                  backend: Any) -> list[Callable[[torch.Tensor | None], torch.Tensor]]:
+    def _segments(self, tokens: dict[str, torch.Tensor], common: PagedBatchMetadata, backend: Any,
+                  before_attention: Callable[[], None] | None) -> list[Callable[[torch.Tensor | None], torch.Tensor]]:
         """The forward as one callable per layer (see :data:`~.step_graphs.SegmentsFn`): the first embeds the
-        tokens, each appends its layer's new K/V and attends, the last applies the final norm."""
+        tokens, each appends its layer's new K/V and attends (after ``before_attention()``, if given), the last
+        applies the final norm."""
         model, last = self.model, len(self.model.layers) - 1
 
         def segment(index: int) -> Callable[[torch.Tensor | None], torch.Tensor]:
@@ -280,6 +281,8 @@ class ModelRunner:
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        time_bias: torch.Tensor | None) -> torch.Tensor:
                 self.backend.append_kv(layer_cache, k, v, backend)  # appends the rows at common.history_rows
+                if before_attention is not None:
+                    before_attention()
                 return self.backend.attend(q, k, v, layer_cache, backend, time_bias=time_bias)
 
             def run(x: torch.Tensor | None) -> torch.Tensor:

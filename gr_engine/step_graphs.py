@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from attention_backends import AttentionBackend, GraphReplayable, PagedBatchMetadata, PlanWriter
-from cache_engine.streams import CurrentStream, indexed
+from cache_engine.streams import CurrentStream, indexed, on_stream
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +61,10 @@ def bucket_rows(max_rows: int) -> list[int]:
     return buckets[:-1] + [max_rows]
 
 Segment = Callable[[torch.Tensor | None], torch.Tensor]
-SegmentsFn = Callable[[dict[str, torch.Tensor], PagedBatchMetadata, Any], list[Segment]]
-"""``segments(tokens, common, backend_metadata)``: the forward as one callable per layer (no onload waits); the first
-takes ``None`` and embeds ``tokens`` (:data:`TOKEN_FIELDS` -> int32 ``[T]``), each maps ``[T, d]`` to ``[T, d]``."""
+SegmentsFn = Callable[[dict[str, torch.Tensor], PagedBatchMetadata, Any, Callable[[], None] | None], list[Segment]]
+"""``segments(tokens, common, backend_metadata, before_attention)``: the forward as one callable per layer (no onload
+waits); the first takes ``None`` and embeds ``tokens`` (:data:`TOKEN_FIELDS` -> int32 ``[T]``), each maps ``[T, d]``
+to ``[T, d]``; ``before_attention`` (if given) is called just before each layer queues its attention."""
 HeadFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``head(states, candidate_rows)``: the ranking head's logits ``[C, num_tasks]`` from the final states ``[T, d]``
 and the int32 ``[C]`` rows of the candidates."""
@@ -144,6 +145,9 @@ class StepGraphs:
         self._compact_host = self._compact.numpy()  # kept: a tensor's numpy view costs microseconds to make
         self._compact_read = self._event()  # recorded after each reader of the compact step (CUDA)
         self._plans: dict[Hashable, tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Event | None]] = {}
+        # A device-written plan's side stream, the event recorded after it, and whether no attention waited for it yet.
+        self._plan_stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._plan_written, self._plan_pending = self._event(), False
         self._views: dict[tuple[int, str, int], torch.Tensor] = {}
         self._graphs: dict[tuple[int, Hashable], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self._cuda else None
@@ -254,7 +258,8 @@ class StepGraphs:
         tokens, common, backend = self._static_inputs(step)
         self._expand(step.bucket)
         self._write_plan(step, common)
-        states = run_segments(segments(tokens, common, backend), layer_ready)
+        states = run_segments(segments(tokens, common, backend, self._join_plan), layer_ready)
+        self._join_plan()
         return states[: step.rows], head(states, common.candidate_rows)[: step.lengths["candidates"]]
 
     def _run_unpadded(self, step: StagedStep, segments: SegmentsFn, head: HeadFn,
@@ -262,7 +267,7 @@ class StepGraphs:
         """The staged step at real size, host-planned metadata (after a failed capture: relies on nothing it made)."""
         self._expand(step.bucket)
         tokens, common = self.step_inputs(step)
-        states = run_segments(segments(tokens, common, self.backend.build_metadata(common)), layer_ready)
+        states = run_segments(segments(tokens, common, self.backend.build_metadata(common), None), layer_ready)
         return states, head(states, common.candidate_rows)
 
     def _expand(self, bucket: int) -> None:
@@ -287,9 +292,29 @@ class StepGraphs:
         return torch.cuda.Event() if self._cuda else None
 
     def _write_plan(self, step: StagedStep, common: PagedBatchMetadata) -> None:
-        """A device-planned step's plan, from the padded static inputs ``common`` (queued on the current stream)."""
-        if step.plan_writer is not None:
-            step.plan_writer(common, self._plans[step.plan_key][0])
+        """A device-planned step's plan, from the padded static inputs ``common``. On CUDA it is queued on a side
+        stream, forked from the current one, so that it runs beside the first layer's embedding, norm and projection
+        (one program: it leaves the other SMs free); :meth:`_join_plan` makes the first attention wait for it."""
+        if step.plan_writer is None:
+            return
+        plan = self._plans[step.plan_key][0]
+        if not self._cuda:
+            step.plan_writer(common, plan)
+            return
+        current = self._current_stream()
+        self._plan_stream.wait_stream(current)
+        with on_stream(self._plan_stream, current):
+            step.plan_writer(common, plan)
+        self._plan_written.record(self._plan_stream)
+        self._plan_pending = True
+
+    def _join_plan(self) -> None:
+        """Make the current stream wait for the plan queued by :meth:`_write_plan`, once (later calls do nothing until
+        the next plan): called before each layer's attention, and at the end of a forward or first graph, so that a
+        captured graph's side branch always joins it."""
+        if self._plan_pending:
+            self._current_stream().wait_event(self._plan_written)
+            self._plan_pending = False
 
     def _plan_buffers(self, key: Hashable, uploaded: bool) -> tuple[torch.Tensor, torch.Tensor | None,
                                                                    torch.cuda.Event | None]:
@@ -316,7 +341,7 @@ class StepGraphs:
     def _capture(self, step: StagedStep, segments: SegmentsFn, head: HeadFn, whole: bool) -> _Graph:
         """The step's forward and head as one graph (``whole``), or as one graph per layer."""
         tokens, common, backend = self._static_inputs(step)
-        parts = segments(tokens, common, backend)
+        parts = segments(tokens, common, backend, self._join_plan)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # compiles and autotunes outside the capture; appends are idempotent
@@ -325,6 +350,7 @@ class StepGraphs:
             x = None
             for part in parts:
                 x = part(x)
+            self._join_plan()
             head(x, common.candidate_rows)
         torch.cuda.current_stream(self.device).wait_stream(side)
         # Each layer's output lives in the shared pool, read by the next graph; the first writes the plan (the inputs
@@ -339,6 +365,7 @@ class StepGraphs:
                     self._write_plan(step, common)
                 for part in group:
                     x = part(x)
+                self._join_plan()  # the plan's branch joins the graph that forked it
                 if index == len(groups) - 1:
                     logits = head(x, common.candidate_rows)
             graphs.append(graph)

@@ -262,6 +262,33 @@ def test_staging_and_expansion_write_every_field_and_pad_inertly(max_requests):
 
 @pytest.mark.gpu
 @requires_cuda
+def test_graph_replays_wait_for_a_slow_device_plan():
+    """The device-written tile plan runs on a side stream beside the first layer's embedding and projection: every
+    attention must wait for it. Here each plan is queued behind ~1 ms of sleep on that stream (captured into the
+    graphs too), so an attention that did not wait would read the plan of an earlier step: scores must still equal
+    recompute's."""
+    config = tiny_config(mode="gpu_only", num_gpu_pages=200, page_size=16, max_num_seqs=8, max_num_batched_tokens=256,
+                         d_model=64, num_heads=2, head_dim=32, dtype="float32")
+    config = msgspec.structs.replace(config, device="cuda")
+    requests = stream(config, num_users=12, visits=8, seed=11)
+    expected = GREngine(with_cache(config, mode="recompute")).rank(requests, use_tqdm=False)
+    engine = graph_engine(config, max_rows=256)
+    write, calls = engine.backend.write_device_plan, []
+
+    def slow_write(key, common, plan):
+        calls.append(key)
+        torch.cuda._sleep(2_000_000)  # ~1 ms on the plan's stream before it is written
+        write(key, common, plan)
+
+    engine.backend.write_device_plan = slow_write  # graph_plan binds the instance's method for new keys
+    got = engine.rank(requests, use_tqdm=False)
+    assert max_diff(got, expected) <= 1e-4
+    assert calls and engine.runner.graphs.num_replays > engine.stats.num_steps // 2
+    engine.close()
+
+
+@pytest.mark.gpu
+@requires_cuda
 def test_staging_waits_until_the_last_expansion_has_read_the_compact_step():
     """The compact step lives in one pinned buffer that the device reads when the expansion runs: staging the next
     step while the device is still busy (here 0.1 s of sleep queued first) must wait for that read, so each expansion

@@ -163,20 +163,26 @@ class KVCacheManager:
             self.host.close()
 
     # ------------------------------------------------------------------ request lifecycle
-    def acquire(self, user_id: Hashable, token_hashes: np.ndarray, reuse_limit: int) -> CacheHit | None:
+    def acquire(self, user_id: Hashable, token_hashes: np.ndarray | None, reuse_limit: int,
+                num_tokens: int | None = None) -> CacheHit | None:
         """Lock ``user_id``'s record for a request and give it pages for the whole history.
 
         Args:
             user_id: the request's user.
             token_hashes: uint64 ``[n]``, :func:`~cache_engine.prefix_hash.page_prefix_hashes` of the request's full
-                history (``n`` events).
+                history (``n`` events). ``None`` for a user with no hashed tokens (:meth:`hashed_tokens`), whose
+                hashes nothing here reads; ``num_tokens`` then gives ``n``.
             reuse_limit: most cached tokens to reuse (``n``, or ``n - 1`` when the last token must be recomputed).
+            num_tokens: ``n`` (needed only without ``token_hashes``).
 
         Returns:
             The leading history tokens reused from GPU pages and from host chunks, or ``None`` if the pages cannot
             be found now (nothing was changed).
         """
         record = self.users.get(user_id)
+        if token_hashes is None and record is not None and record.hashed_tokens:
+            raise RuntimeError(f"user {user_id!r} has hashed tokens: acquire needs the request's token_hashes")
+        n = len(token_hashes) if token_hashes is not None else num_tokens
         gpu = host = held = prefetched = copying = 0
         waiting = user_id in self._prefetched  # locked by a prefetch for this request
         if record is not None:
@@ -190,7 +196,7 @@ class KVCacheManager:
                     host = min(reuse, record.host_tokens)
                     copying = min(reuse, self.host.copying_end(user_id, record))
         # An unlocked record holding pages is in the LRU (``check_invariants``), so ``held`` tells membership.
-        deficit = -(-len(token_hashes) // self.page_size) - held
+        deficit = -(-n // self.page_size) - held
         if deficit > self.pool.num_free:
             reclaimable = self._evictable_pages - (0 if waiting else held) if self._evicts else 0
             if deficit > self.pool.num_free + reclaimable:
@@ -291,6 +297,11 @@ class KVCacheManager:
             offsets.append(offsets[-1] + count)
         indices = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int32)
         return np.array(offsets, dtype=np.int32), indices
+
+    def hashed_tokens(self, user_id: Hashable) -> int:
+        """History tokens of the user whose hashes the cache holds (0: :meth:`acquire` reads no hashes for it)."""
+        record = self.users.get(user_id)
+        return 0 if record is None else record.hashed_tokens
 
     def cached_tokens(self, user_id: Hashable) -> int:
         """History tokens of the user the cache can serve (GPU, or host when not on the GPU)."""

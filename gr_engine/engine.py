@@ -322,6 +322,7 @@ class GREngine:
             step.done += self._fail_step(chunks, exc)
             return step
         with timer("commit"):  # 7: bookkeeping while the device computes (offloads wait for the compute stream)
+            self.intake.hash_deferred([chunk.request for chunk in chunks])  # first visits: hashed while it computes
             step.finished = {id(state) for state in self.scheduler.complete(chunks)}
             self.kv.end_step()
         try:

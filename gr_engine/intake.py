@@ -1,6 +1,6 @@
 """Intake (docs/design.md section 3, step 2's request side): new requests are validated, the new parts of their
-histories hashed per page and queued in the scheduler; with ``cache.prefetch`` their users' host-resident history
-starts loading first."""
+histories hashed per page (a first visit's when its first step is launched: :meth:`RequestIntake.hash_deferred`) and
+queued in the scheduler; with ``cache.prefetch`` their users' host-resident history starts loading first."""
 
 from __future__ import annotations
 
@@ -110,8 +110,18 @@ class RequestIntake:
             valid.append((i, request, arrays))
             matches.append(match)
         if caching:
-            hashes = self.hasher.many([(r.user_id, a.item_ids, a.action_ids, a.timestamps) for _, r, a in valid],
-                                      matches)
+            # A user with nothing cached, no request in flight and no kept history (a first visit, or one evicted
+            # everywhere) is hashed after its first step is launched (hash_deferred): nothing reads its hashes before.
+            deferred, users = [], set()
+            for (_, request, _), match in zip(valid, matches, strict=True):
+                user = request.user_id
+                deferred.append(not match.length and user not in users and not self._kv.hashed_tokens(user)
+                                and not self._scheduler.has_user(user))
+                users.add(user)
+            hashed = iter(self.hasher.many(
+                [(r.user_id, a.item_ids, a.action_ids, a.timestamps) for (_, r, a), d in zip(valid, deferred) if not d],
+                [m for m, d in zip(matches, deferred) if not d]))
+            hashes = [None if d else next(hashed) for d in deferred]
         else:
             hashes = [np.zeros(a.num_history, dtype=np.uint64) for _, _, a in valid]
         intake_s = (time.perf_counter() - t0) / max(len(valid), 1)  # each request's share
@@ -130,6 +140,17 @@ class RequestIntake:
         if not self._scheduler.num_unfinished:  # every request was refused: no step will hand prefetches back
             self._kv.hand_back_prefetched()
         return added
+
+    def hash_deferred(self, requests: Sequence[RequestState]) -> None:
+        """Hash the histories left unhashed at intake (``token_hashes is None``) among ``requests``, in one pass, and
+        keep them as their users' last: called after their step is launched, before it commits (the first read)."""
+        pending = [state for state in requests if state.token_hashes is None]
+        if not pending:
+            return
+        fields = [(s.user_id, s.payload.arrays.item_ids, s.payload.arrays.action_ids, s.payload.arrays.timestamps)
+                  for s in pending]
+        for state, token_hashes in zip(pending, self.hasher.many(fields), strict=True):
+            state.token_hashes = token_hashes
 
     def _next_step_size(self, requests: Sequence[Any]) -> int:
         """An estimate of how many of ``requests`` (unvalidated) the next step admits when nothing else waits: at

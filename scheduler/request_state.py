@@ -29,7 +29,8 @@ class RequestState:
         num_history: history events ``n`` (one token each).
         num_candidates: candidate rows computed with the final chunk (0 for retrieval-only requests).
         reuse_limit: at most this many cached history tokens may be reused (``n`` or ``n - 1``).
-        token_hashes: uint64 ``[n]`` page-prefix hashes of the history (cache validation).
+        token_hashes: uint64 ``[n]`` page-prefix hashes of the history (cache validation); ``None`` until they are
+            computed, for a request whose user has nothing cached: they are first read when its first step commits.
         payload: the engine's own data for the request (arrays, the original request).
         num_gpu_hits, num_host_hits: history tokens served from GPU pages, loaded from host chunks (at admission).
         num_done: history tokens whose K/V are in the user's pages.
@@ -42,7 +43,7 @@ class RequestState:
     num_history: int
     num_candidates: int
     reuse_limit: int
-    token_hashes: np.ndarray
+    token_hashes: np.ndarray | None
     payload: Any = None
     status: RequestStatus = RequestStatus.WAITING
     num_gpu_hits: int = 0

@@ -19,8 +19,10 @@ from .request_state import RequestState, RequestStatus, ScheduledChunk, Schedule
 class KVAllocator(Protocol):
     """What the scheduler needs from the KV cache (implemented by ``cache_engine.KVCacheManager``)."""
 
-    def acquire(self, user_id: Hashable, token_hashes: np.ndarray, reuse_limit: int) -> tuple[int, int] | None:
-        """Lock the user and find pages for the whole history; ``(gpu_hits, host_hits)`` or ``None``."""
+    def acquire(self, user_id: Hashable, token_hashes: np.ndarray | None, reuse_limit: int,
+                num_tokens: int | None = None) -> tuple[int, int] | None:
+        """Lock the user and find pages for the whole history (``num_tokens`` events, hashed in ``token_hashes``:
+        ``None`` only for a user with no hashed tokens); ``(gpu_hits, host_hits)`` or ``None``."""
 
     def commit(self, user_id: Hashable, num_tokens: int, token_hashes: np.ndarray) -> None:
         """The user's pages now hold ``num_tokens`` history tokens."""
@@ -50,6 +52,10 @@ class Scheduler:
     def num_unfinished(self) -> int:
         """Requests waiting or running."""
         return self._num_waiting + len(self.running)
+
+    def has_user(self, user_id: Hashable) -> bool:
+        """Whether a request of ``user_id`` is waiting or running."""
+        return user_id in self._queues or any(r.user_id == user_id for r in self.running)
 
     def add(self, request: RequestState) -> None:
         """Queue ``request`` behind its user's earlier requests (served in arrival order)."""
@@ -82,7 +88,7 @@ class Scheduler:
             request = self._queues[user_id][0]
             if any(r.solo for r in self.running) or (request.solo and self.running):
                 break  # a request being retried alone runs alone
-            hit = self.kv.acquire(user_id, request.token_hashes, request.reuse_limit)
+            hit = self.kv.acquire(user_id, request.token_hashes, request.reuse_limit, num_tokens=request.num_history)
             if hit is None:
                 reason = None if self.running else self.kv.why_no_room(request.num_history)
                 if reason is None:

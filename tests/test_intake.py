@@ -284,7 +284,7 @@ def test_intake_equals_the_per_request_intake(mode, join_limit, monkeypatch):
     rng = np.random.default_rng(7)
     streams = {u: [rng.integers(0, 200, 256), rng.integers(0, 8, 256), np.cumsum(rng.integers(0, 3, 256))]
                for u in range(6)}
-    lengths, last, count, failed = dict.fromkeys(range(6), 0), {}, 0, 0
+    lengths, last, count, failed, deferred = dict.fromkeys(range(6), 0), {}, 0, 0, 0
     for _ in range(300):
         requests = []
         for _ in range(int(rng.integers(1, 7))):
@@ -313,6 +313,9 @@ def test_intake_equals_the_per_request_intake(mode, join_limit, monkeypatch):
         expected = _reference_errors(engine, requests, last, in_flight)
         before = len(queued)
         added = engine.intake.add(requests, None)
+        # Users with nothing cached or kept are hashed once their step is launched: here, at once (as a step would).
+        deferred += sum(state.token_hashes is None for state in queued[before:])
+        engine.intake.hash_deferred(queued[before:])
         states = iter(queued[before:])
         for request, result, error in zip(requests, added, expected):
             if error is not None:
@@ -329,3 +332,42 @@ def test_intake_equals_the_per_request_intake(mode, join_limit, monkeypatch):
         if rng.random() < 0.7:
             engine.intake._in_flight.clear()
     assert failed > 100
+    assert (deferred > 0) == (mode != "recompute")  # first visits (and histories edited at page 0) in caching modes
+
+
+def test_first_visits_are_hashed_when_their_step_is_launched():
+    """A user with nothing cached, kept or in flight is queued unhashed (``token_hashes`` None) and hashed when its
+    first step is launched, before that step commits: the cache then holds its exact hashes and the next visit reuses
+    its pages, with the scores of recompute. A request of a user already in flight, or held by the cache, is hashed
+    at intake."""
+    config = tiny_config(mode="gpu_only", page_size=4)
+    engine, reference = GREngine(config), GREngine(tiny_config(mode="recompute", page_size=4))
+    states = []
+    add = engine.scheduler.add
+    engine.scheduler.add = lambda state: (states.append(state), add(state))
+    rng = np.random.default_rng(3)
+    fields = [rng.integers(0, 200, 40), rng.integers(0, 8, 40), np.cumsum(rng.integers(0, 3, 40))]
+
+    def request(request_id: str, n: int) -> RankRequest:
+        return RankRequest(request_id=request_id, user_id=5, item_ids=fields[0][:n], action_ids=fields[1][:n],
+                           timestamps=fields[2][:n], candidate_item_ids=np.arange(3))
+
+    visits = [request("first", 30), request("second", 34)]  # the second queued while the first is in flight
+    engine.add_requests(visits)
+    assert states[0].token_hashes is None
+    assert np.array_equal(states[1].token_hashes, page_prefix_hashes(*(f[:34] for f in fields), 4))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+        if states[0].status.name != "WAITING":
+            assert np.array_equal(states[0].token_hashes, page_prefix_hashes(*(f[:30] for f in fields), 4))
+    assert engine.kv.hashed_tokens(5) == 34 and states[1].num_gpu_hits == 30  # all of the first visit
+    engine.add_requests([request("third", 40)])
+    assert states[2].token_hashes is not None and states[2].token_hashes.shape == (40,)  # the cache holds the user
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert states[2].num_gpu_hits == 34
+    expected = {o.request_id: o for o in reference.rank(visits + [request("third", 40)], use_tqdm=False)}
+    for output in outputs:
+        assert output.error is None
+        np.testing.assert_allclose(output.scores, expected[output.request_id].scores, atol=1e-5)

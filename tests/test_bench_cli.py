@@ -135,10 +135,13 @@ def test_modes_runs_only_those_modes_tables(tmp_path, capsys):
     cold = result["cold_first_visit"]  # recompute is among the modes: the cold first visits are measured
     assert cold["history"] == 100 and cold["visits"] == len(cold["latency_ms"]) == 4
     assert summary["cold_100_ms"] == cold["median_ms"] > 0
+    caching = result["cold_first_visit_caching"]  # the same first visits in a caching mode
+    assert caching["mode"] == "gpu_only" and caching["visits"] == 4
+    assert summary["cold_100_ms_gpu_only"] == caching["median_ms"] > 0
     phases = result["modes"]["recompute"]["batch_sizes"]["8"]["phase_ms_per_batch"]
     assert summary["recompute_prepare_strip_ms_bs8"] == pytest.approx(phases["prepare"] + phases["strip"])
     report = (out / "bench.md").read_text()
-    assert "## Table 1" in report and "A cold first visit of a 100-event user" in report
+    assert "## Table 1" in report and "A cold first visit of a 100-event user" in report and "In `gpu_only`" in report
 
 
 def test_unknown_modes_are_refused(tmp_path, capsys, no_run):

@@ -75,7 +75,7 @@ for part in "$@"; do
           --commit "$commit" > "$out/bench_$commit.log" 2>&1
         echo "bench exit $?"
         grep -E "^(recompute|hierarchical) " "$out/bench_$commit.log"
-        grep -E '"(cold_8192_ms|recompute_mfu_bs8|recompute_prepare_strip_ms_bs8|speedup_bs8_mean|speedup_bs8)"' \
+        grep -E '"(cold_8192_ms|cold_8192_ms_gpu_only|recompute_mfu_bs8|recompute_prepare_strip_ms_bs8|speedup_bs8_mean|speedup_bs8)"' \
           "$out/bench_$commit/summary.json"
         (cd "$out" && tar czf "bench_$commit.tgz" "bench_$commit" --remove-files) ;;
       kernelbench)

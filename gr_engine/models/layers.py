@@ -40,8 +40,9 @@ class FusedLayerNorm(nn.LayerNorm):
 
 class HSTULayer(nn.Module):
     """``u,v,q,k = silu(Linear(LN(x)))``; ``x + Linear(u * LN(attn(q, k, v)))``. On CUDA, ``LN(x)`` (with ``x`` plus
-    the output bias, which the output GEMM adds its product to: no residual add of its own) is one kernel and ``u *
-    LN(attn)`` (or ``[u, attn, u * LN(attn)]``) another (:mod:`.fused_ops`)."""
+    the output bias, which the output GEMM adds its product to: no residual add of its own) is one kernel, ``u *
+    LN(attn)`` (or ``[u, attn, u * LN(attn)]``) another (:mod:`.fused_ops`), and in bf16 or fp16 the projection's
+    SiLU is its GEMM's epilogue (:mod:`.fused_linear`)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -66,7 +67,7 @@ class HSTULayer(nn.Module):
             normed, residual = layer_norm_and_shift(x, norm.weight, norm.bias, norm.eps, self.output.bias)
         else:
             normed = self.input_norm(x, fused)
-        u, v, q, k = F.silu(self.uvqk(normed)).split(self.num_heads * self.head_dim, dim=-1)
+        u, v, q, k = self._projection(normed, fused).split(self.num_heads * self.head_dim, dim=-1)
         attn = attend(q.unflatten(1, heads), k.unflatten(1, heads), v.unflatten(1, heads), self.time_bias).flatten(1)
         if fused:
             y = gated_attn_norm(attn, u, self.attn_norm.weight, self.attn_norm.bias, self.attn_norm.eps, self.concat_ua)
@@ -75,6 +76,17 @@ class HSTULayer(nn.Module):
         normed = self.attn_norm(attn)
         y = torch.cat([u, attn, u * normed], dim=-1) if self.concat_ua else u * normed
         return x + self.output(y)
+
+    def _projection(self, normed: torch.Tensor, fused: bool) -> torch.Tensor:
+        """``silu(uvqk(normed))`` ``[T, 4W]``: one kernel with the SiLU in the GEMM's epilogue
+        (:func:`.fused_linear.linear_silu`) on the fused path where it takes the inputs (bf16 or fp16), else cuBLAS
+        then torch's SiLU."""
+        if fused:
+            from .fused_linear import linear_silu, supports
+
+            if supports(normed, self.uvqk.weight):
+                return linear_silu(normed, self.uvqk.weight, self.uvqk.bias)
+        return F.silu(self.uvqk(normed))
 
 
 class SASRecLayer(nn.Module):

@@ -135,9 +135,10 @@ def test_new_row_counts_compile_nothing_and_graphs_capture():
 
     gen = torch.Generator().manual_seed(4)
     x, weight, bias = operands(33, 512, 2048, torch.bfloat16, gen)
-    linear_silu(x, weight, bias)  # warm-up: this shape of model's compilation
+    for num_rows in (33, 1000):  # warm-up: this shape of model's compilations, both tile shapes
+        linear_silu(operands(num_rows, 512, 2048, torch.bfloat16, gen)[0], weight, bias)
     watch = CompileWatch()
-    for num_rows in (1, 7, 300, 4096, 8292, 78_001):
+    for num_rows in (1, 7, 256, 257, 300, 4096, 8292, 78_001):
         x = operands(num_rows, 512, 2048, torch.bfloat16, gen)[0]
         assert_one_rounding(linear_silu(x, weight, bias), x, weight, bias)
     assert (watch.compilations, watch.cache_loads) == (0, 0), list(watch.last_names)

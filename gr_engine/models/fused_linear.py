@@ -1,12 +1,14 @@
 """The HSTU layer's input projection with its SiLU in the GEMM's epilogue: ``silu(x @ weight.T + bias)`` in one
 Triton kernel, so the ``[T, 4W]`` projection is written once, activated (docs/design.md section 4).
 
-Each program computes a ``BLOCK_M x BLOCK_N`` tile of the output over the whole reduction (``K``, the model width, a
+Each program computes a ``BLOCK_M x BLOCK_N`` tile of the output (64 rows instead of 128 in small calls, whose
+128-row tiles would leave most multiprocessors idle) over the whole reduction (``K``, the model width, a
 compile-time constant), its tiles moved by TMA (Hopper's tensor memory accelerator; the host builds a descriptor for
 each tensor a call), float32 accumulation, bias and SiLU in float32, one rounding to the output dtype. Programs
 are ordered in groups of ``GROUP_M`` row tiles so that neighbouring programs share the weight's column tiles in L2.
-The row count is not specialised on (``do_not_specialize``): after a model's first launch no other row count
-compiles a new variant; the kernel allocates only its output and never synchronises, so CUDA graphs capture it.
+The row count is not specialised on (``do_not_specialize``): after a model's first launch of each tile shape no
+other row count compiles a new variant; the kernel allocates only its output and never synchronises, so CUDA graphs
+capture it.
 
 This module imports Triton: :mod:`.layers` imports it only when a layer runs on CUDA. On CPU the kernel runs only in
 Triton's interpreter (``TRITON_INTERPRET=1``, the tests).
@@ -22,9 +24,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_WARPS, NUM_STAGES = 128, 128, 64, 8, 4, 3
 """Launch shape: an output tile of ``BLOCK_M x BLOCK_N`` over one warpgroup, the reduction in ``BLOCK_K`` steps over
 ``NUM_STAGES`` pipeline stages."""
+SMALL_BLOCK_M, SMALL_MAX_ROWS = 64, 256
+"""The output tile's rows in a call of at most ``SMALL_MAX_ROWS`` rows (the engine's eager warm-up, up to 512 rows,
+runs both shapes)."""
 # Measured on an H100 (benchmarks/results/README.md, "The projection's SiLU in its GEMM"): at 8,292 and 78,000 rows
-# this shape ran 44 and 385 us against 57 and 493 for cuBLAS then torch's SiLU; tiles loaded by TMA were 6-11% faster
-# than pointer loads, 128 x 256 tiles, 8 warps or 4 stages no faster, 128 x 128 x 128 and 64-row tiles 20-40% slower.
+# this shape ran 43-44 and 379-385 us against 57 and 488-493 for cuBLAS then torch's SiLU; tiles loaded by TMA were
+# 6-11% faster than pointer loads, 128 x 256 tiles, 8 warps or 4 stages no faster, 128 x 128 x 128 and 64-row tiles
+# 14-40% slower there; at 256 rows (32 programs of 128 rows on 132 multiprocessors) 64 x 128 tiles ran 4.7 us against
+# 6.5-6.7 for 128 rows and 5.8 for cuBLAS then the SiLU, at 2,048 rows 13.0 against 10.3-10.8.
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -76,11 +83,12 @@ def linear_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> to
         raise ValueError(f"bias must be contiguous [{out_width}]: got {tuple(bias.shape)} strides {bias.stride()}")
     out = torch.empty((num_rows, out_width), dtype=x.dtype, device=x.device)
     if num_rows:
-        grid = (triton.cdiv(num_rows, BLOCK_M) * triton.cdiv(out_width, BLOCK_N),)
-        _linear_silu_kernel[grid](TensorDescriptor.from_tensor(x, [BLOCK_M, BLOCK_K]),
+        block_m = SMALL_BLOCK_M if num_rows <= SMALL_MAX_ROWS else BLOCK_M
+        grid = (triton.cdiv(num_rows, block_m) * triton.cdiv(out_width, BLOCK_N),)
+        _linear_silu_kernel[grid](TensorDescriptor.from_tensor(x, [block_m, BLOCK_K]),
                                   TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K]), bias,
-                                  TensorDescriptor.from_tensor(out, [BLOCK_M, BLOCK_N]), num_rows, N=out_width,
-                                  K=width, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
+                                  TensorDescriptor.from_tensor(out, [block_m, BLOCK_N]), num_rows, N=out_width,
+                                  K=width, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
                                   NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS)
     return out
 

@@ -45,6 +45,26 @@ def test_tile_sweep_imports_and_counts_causal_flops_once(monkeypatch):
     assert module.step_tflop([0], [10], [3]) == pytest.approx(4 * width * (55 + 3 * 11) / 1e12)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's float16 check; the GPU runs the probe itself")
+def test_dense_attention_probe_agrees_with_the_paged_kernel(monkeypatch):
+    """The dense-prefill probe kernel (pointer loads and TMA, query tiles taller and shorter than key tiles) gives
+    the engine's paged kernel's output on the same K and V, in float16 under Triton's interpreter."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton")
+    import dataclasses
+
+    from attention_backends.hstu_triton import HSTUTritonBackend
+
+    module = load("dense_attention_probe.py")
+    proj = torch.randn(200, 4 * module.WIDTH, generator=torch.Generator().manual_seed(0)).half()
+    q, k, v, cache, meta = module.paged_step(proj)
+    backend = HSTUTritonBackend(dataclasses.replace(module.SPEC, dtype=torch.float16, device_type="cpu"))
+    expected = backend.attend(q, k, v, cache, backend.build_metadata(meta))
+    for shape in ((64, 64, 4, 2, True, False), (32, 64, 4, 2, True, False), (64, 32, 4, 2, False, False)):
+        got = module.dense_prefill(proj, shape, False)
+        torch.testing.assert_close(got, expected, rtol=2**-9, atol=1e-6)  # fp16 outputs of ~1e-3: a rounding
+
+
 def test_kernel_ab_loads_a_copy_of_the_kernels_module(monkeypatch, tmp_path):
     """kernel_ab.py's baseline is a file outside the package: loaded on its own, it gives that file's kernel."""
     if importlib.util.find_spec("triton") is None:

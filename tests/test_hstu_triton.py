@@ -230,6 +230,29 @@ def test_float16_on_interpreter():
 
 @needs_triton
 @cpu_only
+@pytest.mark.parametrize(("dtype", "tiles", "num_sms"), [(torch.float32, TileConfig(16, 16, 4, 1), 1),
+                                                          (torch.float32, TileConfig(16, 32, 4, 1), 64),
+                                                          (torch.float16, TileConfig(32, 16, 4, 1), 200)])
+def test_new_rows_read_densely_equal_the_paged_read(dtype, tiles, num_sms):
+    """``attend_new_rows`` (K/V of every key read from the step's rows by TMA) against ``attend`` after the append,
+    on steps where no request has cached keys: several requests, candidates, split tiles (``num_sms`` 64 and 200),
+    and rows past the step's (a graph step's padding) holding NaN, which masked tiles read and must not use."""
+    gen = torch.Generator().manual_seed(num_sms)
+    spec = make_spec(16, 2, 16, dtype)
+    layout = [(0, 70, 5), (0, 1, 0), (0, 0, 3), (0, 33, 2), (0, 40, 0)]
+    common, q, k, v, cache = make_batch(layout, spec, gen)
+    backend = make_backend(spec, tiles, num_sms)
+    meta = backend.build_metadata(common)
+    backend.append_kv(cache, k, v, meta)
+    expected = backend.attend(q, k, v, cache, meta)
+    padded = torch.cat([torch.stack([q, k, v], 1), torch.full((5, 3, 2, 16), float("nan"), dtype=dtype)])
+    got = backend.attend_new_rows(padded[:, 0], padded[:, 1], padded[:, 2], meta)[: q.shape[0]]
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)  # the same sums in the same order
+
+
+@needs_triton
+@cpu_only
 def test_default_tiles_and_page_size_64():
     gen = torch.Generator().manual_seed(11)
     spec = make_spec(64, 1, 16, torch.float32)

@@ -15,7 +15,15 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from .base import AttentionBackend, AttentionSpec, BackendSupport, GraphReplayable, PagedBatchMetadata, PlanWriter
+from .base import (
+    AttentionBackend,
+    AttentionSpec,
+    BackendSupport,
+    GraphReplayable,
+    NewRowsReadable,
+    PagedBatchMetadata,
+    PlanWriter,
+)
 from .hstu_triton_kernels import INTERPRETED, append_rows, hstu_paged_attention_kernel, sum_partials_kernel, triton
 from .hstu_triton_plan import (
     MIN_TILES_PER_SPLIT,
@@ -56,7 +64,7 @@ class HSTUTritonMetadata:
     config: TileConfig
 
 
-class HSTUTritonBackend(AttentionBackend, GraphReplayable):
+class HSTUTritonBackend(AttentionBackend, GraphReplayable, NewRowsReadable):
     """HSTU attention over the paged cache with a Triton kernel (CUDA; CPU through the interpreter). ``tiles``:
     the launch shape of every step; ``None``: :func:`default_tile_config` of each step's longest request."""
 
@@ -187,6 +195,12 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
         """:meth:`AttentionBackend.attend`: ``q``, ``k``, ``v``, ``kv_cache`` fp16/bf16/fp32 with any strides but
         the last dim's, ``time_bias`` any float dtype (added in fp32); the output is contiguous."""
         return self._attend(q, k, v, kv_cache, metadata, time_bias, dense=False)
+
+    def reads_new_rows(self) -> bool:
+        """:meth:`NewRowsReadable.reads_new_rows`: a TMA descriptor needs 16-byte aligned rows, so the model's
+        ``[T, 4W]`` projection's K and V column blocks (``W = H x D`` values from the previous) must start 16 bytes
+        apart."""
+        return self.spec.num_heads * self.spec.head_dim * self.spec.dtype.itemsize % 16 == 0
 
     def attend_new_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: HSTUTritonMetadata,
                         time_bias: torch.Tensor | None = None) -> torch.Tensor:

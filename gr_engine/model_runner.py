@@ -10,6 +10,7 @@ then attends) and the ranking head; :meth:`~ModelRunner.fetch` queues the copy o
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,6 +71,7 @@ class EagerStep:
     tokens: dict[str, torch.Tensor]
     common: PagedBatchMetadata
     backend: Any  # the attention backend's metadata, built from ``common``
+    dense: bool = False  # attention reads every key from the step's own rows (ModelRunner.new_rows_dense)
 
 
 StepInput = EagerStep | StagedStep
@@ -88,8 +90,11 @@ class ModelRunner:
     the host, :meth:`~attention_backends.PagedBatchMetadata.from_layout`)."""
 
     def __init__(self, model: GRModel, backend: AttentionBackend, kv: KVCacheManager,
-                 device: torch.device, graphs: StepGraphs | None = None, layout: DeviceLayout | None = None) -> None:
+                 device: torch.device, graphs: StepGraphs | None = None, layout: DeviceLayout | None = None,
+                 new_rows_dense: bool = False) -> None:
         self.model = model
+        self.new_rows_dense = new_rows_dense
+        self._graph_segments = functools.partial(self._segments, dense=new_rows_dense)  # every staged step's
         self.backend = backend
         self.kv = kv
         self.device = device
@@ -137,8 +142,9 @@ class ModelRunner:
         layout = meta.layout
         hist = layout["num_history_rows"]
         rows = int(np.add.reduce(hist + layout["num_candidate_rows"]))
-        if self.graphs is not None and self.graphs.fits(rows, len(chunks), int(np.add.reduce(hist)),
-                                                        len(layout["kv_indices"])):
+        stageable = not self.new_rows_dense or self._dense(layout)  # a dense engine's graphs read densely
+        if stageable and self.graphs is not None and self.graphs.fits(rows, len(chunks), int(np.add.reduce(hist)),
+                                                                      len(layout["kv_indices"])):
             return self.graphs.stage(layout, {"item_ids": np.concatenate(items), "action_ids": np.concatenate(actions)})
         times = self._timestamps(chunks) if self.model.config.time_bias_buckets else (None, None)
         return self._eager_step(layout, items, actions, times)
@@ -150,7 +156,7 @@ class ModelRunner:
         per-row layout expanded on the device (:attr:`layout`) or built on the host."""
         if self.layout is not None:
             tokens, common = self.layout.build(layout, items, actions, times)
-            return EagerStep(tokens, common, self.backend.build_metadata(common))
+            return EagerStep(tokens, common, self.backend.build_metadata(common), self._dense(layout))
         item_ids, action_ids = np.concatenate(items), np.concatenate(actions)
         common = PagedBatchMetadata.from_layout(layout["history_start"], layout["num_history_rows"],
                                                 layout["num_candidate_rows"], layout["kv_indptr"],
@@ -161,7 +167,11 @@ class ModelRunner:
         positions[host["history_rows"]] = host["append_positions"]
         positions[host["candidate_rows"]] = host["kv_seq_lens"][host["candidate_batch_indices"]]
         tokens = upload_int32({"item_ids": item_ids, "action_ids": action_ids, "positions": positions}, self.device)
-        return EagerStep(tokens, common, self.backend.build_metadata(common))
+        return EagerStep(tokens, common, self.backend.build_metadata(common), self._dense(layout))
+
+    def _dense(self, layout: dict[str, np.ndarray]) -> bool:
+        """Whether a step of ``layout`` (:attr:`StepMetadata.layout`) attends through ``attend_new_rows``."""
+        return self.new_rows_dense and not layout["history_start"].any()
 
     @torch.no_grad()
     def capture_graphs(self, pages: np.ndarray, use_tqdm: bool = True) -> int:
@@ -201,7 +211,7 @@ class ModelRunner:
                     continue
                 keys.add(key)
                 for i, layer_ready in enumerate(waits):
-                    graphs.replay(staged if i == 0 else graphs.stage(layout, tokens), self._segments,
+                    graphs.replay(staged if i == 0 else graphs.stage(layout, tokens), self._graph_segments,
                                   self._rank_head, layer_ready)
         if cuda:
             torch.cuda.synchronize(graphs.device)
@@ -260,8 +270,8 @@ class ModelRunner:
             ``states [T, d_model]`` and float32 ``logits [C, num_tasks]`` of the candidates, valid until the next step.
         """
         if isinstance(step, StagedStep):
-            return self.graphs.replay(step, self._segments, self._rank_head, layer_ready)
-        states = run_segments(self._segments(step.tokens, step.common, step.backend, None), layer_ready)
+            return self.graphs.replay(step, self._graph_segments, self._rank_head, layer_ready)
+        states = run_segments(self._segments(step.tokens, step.common, step.backend, None, step.dense), layer_ready)
         return states, self._rank_head(states, step.common.candidate_rows)
 
     def _rank_head(self, states: torch.Tensor, candidate_rows: torch.Tensor) -> torch.Tensor:
@@ -269,9 +279,11 @@ class ModelRunner:
         return self.model.rank_logits(states.index_select(0, candidate_rows)).float()
 
     def _segments(self, tokens: dict[str, torch.Tensor], common: PagedBatchMetadata, backend: Any,
-                  before_attention: Callable[[], None] | None) -> list[Callable[[torch.Tensor | None], torch.Tensor]]:
+                  before_attention: Callable[[], None] | None,
+                  dense: bool = False) -> list[Callable[[torch.Tensor | None], torch.Tensor]]:
         """The forward as one callable per layer (see :data:`~.step_graphs.SegmentsFn`): the first embeds the
-        tokens, each appends its layer's new K/V and attends (after ``before_attention()``, if given), the last
+        tokens, each appends its layer's new K/V and attends (after ``before_attention()``, if given; ``dense``:
+        reading the keys from the step's rows, :meth:`~attention_backends.NewRowsReadable.attend_new_rows`), the last
         applies the final norm."""
         model, last = self.model, len(self.model.layers) - 1
 
@@ -283,6 +295,8 @@ class ModelRunner:
                 self.backend.append_kv(layer_cache, k, v, backend)  # appends the rows at common.history_rows
                 if before_attention is not None:
                     before_attention()
+                if dense:
+                    return self.backend.attend_new_rows(q, k, v, backend, time_bias=time_bias)
                 return self.backend.attend(q, k, v, layer_cache, backend, time_bias=time_bias)
 
             def run(x: torch.Tensor | None) -> torch.Tensor:

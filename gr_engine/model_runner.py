@@ -10,7 +10,6 @@ then attends) and the ranking head; :meth:`~ModelRunner.fetch` queues the copy o
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -100,7 +99,6 @@ class ModelRunner:
                  new_rows_dense: bool = False) -> None:
         self.model = model
         self.new_rows_dense = new_rows_dense
-        self._graph_segments = functools.partial(self._segments, dense=new_rows_dense)  # every staged step's
         self.backend = backend
         self.kv = kv
         self.device = device
@@ -282,6 +280,12 @@ class ModelRunner:
     def _rank_head(self, states: torch.Tensor, candidate_rows: torch.Tensor) -> torch.Tensor:
         """Float32 ``[C, num_tasks]`` logits of the candidates at int32 ``candidate_rows [C]`` of ``states``."""
         return self.model.rank_logits(states.index_select(0, candidate_rows)).float()
+
+    def _graph_segments(self, tokens: dict[str, torch.Tensor], common: PagedBatchMetadata, backend: Any,
+                        before_attention: Callable[[], None] | None) -> list[Callable[[torch.Tensor | None],
+                                                                                        torch.Tensor]]:
+        """:meth:`_segments` of a staged step: dense in a dense engine, which stages only self-contained steps."""
+        return self._segments(tokens, common, backend, before_attention, self.new_rows_dense)
 
     def _segments(self, tokens: dict[str, torch.Tensor], common: PagedBatchMetadata, backend: Any,
                   before_attention: Callable[[], None] | None,

@@ -236,19 +236,22 @@ def test_float16_on_interpreter():
 def test_new_rows_read_densely_equal_the_paged_read(dtype, tiles, num_sms):
     """``attend_new_rows`` (K/V of every key read from the step's rows by TMA) against ``attend`` after the append,
     on steps where no request has cached keys: several requests, candidates, split tiles (``num_sms`` 64 and 200),
-    and rows past the step's (a graph step's padding) holding NaN, which masked tiles read and must not use."""
+    a relative time bias, and rows past the step's (a graph step's padding) holding NaN, which masked tiles read and
+    must not use."""
     gen = torch.Generator().manual_seed(num_sms)
-    spec = make_spec(16, 2, 16, dtype)
     layout = [(0, 70, 5), (0, 1, 0), (0, 0, 3), (0, 33, 2), (0, 40, 0)]
-    common, q, k, v, cache = make_batch(layout, spec, gen)
-    backend = make_backend(spec, tiles, num_sms)
-    meta = backend.build_metadata(common)
-    backend.append_kv(cache, k, v, meta)
-    expected = backend.attend(q, k, v, cache, meta)
-    padded = torch.cat([torch.stack([q, k, v], 1), torch.full((5, 3, 2, 16), float("nan"), dtype=dtype)])
-    got = backend.attend_new_rows(padded[:, 0], padded[:, 1], padded[:, 2], meta)[: q.shape[0]]
-    assert torch.isfinite(got).all()
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)  # the same sums in the same order
+    for times in (None, random_times(layout, gen)):  # without and with a relative time bias
+        spec = make_spec(16, 2, 16, dtype) if times is None else with_time_bias(make_spec(16, 2, 16, dtype), 24)
+        table = None if times is None else torch.randn(24, 2, generator=gen).to(dtype)
+        common, q, k, v, cache = make_batch(layout, spec, gen, times=times)
+        backend = make_backend(spec, tiles, num_sms)
+        meta = backend.build_metadata(common)
+        backend.append_kv(cache, k, v, meta)
+        expected = backend.attend(q, k, v, cache, meta, time_bias=table)
+        padded = torch.cat([torch.stack([q, k, v], 1), torch.full((5, 3, 2, 16), float("nan"), dtype=dtype)])
+        got = backend.attend_new_rows(padded[:, 0], padded[:, 1], padded[:, 2], meta, time_bias=table)
+        assert torch.isfinite(got[: q.shape[0]]).all()
+        torch.testing.assert_close(got[: q.shape[0]], expected, rtol=0, atol=0)  # the same sums in the same order
 
 
 @needs_triton

@@ -5,8 +5,9 @@
 Triton's compiler and the ``ptxas`` shipped in the triton wheel build each kernel for sm_90 at the shapes the engine
 launches for the bench's model (bf16, 4 heads x 128, pages of 32 tokens, d_model 512): ``hstu_triton``'s attention in
 its default launch shape, with a time bias and in decode tiles (two programs an SM), and the 64 x 64 shape
-``tile_sweep.py`` times two programs an SM; the append; the LayerNorm (with and without the residual shift) and the
-gate; the device tile plan of a cold visit's and a serving step's graph. For each: ``ptxas -v``'s registers, spill
+``tile_sweep.py`` times two programs an SM; the append; the LayerNorm (with and without the residual shift), the
+gate and the projection with its SiLU (both tile shapes); the device tile plan of a cold visit's and a serving step's
+graph. For each: ``ptxas -v``'s registers, spill
 stores and loads (bytes), the shared memory and how many programs fit on an SM (:func:`programs_per_sm`); with
 ``--sass``, how many local-memory loads and stores (``LDL``/``STL``, spills) sit in the basic blocks that hold the MMAs
 (``HGMMA``: the key loops). A kernel that does not compile is reported with its error. No GPU is needed, so compile
@@ -45,7 +46,7 @@ from attention_backends.hstu_triton_plan import (
     default_tile_config,
     padded_capacities,
 )
-from gr_engine.models import fused_ops
+from gr_engine.models import fused_linear, fused_ops
 
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -107,7 +108,7 @@ def attention_builds() -> list[Build]:
 
 
 def layer_builds() -> list[Build]:
-    """The append and the row-wise kernels of an HSTU layer of the bench's model."""
+    """The append, the row-wise kernels and the projection with its SiLU of an HSTU layer of the bench's model."""
     append = Build("append", attention._append_kernel,
                    dict.fromkeys(("Cache", "Key", "Value"), "*bf16") | dict.fromkeys(("Rows", "Pages", "Entries"),
                                                                                       "*i32"),
@@ -128,6 +129,15 @@ def layer_builds() -> list[Build]:
         builds.append(Build(f"gate (concat_ua {concat})", fused_ops._gated_layer_norm_kernel, gate_types,
                             {"N": D_MODEL, "BLOCK": block, "ROWS": rows, "CONCAT_UA": concat},
                             fused_ops.NUM_WARPS, 1, ("Attn", "U", "Out", "stride_attn", "stride_u", "stride_out")))
+    for block_m in (fused_linear.BLOCK_M, fused_linear.SMALL_BLOCK_M):  # the projection with its SiLU, both shapes
+        descriptors = {"x_desc": f"tensordesc<bf16[{block_m},{fused_linear.BLOCK_K}]>",
+                       "w_desc": f"tensordesc<bf16[{fused_linear.BLOCK_N},{fused_linear.BLOCK_K}]>",
+                       "out_desc": f"tensordesc<bf16[{block_m},{fused_linear.BLOCK_N}]>", "Bias": "*bf16"}
+        builds.append(Build(f"projection with SiLU ({block_m}-row tiles)", fused_linear._linear_silu_kernel,
+                            descriptors, {"N": 4 * D_MODEL, "K": D_MODEL, "BLOCK_M": block_m,
+                                          "BLOCK_N": fused_linear.BLOCK_N, "BLOCK_K": fused_linear.BLOCK_K,
+                                          "GROUP_M": fused_linear.GROUP_M, "NUM_STAGES": fused_linear.NUM_STAGES},
+                            fused_linear.NUM_WARPS, fused_linear.NUM_STAGES, ("Bias",)))
     return builds
 
 

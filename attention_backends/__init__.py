@@ -6,10 +6,11 @@ from .base import (
     AttentionSpec,
     BackendSupport,
     GraphReplayable,
+    NewRowsReadable,
     PagedBatchMetadata,
     PlanWriter,
 )
 from .registry import ENTRY_POINT_GROUP, BackendRegistry
 
 __all__ = ["ENTRY_POINT_GROUP", "AttentionBackend", "AttentionKind", "AttentionSpec", "BackendRegistry",
-           "BackendSupport", "GraphReplayable", "PagedBatchMetadata", "PlanWriter"]
+           "BackendSupport", "GraphReplayable", "NewRowsReadable", "PagedBatchMetadata", "PlanWriter"]

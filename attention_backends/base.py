@@ -311,6 +311,22 @@ class AttentionBackend(abc.ABC):
         """
 
 
+class NewRowsReadable(abc.ABC):
+    """What an :class:`AttentionBackend` also implements to read, in a step where no request has keys before its new
+    rows (recompute; a first visit), every key from the step's own K/V rows instead of the pages. The engine still
+    appends those rows (a later chunk of the same request reads them from the pages)."""
+
+    @abc.abstractmethod
+    def reads_new_rows(self) -> bool:
+        """Whether this instance's model can take :meth:`attend_new_rows` (e.g. its rows' alignment)."""
+
+    @abc.abstractmethod
+    def attend_new_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: Any,
+                        time_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`AttentionBackend.attend` of such a step, keys read from ``k`` and ``v`` (``[T, H, D]``); the same
+        result as ``attend`` over the pages after the append."""
+
+
 PlanWriter = Callable[[PagedBatchMetadata, torch.Tensor], None]
 """``writer(common, plan)``: write the plan of the step in ``common`` (its tensors padded to the capacities, on the
 device) into the int32 ``plan`` buffer, on the current stream, capturable in a CUDA graph."""

@@ -15,7 +15,15 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from .base import AttentionBackend, AttentionSpec, BackendSupport, GraphReplayable, PagedBatchMetadata, PlanWriter
+from .base import (
+    AttentionBackend,
+    AttentionSpec,
+    BackendSupport,
+    GraphReplayable,
+    NewRowsReadable,
+    PagedBatchMetadata,
+    PlanWriter,
+)
 from .hstu_triton_kernels import INTERPRETED, append_rows, hstu_paged_attention_kernel, sum_partials_kernel, triton
 from .hstu_triton_plan import (
     MIN_TILES_PER_SPLIT,
@@ -56,7 +64,7 @@ class HSTUTritonMetadata:
     config: TileConfig
 
 
-class HSTUTritonBackend(AttentionBackend, GraphReplayable):
+class HSTUTritonBackend(AttentionBackend, GraphReplayable, NewRowsReadable):
     """HSTU attention over the paged cache with a Triton kernel (CUDA; CPU through the interpreter). ``tiles``:
     the launch shape of every step; ``None``: :func:`default_tile_config` of each step's longest request."""
 
@@ -186,6 +194,28 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
                metadata: HSTUTritonMetadata, time_bias: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`AttentionBackend.attend`: ``q``, ``k``, ``v``, ``kv_cache`` fp16/bf16/fp32 with any strides but
         the last dim's, ``time_bias`` any float dtype (added in fp32); the output is contiguous."""
+        return self._attend(q, k, v, kv_cache, metadata, time_bias, dense=False)
+
+    def reads_new_rows(self) -> bool:
+        """:meth:`NewRowsReadable.reads_new_rows`: a TMA descriptor needs 16-byte aligned rows, so the model's
+        ``[T, 4W]`` projection's K and V column blocks (``W = H x D`` values from the previous) must start 16 bytes
+        apart."""
+        return self.spec.num_heads * self.spec.head_dim * self.spec.dtype.itemsize % 16 == 0
+
+    def attend_new_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: HSTUTritonMetadata,
+                        time_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`attend` of a step in which no request has keys before its new rows (``kv_seq_lens`` equal to
+        ``num_history_rows``: recompute, a first visit): every key is one of the step's own rows, read from ``k``
+        and ``v`` (TMA loads of ``[block_n, D]`` blocks) instead of the pages, which need not hold them. ``k``,
+        ``v``: ``[T, H, D]`` with unit stride in the last two dims flattened (heads ``D`` apart), rows 16-byte
+        aligned; the same output as :meth:`attend` after :meth:`append_kv`. A request with keys before its new
+        rows gives wrong results: the caller's contract, not checked (it would take a device read)."""
+        return self._attend(q, k, v, k, metadata, time_bias, dense=True)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: HSTUTritonMetadata, time_bias: torch.Tensor | None, dense: bool) -> torch.Tensor:
+        """One launch of the attention kernel (and the sum of split tiles' partials); ``dense``: keys from ``k`` and
+        ``v`` (:meth:`attend_new_rows`; ``kv_cache`` is then only a placeholder), else from ``kv_cache``."""
         m, c = metadata, metadata.common
         if time_bias is not None and c.timestamps is None:
             raise ValueError("time_bias needs the step's timestamps (PagedBatchMetadata.timestamps is None)")
@@ -196,6 +226,7 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
             return out
         q, k, v, kv_cache = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, kv_cache))
         config, block_m = m.config, m.config.block_m
+        descriptors = (_row_blocks(k, config.block_n), _row_blocks(v, config.block_n)) if dense else (k, v)
         # Partials of split tiles, one [block_m, D] slab per (work item, head); unused without splits.
         shape = (num_items, num_heads, block_m, head_dim) if m.may_split else (1,)
         partial = torch.empty(shape, dtype=torch.float32, device=q.device)
@@ -204,16 +235,18 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
         t = c.timestamps
         times = (out, m.tiles, m.tiles, m.tiles, 0) if time_bias is None else (  # placeholders without a bias
             time_bias.contiguous(), t.query, t.keys, t.key_start, time_bias.shape[0] - 1)
+        cache_strides = kv_cache.stride()[:4] if not dense else (0, 0, 0, 0)
         hstu_paged_attention_kernel[(num_programs,)](
             q, k, v, kv_cache, out, partial, m.tiles, m.items,
-            c.query_start_loc, c.num_history_rows, c.kv_seq_lens, c.kv_indptr, c.kv_indices, *times,
+            c.query_start_loc, c.num_history_rows, c.kv_seq_lens, c.kv_indptr, c.kv_indices, *times, *descriptors,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            *kv_cache.stride()[:4], out.stride(0), out.stride(1),
+            *cache_strides, out.stride(0), out.stride(1),
             num_tiles, num_items, num_heads, num_work, -(-num_work // num_programs),
             self.spec.alpha, 1.0 / self.spec.scaling_seqlen,
-            HEAD_DIM=head_dim, PAGE_SIZE=kv_cache.shape[2], BLOCK_M=block_m, BLOCK_N=config.block_n,
+            HEAD_DIM=head_dim, PAGE_SIZE=self.spec.page_size if dense else kv_cache.shape[2], BLOCK_M=block_m,
+            BLOCK_N=config.block_n,
             FAST_SILU=q.dtype != torch.float32 and q.is_cuda and not INTERPRETED,  # inline PTX: CUDA only
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TIME_BIAS=time_bias is not None,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TIME_BIAS=time_bias is not None, DENSE=dense,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         if m.may_split:
@@ -222,3 +255,14 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable):
                 HEAD_DIM=head_dim, BLOCK_M=block_m, ROWS=16, num_warps=4,
             )
         return out
+
+
+def _row_blocks(x: torch.Tensor, block_rows: int):
+    """A TMA descriptor over ``x`` ``[T, H, D]`` as ``[T, H * D]`` (heads ``D`` apart, rows ``x.stride(0)`` apart) in
+    ``[block_rows, D]`` blocks: a head's rows of a key tile."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    num_rows, num_heads, head_dim = x.shape
+    if x.stride(1) != head_dim:
+        raise ValueError(f"heads must be {head_dim} values apart for a dense read: got strides {x.stride()}")
+    return TensorDescriptor(x, [num_rows, num_heads * head_dim], [x.stride(0), 1], [block_rows, head_dim])

@@ -71,31 +71,40 @@ def _time_bias(BiasHead, query_times, key_times, num_heads, max_bucket):
 @_jit
 def _attend_key_tile(
     acc, q, start_n, KvHead, Pages, seq_len, row_limit, stride_page, stride_kv, in_page, alpha,
-    BiasHead, query_times, KeyTimes, num_heads, max_bucket,
+    BiasHead, query_times, KeyTimes, num_heads, max_bucket, KDesc, VDesc, key_row0, head_col,
     MASKED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    FAST_SILU: tl.constexpr, PRECISION: tl.constexpr, TIME_BIAS: tl.constexpr,
+    FAST_SILU: tl.constexpr, PRECISION: tl.constexpr, TIME_BIAS: tl.constexpr, DENSE: tl.constexpr,
 ):
     """``acc += silu(alpha q k^T + bias) v`` over keys ``start_n .. start_n + BLOCK_N`` of the request whose page
     ids start at ``Pages``, for the head whose K starts at ``KvHead`` (masked: keys at or past a row's
     ``row_limit`` count zero, keys past ``seq_len`` are not read). ``in_page`` (int32 ``[BLOCK_N, HEAD_DIM]``):
     each key's and dimension's element offset within its page, the same for every key tile (``start_n`` is a
     multiple of ``BLOCK_N``, itself of ``PAGE_SIZE``). ``TIME_BIAS``: ``bias`` is :func:`_time_bias` of the rows'
-    ``query_times`` and the keys' times (request's first at ``KeyTimes``); else none."""
+    ``query_times`` and the keys' times (request's first at ``KeyTimes``); else none. ``DENSE``: key ``j`` is the
+    step's row ``key_row0 + j``, its K and V ``[BLOCK_N, HEAD_DIM]`` blocks loaded by TMA through ``KDesc`` /
+    ``VDesc`` at column ``head_col`` (the pages are not read; masked: values past ``seq_len``, other requests'
+    rows or zeros past the step's, are zeroed)."""
     keys = start_n + tl.arange(0, BLOCK_N)
     in_seq = keys < seq_len
-    position = keys.to(tl.uint32)  # keys are >= 0: unsigned, the page is a shift
-    if MASKED:
-        page = tl.load(Pages + position // PAGE_SIZE, mask=in_seq, other=0)
+    if DENSE:
+        k = KDesc.load([key_row0 + start_n, head_col])
+        v = VDesc.load([key_row0 + start_n, head_col])
+        if MASKED:
+            v = tl.where(in_seq[:, None], v, 0.0)  # p is zero there, but 0 x a non-finite padding value is not
     else:
-        page = tl.load(Pages + position // PAGE_SIZE)
-    # Page ids are >= 0: zero-extended, the 64-bit offset needs no sign arithmetic.
-    k_ptrs = KvHead + page.to(tl.uint32).to(tl.int64)[:, None] * stride_page + in_page
-    if MASKED:
-        k = tl.load(k_ptrs, mask=in_seq[:, None], other=0.0)
-        v = tl.load(k_ptrs + stride_kv, mask=in_seq[:, None], other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-        v = tl.load(k_ptrs + stride_kv)
+        position = keys.to(tl.uint32)  # keys are >= 0: unsigned, the page is a shift
+        if MASKED:
+            page = tl.load(Pages + position // PAGE_SIZE, mask=in_seq, other=0)
+        else:
+            page = tl.load(Pages + position // PAGE_SIZE)
+        # Page ids are >= 0: zero-extended, the 64-bit offset needs no sign arithmetic.
+        k_ptrs = KvHead + page.to(tl.uint32).to(tl.int64)[:, None] * stride_page + in_page
+        if MASKED:
+            k = tl.load(k_ptrs, mask=in_seq[:, None], other=0.0)
+            v = tl.load(k_ptrs + stride_kv, mask=in_seq[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(k_ptrs + stride_kv)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if TIME_BIAS:
         if MASKED:
@@ -114,18 +123,21 @@ def _attend_key_tile(
 @_step_kernel
 def hstu_paged_attention_kernel(
     Q, K, V, KV, Out, Partial, Tiles, Items, QueryStartLoc, NumHistory, SeqLens, KvIndptr, KvIndices,
-    TimeBias, QueryTimes, KeyTimes, KeyStart, max_bucket,
+    TimeBias, QueryTimes, KeyTimes, KeyStart, max_bucket, KDesc, VDesc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_page, stride_kv, stride_token, stride_head, stride_ot, stride_oh,
     num_tiles, num_items, num_heads, num_work, num_rounds, alpha, inv_scaling,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    FAST_SILU: tl.constexpr, PRECISION: tl.constexpr, TIME_BIAS: tl.constexpr,
+    FAST_SILU: tl.constexpr, PRECISION: tl.constexpr, TIME_BIAS: tl.constexpr, DENSE: tl.constexpr,
 ):
     """Persistent: program g of G takes (work item, head) pairs g, 2G-1-g, 2G+g, ... of the longest-first
     list (the snake order pairs long items with short ones) and computes, for each, its part of its query
     tile's key range for that head (``Tiles``, ``Items``: :class:`HSTUTritonMetadata`). ``TIME_BIAS``: add
     the bias of ``TimeBias [max_bucket + 1, H]`` (contiguous) from int64 ``QueryTimes [T]`` and ``KeyTimes``
-    (request ``b``'s from ``KeyStart[b]``, :class:`~.base.StepTimestamps`); else those are never read."""
+    (request ``b``'s from ``KeyStart[b]``, :class:`~.base.StepTimestamps`); else those are never read. ``DENSE``
+    (no request has keys before its new rows): keys are read from the step's K and V rows through the TMA
+    descriptors ``KDesc``, ``VDesc`` (see :func:`_attend_key_tile`), not from the pages; else those are never
+    read."""
     program = tl.program_id(0)
     num_programs = tl.num_programs(0)
     for r in range(num_rounds):
@@ -174,11 +186,13 @@ def hstu_paged_attention_kernel(
             for start_n in range(lo, unmasked_end, BLOCK_N):
                 acc = _attend_key_tile(acc, q, start_n, kv_head, pages, seq_len, row_limit, stride_page, stride_kv,
                                        in_page, alpha, bias_head, query_times, key_times, num_heads, max_bucket,
-                                       False, PAGE_SIZE, BLOCK_N, HEAD_DIM, FAST_SILU, PRECISION, TIME_BIAS)
+                                       KDesc, VDesc, row0, head * HEAD_DIM, False, PAGE_SIZE, BLOCK_N, HEAD_DIM,
+                                       FAST_SILU, PRECISION, TIME_BIAS, DENSE)
             for start_n in range(tl.maximum(lo, unmasked_end), hi, BLOCK_N):
                 acc = _attend_key_tile(acc, q, start_n, kv_head, pages, seq_len, row_limit, stride_page, stride_kv,
                                        in_page, alpha, bias_head, query_times, key_times, num_heads, max_bucket,
-                                       True, PAGE_SIZE, BLOCK_N, HEAD_DIM, FAST_SILU, PRECISION, TIME_BIAS)
+                                       KDesc, VDesc, row0, head * HEAD_DIM, True, PAGE_SIZE, BLOCK_N, HEAD_DIM,
+                                       FAST_SILU, PRECISION, TIME_BIAS, DENSE)
             out = acc * inv_scaling
 
             # Candidates also attend to their own k/v (added once, by part 0), in the tiles that hold any: a

@@ -16,14 +16,17 @@
 #   bench    gr-engine bench --modes recompute,hierarchical (issue 29's figures and the headline's two modes; about
 #            7 minutes: a command of its own), its folder packed as bench_<commit>.tgz
 #   kernelbench  kernel_bench.py -> kernels.json (about 2 minutes)
+#   dense    dense_ab.py (hstu_triton's paged read against attend_new_rows on the steps with no cached keys) and
+#            dense_attention_probe.py (a prefill's attention over the dense projection, pointer loads and TMA, against
+#            the paged kernel; about 3-4 minutes together)
 #   gate     gate_linear_probe.py: the layer's gate and output GEMM, as the engine runs them against one kernel that
 #            gates as it loads the GEMM's tiles (about 2 minutes)
 # Parts that write folders (cold, bench) pack them into one .tgz each: a command returns only a few files.
 # Usage (device tool, with .whl carried):
-#   bash benchmarks/gpu_checks.sh <commit> [tests|warmup|kernels|cold|ab|bench|kernelbench|gate ...]
+#   bash benchmarks/gpu_checks.sh <commit> [tests|warmup|kernels|cold|ab|bench|kernelbench|dense|gate ...]
 #   (default: tests; one part a command)
 set -uo pipefail
-commit=${1:?usage: gpu_checks.sh <commit> [tests|warmup|kernels|cold|ab|bench|kernelbench|gate ...]}
+commit=${1:?usage: gpu_checks.sh <commit> [tests|warmup|kernels|cold|ab|bench|kernelbench|dense|gate ...]}
 shift
 out=${OUT:?set OUT to the results folder}
 source .whl/activate.sh
@@ -72,6 +75,13 @@ for part in "$@"; do
             > "$out/plan_ab.log" 2>&1
           echo "plan_ab exit $?"; tail -15 "$out/plan_ab.log"
         fi ;;
+      dense)
+        (cd benchmarks && timeout 200 python dense_ab.py --out "$out/dense_ab.json" --commit "$commit") \
+          > "$out/dense_ab.log" 2>&1
+        echo "dense_ab exit $?"; tail -5 "$out/dense_ab.log"
+        timeout 300 python benchmarks/dense_attention_probe.py --out "$out/dense_attention_probe.json" \
+          --commit "$commit" > "$out/dense_attention_probe.log" 2>&1
+        echo "dense_attention_probe exit $?"; tail -12 "$out/dense_attention_probe.log" ;;
       bench)
         timeout 520 python -m gr_engine bench --modes recompute,hierarchical --out "$out/bench_$commit" \
           --commit "$commit" > "$out/bench_$commit.log" 2>&1

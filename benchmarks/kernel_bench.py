@@ -3,9 +3,11 @@
     python benchmarks/kernel_bench.py --out benchmarks/results/kernels.json
 
 - Full-history prefill (one request, T new history rows, causal) at T = 1k, 4k, 8k, 16k; TFLOP/s with
-  causal FLOPs counted once (``2 * 2 * H * D * T^2 / 2``). ``hstu_triton`` is timed launched from Python (L2
-  flushed before each call, as ``do_bench`` does) and replayed from a CUDA graph (back to back, device time: how
-  the engine runs a step of at most ``cuda_graph_max_rows`` rows).
+  causal FLOPs counted once (``2 * 2 * H * D * T^2 / 2``). ``hstu_triton`` reads the keys from the pages
+  (``attend``, ``hstu_triton_prefill_*tflops``) and from the step's own rows (``attend_new_rows``, how a
+  ``recompute`` engine runs a self-contained step: ``hstu_triton_prefill_dense_*tflops``). ``hstu_triton`` is timed
+  launched from Python (L2 flushed before each call, as ``do_bench`` does) and replayed from a CUDA graph (back to
+  back, device time: how the engine runs a step of at most ``cuda_graph_max_rows`` rows).
 - Delta queries: 8 requests, each 256 new history rows + 100 candidates over a cached paged history of
   1k..16k tokens; the fraction of HBM bandwidth achieved reading the paged history
   (history K/V bytes / time / measured device-copy bandwidth). At 356 query rows per request this shape
@@ -56,13 +58,18 @@ def make_step(cached: list[int], new: list[int], cands: list[int], device, times
     return q, k, v, cache, meta
 
 
-def time_backend(backend, step, time_bias: torch.Tensor | None = None, graph: bool = False) -> float:
-    """Median seconds of one ``attend``; ``graph``: replayed from a CUDA graph (device time without the host's
-    launch cost, as the engine runs small steps)."""
+def time_backend(backend, step, time_bias: torch.Tensor | None = None, graph: bool = False,
+                 dense: bool = False) -> float:
+    """Median seconds of one ``attend`` (``dense``: ``attend_new_rows``, the keys read from the step's own rows);
+    ``graph``: replayed from a CUDA graph (device time without the host's launch cost, as the engine runs small
+    steps)."""
     q, k, v, cache, meta = step
     prepared = backend.build_metadata(meta)
     extra = {} if time_bias is None else {"time_bias": time_bias}
-    fn = lambda: backend.attend(q, k, v, cache, prepared, **extra)  # noqa: E731
+    if dense:
+        fn = lambda: backend.attend_new_rows(q, k, v, prepared, **extra)  # noqa: E731
+    else:
+        fn = lambda: backend.attend(q, k, v, cache, prepared, **extra)  # noqa: E731
     if graph:
         return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") / 1e3
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
@@ -96,7 +103,8 @@ def main() -> None:
     result = {"gpu": torch.cuda.get_device_name(), "commit": commit or "unknown", "torch": torch.__version__,
               "triton": triton.__version__, "heads": HEADS, "head_dim": DIM, "page_size": PAGE, "dtype": "bfloat16",
               "hbm_copy_GBps": hbm / 1e9, "hstu_triton_prefill_tflops": {},
-              "hstu_triton_prefill_graph_tflops": {}, "torch_ref_prefill_tflops": {},
+              "hstu_triton_prefill_graph_tflops": {}, "hstu_triton_prefill_dense_tflops": {},
+              "hstu_triton_prefill_dense_graph_tflops": {}, "torch_ref_prefill_tflops": {},
               "sdpa_prefill_tflops": {}, "prefill_ms": {}, "delta_hbm_fraction": {}, "delta_ms": {},
               "delta_torch_ref_ms": {}, "decode_hbm_fraction": {}, "decode_ms": {},
               "time_bias_ms": {}}
@@ -105,15 +113,20 @@ def main() -> None:
         step = make_step([0], [t], [0], device)
         tri = time_backend(triton_backend, step)
         tri_graph = time_backend(triton_backend, step, graph=True)
+        dense = time_backend(triton_backend, step, dense=True)
+        dense_graph = time_backend(triton_backend, step, graph=True, dense=True)
         ref = time_backend(ref_backend, step)
         q = torch.randn(1, HEADS, t, DIM, device=device, dtype=torch.bfloat16)
         sdpa = triton.testing.do_bench(lambda q=q: F.scaled_dot_product_attention(q, q, q, is_causal=True),
                                        return_mode="median") / 1e3
         result["hstu_triton_prefill_tflops"][t] = flops / tri / 1e12
         result["hstu_triton_prefill_graph_tflops"][t] = flops / tri_graph / 1e12
+        result["hstu_triton_prefill_dense_tflops"][t] = flops / dense / 1e12
+        result["hstu_triton_prefill_dense_graph_tflops"][t] = flops / dense_graph / 1e12
         result["torch_ref_prefill_tflops"][t] = flops / ref / 1e12
         result["sdpa_prefill_tflops"][t] = flops / sdpa / 1e12
         result["prefill_ms"][t] = {"hstu_triton": tri * 1e3, "hstu_triton_graph": tri_graph * 1e3,
+                                   "hstu_triton_dense": dense * 1e3, "hstu_triton_dense_graph": dense_graph * 1e3,
                                    "torch_ref": ref * 1e3, "sdpa": sdpa * 1e3}
         del step
         torch.cuda.empty_cache()

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from attention_backends import AttentionSpec, BackendRegistry
+from attention_backends import AttentionSpec, BackendRegistry, NewRowsReadable
 from cache_engine import KVCacheManager
 from scheduler import RequestState, ScheduledChunk, Scheduler, SchedulerOutput
 
@@ -122,7 +122,10 @@ class GREngine:
             from .eager_layout import DeviceLayout  # imports Triton
 
             layout = DeviceLayout(self.device, config.cache.page_size, config.scheduler.max_num_seqs)
-        self.runner = ModelRunner(self.model, self.backend, self.kv, self.device, graphs, layout)
+        # recompute caches nothing: its steps' keys are their own rows, read without the pages where the backend can
+        dense = (config.cache.mode == "recompute" and isinstance(self.backend, NewRowsReadable)
+                 and self.backend.reads_new_rows())
+        self.runner = ModelRunner(self.model, self.backend, self.kv, self.device, graphs, layout, dense)
         self.stats = EngineStats()
         self.intake = RequestIntake(config, self.kv, self.scheduler, self.stats)
         self._undelivered: list[Output] = []

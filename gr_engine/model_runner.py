@@ -55,11 +55,14 @@ class StepMetadata:
             arguments of :meth:`~attention_backends.PagedBatchMetadata.from_layout`.
         retrieval_chunks: indices of the step's chunks that finish a retrieval request.
         retrieval_rows: int64 ``[R]`` on the device, each one's last history row (``None`` when there is none).
+        self_contained: no request has keys before this step's rows and each finishes here (its pages are read by
+            no later step).
     """
 
     layout: dict[str, np.ndarray]
     retrieval_chunks: list[int]
     retrieval_rows: torch.Tensor | None
+    self_contained: bool = False
 
 
 @dataclass
@@ -70,6 +73,7 @@ class EagerStep:
     tokens: dict[str, torch.Tensor]
     common: PagedBatchMetadata
     backend: Any  # the attention backend's metadata, built from ``common``
+    dense: bool = False  # no append; attention reads every key from the step's own rows (ModelRunner.new_rows_dense)
 
 
 StepInput = EagerStep | StagedStep
@@ -85,11 +89,16 @@ WARM_CACHED_TOKENS = 8192
 class ModelRunner:
     """Executes scheduled steps of :class:`GRModel` over the :class:`KVCacheManager`'s pages. ``graphs``: the step
     graphs small steps are staged into; ``layout``: lays out eager steps on the device (else they are laid out on
-    the host, :meth:`~attention_backends.PagedBatchMetadata.from_layout`)."""
+    the host, :meth:`~attention_backends.PagedBatchMetadata.from_layout`); ``new_rows_dense``: in every
+    self-contained step (:attr:`StepMetadata.self_contained`) append nothing and attend through the backend's
+    :meth:`~attention_backends.NewRowsReadable.attend_new_rows`, and stage only such steps into the graphs (the others
+    run eagerly over the pages): for ``recompute``, whose pages no later step of the same request reads."""
 
     def __init__(self, model: GRModel, backend: AttentionBackend, kv: KVCacheManager,
-                 device: torch.device, graphs: StepGraphs | None = None, layout: DeviceLayout | None = None) -> None:
+                 device: torch.device, graphs: StepGraphs | None = None, layout: DeviceLayout | None = None,
+                 new_rows_dense: bool = False) -> None:
         self.model = model
+        self.new_rows_dense = new_rows_dense
         self.backend = backend
         self.kv = kv
         self.device = device
@@ -111,7 +120,8 @@ class ModelRunner:
             retrieval_rows = upload(rows.astype(np.int64), self.device)
         layout = {"history_start": start, "num_history_rows": hist, "num_candidate_rows": cand,
                   "kv_indptr": indptr, "kv_indices": indices}
-        return StepMetadata(layout, retrieval, retrieval_rows)
+        self_contained = not start.any() and all(c.final for c in chunks)
+        return StepMetadata(layout, retrieval, retrieval_rows, self_contained)
 
     @staticmethod
     def _timestamps(chunks: list[ScheduledChunk]) -> tuple[np.ndarray, np.ndarray]:
@@ -137,20 +147,22 @@ class ModelRunner:
         layout = meta.layout
         hist = layout["num_history_rows"]
         rows = int(np.add.reduce(hist + layout["num_candidate_rows"]))
-        if self.graphs is not None and self.graphs.fits(rows, len(chunks), int(np.add.reduce(hist)),
-                                                        len(layout["kv_indices"])):
+        dense = self.new_rows_dense and meta.self_contained
+        stageable = dense or not self.new_rows_dense  # a dense engine's graphs read densely
+        if stageable and self.graphs is not None and self.graphs.fits(rows, len(chunks), int(np.add.reduce(hist)),
+                                                                      len(layout["kv_indices"])):
             return self.graphs.stage(layout, {"item_ids": np.concatenate(items), "action_ids": np.concatenate(actions)})
         times = self._timestamps(chunks) if self.model.config.time_bias_buckets else (None, None)
-        return self._eager_step(layout, items, actions, times)
+        return self._eager_step(layout, items, actions, times, dense)
 
     def _eager_step(self, layout: dict[str, np.ndarray], items: list[np.ndarray], actions: list[np.ndarray],
-                    times: tuple[np.ndarray | None, np.ndarray | None]) -> EagerStep:
+                    times: tuple[np.ndarray | None, np.ndarray | None], dense: bool = False) -> EagerStep:
         """Upload a step for an eager forward: ``layout`` as :attr:`StepMetadata.layout`, its rows' int item and
         action ids (``[T]`` each, in parts) and the time-bias timestamps (as :meth:`_timestamps`, or ``None``s); its
         per-row layout expanded on the device (:attr:`layout`) or built on the host."""
         if self.layout is not None:
             tokens, common = self.layout.build(layout, items, actions, times)
-            return EagerStep(tokens, common, self.backend.build_metadata(common))
+            return EagerStep(tokens, common, self.backend.build_metadata(common), dense)
         item_ids, action_ids = np.concatenate(items), np.concatenate(actions)
         common = PagedBatchMetadata.from_layout(layout["history_start"], layout["num_history_rows"],
                                                 layout["num_candidate_rows"], layout["kv_indptr"],
@@ -161,7 +173,7 @@ class ModelRunner:
         positions[host["history_rows"]] = host["append_positions"]
         positions[host["candidate_rows"]] = host["kv_seq_lens"][host["candidate_batch_indices"]]
         tokens = upload_int32({"item_ids": item_ids, "action_ids": action_ids, "positions": positions}, self.device)
-        return EagerStep(tokens, common, self.backend.build_metadata(common))
+        return EagerStep(tokens, common, self.backend.build_metadata(common), dense)
 
     @torch.no_grad()
     def capture_graphs(self, pages: np.ndarray, use_tqdm: bool = True) -> int:
@@ -201,7 +213,7 @@ class ModelRunner:
                     continue
                 keys.add(key)
                 for i, layer_ready in enumerate(waits):
-                    graphs.replay(staged if i == 0 else graphs.stage(layout, tokens), self._segments,
+                    graphs.replay(staged if i == 0 else graphs.stage(layout, tokens), self._graph_segments,
                                   self._rank_head, layer_ready)
         if cuda:
             torch.cuda.synchronize(graphs.device)
@@ -240,7 +252,8 @@ class ModelRunner:
             times = (None, None) if span is None else (np.full(rows + candidates, span, dtype=np.int64),
                                                        np.zeros(cached + rows, dtype=np.int64))
             zeros = np.zeros(rows + candidates, dtype=np.int64)
-            self.forward(self._eager_step(layout, [zeros], [zeros], times), [None] * len(self.model.layers))
+            step = self._eager_step(layout, [zeros], [zeros], times, self.new_rows_dense and not cached)
+            self.forward(step, [None] * len(self.model.layers))
             count += 1
         self._eager_step(*_largest_step(self.layout.max_requests if self.layout is not None else 1,
                                         config.max_history_len, config.max_candidates, page_size), (None, None))
@@ -260,19 +273,27 @@ class ModelRunner:
             ``states [T, d_model]`` and float32 ``logits [C, num_tasks]`` of the candidates, valid until the next step.
         """
         if isinstance(step, StagedStep):
-            return self.graphs.replay(step, self._segments, self._rank_head, layer_ready)
-        states = run_segments(self._segments(step.tokens, step.common, step.backend, None), layer_ready)
+            return self.graphs.replay(step, self._graph_segments, self._rank_head, layer_ready)
+        states = run_segments(self._segments(step.tokens, step.common, step.backend, None, step.dense), layer_ready)
         return states, self._rank_head(states, step.common.candidate_rows)
 
     def _rank_head(self, states: torch.Tensor, candidate_rows: torch.Tensor) -> torch.Tensor:
         """Float32 ``[C, num_tasks]`` logits of the candidates at int32 ``candidate_rows [C]`` of ``states``."""
         return self.model.rank_logits(states.index_select(0, candidate_rows)).float()
 
+    def _graph_segments(self, tokens: dict[str, torch.Tensor], common: PagedBatchMetadata, backend: Any,
+                        before_attention: Callable[[], None] | None) -> list[Callable[[torch.Tensor | None],
+                                                                                        torch.Tensor]]:
+        """:meth:`_segments` of a staged step: dense in a dense engine, which stages only self-contained steps."""
+        return self._segments(tokens, common, backend, before_attention, self.new_rows_dense)
+
     def _segments(self, tokens: dict[str, torch.Tensor], common: PagedBatchMetadata, backend: Any,
-                  before_attention: Callable[[], None] | None) -> list[Callable[[torch.Tensor | None], torch.Tensor]]:
+                  before_attention: Callable[[], None] | None,
+                  dense: bool = False) -> list[Callable[[torch.Tensor | None], torch.Tensor]]:
         """The forward as one callable per layer (see :data:`~.step_graphs.SegmentsFn`): the first embeds the
-        tokens, each appends its layer's new K/V and attends (after ``before_attention()``, if given), the last
-        applies the final norm."""
+        tokens, each appends its layer's new K/V and attends (after ``before_attention()``, if given; ``dense``: no
+        append, the keys read from the step's rows, :meth:`~attention_backends.NewRowsReadable.attend_new_rows`), the
+        last applies the final norm."""
         model, last = self.model, len(self.model.layers) - 1
 
         def segment(index: int) -> Callable[[torch.Tensor | None], torch.Tensor]:
@@ -280,9 +301,12 @@ class ModelRunner:
 
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        time_bias: torch.Tensor | None) -> torch.Tensor:
-                self.backend.append_kv(layer_cache, k, v, backend)  # appends the rows at common.history_rows
+                if not dense:  # a dense step's pages are never read
+                    self.backend.append_kv(layer_cache, k, v, backend)  # appends the rows at common.history_rows
                 if before_attention is not None:
                     before_attention()
+                if dense:
+                    return self.backend.attend_new_rows(q, k, v, backend, time_bias=time_bias)
                 return self.backend.attend(q, k, v, layer_cache, backend, time_bias=time_bias)
 
             def run(x: torch.Tensor | None) -> torch.Tensor:

@@ -328,3 +328,22 @@ def test_quick_benchmark_runs_its_engines_one_after_another_on_cuda():
     assert all(e["onloaded_bytes_per_batch"] > 0 for e in result["chunk_sweep"]["hierarchical"].values())
     assert result["score_drift"]["kv"]["requests_from_host"] > 0
     assert result["score_drift"]["kv"]["max_abs"] < 1e-3  # float32 host chunks: only kernel rounding differs
+
+
+@pytest.mark.parametrize("graph_rows", [0, 4096])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_recompute_dense_read_scores_exactly_as_the_paged_read_on_cuda(dtype, graph_rows):
+    """A ``recompute`` engine on ``hstu_triton`` runs its self-contained steps (every step here: no history is cut
+    into chunks) without the append, reading keys by TMA from the step's rows, eagerly and from step graphs; with the
+    dense read off it appends and reads the pages. The same sums in the same order: equal scores."""
+    config = cuda_config(dtype, mode="recompute")
+    config = msgspec.structs.replace(config, attention_backend="hstu_triton", cuda_graph_max_rows=graph_rows,
+                                     scheduler=msgspec.structs.replace(config.scheduler, max_num_batched_tokens=4096))
+    requests = stream(config, num_users=20, visits=4, seed=8)
+    paged = GREngine(config)
+    paged.runner.new_rows_dense = False
+    expected = scores(paged.rank(requests, use_tqdm=False))
+    engine = GREngine(config)
+    assert engine.runner.new_rows_dense
+    got = scores(engine.rank(requests, use_tqdm=False))
+    assert all(np.array_equal(a, b) for a, b in zip(got, expected))

@@ -230,6 +230,32 @@ def test_float16_on_interpreter():
 
 @needs_triton
 @cpu_only
+@pytest.mark.parametrize(("dtype", "tiles", "num_sms"), [(torch.float32, TileConfig(16, 16, 4, 1), 1),
+                                                          (torch.float32, TileConfig(16, 32, 4, 1), 64),
+                                                          (torch.float16, TileConfig(32, 16, 4, 1), 200)])
+def test_new_rows_read_densely_equal_the_paged_read(dtype, tiles, num_sms):
+    """``attend_new_rows`` (K/V of every key read from the step's rows by TMA) against ``attend`` after the append,
+    on steps where no request has cached keys: several requests, candidates, split tiles (``num_sms`` 64 and 200),
+    a relative time bias, and rows past the step's (a graph step's padding) holding NaN, which masked tiles read and
+    must not use."""
+    gen = torch.Generator().manual_seed(num_sms)
+    layout = [(0, 70, 5), (0, 1, 0), (0, 0, 3), (0, 33, 2), (0, 40, 0)]
+    for times in (None, random_times(layout, gen)):  # without and with a relative time bias
+        spec = make_spec(16, 2, 16, dtype) if times is None else with_time_bias(make_spec(16, 2, 16, dtype), 24)
+        table = None if times is None else torch.randn(24, 2, generator=gen).to(dtype)
+        common, q, k, v, cache = make_batch(layout, spec, gen, times=times)
+        backend = make_backend(spec, tiles, num_sms)
+        meta = backend.build_metadata(common)
+        backend.append_kv(cache, k, v, meta)
+        expected = backend.attend(q, k, v, cache, meta, time_bias=table)
+        padded = torch.cat([torch.stack([q, k, v], 1), torch.full((5, 3, 2, 16), float("nan"), dtype=dtype)])
+        got = backend.attend_new_rows(padded[:, 0], padded[:, 1], padded[:, 2], meta, time_bias=table)
+        assert torch.isfinite(got[: q.shape[0]]).all()
+        torch.testing.assert_close(got[: q.shape[0]], expected, rtol=0, atol=0)  # the same sums in the same order
+
+
+@needs_triton
+@cpu_only
 def test_default_tiles_and_page_size_64():
     gen = torch.Generator().manual_seed(11)
     spec = make_spec(64, 1, 16, torch.float32)
@@ -362,6 +388,48 @@ def test_engine_with_time_bias_equals_recompute():
     engine = GREngine(msgspec.structs.replace(config, attention_backend="hstu_triton"))
     assert type(engine.backend) is HSTUTritonBackend
     assert max_diff(engine.rank(requests, use_tqdm=False), expected) <= 1e-4
+
+
+@needs_triton
+@cpu_only
+def test_recompute_engine_reads_unchunked_steps_densely_with_the_same_scores(monkeypatch):
+    """A ``recompute`` engine on ``hstu_triton`` attends through ``attend_new_rows``, appending nothing, in every step
+    where no request has keys before its new rows and each finishes, and through the pages in the others (one
+    request a step, histories over 100 events in chunks): every score equals the same engine's with the dense read
+    off."""
+    import msgspec
+
+    from gr_engine import GREngine
+    from tests.conftest import tiny_config
+    from tests.test_engine_differential import max_diff, stream
+
+    config = msgspec.structs.replace(tiny_config(mode="recompute", page_size=16, head_dim=16, max_history_len=128,
+                                                 max_num_seqs=1, max_num_batched_tokens=200),
+                                     attention_backend="hstu_triton")
+    requests = stream(config, num_users=4, visits=3, seed=4)
+    paged = GREngine(config)
+    paged.runner.new_rows_dense = False
+    expected = paged.rank(requests, use_tqdm=False)
+    reads = {"dense": 0, "paged": 0, "append": 0}
+    backend = HSTUTritonBackend
+    attend, attend_new_rows, append = backend.attend, backend.attend_new_rows, backend.append_kv
+
+    def count(label, read):
+        def counted(*args, **kwargs):
+            reads[label] += 1
+            return read(*args, **kwargs)
+        return counted
+
+    monkeypatch.setattr(HSTUTritonBackend, "attend", count("paged", attend))
+    monkeypatch.setattr(HSTUTritonBackend, "attend_new_rows", count("dense", attend_new_rows))
+    monkeypatch.setattr(HSTUTritonBackend, "append_kv", count("append", append))
+    engine = GREngine(config)
+    assert engine.runner.new_rows_dense
+    assert max_diff(engine.rank(requests, use_tqdm=False), expected) == 0.0
+    assert reads["dense"] > 0 and reads["paged"] > 0, reads  # whole requests densely, chunked ones from the pages
+    assert reads["append"] == reads["paged"]  # dense steps append nothing
+    caching = GREngine(msgspec.structs.replace(config, cache=msgspec.structs.replace(config.cache, mode="gpu_only")))
+    assert not caching.runner.new_rows_dense
 
 
 @needs_triton

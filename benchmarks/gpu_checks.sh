@@ -15,7 +15,7 @@
 #            (git show REV:attention_backends/hstu_triton_device_plan.py); either may be absent (about 2-3 minutes)
 #   bench    gr-engine bench --modes recompute,hierarchical (issue 29's figures and the headline's two modes; about
 #            7 minutes: a command of its own), its folder packed as bench_<commit>.tgz
-#   kernelbench  kernel_bench.py -> kernels.json (about 2 minutes)
+#   kernelbench  kernel_bench.py -> kernels.json (about 2-3 minutes)
 #   dense    dense_ab.py (hstu_triton's paged read against attend_new_rows on the steps with no cached keys) and
 #            dense_attention_probe.py (a prefill's attention over the dense projection, pointer loads and TMA, against
 #            the paged kernel; about 3-4 minutes together)
@@ -91,7 +91,7 @@ for part in "$@"; do
           "$out/bench_$commit/summary.json"
         (cd "$out" && tar czf "bench_$commit.tgz" "bench_$commit" --remove-files) ;;
       kernelbench)
-        timeout 240 python benchmarks/kernel_bench.py --out "$out/kernels.json" --commit "$commit" \
+        timeout 330 python benchmarks/kernel_bench.py --out "$out/kernels.json" --commit "$commit" \
           > "$out/kernel_bench.log" 2>&1
         echo "kernel_bench exit $?"
         python -c "import json, sys; d = json.load(open(sys.argv[1])); print({k: d[k] for k in d if 'prefill' in k})" \

@@ -60,7 +60,7 @@ def test_dense_attention_probe_agrees_with_the_paged_kernel(monkeypatch):
     q, k, v, cache, meta = module.paged_step(proj)
     backend = HSTUTritonBackend(dataclasses.replace(module.SPEC, dtype=torch.float16, device_type="cpu"))
     expected = backend.attend(q, k, v, cache, backend.build_metadata(meta))
-    for shape in ((64, 64, 4, 2, True, False), (32, 64, 4, 2, True, False), (64, 32, 4, 2, False, False)):
+    for shape in ((64, 64, 4, 2, True), (32, 64, 4, 2, True), (64, 32, 4, 2, False)):
         got = module.dense_prefill(proj, shape, False)
         torch.testing.assert_close(got, expected, rtol=2**-9, atol=1e-6)  # fp16 outputs of ~1e-3: a rounding
 

@@ -19,14 +19,12 @@
 #   dense    dense_ab.py (hstu_triton's paged read against attend_new_rows on the steps with no cached keys) and
 #            dense_attention_probe.py (a prefill's attention over the dense projection, pointer loads and TMA, against
 #            the paged kernel; about 3-4 minutes together)
-#   gate     gate_linear_probe.py: the layer's gate and output GEMM, as the engine runs them against one kernel that
-#            gates as it loads the GEMM's tiles (about 2 minutes)
 # Parts that write folders (cold, bench) pack them into one .tgz each: a command returns only a few files.
 # Usage (device tool, with .whl carried):
-#   bash benchmarks/gpu_checks.sh <commit> [tests|warmup|kernels|cold|ab|bench|kernelbench|dense|gate ...]
+#   bash benchmarks/gpu_checks.sh <commit> [tests|warmup|kernels|cold|ab|bench|kernelbench|dense ...]
 #   (default: tests; one part a command)
 set -uo pipefail
-commit=${1:?usage: gpu_checks.sh <commit> [tests|warmup|kernels|cold|ab|bench|kernelbench|dense|gate ...]}
+commit=${1:?usage: gpu_checks.sh <commit> [tests|warmup|kernels|cold|ab|bench|kernelbench|dense ...]}
 shift
 out=${OUT:?set OUT to the results folder}
 source .whl/activate.sh
@@ -96,10 +94,6 @@ for part in "$@"; do
         echo "kernel_bench exit $?"
         python -c "import json, sys; d = json.load(open(sys.argv[1])); print({k: d[k] for k in d if 'prefill' in k})" \
           "$out/kernels.json" ;;
-      gate)
-        timeout 300 python benchmarks/gate_linear_probe.py --out "$out/gate_linear_probe.json" --commit "$commit" \
-          > "$out/gate_linear_probe.log" 2>&1
-        echo "gate_linear_probe exit $?"; tail -6 "$out/gate_linear_probe.log" ;;
       *) echo "unknown part $part"; exit 2 ;;
     esac
 done

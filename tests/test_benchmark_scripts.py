@@ -65,21 +65,6 @@ def test_dense_attention_probe_agrees_with_the_paged_kernel(monkeypatch):
         torch.testing.assert_close(got, expected, rtol=2**-9, atol=1e-6)  # fp16 outputs of ~1e-3: a rounding
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's float16 check; the GPU runs the probe itself")
-def test_gate_linear_probe_agrees_with_the_engines_gate_and_gemm():
-    """The probe kernel normalising and gating as it loads the output GEMM's tiles gives the engine's gate kernel
-    then ``addmm_`` into the residual, in float16 under Triton's interpreter (a partial row tile included)."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("needs triton")
-    module = load("gate_linear_probe.py")
-    torch.manual_seed(0)
-    residual, *inputs = module.operands(70, "cpu", torch.float16)
-    expected = module.engine_(residual.clone(), *inputs)
-    for shape in ((64, 128, 64, 4, 2), (32, 256, 64, 4, 2)):
-        got = module.gated_linear_(residual.clone(), *inputs, shape=shape)
-        torch.testing.assert_close(got, expected, rtol=2**-9, atol=2**-9)  # values up to ~5: a rounding apart
-
-
 def test_kernel_ab_loads_a_copy_of_the_kernels_module(monkeypatch, tmp_path):
     """kernel_ab.py's baseline is a file outside the package: loaded on its own, it gives that file's kernel."""
     if importlib.util.find_spec("triton") is None:

@@ -336,9 +336,10 @@ def test_recompute_dense_read_scores_exactly_as_the_paged_read_on_cuda(dtype, gr
     """A ``recompute`` engine on ``hstu_triton`` runs its self-contained steps (every step here: no history is cut
     into chunks) without the append, reading keys by TMA from the step's rows, eagerly and from step graphs; with the
     dense read off it appends and reads the pages. The same sums in the same order: equal scores."""
-    config = cuda_config(dtype, mode="recompute")
-    config = msgspec.structs.replace(config, attention_backend="hstu_triton", cuda_graph_max_rows=graph_rows,
-                                     scheduler=msgspec.structs.replace(config.scheduler, max_num_batched_tokens=4096))
+    config = tiny_config(mode="recompute", num_gpu_pages=400, page_size=16, max_num_seqs=8,
+                         max_num_batched_tokens=4096, d_model=64, num_heads=2, head_dim=32, dtype=dtype)
+    config = msgspec.structs.replace(config, device="cuda", attention_backend="hstu_triton",
+                                     cuda_graph_max_rows=graph_rows)
     requests = stream(config, num_users=20, visits=4, seed=8)
     paged = GREngine(config)
     paged.runner.new_rows_dense = False

@@ -24,16 +24,7 @@ from .base import (
     PagedBatchMetadata,
     PlanWriter,
 )
-from .hstu_triton_kernels import (
-    INTERPRETED,
-    OWN_ROWS,
-    OWN_ROWS_IF_UNCACHED,
-    PAGES,
-    append_rows,
-    hstu_paged_attention_kernel,
-    sum_partials_kernel,
-    triton,
-)
+from .hstu_triton_kernels import INTERPRETED, append_rows, hstu_paged_attention_kernel, sum_partials_kernel, triton
 from .hstu_triton_plan import (
     MIN_TILES_PER_SPLIT,
     SPLIT_OVERHEAD_KEYS,
@@ -202,15 +193,8 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable, NewRowsReadable):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                metadata: HSTUTritonMetadata, time_bias: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`AttentionBackend.attend`: ``q``, ``k``, ``v``, ``kv_cache`` fp16/bf16/fp32 with any strides but
-        the last dim's, ``time_bias`` any float dtype (added in fp32); the output is contiguous. A request with no
-        cached keys (a first visit, a recompute) reads its keys by TMA from ``k`` and ``v``, as
-        :meth:`attend_new_rows`, where their layout allows it (:meth:`reads_new_rows`, heads ``D`` apart, rows
-        16-byte aligned) in steps without a time bias and with query tiles of over 32 rows; the others, and every
-        request otherwise, from the pages. (Compiled for sm_90, the kernel holding both reads spills inside its key
-        loops with the time bias, and in the decode tiles: ``benchmarks/results/README.md``, "own rows".)"""
-        own_rows = (time_bias is None and metadata.config.block_m > 32 and self.reads_new_rows()
-                    and _tma_readable(k) and _tma_readable(v))
-        return self._attend(q, k, v, kv_cache, metadata, time_bias, OWN_ROWS_IF_UNCACHED if own_rows else PAGES)
+        the last dim's, ``time_bias`` any float dtype (added in fp32); the output is contiguous."""
+        return self._attend(q, k, v, kv_cache, metadata, time_bias, dense=False)
 
     def reads_new_rows(self) -> bool:
         """:meth:`NewRowsReadable.reads_new_rows`: a TMA descriptor needs 16-byte aligned rows, so the model's
@@ -226,13 +210,12 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable, NewRowsReadable):
         ``v``: ``[T, H, D]`` with unit stride in the last two dims flattened (heads ``D`` apart), rows 16-byte
         aligned; the same output as :meth:`attend` after :meth:`append_kv`. A request with keys before its new
         rows gives wrong results: the caller's contract, not checked (it would take a device read)."""
-        return self._attend(q, k, v, k, metadata, time_bias, OWN_ROWS)
+        return self._attend(q, k, v, k, metadata, time_bias, dense=True)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: HSTUTritonMetadata, time_bias: torch.Tensor | None, keys: int) -> torch.Tensor:
-        """One launch of the attention kernel (and the sum of split tiles' partials); ``keys``: where it reads them
-        (``hstu_triton_kernels.PAGES``, ``OWN_ROWS``: from ``k`` and ``v``, ``kv_cache`` then only a placeholder,
-        ``OWN_ROWS_IF_UNCACHED``)."""
+                metadata: HSTUTritonMetadata, time_bias: torch.Tensor | None, dense: bool) -> torch.Tensor:
+        """One launch of the attention kernel (and the sum of split tiles' partials); ``dense``: keys from ``k`` and
+        ``v`` (:meth:`attend_new_rows`; ``kv_cache`` is then only a placeholder), else from ``kv_cache``."""
         m, c = metadata, metadata.common
         if time_bias is not None and c.timestamps is None:
             raise ValueError("time_bias needs the step's timestamps (PagedBatchMetadata.timestamps is None)")
@@ -243,8 +226,7 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable, NewRowsReadable):
             return out
         q, k, v, kv_cache = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, kv_cache))
         config, block_m = m.config, m.config.block_m
-        own_rows = keys != PAGES
-        descriptors = (_row_blocks(k, config.block_n), _row_blocks(v, config.block_n)) if own_rows else (k, v)
+        descriptors = (_row_blocks(k, config.block_n), _row_blocks(v, config.block_n)) if dense else (k, v)
         # Partials of split tiles, one [block_m, D] slab per (work item, head); unused without splits.
         shape = (num_items, num_heads, block_m, head_dim) if m.may_split else (1,)
         partial = torch.empty(shape, dtype=torch.float32, device=q.device)
@@ -253,7 +235,7 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable, NewRowsReadable):
         t = c.timestamps
         times = (out, m.tiles, m.tiles, m.tiles, 0) if time_bias is None else (  # placeholders without a bias
             time_bias.contiguous(), t.query, t.keys, t.key_start, time_bias.shape[0] - 1)
-        cache_strides = kv_cache.stride()[:4] if keys != OWN_ROWS else (0, 0, 0, 0)
+        cache_strides = kv_cache.stride()[:4] if not dense else (0, 0, 0, 0)
         hstu_paged_attention_kernel[(num_programs,)](
             q, k, v, kv_cache, out, partial, m.tiles, m.items,
             c.query_start_loc, c.num_history_rows, c.kv_seq_lens, c.kv_indptr, c.kv_indices, *times, *descriptors,
@@ -261,10 +243,10 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable, NewRowsReadable):
             *cache_strides, out.stride(0), out.stride(1),
             num_tiles, num_items, num_heads, num_work, -(-num_work // num_programs),
             self.spec.alpha, 1.0 / self.spec.scaling_seqlen,
-            HEAD_DIM=head_dim, PAGE_SIZE=self.spec.page_size if keys == OWN_ROWS else kv_cache.shape[2],
-            BLOCK_M=block_m, BLOCK_N=config.block_n,
+            HEAD_DIM=head_dim, PAGE_SIZE=self.spec.page_size if dense else kv_cache.shape[2], BLOCK_M=block_m,
+            BLOCK_N=config.block_n,
             FAST_SILU=q.dtype != torch.float32 and q.is_cuda and not INTERPRETED,  # inline PTX: CUDA only
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TIME_BIAS=time_bias is not None, KEYS=keys,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TIME_BIAS=time_bias is not None, DENSE=dense,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         if m.may_split:
@@ -273,13 +255,6 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable, NewRowsReadable):
                 HEAD_DIM=head_dim, BLOCK_M=block_m, ROWS=16, num_warps=4,
             )
         return out
-
-
-def _tma_readable(x: torch.Tensor) -> bool:
-    """Whether :func:`_row_blocks` can describe ``x`` ``[T, H, D]``: heads ``D`` apart, unit stride within a head, the
-    start and the row stride 16-byte aligned (TMA's rule)."""
-    head_dim, item = x.shape[2], x.element_size()
-    return x.stride(2) == 1 and x.stride(1) == head_dim and x.stride(0) * item % 16 == 0 and x.data_ptr() % 16 == 0
 
 
 def _row_blocks(x: torch.Tensor, block_rows: int):

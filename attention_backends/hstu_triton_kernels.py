@@ -34,13 +34,6 @@ def _step_kernel(fn: Callable) -> Callable:
     return triton.jit(fn, do_not_specialize=[name for name in _STEP_ARGS if name in names])
 
 
-#: Where the attention kernel reads keys (its ``KEYS`` constexpr): the pages; the step's own K/V rows (every request's
-#: keys are its new rows: ``attend_new_rows``); the own rows for each request with no cached keys, the pages for the
-#: others (``attend``).
-PAGES, OWN_ROWS, OWN_ROWS_IF_UNCACHED = 0, 1, 2
-# the same values as the kernels read them (a jitted function reads only constexpr globals)
-_OWN_ROWS, _OWN_ROWS_IF_UNCACHED = (OWN_ROWS, OWN_ROWS_IF_UNCACHED) if tl is None else (
-    tl.constexpr(OWN_ROWS), tl.constexpr(OWN_ROWS_IF_UNCACHED))
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # what triton.jit sees when the kernels below are defined
 # The append's launch shape: rows a program and its warps. One row a one-warp program wrote a recompute batch's K/V
 # (~65k rows, 4 x 128 bf16) at ~1.65 TB/s on the H200 (81 us a layer, benchmarks/results/profiles/
@@ -127,26 +120,6 @@ def _attend_key_tile(
     return tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
 
 
-@_jit
-def _attend_keys(
-    acc, q, lo, unmasked_end, hi, KvHead, Pages, seq_len, row_limit, stride_page, stride_kv, in_page, alpha,
-    BiasHead, query_times, KeyTimes, num_heads, max_bucket, KDesc, VDesc, key_row0, head_col,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    FAST_SILU: tl.constexpr, PRECISION: tl.constexpr, TIME_BIAS: tl.constexpr, DENSE: tl.constexpr,
-):
-    """:func:`_attend_key_tile` over keys ``lo .. hi`` (``BLOCK_N`` at a time): unmasked below ``unmasked_end``,
-    masked from it."""
-    for start_n in range(lo, unmasked_end, BLOCK_N):
-        acc = _attend_key_tile(acc, q, start_n, KvHead, Pages, seq_len, row_limit, stride_page, stride_kv, in_page,
-                               alpha, BiasHead, query_times, KeyTimes, num_heads, max_bucket, KDesc, VDesc, key_row0,
-                               head_col, False, PAGE_SIZE, BLOCK_N, HEAD_DIM, FAST_SILU, PRECISION, TIME_BIAS, DENSE)
-    for start_n in range(tl.maximum(lo, unmasked_end), hi, BLOCK_N):
-        acc = _attend_key_tile(acc, q, start_n, KvHead, Pages, seq_len, row_limit, stride_page, stride_kv, in_page,
-                               alpha, BiasHead, query_times, KeyTimes, num_heads, max_bucket, KDesc, VDesc, key_row0,
-                               head_col, True, PAGE_SIZE, BLOCK_N, HEAD_DIM, FAST_SILU, PRECISION, TIME_BIAS, DENSE)
-    return acc
-
-
 @_step_kernel
 def hstu_paged_attention_kernel(
     Q, K, V, KV, Out, Partial, Tiles, Items, QueryStartLoc, NumHistory, SeqLens, KvIndptr, KvIndices,
@@ -155,16 +128,16 @@ def hstu_paged_attention_kernel(
     stride_page, stride_kv, stride_token, stride_head, stride_ot, stride_oh,
     num_tiles, num_items, num_heads, num_work, num_rounds, alpha, inv_scaling,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    FAST_SILU: tl.constexpr, PRECISION: tl.constexpr, TIME_BIAS: tl.constexpr, KEYS: tl.constexpr,
+    FAST_SILU: tl.constexpr, PRECISION: tl.constexpr, TIME_BIAS: tl.constexpr, DENSE: tl.constexpr,
 ):
     """Persistent: program g of G takes (work item, head) pairs g, 2G-1-g, 2G+g, ... of the longest-first
     list (the snake order pairs long items with short ones) and computes, for each, its part of its query
     tile's key range for that head (``Tiles``, ``Items``: :class:`HSTUTritonMetadata`). ``TIME_BIAS``: add
     the bias of ``TimeBias [max_bucket + 1, H]`` (contiguous) from int64 ``QueryTimes [T]`` and ``KeyTimes``
-    (request ``b``'s from ``KeyStart[b]``, :class:`~.base.StepTimestamps`); else those are never read. ``KEYS``
-    (:data:`PAGES`, :data:`OWN_ROWS`, :data:`OWN_ROWS_IF_UNCACHED`): where a request's keys are read. From its own
-    rows (no keys before its new rows), they are the step's K and V rows, loaded through the TMA descriptors
-    ``KDesc``, ``VDesc`` (see :func:`_attend_key_tile`); with :data:`PAGES` those are never read."""
+    (request ``b``'s from ``KeyStart[b]``, :class:`~.base.StepTimestamps`); else those are never read. ``DENSE``
+    (no request has keys before its new rows): keys are read from the step's K and V rows through the TMA
+    descriptors ``KDesc``, ``VDesc`` (see :func:`_attend_key_tile`), not from the pages; else those are never
+    read."""
     program = tl.program_id(0)
     num_programs = tl.num_programs(0)
     for r in range(num_rounds):
@@ -210,22 +183,16 @@ def hstu_paged_attention_kernel(
             if TIME_BIAS:
                 query_times = tl.load(QueryTimes + rows, mask=valid, other=0)
                 key_times += tl.load(KeyStart + req)
-            if KEYS == _OWN_ROWS_IF_UNCACHED:  # one branch a work item, around whole key loops (each pipelined)
-                if history_offset == 0:
-                    acc = _attend_keys(acc, q, lo, unmasked_end, hi, kv_head, pages, seq_len, row_limit, stride_page,
-                                       stride_kv, in_page, alpha, bias_head, query_times, key_times, num_heads,
-                                       max_bucket, KDesc, VDesc, row0, head * HEAD_DIM, PAGE_SIZE, BLOCK_N, HEAD_DIM,
-                                       FAST_SILU, PRECISION, TIME_BIAS, True)
-                else:
-                    acc = _attend_keys(acc, q, lo, unmasked_end, hi, kv_head, pages, seq_len, row_limit, stride_page,
-                                       stride_kv, in_page, alpha, bias_head, query_times, key_times, num_heads,
-                                       max_bucket, KDesc, VDesc, row0, head * HEAD_DIM, PAGE_SIZE, BLOCK_N, HEAD_DIM,
-                                       FAST_SILU, PRECISION, TIME_BIAS, False)
-            else:
-                acc = _attend_keys(acc, q, lo, unmasked_end, hi, kv_head, pages, seq_len, row_limit, stride_page,
-                                   stride_kv, in_page, alpha, bias_head, query_times, key_times, num_heads,
-                                   max_bucket, KDesc, VDesc, row0, head * HEAD_DIM, PAGE_SIZE, BLOCK_N, HEAD_DIM,
-                                   FAST_SILU, PRECISION, TIME_BIAS, KEYS == _OWN_ROWS)
+            for start_n in range(lo, unmasked_end, BLOCK_N):
+                acc = _attend_key_tile(acc, q, start_n, kv_head, pages, seq_len, row_limit, stride_page, stride_kv,
+                                       in_page, alpha, bias_head, query_times, key_times, num_heads, max_bucket,
+                                       KDesc, VDesc, row0, head * HEAD_DIM, False, PAGE_SIZE, BLOCK_N, HEAD_DIM,
+                                       FAST_SILU, PRECISION, TIME_BIAS, DENSE)
+            for start_n in range(tl.maximum(lo, unmasked_end), hi, BLOCK_N):
+                acc = _attend_key_tile(acc, q, start_n, kv_head, pages, seq_len, row_limit, stride_page, stride_kv,
+                                       in_page, alpha, bias_head, query_times, key_times, num_heads, max_bucket,
+                                       KDesc, VDesc, row0, head * HEAD_DIM, True, PAGE_SIZE, BLOCK_N, HEAD_DIM,
+                                       FAST_SILU, PRECISION, TIME_BIAS, DENSE)
             out = acc * inv_scaling
 
             # Candidates also attend to their own k/v (added once, by part 0), in the tiles that hold any: a

@@ -90,18 +90,17 @@ def attention_builds() -> list[Build]:
 
     def build(label: str, tiles: TileConfig, **changes: Any) -> Build:
         constants = {"HEAD_DIM": DIM, "PAGE_SIZE": PAGE, "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n,
-                     "FAST_SILU": True, "PRECISION": "tf32", "TIME_BIAS": False, "KEYS": attention.PAGES, **changes}
-        # the own rows' TMA descriptors (else placeholders, never read)
-        block = f"tensordesc<bf16[{tiles.block_n},{DIM}]>" if constants["KEYS"] != attention.PAGES else "*bf16"
+                     "FAST_SILU": True, "PRECISION": "tf32", "TIME_BIAS": False, "DENSE": False, **changes}
+        # the dense read's TMA descriptors (else placeholders, never read)
+        block = f"tensordesc<bf16[{tiles.block_n},{DIM}]>" if constants["DENSE"] else "*bf16"
         return Build(label, attention.hstu_paged_attention_kernel, types | {"KDesc": block, "VDesc": block},
                      constants, tiles.num_warps, tiles.num_stages, divisible)
 
     default = default_tile_config(SPEC)
     biased = default_tile_config(AttentionSpec(**{**SPEC.__dict__, "time_bias_buckets": 32}))
     return [
-        build("attention, keys from the pages", default),
-        build("attention, keys from the own rows (attend_new_rows)", default, KEYS=attention.OWN_ROWS),
-        build("attention (attend: own rows if uncached, else pages)", default, KEYS=attention.OWN_ROWS_IF_UNCACHED),
+        build("attention", default),
+        build("attention, new rows read densely (attend_new_rows)", default, DENSE=True),
         build("attention time bias", biased, TIME_BIAS=True),
         build("attention decode tiles", default_tile_config(SPEC, max_query_len=20)),
         build("attention 64 x 64, 4 warps, 3 stages (tile_sweep.py's two an SM)", TileConfig(64, 64, 4, 3, 2)),

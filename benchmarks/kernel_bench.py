@@ -3,10 +3,9 @@
     python benchmarks/kernel_bench.py --out benchmarks/results/kernels.json
 
 - Full-history prefill (one request, T new history rows, causal) at T = 1k, 4k, 8k, 16k; TFLOP/s with
-  causal FLOPs counted once (``2 * 2 * H * D * T^2 / 2``). ``hstu_triton`` reads the keys through ``attend``
-  (``hstu_triton_prefill_*tflops``: a request with no cached keys, as here, reads them from the step's own rows where
-  their layout allows, as in every engine step; else from the pages) and ``attend_new_rows`` (own rows only, how a
-  ``recompute`` engine runs a self-contained step, without the append: ``hstu_triton_prefill_dense_*tflops``). ``hstu_triton`` is timed
+  causal FLOPs counted once (``2 * 2 * H * D * T^2 / 2``). ``hstu_triton`` reads the keys from the pages
+  (``attend``, ``hstu_triton_prefill_*tflops``) and from the step's own rows (``attend_new_rows``, how a
+  ``recompute`` engine runs a self-contained step: ``hstu_triton_prefill_dense_*tflops``). ``hstu_triton`` is timed
   launched from Python (L2 flushed before each call, as ``do_bench`` does) and replayed from a CUDA graph (back to
   back, device time: how the engine runs a step of at most ``cuda_graph_max_rows`` rows).
 - Delta queries: 8 requests, each 256 new history rows + 100 candidates over a cached paged history of

@@ -256,35 +256,6 @@ def test_new_rows_read_densely_equal_the_paged_read(dtype, tiles, num_sms):
 
 @needs_triton
 @cpu_only
-@pytest.mark.parametrize(("dtype", "num_sms"), [(torch.float32, 1), (torch.float32, 64), (torch.float16, 200)])
-def test_attend_reads_uncached_requests_keys_from_their_rows(dtype, num_sms):
-    """``attend`` in a step mixing requests with cached keys and without: each of the latter reads its keys by TMA
-    from the step's K/V rows (its pages, wiped after the append, are not read), the former from the pages; the
-    output equals the pages-only read's exactly (k and v given with heads 2D apart, which TMA cannot describe).
-    Split tiles at 64 and 200 processors."""
-    gen = torch.Generator().manual_seed(num_sms)
-    layout = [(70, 30, 5), (0, 50, 3), (40, 1, 0), (0, 33, 0), (0, 0, 3), (17, 64, 2)]
-    spec = make_spec(16, 2, 16, dtype)
-    common, q, k, v, cache = make_batch(layout, spec, gen)
-    backend = make_backend(spec, TileConfig(64, 16, 4, 1), num_sms)
-    meta = backend.build_metadata(common)
-    backend.append_kv(cache, k, v, meta)
-    wide = torch.cat([torch.stack([k, v]), torch.zeros_like(torch.stack([k, v]))], dim=-1)[..., :16]  # heads 2D apart
-    pages_only = backend.attend(q, wide[0], wide[1], cache, meta)
-    indptr, indices = common.host["kv_indptr"], common.host["kv_indices"]
-    uncached = [b for b, (c, _, _) in enumerate(layout) if c == 0]
-    wiped = cache.clone()
-    wiped[torch.from_numpy(np.concatenate([indices[indptr[b]:indptr[b + 1]] for b in uncached]))] = float("nan")
-    got = backend.attend(q, k, v, wiped, meta)
-    assert torch.isfinite(got).all()
-    torch.testing.assert_close(got, pages_only, rtol=0, atol=0)  # the same sums in the same order
-    rows = np.repeat(np.arange(len(layout)), np.diff(common.host["query_start_loc"]))
-    read_pages = backend.attend(q, wide[0], wide[1], wiped, meta)  # the pages-only read sees the wipe
-    assert not torch.isfinite(read_pages[torch.from_numpy(np.isin(rows, uncached))]).all()
-
-
-@needs_triton
-@cpu_only
 def test_default_tiles_and_page_size_64():
     gen = torch.Generator().manual_seed(11)
     spec = make_spec(64, 1, 16, torch.float32)

@@ -122,10 +122,11 @@ class GREngine:
             from .eager_layout import DeviceLayout  # imports Triton
 
             layout = DeviceLayout(self.device, config.cache.page_size, config.scheduler.max_num_seqs)
-        # recompute caches nothing: its steps' keys are their own rows, read without the pages where the backend can
-        dense = (config.cache.mode == "recompute" and isinstance(self.backend, NewRowsReadable)
-                 and self.backend.reads_new_rows())
-        self.runner = ModelRunner(self.model, self.backend, self.kv, self.device, graphs, layout, dense)
+        # an uncached step's keys are its own rows: read without the pages where the backend can (recompute then
+        # writes none of them: no later step reads them)
+        own_rows = isinstance(self.backend, NewRowsReadable) and self.backend.reads_new_rows()
+        self.runner = ModelRunner(self.model, self.backend, self.kv, self.device, graphs, layout, own_rows,
+                                  keeps_pages=config.cache.mode != "recompute")
         self.stats = EngineStats()
         self.intake = RequestIntake(config, self.kv, self.scheduler, self.stats)
         self._undelivered: list[Output] = []

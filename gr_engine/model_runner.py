@@ -26,7 +26,7 @@ from scheduler import ScheduledChunk
 
 from .models import GRModel
 from .request import GenerateParams
-from .step_graphs import StagedStep, StepGraphs, run_segments
+from .step_graphs import SegmentsFn, StagedStep, StepGraphs, run_segments
 from .step_results import PinnedBuffers, ScoreFetch, to_host
 from .validation import RequestArrays
 
@@ -55,13 +55,14 @@ class StepMetadata:
             arguments of :meth:`~attention_backends.PagedBatchMetadata.from_layout`.
         retrieval_chunks: indices of the step's chunks that finish a retrieval request.
         retrieval_rows: int64 ``[R]`` on the device, each one's last history row (``None`` when there is none).
-        self_contained: no request has keys before this step's rows and each finishes here (its pages are read by
-            no later step).
+        uncached: no request has keys before this step's rows (its keys are all among them).
+        self_contained: uncached, and each request finishes here (its pages are read by no later step).
     """
 
     layout: dict[str, np.ndarray]
     retrieval_chunks: list[int]
     retrieval_rows: torch.Tensor | None
+    uncached: bool = False
     self_contained: bool = False
 
 
@@ -73,7 +74,8 @@ class EagerStep:
     tokens: dict[str, torch.Tensor]
     common: PagedBatchMetadata
     backend: Any  # the attention backend's metadata, built from ``common``
-    dense: bool = False  # no append; attention reads every key from the step's own rows (ModelRunner.new_rows_dense)
+    own_rows: bool = False  # attention reads every key from the step's own rows (ModelRunner.own_rows)
+    append: bool = True  # the step's new K/V rows are written to their pages
 
 
 StepInput = EagerStep | StagedStep
@@ -89,16 +91,19 @@ WARM_CACHED_TOKENS = 8192
 class ModelRunner:
     """Executes scheduled steps of :class:`GRModel` over the :class:`KVCacheManager`'s pages. ``graphs``: the step
     graphs small steps are staged into; ``layout``: lays out eager steps on the device (else they are laid out on
-    the host, :meth:`~attention_backends.PagedBatchMetadata.from_layout`); ``new_rows_dense``: in every
-    self-contained step (:attr:`StepMetadata.self_contained`) append nothing and attend through the backend's
-    :meth:`~attention_backends.NewRowsReadable.attend_new_rows`, and stage only such steps into the graphs (the others
-    run eagerly over the pages): for ``recompute``, whose pages no later step of the same request reads."""
+    the host, :meth:`~attention_backends.PagedBatchMetadata.from_layout`); ``own_rows``: every uncached step
+    (:attr:`StepMetadata.uncached`) attends through the backend's
+    :meth:`~attention_backends.NewRowsReadable.attend_new_rows`, reading its keys from its own rows, not the pages;
+    ``keeps_pages``: every step appends its K/V to the pages (the caching modes), else (``recompute``) a
+    self-contained step read from its own rows appends nothing, since no later step reads those pages. The graphs
+    hold the own-rows and the pages forward as separate variants; a ``recompute`` engine stages only its
+    self-contained steps (the others, chunks of a history, run eagerly)."""
 
     def __init__(self, model: GRModel, backend: AttentionBackend, kv: KVCacheManager,
                  device: torch.device, graphs: StepGraphs | None = None, layout: DeviceLayout | None = None,
-                 new_rows_dense: bool = False) -> None:
+                 own_rows: bool = False, keeps_pages: bool = True) -> None:
         self.model = model
-        self.new_rows_dense = new_rows_dense
+        self.own_rows, self.keeps_pages = own_rows, keeps_pages
         self.backend = backend
         self.kv = kv
         self.device = device
@@ -120,8 +125,8 @@ class ModelRunner:
             retrieval_rows = upload(rows.astype(np.int64), self.device)
         layout = {"history_start": start, "num_history_rows": hist, "num_candidate_rows": cand,
                   "kv_indptr": indptr, "kv_indices": indices}
-        self_contained = not start.any() and all(c.final for c in chunks)
-        return StepMetadata(layout, retrieval, retrieval_rows, self_contained)
+        uncached = not start.any()
+        return StepMetadata(layout, retrieval, retrieval_rows, uncached, uncached and all(c.final for c in chunks))
 
     @staticmethod
     def _timestamps(chunks: list[ScheduledChunk]) -> tuple[np.ndarray, np.ndarray]:
@@ -147,22 +152,36 @@ class ModelRunner:
         layout = meta.layout
         hist = layout["num_history_rows"]
         rows = int(np.add.reduce(hist + layout["num_candidate_rows"]))
-        dense = self.new_rows_dense and meta.self_contained
-        stageable = dense or not self.new_rows_dense  # a dense engine's graphs read densely
+        own_rows = self.own_rows and meta.uncached
+        append = self.keeps_pages or not (own_rows and meta.self_contained)
+        stageable = own_rows in self.graph_variants and append == self._graph_appends(own_rows)
         if stageable and self.graphs is not None and self.graphs.fits(rows, len(chunks), int(np.add.reduce(hist)),
                                                                       len(layout["kv_indices"])):
-            return self.graphs.stage(layout, {"item_ids": np.concatenate(items), "action_ids": np.concatenate(actions)})
+            return self.graphs.stage(layout, {"item_ids": np.concatenate(items), "action_ids": np.concatenate(actions)},
+                                     own_rows)
         times = self._timestamps(chunks) if self.model.config.time_bias_buckets else (None, None)
-        return self._eager_step(layout, items, actions, times, dense)
+        return self._eager_step(layout, items, actions, times, own_rows, append)
+
+    @property
+    def graph_variants(self) -> tuple[bool, ...]:
+        """The forwards the graphs hold, by whether they read keys from the step's own rows: both in a caching engine
+        whose backend can, the own-rows one alone in such a ``recompute`` engine, else the pages one."""
+        return (True, False) if self.own_rows and self.keeps_pages else (self.own_rows,)
+
+    def _graph_appends(self, own_rows: bool) -> bool:
+        """Whether a graph's forward (of the ``own_rows`` variant) appends: all but a ``recompute`` engine's own-rows
+        forward, whose steps are self-contained."""
+        return self.keeps_pages or not own_rows
 
     def _eager_step(self, layout: dict[str, np.ndarray], items: list[np.ndarray], actions: list[np.ndarray],
-                    times: tuple[np.ndarray | None, np.ndarray | None], dense: bool = False) -> EagerStep:
+                    times: tuple[np.ndarray | None, np.ndarray | None], own_rows: bool = False,
+                    append: bool = True) -> EagerStep:
         """Upload a step for an eager forward: ``layout`` as :attr:`StepMetadata.layout`, its rows' int item and
         action ids (``[T]`` each, in parts) and the time-bias timestamps (as :meth:`_timestamps`, or ``None``s); its
         per-row layout expanded on the device (:attr:`layout`) or built on the host."""
         if self.layout is not None:
             tokens, common = self.layout.build(layout, items, actions, times)
-            return EagerStep(tokens, common, self.backend.build_metadata(common), dense)
+            return EagerStep(tokens, common, self.backend.build_metadata(common), own_rows, append)
         item_ids, action_ids = np.concatenate(items), np.concatenate(actions)
         common = PagedBatchMetadata.from_layout(layout["history_start"], layout["num_history_rows"],
                                                 layout["num_candidate_rows"], layout["kv_indptr"],
@@ -173,7 +192,7 @@ class ModelRunner:
         positions[host["history_rows"]] = host["append_positions"]
         positions[host["candidate_rows"]] = host["kv_seq_lens"][host["candidate_batch_indices"]]
         tokens = upload_int32({"item_ids": item_ids, "action_ids": action_ids, "positions": positions}, self.device)
-        return EagerStep(tokens, common, self.backend.build_metadata(common), dense)
+        return EagerStep(tokens, common, self.backend.build_metadata(common), own_rows, append)
 
     @torch.no_grad()
     def capture_graphs(self, pages: np.ndarray, use_tqdm: bool = True) -> int:
@@ -188,7 +207,7 @@ class ModelRunner:
             use_tqdm: show a progress bar over the buckets.
 
         Returns:
-            How many distinct (bucket, launch shape) keys were replayed.
+            How many distinct (bucket, launch shape, variant) keys were replayed.
         """
         graphs, num_layers = self.graphs, len(self.model.layers)
         cuda = graphs.device.type == "cuda"
@@ -207,14 +226,15 @@ class ModelRunner:
                                                    len(step[0]["kv_indices"])):
                     continue
                 layout, tokens = step
-                staged = graphs.stage(layout, tokens)
-                key = (bucket, staged.plan_key)
-                if key in keys or not graphs.enabled:  # (after a failed capture steps run eagerly: nothing to capture)
-                    continue
-                keys.add(key)
-                for i, layer_ready in enumerate(waits):
-                    graphs.replay(staged if i == 0 else graphs.stage(layout, tokens), self._graph_segments,
-                                  self._rank_head, layer_ready)
+                for own_rows in self.graph_variants:
+                    staged = graphs.stage(layout, tokens, own_rows)
+                    key = (bucket, staged.plan_key, own_rows)
+                    if key in keys or not graphs.enabled:  # (after a failed capture steps run eagerly: none to capture)
+                        continue
+                    keys.add(key)
+                    for i, layer_ready in enumerate(waits):
+                        graphs.replay(staged if i == 0 else graphs.stage(layout, tokens, own_rows),
+                                      self._graph_segments(own_rows), self._rank_head, layer_ready)
         if cuda:
             torch.cuda.synchronize(graphs.device)
         return len(keys)
@@ -252,7 +272,8 @@ class ModelRunner:
             times = (None, None) if span is None else (np.full(rows + candidates, span, dtype=np.int64),
                                                        np.zeros(cached + rows, dtype=np.int64))
             zeros = np.zeros(rows + candidates, dtype=np.int64)
-            step = self._eager_step(layout, [zeros], [zeros], times, self.new_rows_dense and not cached)
+            own_rows = self.own_rows and not cached
+            step = self._eager_step(layout, [zeros], [zeros], times, own_rows, self._graph_appends(own_rows))
             self.forward(step, [None] * len(self.model.layers))
             count += 1
         self._eager_step(*_largest_step(self.layout.max_requests if self.layout is not None else 1,
@@ -273,27 +294,27 @@ class ModelRunner:
             ``states [T, d_model]`` and float32 ``logits [C, num_tasks]`` of the candidates, valid until the next step.
         """
         if isinstance(step, StagedStep):
-            return self.graphs.replay(step, self._graph_segments, self._rank_head, layer_ready)
-        states = run_segments(self._segments(step.tokens, step.common, step.backend, None, step.dense), layer_ready)
+            return self.graphs.replay(step, self._graph_segments(step.variant), self._rank_head, layer_ready)
+        states = run_segments(self._segments(step.tokens, step.common, step.backend, None, step.own_rows, step.append),
+                              layer_ready)
         return states, self._rank_head(states, step.common.candidate_rows)
 
     def _rank_head(self, states: torch.Tensor, candidate_rows: torch.Tensor) -> torch.Tensor:
         """Float32 ``[C, num_tasks]`` logits of the candidates at int32 ``candidate_rows [C]`` of ``states``."""
         return self.model.rank_logits(states.index_select(0, candidate_rows)).float()
 
-    def _graph_segments(self, tokens: dict[str, torch.Tensor], common: PagedBatchMetadata, backend: Any,
-                        before_attention: Callable[[], None] | None) -> list[Callable[[torch.Tensor | None],
-                                                                                        torch.Tensor]]:
-        """:meth:`_segments` of a staged step: dense in a dense engine, which stages only self-contained steps."""
-        return self._segments(tokens, common, backend, before_attention, self.new_rows_dense)
+    def _graph_segments(self, own_rows: bool) -> SegmentsFn:
+        """:meth:`_segments` of the graphs' ``own_rows`` variant (:attr:`graph_variants`)."""
+        append = self._graph_appends(own_rows)
+        return lambda tokens, common, backend, before: self._segments(tokens, common, backend, before, own_rows, append)
 
     def _segments(self, tokens: dict[str, torch.Tensor], common: PagedBatchMetadata, backend: Any,
-                  before_attention: Callable[[], None] | None,
-                  dense: bool = False) -> list[Callable[[torch.Tensor | None], torch.Tensor]]:
+                  before_attention: Callable[[], None] | None, own_rows: bool = False,
+                  append: bool = True) -> list[Callable[[torch.Tensor | None], torch.Tensor]]:
         """The forward as one callable per layer (see :data:`~.step_graphs.SegmentsFn`): the first embeds the
-        tokens, each appends its layer's new K/V and attends (after ``before_attention()``, if given; ``dense``: no
-        append, the keys read from the step's rows, :meth:`~attention_backends.NewRowsReadable.attend_new_rows`), the
-        last applies the final norm."""
+        tokens, each appends its layer's new K/V (if ``append``) and attends (after ``before_attention()``, if given;
+        ``own_rows``: the keys read from the step's rows, :meth:`~attention_backends.NewRowsReadable.attend_new_rows`),
+        the last applies the final norm."""
         model, last = self.model, len(self.model.layers) - 1
 
         def segment(index: int) -> Callable[[torch.Tensor | None], torch.Tensor]:
@@ -301,11 +322,11 @@ class ModelRunner:
 
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        time_bias: torch.Tensor | None) -> torch.Tensor:
-                if not dense:  # a dense step's pages are never read
+                if append:
                     self.backend.append_kv(layer_cache, k, v, backend)  # appends the rows at common.history_rows
                 if before_attention is not None:
                     before_attention()
-                if dense:
+                if own_rows:
                     return self.backend.attend_new_rows(q, k, v, backend, time_bias=time_bias)
                 return self.backend.attend(q, k, v, layer_cache, backend, time_bias=time_bias)
 

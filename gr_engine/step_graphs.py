@@ -92,6 +92,7 @@ class StagedStep:
         plan_key: the backend's launch-shape key for :meth:`GraphReplayable.graph_plan`.
         plan_writer: writes the plan inside the replay (nothing was uploaded for it), or ``None``.
         stream: the CUDA stream current when staged (plan copy queued there), where it is replayed (``None`` on CPU).
+        variant: which of the caller's forwards it replays (part of the graph key; the caller's segments build it).
     """
 
     host: dict[str, np.ndarray]
@@ -100,6 +101,7 @@ class StagedStep:
     plan_key: Hashable
     plan_writer: PlanWriter | None
     stream: torch.cuda.Stream | None
+    variant: Hashable = None
 
     @property
     def rows(self) -> int:
@@ -149,7 +151,7 @@ class StepGraphs:
         self._plan_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._plan_written, self._plan_pending = self._event(), False
         self._views: dict[tuple[int, str, int], torch.Tensor] = {}
-        self._graphs: dict[tuple[int, Hashable], _Graph] = {}
+        self._graphs: dict[tuple[int, Hashable, bool, Hashable], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self._cuda else None
         self.num_replays = 0  # steps served from graphs (on CPU: from the padded eager forward)
         self.enabled = True  # False after a capture failed: steps then run eagerly
@@ -169,7 +171,8 @@ class StepGraphs:
         return (self.enabled and num_history_rows > 0 and num_rows <= self.max_rows
                 and num_requests <= self.max_requests and num_pages <= self.max_pages)
 
-    def stage(self, layout: dict[str, np.ndarray], tokens: dict[str, np.ndarray]) -> StagedStep:
+    def stage(self, layout: dict[str, np.ndarray], tokens: dict[str, np.ndarray],
+              variant: Hashable = None) -> StagedStep:
         """Write a step that :meth:`fits` in compact form (:func:`.step_expand.write_compact`) into the pinned buffer
         (and upload the backend's plan if made on the host); waits only while the last staged step's expansion (the
         kernel before its replay) reads it.
@@ -179,6 +182,7 @@ class StepGraphs:
                 ``kv_indptr`` (``[B + 1]``) and ``kv_indices`` (``[P]``): the arguments of
                 :meth:`~attention_backends.PagedBatchMetadata.from_layout`.
             tokens: int ``item_ids`` and ``action_ids`` ``[T]`` (each request's new history rows, then candidates).
+            variant: the forward it is replayed with (:attr:`StagedStep.variant`).
         """
         start, hist, cand = layout["history_start"], layout["num_history_rows"], layout["num_candidate_rows"]
         indptr, pages = layout["kv_indptr"], layout["kv_indices"]
@@ -208,7 +212,7 @@ class StepGraphs:
                 plan_copied.record(stream)
         lengths = {"requests1": len(indptr), "requests": len(hist), "history": history, "candidates": rows - history,
                    "rows": rows, "pages": len(pages)}
-        return StagedStep(host, lengths, bucket, plan_key, writer, stream)
+        return StagedStep(host, lengths, bucket, plan_key, writer, stream, variant)
 
     def step_inputs(self, step: StagedStep) -> tuple[dict[str, torch.Tensor], PagedBatchMetadata]:
         """A staged step's tokens (:data:`TOKEN_FIELDS`) and metadata at real length over the expanded static buffer."""
@@ -230,7 +234,7 @@ class StepGraphs:
             self.num_replays += 1
             return self._run_eagerly(step, segments, head, layer_ready)
         whole = all(ready is None for ready in layer_ready)  # nothing to wait for: one graph
-        key = (step.bucket, step.plan_key, whole)
+        key = (step.bucket, step.plan_key, whole, step.variant)
         if key not in self._graphs:
             try:
                 self._graphs[key] = self._capture(step, segments, head, whole)

@@ -342,9 +342,9 @@ def test_recompute_dense_read_scores_exactly_as_the_paged_read_on_cuda(dtype, gr
                                      cuda_graph_max_rows=graph_rows)
     requests = stream(config, num_users=20, visits=4, seed=8)
     paged = GREngine(config)
-    paged.runner.new_rows_dense = False
+    paged.runner.own_rows = False
     expected = scores(paged.rank(requests, use_tqdm=False))
     engine = GREngine(config)
-    assert engine.runner.new_rows_dense
+    assert engine.runner.own_rows
     got = scores(engine.rank(requests, use_tqdm=False))
     assert all(np.array_equal(a, b) for a, b in zip(got, expected))

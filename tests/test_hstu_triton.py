@@ -392,25 +392,27 @@ def test_engine_with_time_bias_equals_recompute():
 
 @needs_triton
 @cpu_only
-def test_recompute_engine_reads_unchunked_steps_densely_with_the_same_scores(monkeypatch):
-    """A ``recompute`` engine on ``hstu_triton`` attends through ``attend_new_rows``, appending nothing, in every step
-    where no request has keys before its new rows and each finishes, and through the pages in the others (one
-    request a step, histories over 100 events in chunks): every score equals the same engine's with the dense read
-    off."""
+@pytest.mark.parametrize("mode", ["recompute", "gpu_only"])
+def test_engines_read_uncached_steps_from_their_own_rows_with_the_same_scores(monkeypatch, mode):
+    """An engine on ``hstu_triton`` attends through ``attend_new_rows`` in every step where no request has keys
+    before its new rows (first visits, a history's first chunk) and through the pages in the others (one request a
+    step, histories over 100 events in chunks, returning users): every score equals the same engine's with the
+    own-rows read off. A ``recompute`` engine appends nothing in a step that also finishes every request; a caching
+    one appends in every step."""
     import msgspec
 
     from gr_engine import GREngine
     from tests.conftest import tiny_config
     from tests.test_engine_differential import max_diff, stream
 
-    config = msgspec.structs.replace(tiny_config(mode="recompute", page_size=16, head_dim=16, max_history_len=128,
+    config = msgspec.structs.replace(tiny_config(mode=mode, page_size=16, head_dim=16, max_history_len=128,
                                                  max_num_seqs=1, max_num_batched_tokens=200),
                                      attention_backend="hstu_triton")
     requests = stream(config, num_users=4, visits=3, seed=4)
     paged = GREngine(config)
-    paged.runner.new_rows_dense = False
+    paged.runner.own_rows = False
     expected = paged.rank(requests, use_tqdm=False)
-    reads = {"dense": 0, "paged": 0, "append": 0}
+    reads = {"own_rows": 0, "pages": 0, "append": 0}
     backend = HSTUTritonBackend
     attend, attend_new_rows, append = backend.attend, backend.attend_new_rows, backend.append_kv
 
@@ -420,16 +422,17 @@ def test_recompute_engine_reads_unchunked_steps_densely_with_the_same_scores(mon
             return read(*args, **kwargs)
         return counted
 
-    monkeypatch.setattr(HSTUTritonBackend, "attend", count("paged", attend))
-    monkeypatch.setattr(HSTUTritonBackend, "attend_new_rows", count("dense", attend_new_rows))
+    monkeypatch.setattr(HSTUTritonBackend, "attend", count("pages", attend))
+    monkeypatch.setattr(HSTUTritonBackend, "attend_new_rows", count("own_rows", attend_new_rows))
     monkeypatch.setattr(HSTUTritonBackend, "append_kv", count("append", append))
     engine = GREngine(config)
-    assert engine.runner.new_rows_dense
+    assert engine.runner.own_rows
     assert max_diff(engine.rank(requests, use_tqdm=False), expected) == 0.0
-    assert reads["dense"] > 0 and reads["paged"] > 0, reads  # whole requests densely, chunked ones from the pages
-    assert reads["append"] == reads["paged"]  # dense steps append nothing
-    caching = GREngine(msgspec.structs.replace(config, cache=msgspec.structs.replace(config.cache, mode="gpu_only")))
-    assert not caching.runner.new_rows_dense
+    assert reads["own_rows"] > 0 and reads["pages"] > 0, reads
+    if mode == "recompute":
+        assert reads["pages"] <= reads["append"] < reads["own_rows"] + reads["pages"], reads
+    else:
+        assert reads["append"] == reads["own_rows"] + reads["pages"], reads
 
 
 @needs_triton

@@ -329,11 +329,11 @@ def test_graph_plan_keys_do_not_depend_on_the_steps_planned_before():
 
 
 def _record_replayed_keys(graphs: StepGraphs) -> set:
-    """Wrap ``graphs.replay`` to collect each replayed step's (bucket, launch shape)."""
+    """Wrap ``graphs.replay`` to collect each replayed step's (bucket, launch shape, forward variant)."""
     keys, replay = set(), graphs.replay
 
     def recording(step, *args):
-        keys.add((step.bucket, step.plan_key))
+        keys.add((step.bucket, step.plan_key, step.variant))
         return replay(step, *args)
 
     graphs.replay = recording
@@ -374,14 +374,14 @@ def test_warmup_covers_one_request_in_a_bucket_between_powers_of_two():
     graphs = engine.runner.graphs
     assert graphs.buckets[-3:] == [4096, 4352, 4608]
     warmed = set()
-    graphs.replay = lambda step, *args: warmed.add((step.bucket, step.plan_key))  # staging only, no forward
+    graphs.replay = lambda step, *args: warmed.add((step.bucket, step.plan_key, step.variant))  # staging only
     pages = np.arange(320, dtype=np.int32)
     assert engine.runner.capture_graphs(pages, use_tqdm=False) == len(warmed)
-    assert {bucket for bucket, _ in warmed} == set(graphs.buckets)
+    assert {bucket for bucket, _, _ in warmed} == set(graphs.buckets)
     for rows in (4100, 4400, 4608):  # one visit of that many uncached rows, as the scheduler would stage it
         layout, tokens = _synthetic_step(rows, rows, pages, config.cache.page_size)
-        staged = graphs.stage(layout, tokens)
-        assert (staged.bucket, staged.plan_key) in warmed
+        staged = graphs.stage(layout, tokens, engine.runner.own_rows)  # an uncached, self-contained step
+        assert (staged.bucket, staged.plan_key, staged.variant) in warmed
 
 
 @pytest.mark.gpu

@@ -19,12 +19,14 @@
 #   dense    dense_ab.py (hstu_triton's paged read against attend_new_rows on the steps with no cached keys) and
 #            dense_attention_probe.py (a prefill's attention over the dense projection, pointer loads and TMA, against
 #            the paged kernel; about 3-4 minutes together)
+#   firstvisits  cold_visits.py: the bench's cold first visits alone, recompute and gpu_only alternating, two rounds
+#            (about 3-5 minutes: each round builds and warms up both engines)
 # Parts that write folders (cold, bench) pack them into one .tgz each: a command returns only a few files.
 # Usage (device tool, with .whl carried):
-#   bash benchmarks/gpu_checks.sh <commit> [tests|warmup|kernels|cold|ab|bench|kernelbench|dense ...]
+#   bash benchmarks/gpu_checks.sh <commit> [tests|warmup|kernels|cold|ab|bench|kernelbench|dense|firstvisits ...]
 #   (default: tests; one part a command)
 set -uo pipefail
-commit=${1:?usage: gpu_checks.sh <commit> [tests|warmup|kernels|cold|ab|bench|kernelbench|dense ...]}
+commit=${1:?usage: gpu_checks.sh <commit> [tests|warmup|kernels|cold|ab|bench|kernelbench|dense|firstvisits ...]}
 shift
 out=${OUT:?set OUT to the results folder}
 source .whl/activate.sh
@@ -94,6 +96,10 @@ for part in "$@"; do
         echo "kernel_bench exit $?"
         python -c "import json, sys; d = json.load(open(sys.argv[1])); print({k: d[k] for k in d if 'prefill' in k})" \
           "$out/kernels.json" ;;
+      firstvisits)
+        timeout 400 python benchmarks/cold_visits.py --out "$out/cold_visits.json" --commit "$commit" \
+          > "$out/cold_visits.log" 2>&1
+        echo "cold_visits exit $?"; tail -5 "$out/cold_visits.log" ;;
       *) echo "unknown part $part"; exit 2 ;;
     esac
 done

@@ -1,17 +1,20 @@
 """hstu_triton's paged read against its dense read of a step's own K/V rows (``attend`` after the append against
 ``attend_new_rows``), on the GPU, on the steps with no cached keys: 8k and 16k prefill, the cold 8,192-event visit
-(100 candidates) and recompute's batch of 8.
+(100 candidates) and recompute's batch of 8. A third read, ``dense_n64``, is the dense read on 64-key tiles instead of
+the plan's 128 (the plan's key parts are multiples of 128, so of 64): a probe of the launch shape that
+``dense_attention_probe.py`` timed fastest, not what the engine runs.
 
     python benchmarks/dense_ab.py --out dense_ab.json [--rounds 3] [--commit REV]
 
 Each round times both reads of every step in the engine's own launch shape, replayed from a CUDA graph
 (``do_bench_cudagraph``, device time; the append is not timed), and records the largest absolute difference of the
-outputs (the same sums in the same order: 0 expected).
+outputs (the same sums in the same order: 0 expected; ``dense_n64`` sums in other groups: a rounding apart).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 
@@ -35,24 +38,30 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     backend = HSTUTritonBackend(SPEC)
-    tflops: dict[str, dict[str, list[float]]] = {"paged": {}, "dense": {}}
-    diffs: dict[str, float] = {}
+    tflops: dict[str, dict[str, list[float]]] = {"paged": {}, "dense": {}, "dense_n64": {}}
+    diffs: dict[str, dict[str, float]] = {"dense": {}, "dense_n64": {}}
     for _ in range(args.rounds):
         for name, shape in CASES.items():
             q, k, v, cache, common = make_step(*shape, device)
             meta = backend.build_metadata(common)
             backend.append_kv(cache, k, v, meta)  # the pages hold the step's K/V: both reads see the same keys
+            narrow = dataclasses.replace(meta, config=dataclasses.replace(meta.config, block_n=64))
             reads = {"paged": functools.partial(backend.attend, q, k, v, cache, meta),
-                     "dense": functools.partial(backend.attend_new_rows, q, k, v, meta)}
+                     "dense": functools.partial(backend.attend_new_rows, q, k, v, meta),
+                     "dense_n64": functools.partial(backend.attend_new_rows, q, k, v, narrow)}
             outputs = {label: read().float() for label, read in reads.items()}
-            diffs[name] = max(diffs.get(name, 0.0), (outputs["dense"] - outputs["paged"]).abs().max().item())
+            for label in diffs:
+                diff = (outputs[label] - outputs["paged"]).abs().max().item()
+                diffs[label][name] = max(diffs[label].get(name, 0.0), diff)
             for label, read in reads.items():
                 seconds = triton.testing.do_bench_cudagraph(read, rep=100, return_mode="median") / 1e3
                 tflops[label].setdefault(name, []).append(step_tflop(*shape) / seconds)
     medians = {label: {name: float(np.median(t)) for name, t in by_step.items()} for label, by_step in tflops.items()}
     for name in CASES:
-        print(f"{name:16s} paged {medians['paged'][name]:6.1f}  dense {medians['dense'][name]:6.1f} TFLOP/s "
-              f"({medians['dense'][name] / medians['paged'][name]:.3f}x; max |diff| {diffs[name]:.3g})")
+        paged = medians["paged"][name]
+        print(f"{name:16s} paged {paged:6.1f} TFLOP/s; " + "; ".join(
+            f"{label} {medians[label][name]:6.1f} ({medians[label][name] / paged:.3f}x, max |diff| "
+            f"{diffs[label][name]:.3g})" for label in diffs))
     with open(args.out, "w") as f:
         json.dump({"commit": args.commit, "device": torch.cuda.get_device_name(), "rounds": args.rounds,
                    "median_tflops": medians, "all_tflops": tflops, "max_abs_diff": diffs}, f, indent=1)

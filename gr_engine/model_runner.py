@@ -26,7 +26,7 @@ from scheduler import ScheduledChunk
 
 from .models import GRModel
 from .request import GenerateParams
-from .step_graphs import SegmentsFn, StagedStep, StepGraphs, run_segments
+from .step_graphs import SegmentsFn, StagedStep, StepGraphs, run_segments, synthetic_step
 from .step_results import PinnedBuffers, ScoreFetch, to_host
 from .validation import RequestArrays
 
@@ -221,7 +221,7 @@ class ModelRunner:
             # longest requests of 1, 2, 4, ... rows below the bucket, and one of the whole bucket (the only shape
             # of a bucket between powers of two that one request a step can take)
             for longest in [1 << shift for shift in range((bucket - 1).bit_length())] + [bucket]:
-                step = _synthetic_step(bucket, longest, pages, graphs.page_size)
+                step = synthetic_step(bucket, longest, pages, graphs.page_size)
                 if step is None or not graphs.fits(bucket, len(step[0]["num_history_rows"]), bucket,
                                                    len(step[0]["kv_indices"])):
                     continue
@@ -394,21 +394,3 @@ def _largest_step(num_requests: int, history: int, candidates: int,
               "kv_indices": np.zeros(num_requests * pages, dtype=np.int32)}
     zeros = np.zeros(num_requests * (history + candidates), dtype=np.int64)
     return layout, [zeros], [zeros]
-
-
-def _synthetic_step(rows: int, longest: int, pages: np.ndarray,
-                    page_size: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None:
-    """A step of ``rows`` history rows in requests of at most ``longest`` rows each (the first ones exactly
-    ``longest``), nothing cached, written into the first of ``pages`` (int32); ``None`` when ``pages`` are too few.
-    Returns the layout and the token arrays :meth:`StepGraphs.stage` takes (tokens all zero: any valid ids)."""
-    count = -(-rows // longest)
-    hist = np.full(count, longest, dtype=np.int64)
-    hist[-1] = rows - longest * (count - 1)
-    per_request = -(-hist // page_size)
-    if per_request.sum() > len(pages):
-        return None
-    indptr = np.concatenate([[0], np.cumsum(per_request)])
-    zeros = np.zeros(count, dtype=np.int64)
-    layout = {"history_start": zeros, "num_history_rows": hist, "num_candidate_rows": zeros, "kv_indptr": indptr,
-              "kv_indices": pages[: indptr[-1]]}
-    return layout, {name: np.zeros(rows, dtype=np.int64) for name in ("item_ids", "action_ids")}

@@ -374,3 +374,21 @@ class StepGraphs:
                     logits = head(x, common.candidate_rows)
             graphs.append(graph)
         return _Graph(graphs, x, logits)
+
+
+def synthetic_step(rows: int, longest: int, pages: np.ndarray,
+                   page_size: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None:
+    """A step of ``rows`` history rows in requests of at most ``longest`` rows each (the first ones exactly
+    ``longest``), nothing cached, written into the first of ``pages`` (int32); ``None`` when ``pages`` are too few.
+    Returns the layout and the token arrays :meth:`StepGraphs.stage` takes (tokens all zero: any valid ids)."""
+    count = -(-rows // longest)
+    hist = np.full(count, longest, dtype=np.int64)
+    hist[-1] = rows - longest * (count - 1)
+    per_request = -(-hist // page_size)
+    if per_request.sum() > len(pages):
+        return None
+    indptr = np.concatenate([[0], np.cumsum(per_request)])
+    zeros = np.zeros(count, dtype=np.int64)
+    layout = {"history_start": zeros, "num_history_rows": hist, "num_candidate_rows": zeros, "kv_indptr": indptr,
+              "kv_indices": pages[: indptr[-1]]}
+    return layout, {name: np.zeros(rows, dtype=np.int64) for name in ("item_ids", "action_ids")}

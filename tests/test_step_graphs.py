@@ -19,8 +19,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from gr_engine import GREngine
-from gr_engine.model_runner import _synthetic_step
-from gr_engine.step_graphs import StepGraphs, bucket_rows
+from gr_engine.step_graphs import StepGraphs, bucket_rows, synthetic_step
 from tests.conftest import requires_cuda, tiny_config, with_cache
 from tests.test_engine_differential import max_diff, stream
 
@@ -379,7 +378,7 @@ def test_warmup_covers_one_request_in_a_bucket_between_powers_of_two():
     assert engine.runner.capture_graphs(pages, use_tqdm=False) == len(warmed)
     assert {bucket for bucket, _, _ in warmed} == set(graphs.buckets)
     for rows in (4100, 4400, 4608):  # one visit of that many uncached rows, as the scheduler would stage it
-        layout, tokens = _synthetic_step(rows, rows, pages, config.cache.page_size)
+        layout, tokens = synthetic_step(rows, rows, pages, config.cache.page_size)
         staged = graphs.stage(layout, tokens, engine.runner.own_rows)  # an uncached, self-contained step
         assert (staged.bucket, staged.plan_key, staged.variant) in warmed
 

@@ -348,3 +348,28 @@ def test_recompute_dense_read_scores_exactly_as_the_paged_read_on_cuda(dtype, gr
     assert engine.runner.own_rows
     got = scores(engine.rank(requests, use_tqdm=False))
     assert all(np.array_equal(a, b) for a, b in zip(got, expected))
+
+
+@pytest.mark.parametrize("graph_rows", [0, 4096])
+@pytest.mark.parametrize("mode", ["gpu_only", "hierarchical"])
+def test_caching_engines_own_rows_read_scores_exactly_as_the_paged_read_on_cuda(mode, graph_rows):
+    """A caching engine on ``hstu_triton`` reads its uncached steps' keys (first visits, users evicted from both
+    tiers) from the step's rows and still appends them; its graphs hold both forwards. A small pool forces
+    evictions (and, in ``hierarchical``, host onloads), so later visits read the pages the own-rows steps wrote.
+    Against the same engine with the own-rows read off: the same sums in the same order, equal scores."""
+    config = tiny_config(mode=mode, num_gpu_pages=60, page_size=16, max_num_seqs=8, max_num_batched_tokens=1024,
+                         host_chunks=400, d_model=64, num_heads=2, head_dim=32, dtype="bfloat16")
+    config = msgspec.structs.replace(config, device="cuda", attention_backend="hstu_triton",
+                                     cuda_graph_max_rows=graph_rows)
+    requests = stream(config, num_users=20, visits=6, seed=12)
+    results = []
+    for own_rows in (False, True):
+        engine = GREngine(config)
+        assert engine.runner.own_rows
+        engine.runner.own_rows = own_rows
+        if engine.kv.host is not None:
+            engine.kv.host.store.wait_until_allocated()
+        results.append(closed_loop_scores(engine, requests))
+        assert engine.kv.stats.evicted_users > 0
+        engine.kv.check_invariants()
+    assert all(np.array_equal(a, b) for a, b in zip(*results))

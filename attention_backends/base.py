@@ -313,8 +313,8 @@ class AttentionBackend(abc.ABC):
 
 class NewRowsReadable(abc.ABC):
     """What an :class:`AttentionBackend` also implements to read, in a step where no request has keys before its new
-    rows (recompute; a first visit), every key from the step's own K/V rows instead of the pages. The engine still
-    appends those rows (a later chunk of the same request reads them from the pages)."""
+    rows (recompute; a first visit), every key from the step's own K/V rows instead of the pages. The engine appends
+    those rows wherever a later step reads them (every step of a caching engine, a chunk of a longer history)."""
 
     @abc.abstractmethod
     def reads_new_rows(self) -> bool:

@@ -15,7 +15,7 @@ utilisation against the bf16 GEMM peak measured in the same process. Writes ``DI
 ``DIR/kernel_profile.md``.
 
 With ``--cold-history N`` it profiles cold first visits instead, as ``gr-engine bench``'s ``cold_*_ms``
-(``experiments._cold_first_visits``): a recompute engine of BS=1, warmed up, over users of ``N``-event histories
+(``experiments.cold_first_visits``): a recompute engine of BS=1, warmed up, over users of ``N``-event histories
 (``fixed_length_trace``); two visits unmeasured, ``--batches`` visits timed unprofiled, then ``--batches`` visits
 profiled, each ``engine.rank([request])`` alone.
 ``--set KEY=VALUE`` overrides that engine's config (``gr_engine.config.load_config``, as ``gr-engine --set``).

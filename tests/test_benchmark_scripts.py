@@ -34,6 +34,17 @@ def test_script_imports(script):
     assert callable(load(script).main)
 
 
+def test_cold_visits_runs_the_benchs_first_visits_per_mode(tmp_path):
+    """cold_visits.py, quick (CPU, tiny model): each mode's first visits, each round, and their median."""
+    out = tmp_path / "cold.json"
+    load("cold_visits.py").main(["--out", str(out), "--quick", "--rounds", "2"])
+    result = json.loads(out.read_text())
+    assert set(result["median_ms"]) == {"recompute", "gpu_only"}
+    for mode, runs in result["runs"].items():
+        assert len(runs) == 2 and all(run["mode"] == mode and run["visits"] > 0 for run in runs)
+        assert result["median_ms"][mode] > 0
+
+
 def test_tile_sweep_imports_and_counts_causal_flops_once(monkeypatch):
     if importlib.util.find_spec("triton") is None:
         pytest.skip("needs triton")

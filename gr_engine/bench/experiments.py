@@ -59,9 +59,9 @@ def run_benchmark(settings: BenchSettings, echo: Callable[[str], None] = print,
         result["modes"][mode] = entry
         checkpoint(result)
     if "recompute" in settings.modes:
-        result["cold_first_visit"] = _cold_first_visits(settings, model, "recompute")
+        result["cold_first_visit"] = cold_first_visits(settings, model, "recompute")
         # The same first visits where the history is also hashed and its KV kept, as in any caching mode.
-        result["cold_first_visit_caching"] = _cold_first_visits(settings, model, "gpu_only")
+        result["cold_first_visit_caching"] = cold_first_visits(settings, model, "gpu_only")
         checkpoint(result)
     if settings.tables_only:
         result["peak_pinned_h2d_GBps"] = peak_h2d_GBps(settings.device)
@@ -124,7 +124,7 @@ def _length_scan(settings: BenchSettings, model: GRModel) -> dict:
     return out
 
 
-def _cold_first_visits(settings: BenchSettings, model: GRModel, mode: str) -> dict:
+def cold_first_visits(settings: BenchSettings, model: GRModel, mode: str) -> dict:
     """End-to-end latency of a cold first visit: users with ``cold_history``-event histories (and the trace's
     candidates), each visit ranked alone (BS=1) by a warmed-up engine in cache ``mode`` with none of them cached
     (every history token is computed), from ``rank``'s call to its scores on the host; two visits unmeasured, then

@@ -182,7 +182,7 @@ def test_forward_graph_waits_for_slow_onloads(monkeypatch, prefetch):
     engine = GREngine(config)
     got = serve(engine)
     step_graphs = engine.runner.graphs
-    assert step_graphs.enabled and any(not whole for _, _, whole in step_graphs._graphs)  # per-layer graphs replayed
+    assert step_graphs.enabled and any(not whole for _, _, whole, _ in step_graphs._graphs)  # per-layer graphs replayed
     assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
 
 

@@ -30,6 +30,7 @@ from .hstu_triton_plan import (
     SPLIT_OVERHEAD_KEYS,
     TileConfig,
     default_tile_config,
+    own_rows_block_n,
     padded_capacities,
     padded_plan,
     plan_tile_map,
@@ -206,7 +207,7 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable, NewRowsReadable):
                         time_bias: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`attend` of a step in which no request has keys before its new rows (``kv_seq_lens`` equal to
         ``num_history_rows``: recompute, a first visit): every key is one of the step's own rows, read from ``k``
-        and ``v`` (TMA loads of ``[block_n, D]`` blocks) instead of the pages, which need not hold them. ``k``,
+        and ``v`` (TMA loads of ``[own_rows_block_n, D]`` blocks) instead of the pages, which need not hold them. ``k``,
         ``v``: ``[T, H, D]`` with unit stride in the last two dims flattened (heads ``D`` apart), rows 16-byte
         aligned; the same output as :meth:`attend` after :meth:`append_kv`. A request with keys before its new
         rows gives wrong results: the caller's contract, not checked (it would take a device read)."""
@@ -226,7 +227,8 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable, NewRowsReadable):
             return out
         q, k, v, kv_cache = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, kv_cache))
         config, block_m = m.config, m.config.block_m
-        descriptors = (_row_blocks(k, config.block_n), _row_blocks(v, config.block_n)) if dense else (k, v)
+        block_n = own_rows_block_n(config) if dense else config.block_n
+        descriptors = (_row_blocks(k, block_n), _row_blocks(v, block_n)) if dense else (k, v)
         # Partials of split tiles, one [block_m, D] slab per (work item, head); unused without splits.
         shape = (num_items, num_heads, block_m, head_dim) if m.may_split else (1,)
         partial = torch.empty(shape, dtype=torch.float32, device=q.device)
@@ -244,7 +246,7 @@ class HSTUTritonBackend(AttentionBackend, GraphReplayable, NewRowsReadable):
             num_tiles, num_items, num_heads, num_work, -(-num_work // num_programs),
             self.spec.alpha, 1.0 / self.spec.scaling_seqlen,
             HEAD_DIM=head_dim, PAGE_SIZE=self.spec.page_size if dense else kv_cache.shape[2], BLOCK_M=block_m,
-            BLOCK_N=config.block_n,
+            BLOCK_N=block_n,
             FAST_SILU=q.dtype != torch.float32 and q.is_cuda and not INTERPRETED,  # inline PTX: CUDA only
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TIME_BIAS=time_bias is not None, DENSE=dense,
             num_warps=config.num_warps, num_stages=config.num_stages,

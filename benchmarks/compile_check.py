@@ -27,7 +27,7 @@ import json
 import re
 import subprocess
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from attention_backends.hstu_triton_plan import (
     SPLIT_OVERHEAD_KEYS,
     TileConfig,
     default_tile_config,
+    own_rows_block_n,
     padded_capacities,
 )
 from gr_engine.models import fused_linear, fused_ops
@@ -100,7 +101,8 @@ def attention_builds() -> list[Build]:
     biased = default_tile_config(AttentionSpec(**{**SPEC.__dict__, "time_bias_buckets": 32}))
     return [
         build("attention", default),
-        build("attention, new rows read densely (attend_new_rows)", default, DENSE=True),
+        build("attention, new rows read densely (attend_new_rows)",
+              replace(default, block_n=own_rows_block_n(default)), DENSE=True),
         build("attention time bias", biased, TIME_BIAS=True),
         build("attention decode tiles", default_tile_config(SPEC, max_query_len=20)),
         build("attention 64 x 64, 4 warps, 3 stages (tile_sweep.py's two an SM)", TileConfig(64, 64, 4, 3, 2)),

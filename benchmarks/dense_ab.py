@@ -1,20 +1,17 @@
 """hstu_triton's paged read against its dense read of a step's own K/V rows (``attend`` after the append against
 ``attend_new_rows``), on the GPU, on the steps with no cached keys: 8k and 16k prefill, the cold 8,192-event visit
-(100 candidates) and recompute's batch of 8. A third read, ``dense_n64``, is the dense read on 64-key tiles instead of
-the plan's 128 (the plan's key parts are multiples of 128, so of 64): a probe of the launch shape that
-``dense_attention_probe.py`` timed fastest, not what the engine runs.
+(100 candidates) and recompute's batch of 8.
 
     python benchmarks/dense_ab.py --out dense_ab.json [--rounds 3] [--commit REV]
 
-Each round times both reads of every step in the engine's own launch shape, replayed from a CUDA graph
+Each round times both reads of every step in the engine's own launch shapes, replayed from a CUDA graph
 (``do_bench_cudagraph``, device time; the append is not timed), and records the largest absolute difference of the
-outputs (the same sums in the same order: 0 expected; ``dense_n64`` sums in other groups: a rounding apart).
+outputs (0 expected: the tensor cores sum each key tile in 16-key steps, so 64- and 128-key tiles add alike).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 
@@ -38,17 +35,15 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     backend = HSTUTritonBackend(SPEC)
-    tflops: dict[str, dict[str, list[float]]] = {"paged": {}, "dense": {}, "dense_n64": {}}
-    diffs: dict[str, dict[str, float]] = {"dense": {}, "dense_n64": {}}
+    tflops: dict[str, dict[str, list[float]]] = {"paged": {}, "dense": {}}
+    diffs: dict[str, dict[str, float]] = {"dense": {}}
     for _ in range(args.rounds):
         for name, shape in CASES.items():
             q, k, v, cache, common = make_step(*shape, device)
             meta = backend.build_metadata(common)
             backend.append_kv(cache, k, v, meta)  # the pages hold the step's K/V: both reads see the same keys
-            narrow = dataclasses.replace(meta, config=dataclasses.replace(meta.config, block_n=64))
             reads = {"paged": functools.partial(backend.attend, q, k, v, cache, meta),
-                     "dense": functools.partial(backend.attend_new_rows, q, k, v, meta),
-                     "dense_n64": functools.partial(backend.attend_new_rows, q, k, v, narrow)}
+                     "dense": functools.partial(backend.attend_new_rows, q, k, v, meta)}
             outputs = {label: read().float() for label, read in reads.items()}
             for label in diffs:
                 diff = (outputs[label] - outputs["paged"]).abs().max().item()

@@ -232,12 +232,13 @@ def test_float16_on_interpreter():
 @cpu_only
 @pytest.mark.parametrize(("dtype", "tiles", "num_sms"), [(torch.float32, TileConfig(16, 16, 4, 1), 1),
                                                           (torch.float32, TileConfig(16, 32, 4, 1), 64),
-                                                          (torch.float16, TileConfig(32, 16, 4, 1), 200)])
+                                                          (torch.float16, TileConfig(32, 16, 4, 1), 200),
+                                                          (torch.float16, TileConfig(128, 128, 8, 3), 64)])
 def test_new_rows_read_densely_equal_the_paged_read(dtype, tiles, num_sms):
     """``attend_new_rows`` (K/V of every key read from the step's rows by TMA) against ``attend`` after the append,
     on steps where no request has cached keys: several requests, candidates, split tiles (``num_sms`` 64 and 200),
     a relative time bias, and rows past the step's (a graph step's padding) holding NaN, which masked tiles read and
-    must not use."""
+    must not use. The 128 x 128 prefill tiles' dense read steps over 64 keys at a time (``own_rows_block_n``)."""
     gen = torch.Generator().manual_seed(num_sms)
     layout = [(0, 70, 5), (0, 1, 0), (0, 0, 3), (0, 33, 2), (0, 40, 0)]
     for times in (None, random_times(layout, gen)):  # without and with a relative time bias

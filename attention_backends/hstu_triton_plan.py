@@ -53,16 +53,16 @@ def default_tile_config(spec: AttentionSpec, max_query_len: int | None = None) -
     return TileConfig(block_m, max(config.block_n, spec.page_size), num_warps, num_stages, programs)
 
 
-
 def own_rows_block_n(tiles: TileConfig) -> int:
-    """Keys per step of the own-rows read (``attend_new_rows``, TMA blocks of ``[block_n, D]``) under the paged read's
-    ``tiles``: 64 for the 16-bit prefill tiles (128 x 128, 8 warps, 3 stages), 2.5-3.5% faster there on the H100 at
-    8k and 16k prefill, recompute's batch of 8 and the cold 8,192-event visit with the same outputs (benchmarks/
-    dense_ab.py's ``dense_n64``); else ``tiles.block_n``. The plan's key ranges stay multiples of ``tiles.block_n``,
-    hence of 64."""
+    """Keys per step of the own-rows read (``attend_new_rows``, TMA blocks of ``[keys, D]``) under the paged read's
+    ``tiles``: 64 for the 16-bit prefill tiles (128 x 128, 8 warps, 3 stages), where on an H100 it was 0-3% faster
+    than 128 at 8k and 16k prefill, recompute's batch of 8 and the cold 8,192-event visit, never slower, with the same
+    outputs, and compiled without spills (benchmarks/results/README.md, "64-key own-rows tiles"); else
+    ``tiles.block_n``. The plan's key ranges stay multiples of ``tiles.block_n``, hence of 64."""
     if (tiles.block_m, tiles.block_n, tiles.num_warps, tiles.num_stages) == (128, 128, 8, 3):
         return 64
     return tiles.block_n
+
 
 def plan_tile_map(query_start_loc: np.ndarray, num_history_rows: np.ndarray, kv_seq_lens: np.ndarray,
                   tiles: TileConfig, num_heads: int, num_sms: int, overhead_keys: int = SPLIT_OVERHEAD_KEYS,
